@@ -1,0 +1,482 @@
+"""Blocks, the free queue, the prefix index and the block pool (vLLM v1's ``block_pool.py``).
+
+Invariants (tests check every one after every step):
+
+1. Block 0 is the *null block*: a placeholder for skipped positions (outside a window). It is
+   never in the free queue, never hashed, and its ``ref_cnt`` is not maintained.
+2. A non-null block is in the free queue iff its ``ref_cnt`` is 0.
+3. A free block may still be cached ("evictable"): freeing never touches the prefix index; an
+   entry is dropped only when its block is reused (lazy eviction), evicted explicitly, or the
+   cache is reset.
+4. A block's hash is set at most once between resets, and a hashed block is in the index under
+   exactly that key.
+5. Free-queue order is eviction order: the head is reused first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from cache.hashing import (
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    resolve_block_hashes,
+)
+
+if TYPE_CHECKING:
+    from cache.request import Request
+
+
+class KVCacheBlock:
+    """Metadata of one physical block id (the memory itself lives on the device)."""
+
+    __slots__ = (
+        "_block_hash",
+        "block_id",
+        "is_null",
+        "next_free_block",
+        "prev_free_block",
+        "ref_cnt",
+    )
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self._block_hash: bytes | None = None
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+        self.is_null = False
+
+    @property
+    def block_hash(self) -> bytes | None:
+        """The index key (hash + group id) while the block is cached, else None."""
+        return self._block_hash
+
+    def set_block_hash(self, key: bytes) -> None:
+        if self._block_hash is not None:
+            raise RuntimeError(f"block {self.block_id} already has a hash; hashes are set once")
+        self._block_hash = key
+
+    def reset_hash(self) -> None:
+        self._block_hash = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, hashed={self._block_hash is not None})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks threaded through the blocks themselves.
+
+    Two sentinels bracket the list so every real node has both neighbours; all operations are
+    O(1) per block and allocate nothing. ``remove`` unlinks from the middle, which is what a
+    prefix hit on a free (cached) block needs.
+    """
+
+    __slots__ = ("fake_free_list_head", "fake_free_list_tail", "num_free_blocks")
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        head = KVCacheBlock(-1)
+        tail = KVCacheBlock(-1)
+        self.fake_free_list_head = head
+        self.fake_free_list_tail = tail
+        prev = head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = tail
+        tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        """Removes and returns the head block."""
+        block = self.fake_free_list_head.next_free_block
+        if block is self.fake_free_list_tail or block is None:
+            raise ValueError("no free blocks available")
+        nxt = block.next_free_block
+        self.fake_free_list_head.next_free_block = nxt
+        nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Removes and returns the first ``n`` blocks, relinking the head once."""
+        if n == 0:
+            return []
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot pop {n} blocks from a queue of {self.num_free_blocks}")
+        out: list[KVCacheBlock] = []
+        append = out.append
+        block = self.fake_free_list_head.next_free_block
+        for _ in range(n):
+            append(block)  # type: ignore[arg-type]
+            nxt = block.next_free_block  # type: ignore[union-attr]
+            block.prev_free_block = block.next_free_block = None  # type: ignore[union-attr]
+            block = nxt
+        self.fake_free_list_head.next_free_block = block
+        block.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlinks ``block`` from wherever it is in the queue."""
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise RuntimeError(f"remove() of {block!r}, which is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Puts ``block`` at the tail (reused last)."""
+        self.append_n((block,))
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Puts ``blocks`` at the tail in the given order, relinking the tail once."""
+        if not blocks:
+            return
+        tail = self.fake_free_list_tail
+        prev = tail.prev_free_block
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block  # type: ignore[union-attr]
+            prev = block
+        prev.next_free_block = tail  # type: ignore[union-attr]
+        tail.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Puts ``blocks`` at the head in the given order (the first is reused first)."""
+        if not blocks:
+            return
+        head = self.fake_free_list_head
+        first = head.next_free_block
+        prev = head
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """All free blocks, head to tail (for tests and debugging; O(n))."""
+        out = []
+        block = self.fake_free_list_head.next_free_block
+        while block is not self.fake_free_list_tail:
+            out.append(block)
+            block = block.next_free_block  # type: ignore[union-attr]
+        return out
+
+
+class BlockHashToBlockMap:
+    """Prefix index: key (hash + group id) -> one block, or ``{block_id: block}`` on duplicates.
+
+    Duplicates exist because block tables are append-only: a request that recomputed a prefix
+    (it skipped the cache read) keeps its own blocks, with the same hashes. The dict is created
+    only when a second block arrives under one key, which keeps the common case cheap.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+        """A block cached under ``key`` (the first inserted one on duplicates), or None."""
+        blocks = self._cache.get(key)
+        if blocks is None or isinstance(blocks, KVCacheBlock):
+            return blocks
+        return next(iter(blocks.values()))
+
+    def contain(self, key: bytes, block_id: int) -> bool:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return False
+        if isinstance(blocks, KVCacheBlock):
+            return blocks.block_id == block_id
+        return block_id in blocks
+
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            self._cache[key] = block
+        elif isinstance(blocks, KVCacheBlock):
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        """Removes block ``block_id`` under ``key``; returns it, or None if it was not there."""
+        blocks = self._cache.pop(key, None)
+        if blocks is None:
+            return None
+        if isinstance(blocks, KVCacheBlock):
+            if blocks.block_id == block_id:
+                return blocks
+            self._cache[key] = blocks
+            return None
+        block = blocks.pop(block_id, None)
+        if blocks:
+            self._cache[key] = blocks
+        return block
+
+    def items(self) -> Iterable[tuple[bytes, list[KVCacheBlock]]]:
+        """(key, blocks) pairs, for tests."""
+        for key, blocks in self._cache.items():
+            yield key, [blocks] if isinstance(blocks, KVCacheBlock) else list(blocks.values())
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+class BlockPool:
+    """All blocks of the KV cache: one block-id space shared by every KV-cache group.
+
+    Args:
+        num_gpu_blocks: number of blocks including the null block (usable: one fewer).
+        enable_caching: keep a prefix index.
+        hash_block_size: granularity of the requests' block hashes.
+        enable_kv_cache_events: record `BlockStored` / `BlockRemoved` / `AllBlocksCleared`.
+        unhashed_blocks_to_front: vLLM 0.32's free ordering (default): blocks freed without a
+            hash (they can never produce a hit), and every block when caching is off, go to the
+            *front* of the free queue; hashed blocks go to the tail (LRU). False gives vLLM's
+            earlier behaviour (everything to the tail), which the reference scenarios assume.
+        group_metadata: per group ``(spec kind, sliding window)`` for `BlockStored` events.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        unhashed_blocks_to_front: bool = True,
+        group_metadata: Sequence[tuple[str, int | None]] = (),
+    ) -> None:
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1:
+            raise ValueError(
+                f"num_gpu_blocks must be an int >= 1 (block 0 is the null block), got {num_gpu_blocks!r}"
+            )
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.unhashed_blocks_to_front = unhashed_blocks_to_front
+        self.group_metadata = tuple(group_metadata)
+        self.kv_event_queue: list[KVCacheEvent] = []
+
+    # -- lookup -------------------------------------------------------------------------------
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per group for ``block_hash``, or None if any group misses."""
+        get = self.cached_block_hash_to_block.get_one_block
+        out = []
+        for group_id in kv_cache_group_ids:
+            block = get(block_hash + group_id.to_bytes(4, "big"))
+            if block is None:
+                return None
+            out.append(block)
+        return out
+
+    # -- caching ------------------------------------------------------------------------------
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        """Hashes and indexes ``blocks[num_cached_blocks:num_full_blocks]``.
+
+        Null blocks, blocks that already carry a hash (prefix hits) and blocks masked out by
+        ``block_mask`` (aligned with that slice) are skipped. Emits one `BlockStored`.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        if len(block_hashes) < num_full_blocks:
+            raise RuntimeError(
+                f"request {request.request_id!r} has {len(block_hashes)} hashed blocks of "
+                f"{block_size} tokens but {num_full_blocks} full blocks are being cached"
+            )
+        index = self.cached_block_hash_to_block
+        suffix = kv_cache_group_id.to_bytes(4, "big")
+        events = self.enable_kv_cache_events
+        new_hashes: list[bytes] = []
+        new_ids: list[int] = []
+        extra_keys: list = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[i]
+            if blk.is_null or blk._block_hash is not None:
+                continue
+            if block_mask is not None and not block_mask[i - num_cached_blocks]:
+                continue
+            block_hash = block_hashes[i]
+            key = block_hash + suffix
+            blk._block_hash = key
+            index.insert(key, blk)
+            if events:
+                new_hashes.append(block_hash)
+                new_ids.append(blk.block_id)
+                extra_keys.append(
+                    generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size)
+                    if request.needs_extra_keys
+                    else None
+                )
+        if events:
+            kind, window = (
+                self.group_metadata[kv_cache_group_id]
+                if kv_cache_group_id < len(self.group_metadata)
+                else ("", None)
+            )
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=new_hashes,
+                    parent_block_hash=block_hashes[num_cached_blocks - 1]
+                    if num_cached_blocks
+                    else None,
+                    token_ids=request.all_token_ids[
+                        num_cached_blocks * block_size : num_full_blocks * block_size
+                    ],
+                    block_size=block_size,
+                    lora_name=request.lora_name,
+                    extra_keys=extra_keys,
+                    group_idx=kv_cache_group_id,
+                    block_ids=new_ids,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
+                )
+            )
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drops ``block``'s index entry (if any) and clears its hash; emits `BlockRemoved`."""
+        key = block._block_hash
+        if key is None:
+            return False
+        block._block_hash = None
+        if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
+            return False
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[get_block_hash(key)],
+                    group_idx=get_group_id(key),
+                    block_ids=[block.block_id],
+                )
+            )
+        return True
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Takes ``num_blocks`` blocks from the head of the free queue (evicting cached ones)."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} free blocks from the pool ({self.free_block_queue.num_free_blocks} free)"
+            )
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        if self.enable_caching:
+            evict = self._maybe_evict_cached_block
+            for block in ret:
+                if block._block_hash is not None:
+                    evict(block)
+                block.ref_cnt = 1
+        else:
+            for block in ret:
+                block.ref_cnt = 1
+        return ret
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Adds a reference to each hit block, taking free ones out of the free queue."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference from each block; blocks reaching 0 return to the free queue.
+
+        ``ordered_blocks`` is in eviction order (first = evicted first); callers pass a
+        request's blocks tail first. See ``unhashed_blocks_to_front`` for where they go.
+        """
+        to_front: list[KVCacheBlock] = []
+        to_back: list[KVCacheBlock] = []
+        front = self.unhashed_blocks_to_front
+        caching = self.enable_caching
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if front and (block._block_hash is None or not caching):
+                    to_front.append(block)
+                else:
+                    to_back.append(block)
+            elif block.ref_cnt < 0:
+                raise RuntimeError(f"{block!r} freed more often than it was referenced")
+        self.free_block_queue.prepend_n(to_front)
+        self.free_block_queue.append_n(to_back)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drops the index entries of the given blocks without freeing them."""
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_gpu_blocks:
+                raise ValueError(f"block id {block_id} out of range [0, {self.num_gpu_blocks})")
+            self._maybe_evict_cached_block(self.blocks[block_id])
+
+    def reset_prefix_cache(self) -> bool:
+        """Clears the prefix index if no block is in use; returns whether it did."""
+        if self.num_gpu_blocks - self.free_block_queue.num_free_blocks != 1:
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        for block in self.blocks:
+            block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable (non-null) blocks in use."""
+        usable = self.num_gpu_blocks - 1
+        if not usable:
+            return 0.0
+        return 1.0 - self.free_block_queue.num_free_blocks / usable
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Returns and clears the pending events (always empty when events are off)."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+
+__all__ = [
+    "BlockHashToBlockMap",
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "make_block_hash_with_group_id",
+]

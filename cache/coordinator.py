@@ -1,0 +1,381 @@
+"""Coordinators: fan every allocator operation out to the groups' managers, and find the
+longest prefix-cache hit common to all groups (vLLM's ``kv_cache_coordinator.py``).
+
+* `KVCacheCoordinatorNoPrefixCache`: caching off; any number of groups; hits are always 0.
+* `UnitaryKVCacheCoordinator`: one group; its manager's own lookup.
+* `HybridKVCacheCoordinator`: several groups; an iterative fixed point over the groups' lookups
+  yields the longest length that every group can serve and that is a multiple of the scheduler
+  block size (the lcm of the groups' block sizes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from cache import spec as specs
+from cache.block_pool import BlockPool, KVCacheBlock
+from cache.managers import (
+    CrossAttentionManager,
+    SingleTypeKVCacheManager,
+    allocator_spec,
+    get_manager_for_kv_cache_spec,
+)
+
+if TYPE_CHECKING:
+    from cache.request import Request
+
+
+def replay_boundaries(
+    num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool
+) -> tuple[int, ...]:
+    """Token positions a later request repeating this prompt can resume at.
+
+    A resend of the same prompt is capped at ``num_prompt_tokens - 1`` (its last token is
+    recomputed for logits). With EAGLE the groups match one block past a boundary and drop it,
+    so the boundaries are one block lower, for a resend and for a longer sibling alike.
+    """
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    block = scheduler_block_size
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
+
+
+def validate_retention_interval(
+    retention_interval: int | None,
+    scheduler_block_size: int,
+    groups: Sequence[specs.KVCacheGroupSpec],
+) -> None:
+    """``prefix_cache_retention_interval``: None (dense), 0, or a multiple of the scheduler block."""
+    if retention_interval is None:
+        return
+    if not isinstance(retention_interval, int) or retention_interval < 0:
+        raise ValueError(
+            f"prefix_cache_retention_interval must be None or an int >= 0, got {retention_interval!r}"
+        )
+    has_window = any(
+        isinstance(allocator_spec(g.kv_cache_spec), specs.SlidingWindowSpec) for g in groups
+    )
+    if not has_window:
+        if retention_interval:
+            raise ValueError(
+                f"prefix_cache_retention_interval={retention_interval} has no effect: no "
+                "sliding-window KV-cache group; set it to 0"
+            )
+        return
+    if retention_interval % scheduler_block_size:
+        raise ValueError(
+            f"prefix_cache_retention_interval ({retention_interval}) must be a multiple of the "
+            f"scheduler block size ({scheduler_block_size})"
+        )
+
+
+class KVCacheCoordinator:
+    """Owns the block pool and one manager per group; fans operations out to them."""
+
+    def __init__(
+        self,
+        kv_cache_config: specs.KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        prefix_cache_retention_interval: int | None,
+        unhashed_blocks_to_front: bool,
+        group_metadata: Sequence[tuple[str, int | None]],
+        eagle_drop_once: bool = True,
+    ) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.eagle_drop_once = eagle_drop_once
+        groups = kv_cache_config.kv_cache_groups
+        for g in groups:
+            if scheduler_block_size % g.kv_cache_spec.block_size:
+                raise ValueError(
+                    f"scheduler block size {scheduler_block_size} is not a multiple of a group's "
+                    f"block size {g.kv_cache_spec.block_size}"
+                )
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            unhashed_blocks_to_front=unhashed_blocks_to_front,
+            group_metadata=group_metadata,
+        )
+        self.eagle_group_ids = {
+            i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)
+        }
+        if use_eagle and not self.eagle_group_ids:
+            self.eagle_group_ids = set(range(len(groups)))
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(
+                g.kv_cache_spec,
+                self.block_pool,
+                enable_caching,
+                i,
+                scheduler_block_size,
+                max_model_len,
+                max_num_batched_tokens,
+            )
+            for i, g in enumerate(groups)
+        )
+        validate_retention_interval(prefix_cache_retention_interval, scheduler_block_size, groups)
+        self.retention_interval = prefix_cache_retention_interval
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        total_computed_tokens: int,
+        num_encoder_tokens: int = 0,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        total = 0
+        for i, manager in enumerate(self.single_type_managers):
+            if isinstance(manager, CrossAttentionManager):
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_encoder_tokens, (), 0, apply_admission_cap
+                )
+            else:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    apply_admission_cap,
+                )
+        return total
+
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_local_computed_tokens: int,
+    ) -> None:
+        """Touches every group's hits (all groups first, then nothing else can evict them)."""
+        managers = self.single_type_managers
+        if any(request_id in m.num_cached_block for m in managers):
+            if any(new_computed_blocks):
+                raise ValueError(
+                    f"request {request_id!r} is running; it cannot take new prefix hits"
+                )
+            return
+        for manager, blocks in zip(managers, new_computed_blocks):
+            manager.add_local_computed_blocks(request_id, blocks, num_local_computed_tokens)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            m.allocate_new_blocks(
+                request_id,
+                num_encoder_tokens if isinstance(m, CrossAttentionManager) else num_tokens,
+            )
+            for m in self.single_type_managers
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        boundaries = replay_boundaries(
+            request.num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids)
+        )
+        for manager in self.single_type_managers:
+            if manager.enable_caching:
+                manager.cache_blocks(
+                    request, num_computed_tokens, self.retention_interval, boundaries
+                )
+
+    def free(self, request_id: str) -> None:
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int
+    ) -> None:
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
+
+    def has_request(self, request_id: str) -> bool:
+        return any(request_id in m.req_to_blocks for m in self.single_type_managers)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        raise NotImplementedError
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: any number of groups (even none), never a hit."""
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        return tuple([] for _ in self.single_type_managers), 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """Exactly one group; hashes are at its block size."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        manager = self.single_type_managers[0]
+        if self.hash_block_size != manager.block_size:
+            raise ValueError(
+                f"one KV-cache group of block size {manager.block_size} needs hash_block_size "
+                f"equal to it, got {self.hash_block_size}"
+            )
+        manager.use_eagle = 0 in self.eagle_group_ids
+        self._spec = manager.kv_cache_spec
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        manager = self.single_type_managers[0]
+        if not manager.supports_prefix_caching or not self._spec.prefix_cacheable:
+            return ([],), 0
+        return manager.find_longest_cache_hit(
+            block_hashes,
+            max_cache_hit_length,
+            (0,),
+            self.block_pool,
+            self._spec,
+            manager.use_eagle,
+            manager.block_size,
+        )
+
+
+class SpecGroup(NamedTuple):
+    """Groups sharing one spec: looked up together (a hit must exist in every member)."""
+
+    spec: specs.KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups; the common hit is found by an iterative fixed point.
+
+    Each pass asks every attention group for its longest hit not exceeding the current
+    candidate; any group may lower it, and then all are asked again. Full attention is asked
+    once (its hits are prefix-closed) and merely truncated afterwards.
+
+    EAGLE groups (``eagle_drop_once``, vLLM 0.32) match up to one block past the candidate and
+    drop their last matched block at most once per candidate length (vLLM's fix of issue
+    #32802). With ``eagle_drop_once=False`` every lookup drops a block, as vLLM did before;
+    with several window groups that can spiral down to a shorter hit than necessary.
+    Groups that are not prefix-cacheable (rings, bounded-replay windows) take no part.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        groups = self.kv_cache_config.kv_cache_groups
+        cacheable = [
+            i
+            for i, m in enumerate(self.single_type_managers)
+            if m.supports_prefix_caching and m.kv_cache_spec.prefix_cacheable
+        ]
+        for i in cacheable:
+            block_size = self.single_type_managers[i].block_size
+            if block_size % self.hash_block_size:
+                raise ValueError(
+                    f"group {i}'s block size {block_size} is not a multiple of the hash block "
+                    f"size {self.hash_block_size}"
+                )
+        self.attention_groups: list[SpecGroup] = []
+        for i in cacheable:
+            manager = self.single_type_managers[i]
+            use_eagle = i in self.eagle_group_ids
+            for k, group in enumerate(self.attention_groups):
+                if group.spec == manager.kv_cache_spec and group.manager_cls is type(manager):
+                    group.group_ids.append(i)
+                    if use_eagle and not group.use_eagle:
+                        self.attention_groups[k] = group._replace(use_eagle=True)
+                    break
+            else:
+                self.attention_groups.append(
+                    SpecGroup(manager.kv_cache_spec, [i], type(manager), use_eagle)
+                )
+        if not self.attention_groups:
+            raise ValueError(
+                f"prefix caching needs at least one prefix-cacheable KV-cache group; groups: "
+                f"{[type(g.kv_cache_spec).__name__ for g in groups]}"
+            )
+        # Full attention first: its cheap left-to-right scan gives a tight first bound.
+        self.attention_groups.sort(key=lambda g: not isinstance(g.spec, specs.FullAttentionSpec))
+        for group in self.attention_groups:
+            if group.use_eagle:
+                for gid in group.group_ids:
+                    self.single_type_managers[gid].use_eagle = True
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        num_groups = len(self.single_type_managers)
+        hit_blocks: list[list[KVCacheBlock] | None] = [None] * num_groups
+        hit_lengths = [0] * num_groups
+        groups = self.attention_groups
+        is_simple_hybrid = len(groups) == 2 and isinstance(groups[0].spec, specs.FullAttentionSpec)
+        alignment = self.scheduler_block_size
+        hash_tokens = len(block_hashes) * self.hash_block_size
+        eagle_verified: set[int] = set()
+        hit_length = max_cache_hit_length
+        while True:
+            cur = hit_length
+            for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(groups):
+                first = group_ids[0]
+                if isinstance(spec, specs.FullAttentionSpec) and hit_blocks[first] is not None:
+                    cur = min(cur, hit_lengths[first])
+                    continue
+                if not self.eagle_drop_once:
+                    drop, max_length = use_eagle, cur
+                else:
+                    drop = use_eagle and idx not in eagle_verified
+                    max_length = min(cur + spec.block_size, hash_tokens) if drop else cur
+                blocks, new_length = manager_cls.find_longest_cache_hit(
+                    block_hashes, max_length, group_ids, self.block_pool, spec, drop, alignment
+                )
+                if drop:
+                    eagle_verified.add(idx)
+                elif new_length < cur:
+                    eagle_verified.clear()
+                cur = new_length
+                for gid, b in zip(group_ids, blocks):
+                    hit_blocks[gid] = b
+                    hit_lengths[gid] = new_length
+            if cur >= hit_length:
+                break
+            hit_length = cur
+            if is_simple_hybrid:
+                break
+        for group in groups:
+            if isinstance(group.spec, specs.FullAttentionSpec):
+                keep = -(-hit_length // group.spec.block_size)
+                for gid in group.group_ids:
+                    if hit_blocks[gid] is not None:
+                        del hit_blocks[gid][keep:]
+        return tuple(b if b is not None else [] for b in hit_blocks), hit_length
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: specs.KVCacheConfig, *, enable_caching: bool, **kwargs
+) -> KVCacheCoordinator:
+    """The coordinator vLLM would pick for this config."""
+    if not enable_caching:
+        cls: type[KVCacheCoordinator] = KVCacheCoordinatorNoPrefixCache
+    elif len(kv_cache_config.kv_cache_groups) == 1:
+        cls = UnitaryKVCacheCoordinator
+    else:
+        cls = HybridKVCacheCoordinator
+    return cls(kv_cache_config, enable_caching=enable_caching, **kwargs)

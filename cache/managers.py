@@ -1,0 +1,590 @@
+"""One manager per KV-cache group, by attention kind (vLLM's ``single_type_kv_cache_manager``).
+
+A manager keeps, per request, the list of blocks of its group: entry ``i`` holds tokens
+``[i*B, (i+1)*B)``; positions no longer needed (outside a window) hold the null block. Lists
+are append-only: an id, once given to a request, never moves. Managers share one `BlockPool`.
+
+Which manager serves which spec is decided by exact type (`SPEC_MANAGER_MAP`), as in vLLM:
+a new spec subclass must be registered explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from cache import spec as specs
+from cache.block_pool import BlockPool, KVCacheBlock
+from cache.hashing import resolve_block_hashes
+
+if TYPE_CHECKING:
+    from cache.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeKVCacheManager:
+    """Blocks of one KV-cache group for every request.
+
+    Args:
+        kv_cache_spec: the group's spec (its ``block_size`` and kind).
+        block_pool: the pool shared by all groups.
+        enable_caching: prefix caching on.
+        kv_cache_group_id: this group's index.
+        scheduler_block_size: lcm of all groups' block sizes; hits align to it.
+        max_admission_blocks_per_request: recycling-aware cap on one request's reservation
+            (window kinds only), used by the full-sequence admission check.
+    """
+
+    supports_prefix_caching: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        kv_cache_spec: specs.KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size: int = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.enable_caching = enable_caching
+        self.kv_cache_group_id = kv_cache_group_id
+        self.scheduler_block_size = scheduler_block_size
+        self.cache_hit_alignment_tokens = scheduler_block_size
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks already registered in the prefix index. A key here also marks the
+        # request as allocated before (running), which selects the allocation fast path.
+        self.num_cached_block: dict[str, int] = {}
+        self._null_block = block_pool.null_block
+        self.use_eagle = False
+
+    # -- capacity -----------------------------------------------------------------------------
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Free blocks this group needs to give the request ``num_tokens`` slots.
+
+        Hit blocks that are currently free (evictable) count too: touching them takes them out
+        of the free queue. Hits that fall outside the window are not touched, so not counted.
+        """
+        num_required = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            num_required = min(num_required, self.max_admission_blocks_per_request)
+        req_blocks = self.req_to_blocks.get(request_id)
+        num_req_blocks = len(req_blocks) if req_blocks else 0
+        if request_id in self.num_cached_block:
+            # Running request: no new hits. After rejected drafts it may hold more blocks
+            # than it needs now; they are reused, so the difference can be negative.
+            return max(num_required - num_req_blocks, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_local_blocks = len(new_computed_blocks) + num_req_blocks
+        num_new = max(num_required - max(num_skipped_blocks, num_local_blocks), 0)
+        first_kept = max(0, num_skipped_blocks - num_req_blocks)
+        num_evictable = 0
+        for block in new_computed_blocks[first_kept:]:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_evictable += 1
+        return num_new + num_evictable
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+    ) -> None:
+        """Gives a new request its prefix hits: nulls for skipped positions, then the hits."""
+        if self.req_to_blocks.get(request_id):
+            raise RuntimeError(
+                f"request {request_id!r} already holds blocks in group {self.kv_cache_group_id}"
+            )
+        num_skipped_blocks = (
+            self.get_num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        )
+        kept = (
+            new_computed_blocks[num_skipped_blocks:] if num_skipped_blocks else new_computed_blocks
+        )
+        if self.enable_caching:
+            self.block_pool.touch(kept)
+        elif any(not b.is_null for b in kept):
+            raise RuntimeError("prefix hits given while prefix caching is disabled")
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        req_blocks.extend([self._null_block] * num_skipped_blocks)
+        req_blocks.extend(kept)
+        self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Extends the request's list to ``cdiv(num_tokens, B)`` entries with fresh blocks."""
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    # -- prefix caching -----------------------------------------------------------------------
+
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """Registers the request's newly full blocks (up to ``num_tokens``) in the prefix index."""
+        if not self.supports_prefix_caching or not self.kv_cache_spec.prefix_cacheable:
+            return
+        request_id = request.request_id
+        num_cached = self.num_cached_block.get(request_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_cached >= num_full:
+            return
+        mask = self.reachable_block_mask(
+            num_cached, num_full, retention_interval, replay_boundaries
+        )
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks[request_id],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
+            mask,
+        )
+        self.num_cached_block[request_id] = num_full
+
+    def reachable_block_mask(
+        self,
+        start_block: int,
+        end_block: int,
+        retention_interval: int | None,
+        replay_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """Which of blocks ``[start_block, end_block)`` to index; None = all (dense kinds)."""
+        return None
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: specs.KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Longest hit of at most ``max_length`` tokens common to all ``kv_cache_group_ids``.
+
+        Returns one block list per group (nulls at skipped positions) and the hit length.
+        """
+        raise NotImplementedError
+
+    # -- release ------------------------------------------------------------------------------
+
+    def free(self, request_id: str) -> None:
+        """Releases the request's blocks, tail first (tail blocks are evicted first)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens no future query attends to (0 for full attention)."""
+        return 0
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Frees blocks wholly outside the attention window, replacing them by the null block.
+
+        Walks from the last skipped block backwards and stops at the first null: earlier ones
+        were nulled by an earlier call, so the cost is amortised O(newly skipped blocks).
+        """
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        self._remove_blocks_in_range(
+            blocks, 0, min(num_skipped_tokens // self.block_size, len(blocks))
+        )
+
+    def _remove_blocks_in_range(self, blocks: list[KVCacheBlock], first: int, last: int) -> None:
+        null = self._null_block
+        freed: list[KVCacheBlock] = []
+        for i in range(min(last, len(blocks)) - 1, first - 1, -1):
+            block = blocks[i]
+            if block is null:
+                break
+            freed.append(block)
+            blocks[i] = null
+        if freed:
+            self.block_pool.free_blocks(freed)
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full attention (and MLA): every block kept; hits are prefix-closed, scanned left to right."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: specs.KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        block_size = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        num_blocks = min(max_length // block_size, len(hashes))
+        if len(kv_cache_group_ids) == 1:
+            # Common case, written out: one dict lookup per block.
+            get = block_pool.cached_block_hash_to_block.get_one_block
+            suffix = kv_cache_group_ids[0].to_bytes(4, "big")
+            out = computed[0]
+            for i in range(num_blocks):
+                block = get(hashes[i] + suffix)
+                if block is None:
+                    break
+                out.append(block)
+        else:
+            for i in range(num_blocks):
+                cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+                if cached is None:
+                    break
+                for out, block in zip(computed, cached):
+                    out.append(block)
+        hit_length = len(computed[0]) * block_size
+        if drop_eagle_block and hit_length > 0:
+            hit_length -= min(alignment_tokens, block_size)
+        hit_length -= hit_length % alignment_tokens
+        keep = cdiv(hit_length, block_size)
+        for out in computed:
+            del out[keep:]
+        return computed, hit_length
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """Full attention with attention sinks; ``sink_len`` must be a whole number of blocks."""
+
+    def __init__(self, kv_cache_spec: specs.KVCacheSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        sink_len = getattr(kv_cache_spec, "sink_len", None)
+        if not sink_len or sink_len % self.block_size:
+            raise ValueError(
+                f"sink_len must be a positive multiple of the block size {self.block_size}, got {sink_len}"
+            )
+
+
+class RSWAManager(FullAttentionManager):
+    """Reference sliding-window attention: keeps the prompt and the recent window.
+
+    Blocks strictly between the end of the prompt and the start of the decode window are freed
+    (replaced by nulls), bounding memory at prompt + window.
+    """
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        if num_prompt_tokens is None:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        first_gap = cdiv(num_prompt_tokens, self.block_size)
+        window_start = max(num_prompt_tokens, num_computed_tokens - self.kv_cache_spec.rswa_window)
+        self._remove_blocks_in_range(blocks, first_gap, window_start // self.block_size)
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention: blocks before the window are freed; hits scanned right to left."""
+
+    def __init__(self, kv_cache_spec: specs.KVCacheSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        self.sliding_window: int = kv_cache_spec.sliding_window
+        self.extra_retained_tokens: int = getattr(kv_cache_spec, "extra_retained_tokens", 0)
+
+    @staticmethod
+    def _contiguous_blocks_for_hit(window: int, block_size: int, use_eagle: bool) -> int:
+        # The query token itself is in the window, so window - 1 earlier tokens are needed;
+        # with EAGLE one more block is matched and then dropped.
+        return cdiv(window - 1, block_size) + (1 if use_eagle else 0)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: specs.KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        block_size = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        need = cls._contiguous_blocks_for_hit(
+            kv_cache_spec.sliding_window, block_size, drop_eagle_block
+        )
+        max_num_blocks = min(max_length // block_size, len(hashes))
+        null = block_pool.null_block
+        computed: tuple[list[KVCacheBlock], ...] = tuple(
+            [null] * max_num_blocks for _ in kv_cache_group_ids
+        )
+        aligned_sizes = block_size == alignment_tokens
+        run = 0
+        found = False
+        get_cached = block_pool.get_cached_block
+        for i in range(max_num_blocks - 1, -1, -1):
+            cached = get_cached(hashes[i], kv_cache_group_ids)
+            if cached is None:
+                run = 0
+                continue
+            if run == 0 and not aligned_sizes:
+                # A run must end on an aligned boundary (after the EAGLE drop, if any).
+                end = i if drop_eagle_block else i + 1
+                if (end * block_size) % alignment_tokens:
+                    continue
+            for out, block in zip(computed, cached):
+                out[i] = block
+            run += 1
+            if run >= need:
+                for out in computed:
+                    del out[i + run :]
+                found = True
+                break
+        if not found:
+            # A run touching position 0 is a hit even if shorter than the window: the window
+            # reaches back before the sequence start.
+            for out in computed:
+                del out[run:]
+            cls._pop_to_alignment(computed, block_size, alignment_tokens)
+        if drop_eagle_block and computed[0]:
+            for out in computed:
+                out.pop()
+            cls._pop_to_alignment(computed, block_size, alignment_tokens)
+        return computed, len(computed[0]) * block_size
+
+    @staticmethod
+    def _pop_to_alignment(
+        computed: tuple[list[KVCacheBlock], ...], block_size: int, alignment: int
+    ) -> None:
+        while block_size != alignment and (len(computed[0]) * block_size) % alignment:
+            for out in computed:
+                out.pop()
+
+    def reachable_block_mask(
+        self,
+        start_block: int,
+        end_block: int,
+        retention_interval: int | None,
+        replay_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """Index only blocks that can end an aligned hit (vLLM's sparse window retention).
+
+        A hit needs ``need`` contiguous blocks ending on an aligned boundary, so only the last
+        ``need`` blocks of each aligned segment can ever serve one. ``retention_interval``:
+        None = every aligned boundary (dense); 0 = only the replay boundaries (a resend of the
+        prompt, vLLM 0.32's default); N > 0 = one boundary per N-token segment plus the replay
+        boundaries.
+        """
+        alignment = self.cache_hit_alignment_tokens
+        block_size = self.block_size
+        if alignment % block_size:
+            return None
+        need = self._contiguous_blocks_for_hit(self.sliding_window, block_size, self.use_eagle)
+        shift = 1 if self.use_eagle else 0
+        mask = [False] * (end_block - start_block)
+        segment = alignment if retention_interval is None else (retention_interval or None)
+        if segment is not None:
+            per_segment = segment // block_size
+            if need >= per_segment:
+                return None
+            lo = per_segment - need
+            for i in range(max(start_block, shift), end_block):
+                if (i - shift) % per_segment >= lo:
+                    mask[i - start_block] = True
+        if retention_interval is not None:
+            for boundary in replay_boundaries:
+                end = boundary // alignment * alignment // block_size + shift
+                for j in range(max(start_block, end - need), min(end_block, end)):
+                    mask[j - start_block] = True
+        return mask
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens)
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Chunked local attention: tokens attend within their chunk; earlier chunks are freed."""
+
+    def __init__(self, kv_cache_spec: specs.KVCacheSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        self.attention_chunk_size: int = kv_cache_spec.attention_chunk_size
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: specs.KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        block_size = kv_cache_spec.block_size
+        if drop_eagle_block:
+            raise ValueError("EAGLE is not supported with chunked local attention")
+        if block_size != alignment_tokens:
+            raise ValueError(
+                "chunked local attention needs every group to share its block size "
+                f"({block_size}), got hit alignment {alignment_tokens}"
+            )
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        chunk = kv_cache_spec.attention_chunk_size
+        first_block = (max_length // chunk * chunk if max_length > 0 else 0) // block_size
+        computed: tuple[list[KVCacheBlock], ...] = tuple(
+            [block_pool.null_block] * first_block for _ in kv_cache_group_ids
+        )
+        for i in range(first_block, min(max_length // block_size, len(hashes))):
+            cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if cached is None:
+                break
+            for out, block in zip(computed, cached):
+                out.append(block)
+        return computed, len(computed[0]) * block_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Encoder-decoder cross attention: one static allocation per request, never cached."""
+
+    supports_prefix_caching = False
+
+    @classmethod
+    def find_longest_cache_hit(cls, *args, **kwargs):
+        raise NotImplementedError("cross-attention KV is per request and never prefix-cached")
+
+
+class CircularBufferManager(SingleTypeKVCacheManager):
+    """A ring (V4.1's compressor state): one block per request for its whole life, never cached."""
+
+    supports_prefix_caching = False
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+    ) -> None:
+        return
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        if req_blocks:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(1)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: specs.KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+
+SPEC_MANAGER_MAP: dict[type, type[SingleTypeKVCacheManager]] = {
+    specs.FullAttentionSpec: FullAttentionManager,
+    specs.MLAAttentionSpec: FullAttentionManager,
+    specs.HiddenStateCacheSpec: FullAttentionManager,
+    specs.SinkFullAttentionSpec: SinkFullAttentionManager,
+    specs.RSWASpec: RSWAManager,
+    specs.SlidingWindowSpec: SlidingWindowManager,
+    specs.SlidingWindowMLASpec: SlidingWindowManager,
+    specs.ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    specs.CrossAttentionSpec: CrossAttentionManager,
+    specs.CircularBufferSpec: CircularBufferManager,
+}
+
+
+def allocator_spec(kv_cache_spec: specs.KVCacheSpec) -> specs.KVCacheSpec:
+    """The spec the allocator acts on: a uniform-type group acts as its first member."""
+    if isinstance(kv_cache_spec, specs.UniformTypeKVCacheSpecs):
+        return next(iter(kv_cache_spec.kv_cache_specs.values()))
+    return kv_cache_spec
+
+
+def manager_class_for(kv_cache_spec: specs.KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager class registered for the spec's exact type."""
+    spec = allocator_spec(kv_cache_spec)
+    try:
+        return SPEC_MANAGER_MAP[type(spec)]
+    except KeyError:
+        raise ValueError(
+            f"no KV-cache manager is registered for {type(spec).__name__}; registered: "
+            f"{sorted(t.__name__ for t in SPEC_MANAGER_MAP)}"
+        ) from None
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: specs.KVCacheSpec,
+    block_pool: BlockPool,
+    enable_caching: bool,
+    kv_cache_group_id: int,
+    scheduler_block_size: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+) -> SingleTypeKVCacheManager:
+    """Builds the manager of one group, with the admission cap for recycling kinds."""
+    spec = allocator_spec(kv_cache_spec)
+    cap = None
+    if isinstance(spec, (specs.SlidingWindowSpec, specs.ChunkedLocalAttentionSpec)):
+        cap = spec.max_admission_blocks_per_request(max_model_len, max_num_batched_tokens)
+    return manager_class_for(spec)(
+        spec,
+        block_pool,
+        enable_caching,
+        kv_cache_group_id,
+        scheduler_block_size,
+        max_admission_blocks_per_request=cap,
+    )

@@ -1,0 +1,112 @@
+"""`Request`: the allocator's view of one request (tokens, progress, chained block hashes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from cache.hashing import BlockHash, HashFn, get_request_block_hasher, sha256
+
+
+class Request:
+    """One request as the KV-cache manager sees it, mirroring vLLM's ``Request``.
+
+    Block hashes are computed incrementally: every full block of the prompt when the request is
+    created, and each newly completed block when output tokens are appended. They live on the
+    request, so a preempted request reuses them when it resumes.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt.
+        hash_block_size: build the default SHA-256 block hasher with this granularity (tokens);
+            it must equal the manager's ``hash_block_size``. Ignored if ``block_hasher`` is given.
+        block_hasher: a function from `cache.hashing.get_request_block_hasher`; None (and no
+            ``hash_block_size``) means the request is not hashed (prefix caching off).
+        cache_salt: isolates this request's prefix-cache entries (mixed into the first block).
+        lora_name: the LoRA adapter, mixed into every block's hash.
+        mm_features: multimodal items as ``(identifier, offset, length)`` sorted by offset.
+        skip_reading_prefix_cache: never look up hits (prompt-logprobs requests); still writes.
+        priority, arrival_time: scheduling order (lower first).
+        max_tokens: output budget, for schedulers.
+        hash_fn, hash_seed: the hash function and ``NONE_HASH`` seed of the default hasher.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        hash_block_size: int | None = None,
+        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_features: Iterable[tuple[str, int, int]] = (),
+        skip_reading_prefix_cache: bool = False,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+        max_tokens: int | None = None,
+        hash_fn: HashFn = sha256,
+        hash_seed: int = 0,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.mm_features: list[tuple[str, int, int]] = sorted(mm_features, key=lambda f: f[1])
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.max_tokens = max_tokens
+        self.needs_extra_keys = (
+            bool(self.mm_features) or lora_name is not None or (cache_salt is not None)
+        )
+        if block_hasher is None and hash_block_size is not None:
+            block_hasher = get_request_block_hasher(hash_block_size, hash_fn, hash_seed)
+        self._block_hasher = block_hasher
+        self.hash_block_size: int | None = (
+            getattr(block_hasher, "hash_block_size", hash_block_size) if block_hasher else None
+        )
+        self.block_hashes: list[BlockHash] = []
+        if block_hasher is not None:
+            self.block_hashes = block_hasher(self)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Appends generated tokens and hashes every block they complete."""
+        if isinstance(token_ids, int):
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )

@@ -1,0 +1,1 @@
+"""Requests, scheduler, model runner, engine and the `dsv4` command line."""
