@@ -84,7 +84,7 @@ def test_unknown_requests(busy):
     before = snapshot(mgr)
     mgr.free(Request("nope", [1]))  # vLLM: freeing a request that never got blocks is a no-op
     assert snapshot(mgr) == before
-    with pytest.raises(TypeError, match="cache.Request"):
+    with pytest.raises(TypeError, match=r"cache\.Request"):
         mgr.free("a")
 
 
