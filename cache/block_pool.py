@@ -36,6 +36,7 @@ class KVCacheBlock:
 
     __slots__ = (
         "_block_hash",
+        "_block_hash_num_tokens",
         "block_id",
         "is_null",
         "next_free_block",
@@ -47,6 +48,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         self._block_hash: bytes | None = None
+        self._block_hash_num_tokens: int | None = None
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
@@ -56,13 +58,20 @@ class KVCacheBlock:
         """The index key (hash + group id) while the block is cached, else None."""
         return self._block_hash
 
-    def set_block_hash(self, key: bytes) -> None:
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """Prefix tokens the primary hash covers (a block boundary, or a prompt-tail boundary)."""
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
         if self._block_hash is not None:
             raise RuntimeError(f"block {self.block_id} already has a hash; hashes are set once")
         self._block_hash = key
+        self._block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
         self._block_hash = None
+        self._block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, hashed={self._block_hash is not None})"
@@ -271,6 +280,8 @@ class BlockPool:
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # Keys of a block beyond its primary hash (prompt-tail partial entries).
+        self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -307,8 +318,9 @@ class BlockPool:
     ) -> None:
         """Hashes and indexes ``blocks[num_cached_blocks:num_full_blocks]``.
 
-        Null blocks, blocks that already carry a hash (prefix hits) and blocks masked out by
-        ``block_mask`` (aligned with that slice) are skipped. Emits one `BlockStored`.
+        Null blocks and blocks masked out by ``block_mask`` (aligned with that slice) are
+        skipped. A block that already carries a key got it as a prompt-tail partial entry;
+        becoming full replaces it (vLLM's partial-to-full promotion). Emits one `BlockStored`.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -326,14 +338,17 @@ class BlockPool:
         extra_keys: list = []
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
-            if blk.is_null or blk._block_hash is not None:
-                continue
-            if block_mask is not None and not block_mask[i - num_cached_blocks]:
+            if blk.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             block_hash = block_hashes[i]
             key = block_hash + suffix
-            blk._block_hash = key
-            index.insert(key, blk)
+            if blk._block_hash is None:
+                blk._block_hash = key
+                blk._block_hash_num_tokens = (i + 1) * block_size
+                index.insert(key, blk)
+            else:
+                self._emit_removed(self._remove_cached_block_hashes(blk), blk.block_id)
+                self._insert_block_hash(key, blk, (i + 1) * block_size)
             if events:
                 new_hashes.append(block_hash)
                 new_ids.append(blk.block_id)
@@ -343,46 +358,136 @@ class BlockPool:
                     else None
                 )
         if events:
-            kind, window = (
-                self.group_metadata[kv_cache_group_id]
-                if kv_cache_group_id < len(self.group_metadata)
-                else ("", None)
-            )
             self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=new_hashes,
-                    parent_block_hash=block_hashes[num_cached_blocks - 1]
-                    if num_cached_blocks
-                    else None,
-                    token_ids=request.all_token_ids[
-                        num_cached_blocks * block_size : num_full_blocks * block_size
-                    ],
-                    block_size=block_size,
-                    lora_name=request.lora_name,
-                    extra_keys=extra_keys,
-                    group_idx=kv_cache_group_id,
-                    block_ids=new_ids,
-                    kv_cache_spec_kind=kind,
-                    kv_cache_spec_sliding_window=window,
+                self._stored_event(
+                    request,
+                    new_hashes,
+                    block_hashes[num_cached_blocks - 1] if num_cached_blocks else None,
+                    num_cached_blocks * block_size,
+                    num_full_blocks * block_size,
+                    block_size,
+                    kv_cache_group_id,
+                    extra_keys,
+                    new_ids,
                 )
             )
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Drops ``block``'s index entry (if any) and clears its hash; emits `BlockRemoved`."""
-        key = block._block_hash
-        if key is None:
-            return False
-        block._block_hash = None
-        if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
-            return False
+    def cache_partial_block(
+        self, request: Request, block: KVCacheBlock, num_tokens: int, kv_cache_group_id: int
+    ) -> None:
+        """Makes ``block`` reachable from the prefix boundary ``num_tokens`` inside it.
+
+        vLLM 0.32 registers the prompt's last hash boundary when it falls inside a larger
+        full-attention block. The key is the fine hash at that boundary. A block without a
+        primary hash takes it as primary (so it is then freed to the LRU tail like any cached
+        block); otherwise it is an extra key. Idempotent.
+        """
+        if block.is_null:
+            return
+        hash_block = self.hash_block_size
+        num_hash_blocks = num_tokens // hash_block
+        block_hash = request.block_hashes[num_hash_blocks - 1]
+        key = block_hash + kv_cache_group_id.to_bytes(4, "big")
+        index = self.cached_block_hash_to_block
+        if block._block_hash == key or index.contain(key, block.block_id):
+            return
+        if (
+            block._block_hash is not None
+            and block._block_hash_num_tokens is not None
+            and block._block_hash_num_tokens < num_hash_blocks * hash_block
+        ):
+            self._emit_removed(self._remove_cached_block_hashes(block), block.block_id)
+        self._insert_block_hash(key, block, num_hash_blocks * hash_block)
         if self.enable_kv_cache_events:
+            start = (num_hash_blocks - 1) * hash_block
             self.kv_event_queue.append(
-                BlockRemoved(
-                    block_hashes=[get_block_hash(key)],
-                    group_idx=get_group_id(key),
-                    block_ids=[block.block_id],
+                self._stored_event(
+                    request,
+                    [block_hash],
+                    request.block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None,
+                    start,
+                    num_tokens,
+                    num_tokens - start,
+                    kv_cache_group_id,
+                    [
+                        generate_block_hash_extra_keys(request, start, num_tokens)
+                        if request.needs_extra_keys
+                        else None
+                    ],
+                    [block.block_id],
                 )
             )
+
+    def _stored_event(
+        self,
+        request: Request,
+        block_hashes: list[bytes],
+        parent_block_hash: bytes | None,
+        start_token: int,
+        end_token: int,
+        block_size: int,
+        group_id: int,
+        extra_keys: list,
+        block_ids: list[int],
+    ) -> BlockStored:
+        kind, window = (
+            self.group_metadata[group_id] if group_id < len(self.group_metadata) else ("", None)
+        )
+        return BlockStored(
+            block_hashes=block_hashes,
+            parent_block_hash=parent_block_hash,
+            token_ids=request.all_token_ids[start_token:end_token],
+            block_size=block_size,
+            lora_name=request.lora_name,
+            extra_keys=extra_keys,
+            group_idx=group_id,
+            block_ids=block_ids,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+        )
+
+    def _insert_block_hash(self, key: bytes, block: KVCacheBlock, num_tokens: int) -> None:
+        if block._block_hash == key or self.cached_block_hash_to_block.contain(key, block.block_id):
+            return
+        if block._block_hash is None:
+            block._block_hash = key
+            block._block_hash_num_tokens = num_tokens
+        else:
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
+        self.cached_block_hash_to_block.insert(key, block)
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
+        """Drops every index entry of ``block`` and clears its hash; returns the removed keys."""
+        keys = []
+        if block._block_hash is not None:
+            keys.append(block._block_hash)
+        if self.cached_block_hashes_by_block:
+            keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
+        if not keys:
+            return keys
+        pop = self.cached_block_hash_to_block.pop
+        removed = [key for key in keys if pop(key, block.block_id) is not None]
+        block._block_hash = None
+        block._block_hash_num_tokens = None
+        return removed
+
+    def _emit_removed(self, keys: list[bytes], block_id: int) -> None:
+        if self.enable_kv_cache_events:
+            for key in keys:
+                self.kv_event_queue.append(
+                    BlockRemoved(
+                        block_hashes=[get_block_hash(key)],
+                        group_idx=get_group_id(key),
+                        block_ids=[block_id],
+                    )
+                )
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drops ``block``'s index entries and hash; emits a `BlockRemoved` per key."""
+        removed = self._remove_cached_block_hashes(block)
+        if not removed:
+            return False
+        self._emit_removed(removed, block.block_id)
         return True
 
     # -- allocation ---------------------------------------------------------------------------
@@ -397,7 +502,7 @@ class BlockPool:
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
             for block in ret:
-                if block._block_hash is not None:
+                if block._block_hash is not None:  # (extra keys exist only beside a primary)
                     evict(block)
                 block.ref_cnt = 1
         else:
@@ -449,6 +554,7 @@ class BlockPool:
         if self.num_gpu_blocks - self.free_block_queue.num_free_blocks != 1:
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
         if self.enable_kv_cache_events:

@@ -211,7 +211,12 @@ class KVCacheCoordinator:
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        """(hit blocks per group, hit tokens, uncached shared-prefix tokens).
+
+        The last value is how much longer the longest single-group hit was than the common
+        one: a shared prefix some window group has not cached (0 unless hybrid).
+        """
         raise NotImplementedError
 
 
@@ -220,8 +225,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        return tuple([] for _ in self.single_type_managers), 0
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        return tuple([] for _ in self.single_type_managers), 0, 0
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
@@ -240,11 +245,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
         manager = self.single_type_managers[0]
         if not manager.supports_prefix_caching or not self._spec.prefix_cacheable:
-            return ([],), 0
-        return manager.find_longest_cache_hit(
+            return ([],), 0, 0
+        blocks, length = manager.find_longest_cache_hit(
             block_hashes,
             max_cache_hit_length,
             (0,),
@@ -253,6 +258,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             manager.use_eagle,
             manager.block_size,
         )
+        return blocks, length, 0
 
 
 class SpecGroup(NamedTuple):
@@ -319,9 +325,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 for gid in group.group_ids:
                     self.single_type_managers[gid].use_eagle = True
 
+    def get_num_cacheable_tokens(
+        self, num_computed_tokens: int, manager: SingleTypeKVCacheManager
+    ) -> int:
+        """Hits land on scheduler-block boundaries, so only that much is registered (vLLM 0.32);
+        an EAGLE group keeps one block more (it matches one block past a hit, then drops it)."""
+        block = self.scheduler_block_size
+        aligned = num_computed_tokens // block * block
+        if manager.use_eagle and aligned > 0:
+            return min(num_computed_tokens, aligned + manager.block_size)
+        return aligned
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
         num_groups = len(self.single_type_managers)
         hit_blocks: list[list[KVCacheBlock] | None] = [None] * num_groups
         hit_lengths = [0] * num_groups
@@ -331,6 +348,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hash_tokens = len(block_hashes) * self.hash_block_size
         eagle_verified: set[int] = set()
         hit_length = max_cache_hit_length
+        longest = 0
         while True:
             cur = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(groups):
@@ -354,6 +372,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 for gid, b in zip(group_ids, blocks):
                     hit_blocks[gid] = b
                     hit_lengths[gid] = new_length
+                longest = max(longest, cur)
             if cur >= hit_length:
                 break
             hit_length = cur
@@ -365,7 +384,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 for gid in group.group_ids:
                     if hit_blocks[gid] is not None:
                         del hit_blocks[gid][keep:]
-        return tuple(b if b is not None else [] for b in hit_blocks), hit_length
+        blocks_out = tuple(b if b is not None else [] for b in hit_blocks)
+        return blocks_out, hit_length, longest - hit_length
 
 
 def get_kv_cache_coordinator(

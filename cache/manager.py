@@ -202,7 +202,8 @@ class KVCacheManager:
         """The longest prefix-cache hit for a new request: (blocks per group, hit tokens).
 
         At most ``num_tokens - 1`` tokens hit (the last token is recomputed for its logits),
-        aligned to the scheduler block size. No side effects besides statistics.
+        aligned to the scheduler block size. No side effects on the allocator besides
+        statistics; it sets ``request.shared_prefix_boundary`` as vLLM's scheduler does.
         """
         self._check_request(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
@@ -213,9 +214,12 @@ class KVCacheManager:
                 f"but this manager needs {self.hash_block_size}; create it with "
                 "KVCacheManager.new_request or Request(..., hash_block_size=manager.hash_block_size)"
             )
-        blocks, num_hits = self.coordinator.find_longest_cache_hit(
+        blocks, num_hits, num_uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        # The junction of a shared prefix that some window group has not cached yet: this
+        # request keeps window state there so that siblings can hit it (vLLM 0.32).
+        request.shared_prefix_boundary = num_hits + num_uncached if num_uncached else 0
         if self.num_replay_tokens_max and num_hits <= self.num_replay_tokens_max:
             blocks, num_hits = tuple([] for _ in blocks), 0
         if self.log_stats:

@@ -282,6 +282,36 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             del out[keep:]
         return computed, hit_length
 
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
+        if self.block_size != self.block_pool.hash_block_size:
+            self._cache_partial_tail_block(request, num_tokens)
+
+    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> None:
+        """Registers the prompt's last hash boundary when it ends inside one of our blocks.
+
+        vLLM 0.32 does this for blocks coarser than the hash block (a resend matches at most
+        ``num_prompt_tokens - 1`` tokens; EAGLE lookups read the whole prompt). The entry only
+        serves sub-block lookups, which need Mamba; here it matters because the block then
+        counts as cached when freed (LRU tail instead of the front).
+        """
+        hash_block = self.block_pool.hash_block_size
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = limit // hash_block * hash_block
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        idx = boundary // self.block_size
+        if blocks is None or idx >= len(blocks):
+            return
+        self.block_pool.cache_partial_block(request, blocks[idx], boundary, self.kv_cache_group_id)
+
 
 class SinkFullAttentionManager(FullAttentionManager):
     """Full attention with attention sinks; ``sink_len`` must be a whole number of blocks."""

@@ -57,6 +57,8 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_in_flight_tokens = 0
+        # Where a shared prefix ends that some window group had not cached (set on lookup).
+        self.shared_prefix_boundary = 0
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []
         self.cache_salt = cache_salt
