@@ -129,6 +129,69 @@ class KVCacheCoordinator:
         )
         validate_retention_interval(prefix_cache_retention_interval, scheduler_block_size, groups)
         self.retention_interval = prefix_cache_retention_interval
+        managers = self.single_type_managers
+        self.plain_path = not any(isinstance(m, CrossAttentionManager) for m in managers)
+        self._freeing = tuple(m for m in managers if m.frees_blocks)
+        self._caching = tuple(
+            m for m in managers if m.supports_prefix_caching and m.kv_cache_spec.prefix_cacheable
+        )
+
+    def allocate_plain(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        num_tokens_need_slot: int,
+        num_tokens_to_cache: int,
+        reserved_blocks: int,
+    ) -> tuple[list[KVCacheBlock], ...] | None:
+        """`KVCacheManager.allocate_slots` for a request taking no new prefix hits, fused.
+
+        Frees blocks that left a window, checks capacity, allocates, then registers full blocks
+        up to ``num_tokens_to_cache`` (-1: none). Same decisions as the per-manager methods
+        (``get_num_blocks_to_allocate`` with no hits, ``allocate_new_blocks``, ``cache_blocks``).
+        """
+        rid = request.request_id
+        if self._freeing:
+            processed = max(0, num_computed_tokens - request.num_in_flight_tokens)
+            for m in self._freeing:
+                m.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
+        managers = self.single_type_managers
+        need = 0
+        for m in managers:
+            blocks = m.req_to_blocks.get(rid)
+            held = len(blocks) if blocks else 0
+            required = m.fixed_num_blocks or -(-num_tokens_need_slot // m.block_size)
+            if m.skips_tokens and rid not in m.num_cached_block:
+                skipped = m.get_num_skipped_tokens(num_computed_tokens) // m.block_size
+                if skipped > held:
+                    held = skipped
+            if required > held:
+                need += required - held
+        pool = self.block_pool
+        if need + reserved_blocks > pool.free_block_queue.num_free_blocks:
+            return None
+        new_blocks = tuple(m.allocate_new_blocks(rid, num_tokens_need_slot) for m in managers)
+        if num_tokens_to_cache >= 0:
+            boundaries = None
+            for m in self._caching:
+                if not m.enable_caching:
+                    continue
+                n = self.get_num_cacheable_tokens(num_tokens_to_cache, m)
+                if n // m.block_size > m.num_cached_block.get(rid, 0) or m.caches_below_blocks:
+                    if boundaries is None:
+                        boundaries = self._boundaries(request)
+                    m.cache_blocks(request, n, self.retention_interval, boundaries)
+        return new_blocks
+
+    def _boundaries(self, request: Request) -> tuple[int, ...]:
+        boundaries = replay_boundaries(
+            request.num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids)
+        )
+        if request.shared_prefix_boundary:
+            # vLLM 0.32 keeps window state at a shared-prefix junction too (see
+            # `KVCacheManager.get_computed_blocks`), so siblings can hit there.
+            boundaries = (*boundaries, request.shared_prefix_boundary)
+        return boundaries
 
     def get_num_blocks_to_allocate(
         self,
@@ -183,14 +246,21 @@ class KVCacheCoordinator:
             for m in self.single_type_managers
         )
 
+    def get_num_cacheable_tokens(
+        self, num_computed_tokens: int, manager: SingleTypeKVCacheManager
+    ) -> int:
+        """The prefix of ``num_computed_tokens`` a group registers in the prefix index."""
+        return num_computed_tokens
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        boundaries = replay_boundaries(
-            request.num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids)
-        )
+        boundaries = self._boundaries(request)
         for manager in self.single_type_managers:
             if manager.enable_caching:
                 manager.cache_blocks(
-                    request, num_computed_tokens, self.retention_interval, boundaries
+                    request,
+                    self.get_num_cacheable_tokens(num_computed_tokens, manager),
+                    self.retention_interval,
+                    boundaries,
                 )
 
     def free(self, request_id: str) -> None:

@@ -268,11 +268,22 @@ class KVCacheManager:
             The newly allocated blocks per group, or None if the pool cannot supply them (then
             nothing changed except blocks freed because they left a window).
         """
-        self._check_request(request)
-        _check_count("num_new_tokens", num_new_tokens)
-        _check_count("num_new_computed_tokens", num_new_computed_tokens)
-        _check_count("num_lookahead_tokens", num_lookahead_tokens)
-        _check_count("num_encoder_tokens", num_encoder_tokens)
+        if type(request) is not Request:
+            self._check_request(request)
+        if (
+            type(num_new_tokens) is not int
+            or type(num_new_computed_tokens) is not int
+            or type(num_lookahead_tokens) is not int
+            or type(num_encoder_tokens) is not int
+            or min(
+                num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_encoder_tokens
+            )
+            < 0
+        ):
+            _check_count("num_new_tokens", num_new_tokens)
+            _check_count("num_new_computed_tokens", num_new_computed_tokens)
+            _check_count("num_lookahead_tokens", num_lookahead_tokens)
+            _check_count("num_encoder_tokens", num_encoder_tokens)
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no new computed tokens")
         if new_computed_blocks is not None:
@@ -282,9 +293,10 @@ class KVCacheManager:
                     f"new_computed_blocks has {len(hit_blocks)} groups, the manager has "
                     f"{self.num_kv_cache_groups}"
                 )
+            has_hits = any(hit_blocks)
         else:
             hit_blocks = self.empty_kv_cache_blocks.blocks
-        has_hits = any(hit_blocks)
+            has_hits = False
         if (has_hits or num_new_computed_tokens) and self.coordinator.has_request(
             request.request_id
         ):
@@ -306,6 +318,23 @@ class KVCacheManager:
         watermark = 0
         if self.watermark_blocks and has_scheduled_reqs and request.num_computed_tokens == 0:
             watermark = self.watermark_blocks
+
+        if not has_hits and not full_sequence_must_fit and coordinator.plain_path:
+            # The common step (decode, next prefill chunk, a first chunk without hits): one
+            # fused pass over the groups, same decisions as the general path below.
+            num_to_cache = (
+                min(num_tokens_main, request.num_tokens)
+                if self.enable_caching and not delay_cache_blocks
+                else -1
+            )
+            new_blocks = coordinator.allocate_plain(
+                request, num_local_computed, num_tokens_need_slot, num_to_cache, watermark
+            )
+            if new_blocks is None:
+                return None
+            if not any(new_blocks):
+                return self.empty_kv_cache_blocks
+            return KVCacheBlocks(new_blocks)
 
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)

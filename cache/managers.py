@@ -39,6 +39,12 @@ class SingleTypeKVCacheManager:
     """
 
     supports_prefix_caching: ClassVar[bool] = True
+    # Whether `get_num_skipped_tokens` can be non-zero (window kinds), and whether
+    # `remove_skipped_blocks` can free anything; lets the coordinator skip the others.
+    skips_tokens: ClassVar[bool] = False
+    frees_blocks: ClassVar[bool] = False
+    # Blocks a request holds whatever its length (a ring), or 0 for per-token growth.
+    fixed_num_blocks: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -63,6 +69,8 @@ class SingleTypeKVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self._null_block = block_pool.null_block
         self.use_eagle = False
+        # Whether `cache_blocks` can register something inside a not-yet-full block.
+        self.caches_below_blocks = False
 
     # -- capacity -----------------------------------------------------------------------------
 
@@ -241,6 +249,10 @@ class SingleTypeKVCacheManager:
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention (and MLA): every block kept; hits are prefix-closed, scanned left to right."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.caches_below_blocks = self.block_size != self.block_pool.hash_block_size
+
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -332,6 +344,8 @@ class RSWAManager(FullAttentionManager):
     (replaced by nulls), bounding memory at prompt + window.
     """
 
+    frees_blocks = True
+
     def remove_skipped_blocks(
         self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
@@ -347,6 +361,9 @@ class RSWAManager(FullAttentionManager):
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: blocks before the window are freed; hits scanned right to left."""
+
+    skips_tokens = True
+    frees_blocks = True
 
     def __init__(self, kv_cache_spec: specs.KVCacheSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
@@ -467,6 +484,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: tokens attend within their chunk; earlier chunks are freed."""
 
+    skips_tokens = True
+    frees_blocks = True
+
     def __init__(self, kv_cache_spec: specs.KVCacheSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
         self.attention_chunk_size: int = kv_cache_spec.attention_chunk_size
@@ -522,6 +542,7 @@ class CircularBufferManager(SingleTypeKVCacheManager):
     """A ring (V4.1's compressor state): one block per request for its whole life, never cached."""
 
     supports_prefix_caching = False
+    fixed_num_blocks = 1
 
     def get_num_blocks_to_allocate(
         self,
