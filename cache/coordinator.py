@@ -133,8 +133,13 @@ class KVCacheCoordinator:
         self.plain_path = not any(isinstance(m, CrossAttentionManager) for m in managers)
         self._freeing = tuple(m for m in managers if m.frees_blocks)
         self._caching = tuple(
-            m for m in managers if m.supports_prefix_caching and m.kv_cache_spec.prefix_cacheable
+            m
+            for m in managers
+            if m.enable_caching and m.supports_prefix_caching and m.kv_cache_spec.prefix_cacheable
         )
+        # Hybrid layouts register blocks only up to a scheduler-block boundary (see
+        # `get_num_cacheable_tokens`); 0 = no alignment.
+        self._cache_alignment = 0
 
     def allocate_plain(
         self,
@@ -143,45 +148,80 @@ class KVCacheCoordinator:
         num_tokens_need_slot: int,
         num_tokens_to_cache: int,
         reserved_blocks: int,
-    ) -> tuple[list[KVCacheBlock], ...] | None:
+    ) -> tuple[Sequence[KVCacheBlock], ...] | None:
         """`KVCacheManager.allocate_slots` for a request taking no new prefix hits, fused.
 
         Frees blocks that left a window, checks capacity, allocates, then registers full blocks
-        up to ``num_tokens_to_cache`` (-1: none). Same decisions as the per-manager methods
-        (``get_num_blocks_to_allocate`` with no hits, ``allocate_new_blocks``, ``cache_blocks``).
+        up to ``num_tokens_to_cache`` (-1: none). The decisions are those of the per-manager
+        methods (``remove_skipped_blocks``, ``get_num_blocks_to_allocate`` without hits,
+        ``allocate_new_blocks``, ``cache_blocks``), written out in one pass because this runs
+        for every request in every step (tests compare both paths decision for decision).
         """
         rid = request.request_id
         if self._freeing:
-            processed = max(0, num_computed_tokens - request.num_in_flight_tokens)
+            null = self.block_pool.null_block
+            processed = num_computed_tokens - request.num_in_flight_tokens
+            if processed < 0:
+                processed = 0
             for m in self._freeing:
-                m.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
-        managers = self.single_type_managers
+                offset = m.skip_offset
+                if offset is None:
+                    m.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
+                    continue
+                blocks = m.req_to_blocks.get(rid)
+                if not blocks:
+                    continue
+                num_skipped = (processed - offset) // m.block_size
+                if num_skipped <= 0:
+                    continue
+                if num_skipped > len(blocks):
+                    num_skipped = len(blocks)
+                if blocks[num_skipped - 1] is not null:
+                    m._remove_blocks_in_range(blocks, 0, num_skipped)
         need = 0
-        for m in managers:
+        todo = []
+        for i, m in enumerate(self.single_type_managers):
             blocks = m.req_to_blocks.get(rid)
             held = len(blocks) if blocks else 0
             required = m.fixed_num_blocks or -(-num_tokens_need_slot // m.block_size)
+            if required <= held:
+                continue
+            todo.append((i, m, required - held))
             if m.skips_tokens and rid not in m.num_cached_block:
                 skipped = m.get_num_skipped_tokens(num_computed_tokens) // m.block_size
                 if skipped > held:
                     held = skipped
-            if required > held:
+                if required > held:
+                    need += required - held
+            else:
                 need += required - held
         pool = self.block_pool
         if need + reserved_blocks > pool.free_block_queue.num_free_blocks:
             return None
-        new_blocks = tuple(m.allocate_new_blocks(rid, num_tokens_need_slot) for m in managers)
-        if num_tokens_to_cache >= 0:
+        new_blocks: list[Sequence[KVCacheBlock]] = [()] * len(self.single_type_managers)
+        for i, m, k in todo:
+            new = pool.get_new_blocks(k)
+            blocks = m.req_to_blocks.get(rid)
+            if blocks is None:
+                m.req_to_blocks[rid] = new[:]
+            else:
+                blocks.extend(new)
+            new_blocks[i] = new
+        if num_tokens_to_cache >= 0 and self._caching:
+            align = self._cache_alignment
             boundaries = None
             for m in self._caching:
-                if not m.enable_caching:
-                    continue
-                n = self.get_num_cacheable_tokens(num_tokens_to_cache, m)
-                if n // m.block_size > m.num_cached_block.get(rid, 0) or m.caches_below_blocks:
+                n = num_tokens_to_cache
+                if align:
+                    aligned = n // align * align
+                    n = min(n, aligned + m.block_size) if m.use_eagle and aligned else aligned
+                if n // m.block_size > m.num_cached_block.get(rid, 0) or (
+                    m.caches_below_blocks and rid not in m.tail_settled
+                ):
                     if boundaries is None:
                         boundaries = self._boundaries(request)
                     m.cache_blocks(request, n, self.retention_interval, boundaries)
-        return new_blocks
+        return tuple(new_blocks)
 
     def _boundaries(self, request: Request) -> tuple[int, ...]:
         boundaries = replay_boundaries(
@@ -249,8 +289,19 @@ class KVCacheCoordinator:
     def get_num_cacheable_tokens(
         self, num_computed_tokens: int, manager: SingleTypeKVCacheManager
     ) -> int:
-        """The prefix of ``num_computed_tokens`` a group registers in the prefix index."""
-        return num_computed_tokens
+        """The prefix of ``num_computed_tokens`` a group registers in the prefix index.
+
+        Hybrid layouts (vLLM 0.32): hits land on scheduler-block boundaries, so blocks are
+        registered only up to one; an EAGLE group keeps one block more (it matches one block
+        past a hit, then drops it).
+        """
+        align = self._cache_alignment
+        if not align:
+            return num_computed_tokens
+        aligned = num_computed_tokens // align * align
+        if manager.use_eagle and aligned > 0:
+            return min(num_computed_tokens, aligned + manager.block_size)
+        return aligned
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         boundaries = self._boundaries(request)
@@ -388,23 +439,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"prefix caching needs at least one prefix-cacheable KV-cache group; groups: "
                 f"{[type(g.kv_cache_spec).__name__ for g in groups]}"
             )
+        self._cache_alignment = self.scheduler_block_size
         # Full attention first: its cheap left-to-right scan gives a tight first bound.
         self.attention_groups.sort(key=lambda g: not isinstance(g.spec, specs.FullAttentionSpec))
         for group in self.attention_groups:
             if group.use_eagle:
                 for gid in group.group_ids:
                     self.single_type_managers[gid].use_eagle = True
-
-    def get_num_cacheable_tokens(
-        self, num_computed_tokens: int, manager: SingleTypeKVCacheManager
-    ) -> int:
-        """Hits land on scheduler-block boundaries, so only that much is registered (vLLM 0.32);
-        an EAGLE group keeps one block more (it matches one block past a hit, then drops it)."""
-        block = self.scheduler_block_size
-        aligned = num_computed_tokens // block * block
-        if manager.use_eagle and aligned > 0:
-            return min(num_computed_tokens, aligned + manager.block_size)
-        return aligned
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int

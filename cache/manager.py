@@ -389,6 +389,8 @@ class KVCacheManager:
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Drops the prefix-index entries of the given blocks (they stay allocated)."""
         self.block_pool.evict_blocks(block_ids)
+        for m in self.coordinator.single_type_managers:
+            m.tail_settled.clear()  # a running request's tail entry may be gone: re-register
 
     def reset_prefix_cache(self) -> bool:
         """Clears the prefix cache; only possible (returns True) when no block is in use."""

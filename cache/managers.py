@@ -69,8 +69,12 @@ class SingleTypeKVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self._null_block = block_pool.null_block
         self.use_eagle = False
-        # Whether `cache_blocks` can register something inside a not-yet-full block.
+        # Whether `cache_blocks` can register something inside a not-yet-full block, and the
+        # requests for which that is settled until their next block fills.
         self.caches_below_blocks = False
+        self.tail_settled: set[str] = set()
+        # Window kinds whose skipped tokens are ``n - skip_offset`` (see the coordinator).
+        self.skip_offset: int | None = None
 
     # -- capacity -----------------------------------------------------------------------------
 
@@ -208,6 +212,7 @@ class SingleTypeKVCacheManager:
         """Releases the request's blocks, tail first (tail blocks are evicted first)."""
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        self.tail_settled.discard(request_id)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -302,27 +307,35 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         replay_boundaries: Sequence[int],
     ) -> None:
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
-        if self.block_size != self.block_pool.hash_block_size:
-            self._cache_partial_tail_block(request, num_tokens)
+        if self.caches_below_blocks:
+            if self._cache_partial_tail_block(request, num_tokens):
+                self.tail_settled.add(request.request_id)
+            else:
+                self.tail_settled.discard(request.request_id)
 
-    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> None:
+    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> bool:
         """Registers the prompt's last hash boundary when it ends inside one of our blocks.
 
         vLLM 0.32 does this for blocks coarser than the hash block (a resend matches at most
         ``num_prompt_tokens - 1`` tokens; EAGLE lookups read the whole prompt). The entry only
         serves sub-block lookups, which need Mamba; here it matters because the block then
         counts as cached when freed (LRU tail instead of the front).
+
+        Returns whether nothing more can happen before the request's next block fills.
         """
         hash_block = self.block_pool.hash_block_size
         limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
         boundary = limit // hash_block * hash_block
-        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
-            return
+        if boundary == 0 or boundary % self.block_size == 0:
+            return True
+        if boundary > num_tokens:
+            return False
         blocks = self.req_to_blocks.get(request.request_id)
         idx = boundary // self.block_size
         if blocks is None or idx >= len(blocks):
-            return
+            return False
         self.block_pool.cache_partial_block(request, blocks[idx], boundary, self.kv_cache_group_id)
+        return True
 
 
 class SinkFullAttentionManager(FullAttentionManager):
@@ -369,6 +382,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         super().__init__(kv_cache_spec, *args, **kwargs)
         self.sliding_window: int = kv_cache_spec.sliding_window
         self.extra_retained_tokens: int = getattr(kv_cache_spec, "extra_retained_tokens", 0)
+        self.skip_offset = self.sliding_window - 1 + self.extra_retained_tokens
 
     @staticmethod
     def _contiguous_blocks_for_hit(window: int, block_size: int, use_eagle: bool) -> int:
