@@ -131,7 +131,6 @@ class KVCacheCoordinator:
         self.retention_interval = prefix_cache_retention_interval
         managers = self.single_type_managers
         self.plain_path = not any(isinstance(m, CrossAttentionManager) for m in managers)
-        self._freeing = tuple(m for m in managers if m.frees_blocks)
         self._caching = tuple(
             m
             for m in managers
@@ -140,6 +139,7 @@ class KVCacheCoordinator:
         # Hybrid layouts register blocks only up to a scheduler-block boundary (see
         # `get_num_cacheable_tokens`); 0 = no alignment.
         self._cache_alignment = 0
+        self._build_plans()
 
     def allocate_plain(
         self,
@@ -163,15 +163,14 @@ class KVCacheCoordinator:
             processed = num_computed_tokens - request.num_in_flight_tokens
             if processed < 0:
                 processed = 0
-            for m in self._freeing:
-                offset = m.skip_offset
+            for m, tables, block_size, offset in self._freeing:
                 if offset is None:
                     m.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
                     continue
-                blocks = m.req_to_blocks.get(rid)
+                blocks = tables.get(rid)
                 if not blocks:
                     continue
-                num_skipped = (processed - offset) // m.block_size
+                num_skipped = (processed - offset) // block_size
                 if num_skipped <= 0:
                     continue
                 if num_skipped > len(blocks):
@@ -179,16 +178,18 @@ class KVCacheCoordinator:
                 if blocks[num_skipped - 1] is not null:
                     m._remove_blocks_in_range(blocks, 0, num_skipped)
         need = 0
-        todo = []
-        for i, m in enumerate(self.single_type_managers):
-            blocks = m.req_to_blocks.get(rid)
+        todo = None
+        for i, m, tables, block_size, fixed, skips, cached in self._plan:
+            blocks = tables.get(rid)
             held = len(blocks) if blocks else 0
-            required = m.fixed_num_blocks or -(-num_tokens_need_slot // m.block_size)
+            required = fixed or -(-num_tokens_need_slot // block_size)
             if required <= held:
                 continue
-            todo.append((i, m, required - held))
-            if m.skips_tokens and rid not in m.num_cached_block:
-                skipped = m.get_num_skipped_tokens(num_computed_tokens) // m.block_size
+            if todo is None:
+                todo = []
+            todo.append((i, tables, required - held))
+            if skips and rid not in cached:
+                skipped = m.get_num_skipped_tokens(num_computed_tokens) // block_size
                 if skipped > held:
                     held = skipped
                 if required > held:
@@ -198,30 +199,62 @@ class KVCacheCoordinator:
         pool = self.block_pool
         if need + reserved_blocks > pool.free_block_queue.num_free_blocks:
             return None
-        new_blocks: list[Sequence[KVCacheBlock]] = [()] * len(self.single_type_managers)
-        for i, m, k in todo:
-            new = pool.get_new_blocks(k)
-            blocks = m.req_to_blocks.get(rid)
-            if blocks is None:
-                m.req_to_blocks[rid] = new[:]
-            else:
-                blocks.extend(new)
-            new_blocks[i] = new
+        new_blocks = self._no_new_blocks
+        if todo is not None:
+            new_blocks = list(new_blocks)
+            for i, tables, k in todo:
+                new = pool.get_new_blocks(k)
+                blocks = tables.get(rid)
+                if blocks is None:
+                    tables[rid] = new[:]
+                else:
+                    blocks.extend(new)
+                new_blocks[i] = new
+            new_blocks = tuple(new_blocks)
         if num_tokens_to_cache >= 0 and self._caching:
             align = self._cache_alignment
             boundaries = None
-            for m in self._caching:
+            for m, cached, block_size, use_eagle, below, settled in self._cache_plan:
                 n = num_tokens_to_cache
                 if align:
                     aligned = n // align * align
-                    n = min(n, aligned + m.block_size) if m.use_eagle and aligned else aligned
-                if n // m.block_size > m.num_cached_block.get(rid, 0) or (
-                    m.caches_below_blocks and rid not in m.tail_settled
-                ):
+                    n = min(n, aligned + block_size) if use_eagle and aligned else aligned
+                if n // block_size > cached.get(rid, 0) or (below and rid not in settled):
                     if boundaries is None:
                         boundaries = self._boundaries(request)
                     m.cache_blocks(request, n, self.retention_interval, boundaries)
-        return tuple(new_blocks)
+        return new_blocks
+
+    def _build_plans(self) -> None:
+        """Per-manager constants of the fused path (refreshed when EAGLE flags change)."""
+        managers = self.single_type_managers
+        self._no_new_blocks = tuple(() for _ in managers)
+        self._freeing = tuple(
+            (m, m.req_to_blocks, m.block_size, m.skip_offset) for m in managers if m.frees_blocks
+        )
+        self._plan = tuple(
+            (
+                i,
+                m,
+                m.req_to_blocks,
+                m.block_size,
+                m.fixed_num_blocks,
+                m.skips_tokens,
+                m.num_cached_block,
+            )
+            for i, m in enumerate(managers)
+        )
+        self._cache_plan = tuple(
+            (
+                m,
+                m.num_cached_block,
+                m.block_size,
+                m.use_eagle,
+                m.caches_below_blocks,
+                m.tail_settled,
+            )
+            for m in self._caching
+        )
 
     def _boundaries(self, request: Request) -> tuple[int, ...]:
         boundaries = replay_boundaries(
@@ -363,6 +396,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             )
         manager.use_eagle = 0 in self.eagle_group_ids
         self._spec = manager.kv_cache_spec
+        self._build_plans()
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
@@ -446,6 +480,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if group.use_eagle:
                 for gid in group.group_ids:
                     self.single_type_managers[gid].use_eagle = True
+        self._build_plans()
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int

@@ -26,14 +26,29 @@ from cache.managers import allocator_spec
 from cache.request import Request
 
 
-@dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
-    """Blocks per KV-cache group: ``blocks[g][j]`` is group g's logical block j."""
+    """Blocks per KV-cache group: ``blocks[g][j]`` is group g's logical block j.
 
-    blocks: tuple[Sequence[KVCacheBlock], ...]
+    Treated as immutable (the manager hands out one shared empty instance).
+    """
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        self.blocks = blocks
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KVCacheBlocks):
+            return NotImplemented
+        return self.get_block_ids() == other.get_block_ids()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.get_block_ids()})"
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         """Block ids per group."""
@@ -332,7 +347,7 @@ class KVCacheManager:
             )
             if new_blocks is None:
                 return None
-            if not any(new_blocks):
+            if new_blocks is coordinator._no_new_blocks:
                 return self.empty_kv_cache_blocks
             return KVCacheBlocks(new_blocks)
 

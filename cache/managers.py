@@ -10,6 +10,7 @@ a new spec subclass must be registered explicitly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -213,7 +214,18 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         self.tail_settled.discard(request_id)
-        if blocks:
+        if not blocks:
+            return
+        if self.skips_tokens:
+            # Window kinds: nulls only ever form a prefix, so stop at the first one.
+            null = self._null_block
+            live = []
+            for block in reversed(blocks):
+                if block is null:
+                    break
+                live.append(block)
+            self.block_pool.free_blocks(live)
+        else:
             self.block_pool.free_blocks(reversed(blocks))
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -407,38 +419,54 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             kv_cache_spec.sliding_window, block_size, drop_eagle_block
         )
         max_num_blocks = min(max_length // block_size, len(hashes))
-        null = block_pool.null_block
-        computed: tuple[list[KVCacheBlock], ...] = tuple(
-            [null] * max_num_blocks for _ in kv_cache_group_ids
-        )
-        aligned_sizes = block_size == alignment_tokens
-        run = 0
-        found = False
-        get_cached = block_pool.get_cached_block
-        for i in range(max_num_blocks - 1, -1, -1):
-            cached = get_cached(hashes[i], kv_cache_group_ids)
-            if cached is None:
-                run = 0
-                continue
-            if run == 0 and not aligned_sizes:
-                # A run must end on an aligned boundary (after the EAGLE drop, if any).
-                end = i if drop_eagle_block else i + 1
-                if (end * block_size) % alignment_tokens:
-                    continue
-            for out, block in zip(computed, cached):
-                out[i] = block
-            run += 1
-            if run >= need:
-                for out in computed:
-                    del out[i + run :]
-                found = True
+        # A hit is the rightmost run of `need` cached blocks whose right end e is aligned
+        # (``(e + 1) * B``, or ``e * B`` with the EAGLE drop, a multiple of the alignment);
+        # failing that, the longest cached prefix ending on an aligned e (the window then
+        # reaches back before the sequence start). vLLM scans every block right to left; we
+        # visit only aligned candidate ends and jump below each miss, which finds the same run
+        # with far fewer lookups when hits are sparse (vLLM's own TODO).
+        q = alignment_tokens // math.gcd(block_size, alignment_tokens)
+        c = 0 if drop_eagle_block else 1
+        need = max(need, 1)  # vLLM's scan always needs one cached block, even for window 1
+        num_groups = len(kv_cache_group_ids)
+        if num_groups == 1:
+            get_one = block_pool.cached_block_hash_to_block.get_one_block
+            suffix = kv_cache_group_ids[0].to_bytes(4, "big")
+        else:
+            get_cached = block_pool.get_cached_block
+        run: list = []
+        end = -1
+        e = max_num_blocks - 1
+        e -= (e + c) % q
+        while e >= 0:
+            run = []
+            j = e
+            stop = e - need + 1 if e >= need - 1 else 0
+            while j >= stop:
+                if num_groups == 1:
+                    block = get_one(hashes[j] + suffix)
+                    cached = None if block is None else (block,)
+                else:
+                    cached = get_cached(hashes[j], kv_cache_group_ids)
+                if cached is None:
+                    break
+                run.append(cached)
+                j -= 1
+            else:
+                end = e
                 break
-        if not found:
-            # A run touching position 0 is a hit even if shorter than the window: the window
-            # reaches back before the sequence start.
-            for out in computed:
-                del out[run:]
-            cls._pop_to_alignment(computed, block_size, alignment_tokens)
+            e = j - 1
+            e -= (e + c) % q
+        null = block_pool.null_block
+        computed: tuple[list[KVCacheBlock], ...]
+        if end < 0:
+            computed = tuple([] for _ in kv_cache_group_ids)
+        else:
+            run.reverse()
+            lead = [null] * (end + 1 - len(run))
+            computed = tuple(lead + [cached[g] for cached in run] for g in range(num_groups))
+            if len(run) < need:
+                cls._pop_to_alignment(computed, block_size, alignment_tokens)
         if drop_eagle_block and computed[0]:
             for out in computed:
                 out.pop()

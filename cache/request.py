@@ -78,8 +78,16 @@ class Request:
             getattr(block_hasher, "hash_block_size", hash_block_size) if block_hasher else None
         )
         self.block_hashes: list[BlockHash] = []
+        self._next_hash_boundary = 0
         if block_hasher is not None:
             self.block_hashes = block_hasher(self)
+            self._next_hash_boundary = self._hash_boundary()
+
+    def _hash_boundary(self) -> int:
+        """Token count at which the next block completes (0: unknown granularity, always ask)."""
+        if self.hash_block_size is None:
+            return 0
+        return (len(self.block_hashes) + 1) * self.hash_block_size
 
     @property
     def num_tokens(self) -> int:
@@ -100,12 +108,15 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Appends generated tokens and hashes every block they complete."""
+        tokens = self.all_token_ids
         if isinstance(token_ids, int):
-            self.all_token_ids.append(token_ids)
+            tokens.append(token_ids)
         else:
-            self.all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
+            tokens.extend(token_ids)
+        # Hash only when a block completes (the hasher would find nothing new otherwise).
+        if self._block_hasher is not None and len(tokens) >= self._next_hash_boundary:
             self.block_hashes.extend(self._block_hasher(self))
+            self._next_hash_boundary = self._hash_boundary()
 
     def __repr__(self) -> str:
         return (

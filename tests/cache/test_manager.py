@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from cache_testing import admit, config, free_ids, full, manager, request, swa
 
-from cache import BlockRemoved, BlockStored, KVCacheManager, Request
+from cache import BlockRemoved, BlockStored, KVCacheBlocks, KVCacheManager, Request
 from cache.hashing import make_block_hash_with_group_id
 from cache.layout import for_model, tiny_v41_desc
 from cache.spec import FullAttentionSpec, SlidingWindowMLASpec
@@ -66,7 +66,7 @@ def test_wrong_number_of_hit_groups(busy):
     mgr, _ = busy
     b = request(mgr, "b", range(70))
     hits, num_hits = mgr.get_computed_blocks(b)
-    bad = dataclasses.replace(hits, blocks=hits.blocks[:1])
+    bad = KVCacheBlocks(hits.blocks[:1])
     with pytest.raises(ValueError, match="1 groups, the manager has 2"):
         mgr.allocate_slots(b, 6, num_hits, bad)
 
