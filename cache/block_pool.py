@@ -193,10 +193,12 @@ class BlockHashToBlockMap:
     only when a second block arrives under one key, which keeps the common case cheap.
     """
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "raw_get")
 
     def __init__(self) -> None:
         self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # The raw entry (a block, or a dict of duplicates): lets hot loops skip a call.
+        self.raw_get = self._cache.get
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
         """A block cached under ``key`` (the first inserted one on duplicates), or None."""
@@ -295,12 +297,16 @@ class BlockPool:
         self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any group misses."""
-        get = self.cached_block_hash_to_block.get_one_block
+        index = self.cached_block_hash_to_block
+        raw = index.raw_get
         out = []
         for group_id in kv_cache_group_ids:
-            block = get(block_hash + group_id.to_bytes(4, "big"))
+            key = block_hash + group_id.to_bytes(4, "big")
+            block = raw(key)
             if block is None:
                 return None
+            if block.__class__ is dict:  # duplicates under one key: the first one
+                block = index.get_one_block(key)
             out.append(block)
         return out
 
@@ -524,23 +530,38 @@ class BlockPool:
         ``ordered_blocks`` is in eviction order (first = evicted first); callers pass a
         request's blocks tail first. See ``unhashed_blocks_to_front`` for where they go.
         """
-        to_front: list[KVCacheBlock] = []
-        to_back: list[KVCacheBlock] = []
+        # One pass, linking as we go: front blocks are inserted one after another right after
+        # the head (= prepend_n of them in order), the others at the tail (= append_n).
+        queue = self.free_block_queue
+        tail = queue.fake_free_list_tail
+        insert_after = queue.fake_free_list_head
         front = self.unhashed_blocks_to_front
         caching = self.enable_caching
+        num_freed = 0
         for block in ordered_blocks:
             if block.is_null:
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if front and (block._block_hash is None or not caching):
-                    to_front.append(block)
-                else:
-                    to_back.append(block)
-            elif block.ref_cnt < 0:
-                raise RuntimeError(f"{block!r} freed more often than it was referenced")
-        self.free_block_queue.prepend_n(to_front)
-        self.free_block_queue.append_n(to_back)
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            if ref_cnt:
+                if ref_cnt < 0:
+                    raise RuntimeError(f"{block!r} freed more often than it was referenced")
+                continue
+            if front and (block._block_hash is None or not caching):
+                nxt = insert_after.next_free_block
+                block.prev_free_block = insert_after
+                block.next_free_block = nxt
+                insert_after.next_free_block = block
+                nxt.prev_free_block = block  # type: ignore[union-attr]
+                insert_after = block
+            else:
+                prev = tail.prev_free_block
+                block.prev_free_block = prev
+                block.next_free_block = tail
+                prev.next_free_block = block  # type: ignore[union-attr]
+                tail.prev_free_block = block
+            num_freed += 1
+        queue.num_free_blocks += num_freed
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops the index entries of the given blocks without freeing them."""
@@ -554,7 +575,7 @@ class BlockPool:
         if self.num_gpu_blocks - self.free_block_queue.num_free_blocks != 1:
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
-        self.cached_block_hashes_by_block.clear()
+        self.cached_block_hashes_by_block.clear()  # (lookups re-read the new map's raw_get)
         for block in self.blocks:
             block.reset_hash()
         if self.enable_kv_cache_events:

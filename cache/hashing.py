@@ -27,6 +27,9 @@ BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 HashFn = Callable[[Any], bytes]
 
 _GROUP_ID_BYTES = 4
+_sha256 = hashlib.sha256
+_dumps = pickle.dumps
+_PROTO = pickle.HIGHEST_PROTOCOL
 
 
 def sha256(obj: Any) -> bytes:
@@ -126,6 +129,14 @@ def get_request_block_hasher(
         parent = hashes[-1] if hashes else root
         needs_extra = request.needs_extra_keys
         new_hashes: list[BlockHash] = []
+        if hash_fn is sha256 and not needs_extra:
+            # The common case, with `sha256` and `hash_block_tokens` written out (same bytes).
+            while start + hash_block_size <= num_tokens:
+                end = start + hash_block_size
+                parent = _sha256(_dumps((parent, tuple(tokens[start:end]), None), _PROTO)).digest()
+                new_hashes.append(parent)
+                start = end
+            return new_hashes
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
             extra = generate_block_hash_extra_keys(request, start, end) if needs_extra else None

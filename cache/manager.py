@@ -290,10 +290,10 @@ class KVCacheManager:
             or type(num_new_computed_tokens) is not int
             or type(num_lookahead_tokens) is not int
             or type(num_encoder_tokens) is not int
-            or min(
-                num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_encoder_tokens
-            )
-            < 0
+            or num_new_tokens < 0
+            or num_new_computed_tokens < 0
+            or num_lookahead_tokens < 0
+            or num_encoder_tokens < 0
         ):
             _check_count("num_new_tokens", num_new_tokens)
             _check_count("num_new_computed_tokens", num_new_computed_tokens)
@@ -327,7 +327,9 @@ class KVCacheManager:
                 f"({num_local_computed} computed + {num_new_tokens} new), over max_model_len="
                 f"{self.max_model_len}"
             )
-        num_tokens_need_slot = min(num_tokens_main + num_lookahead_tokens, self.max_model_len)
+        num_tokens_need_slot = num_tokens_main + num_lookahead_tokens
+        if num_tokens_need_slot > self.max_model_len:
+            num_tokens_need_slot = self.max_model_len
         coordinator = self.coordinator
         request_id = request.request_id
         watermark = 0
@@ -337,11 +339,11 @@ class KVCacheManager:
         if not has_hits and not full_sequence_must_fit and coordinator.plain_path:
             # The common step (decode, next prefill chunk, a first chunk without hits): one
             # fused pass over the groups, same decisions as the general path below.
-            num_to_cache = (
-                min(num_tokens_main, request.num_tokens)
-                if self.enable_caching and not delay_cache_blocks
-                else -1
-            )
+            num_to_cache = -1
+            if self.enable_caching and not delay_cache_blocks:
+                num_to_cache = len(request.all_token_ids)
+                if num_tokens_main < num_to_cache:
+                    num_to_cache = num_tokens_main
             new_blocks = coordinator.allocate_plain(
                 request, num_local_computed, num_tokens_need_slot, num_to_cache, watermark
             )

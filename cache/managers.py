@@ -288,12 +288,16 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if len(kv_cache_group_ids) == 1:
             # Common case, written out: one dict lookup per block.
             get = block_pool.cached_block_hash_to_block.get_one_block
+            raw = block_pool.cached_block_hash_to_block.raw_get
             suffix = kv_cache_group_ids[0].to_bytes(4, "big")
             out = computed[0]
             for i in range(num_blocks):
-                block = get(hashes[i] + suffix)
+                key = hashes[i] + suffix
+                block = raw(key)
                 if block is None:
                     break
+                if block.__class__ is dict:  # duplicates under one key: take the first
+                    block = get(key)
                 out.append(block)
         else:
             for i in range(num_blocks):
@@ -431,6 +435,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         num_groups = len(kv_cache_group_ids)
         if num_groups == 1:
             get_one = block_pool.cached_block_hash_to_block.get_one_block
+            raw = block_pool.cached_block_hash_to_block.raw_get
             suffix = kv_cache_group_ids[0].to_bytes(4, "big")
         else:
             get_cached = block_pool.get_cached_block
@@ -444,7 +449,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             stop = e - need + 1 if e >= need - 1 else 0
             while j >= stop:
                 if num_groups == 1:
-                    block = get_one(hashes[j] + suffix)
+                    block = raw(hashes[j] + suffix)
+                    if block is not None and block.__class__ is dict:
+                        block = get_one(hashes[j] + suffix)
                     cached = None if block is None else (block,)
                 else:
                     cached = get_cached(hashes[j], kv_cache_group_ids)

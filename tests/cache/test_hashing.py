@@ -1,0 +1,65 @@
+"""Chained block hashes: granularity, chaining, extra keys, coarse views."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import pytest
+
+from cache import Request
+from cache.hashing import (
+    BlockHashListWithBlockSize,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    none_hash,
+    sha256,
+)
+
+
+def reference_hashes(tokens, block_size, extra=lambda start: None):
+    """SHA-256 of the pickled (parent, tokens, extra keys) chain, as vLLM defines it."""
+    parent = none_hash(sha256, 0)
+    out = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        payload = (parent, tuple(tokens[start : start + block_size]), extra(start))
+        parent = hashlib.sha256(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        out.append(parent)
+    return out
+
+
+def test_prompt_and_appended_blocks_match_the_reference_chain():
+    tokens = list(range(1000, 1075))
+    req = Request("r", tokens[:37], hash_block_size=8)
+    assert req.block_hashes == reference_hashes(tokens[:37], 8)
+    for t in tokens[37:]:
+        req.append_output_token_ids(t)
+    assert req.block_hashes == reference_hashes(tokens, 8)
+    req.append_output_token_ids([1, 2, 3, 4, 5])
+    assert len(req.block_hashes) == len(tokens + [1, 2, 3, 4, 5]) // 8
+
+
+def test_custom_hash_function_and_extra_keys_take_the_general_path():
+    tokens = list(range(40))
+    salted = Request("r", tokens, hash_block_size=8, cache_salt="s")
+    assert salted.block_hashes == reference_hashes(tokens, 8, lambda s: ("s",) if s == 0 else None)
+    # A wrapper is not `sha256` itself, so it takes the general path: same bytes.
+    generic = Request("r", tokens, hash_block_size=8, hash_fn=lambda obj: sha256(obj))
+    assert generic.block_hashes == reference_hashes(tokens, 8)
+    other_seed = Request("r", tokens, hash_block_size=8, hash_seed=1)
+    assert other_seed.block_hashes[0] != generic.block_hashes[0]
+
+
+def test_keys_and_coarse_views():
+    key = make_block_hash_with_group_id(b"abc", 258)
+    assert get_block_hash(key) == b"abc" and get_group_id(key) == 258
+    fine = [bytes([i]) * 4 for i in range(7)]
+    view = BlockHashListWithBlockSize(fine, 4, 8)
+    assert len(view) == 3
+    assert view[1] == fine[2] + fine[3]
+    assert list(view) == [view[0], view[1], view[2]]
+    with pytest.raises(IndexError):
+        view[3]
+    with pytest.raises(ValueError, match="not a multiple"):
+        BlockHashListWithBlockSize(fine, 4, 6)
