@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NewType
 
 if TYPE_CHECKING:
@@ -189,10 +189,45 @@ class BlockHashListWithBlockSize(Sequence[bytes]):
             yield b"".join(hashes[i * f : (i + 1) * f])
 
 
+class BlockHashes(list):
+    """A request's fine block hashes (append-only), with memoised coarser views.
+
+    vLLM rebuilds a coarse block's key (the concatenation of its fine hashes) at every lookup;
+    a waiting request is looked up again every step, so we keep each coarse list and only
+    extend it as the fine list grows. Element ``i`` of ``coarse(n)`` equals
+    ``BlockHashListWithBlockSize(self, hash_block_size, block_size)[i]`` for ``n`` fine hashes
+    per coarse block.
+    """
+
+    __slots__ = ("_coarse",)
+
+    def __init__(self, hashes: Iterable[bytes] = ()) -> None:
+        super().__init__(hashes)
+        self._coarse: dict[int, list[bytes]] = {}
+
+    def coarse(self, factor: int) -> list[bytes]:
+        out = self._coarse.get(factor)
+        if out is None:
+            out = self._coarse[factor] = []
+        n = len(self) // factor
+        if len(out) < n:
+            join = b"".join
+            for i in range(len(out), n):
+                out.append(join(self[i * factor : (i + 1) * factor]))
+        return out
+
+
 def resolve_block_hashes(
     hashes: Sequence[bytes], hash_block_size: int, block_size: int
 ) -> Sequence[bytes]:
     """The request's hashes at ``block_size`` granularity (the list itself when equal)."""
     if block_size == hash_block_size:
         return hashes
+    if isinstance(hashes, BlockHashes):
+        if block_size % hash_block_size:
+            raise ValueError(
+                f"block size {block_size} is not a multiple of the hash block size "
+                f"{hash_block_size}"
+            )
+        return hashes.coarse(block_size // hash_block_size)
     return BlockHashListWithBlockSize(hashes, hash_block_size, block_size)

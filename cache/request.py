@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from cache.hashing import BlockHash, HashFn, get_request_block_hasher, sha256
+from cache.hashing import BlockHash, BlockHashes, HashFn, get_request_block_hasher, sha256
 
 
 class Request:
@@ -77,10 +77,10 @@ class Request:
         self.hash_block_size: int | None = (
             getattr(block_hasher, "hash_block_size", hash_block_size) if block_hasher else None
         )
-        self.block_hashes: list[BlockHash] = []
+        self.block_hashes: BlockHashes = BlockHashes()
         self._next_hash_boundary = 0
         if block_hasher is not None:
-            self.block_hashes = block_hasher(self)
+            self.block_hashes.extend(block_hasher(self))
             self._next_hash_boundary = self._hash_boundary()
 
     def _hash_boundary(self) -> int:

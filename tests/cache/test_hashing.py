@@ -63,3 +63,14 @@ def test_keys_and_coarse_views():
         view[3]
     with pytest.raises(ValueError, match="not a multiple"):
         BlockHashListWithBlockSize(fine, 4, 6)
+
+
+def test_memoised_coarse_hashes_equal_the_lazy_view():
+    req = Request("r", list(range(50)), hash_block_size=4)
+    for factor in (1, 2, 4):
+        view = BlockHashListWithBlockSize(list(req.block_hashes), 4, 4 * factor)
+        assert req.block_hashes.coarse(factor) == list(view)
+    req.append_output_token_ids(list(range(50, 90)))
+    for factor in (2, 4):
+        view = BlockHashListWithBlockSize(list(req.block_hashes), 4, 4 * factor)
+        assert req.block_hashes.coarse(factor) == list(view)
