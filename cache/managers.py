@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from cache import spec as specs
 from cache.block_pool import BlockPool, KVCacheBlock
-from cache.hashing import resolve_block_hashes
+from cache.hashing import group_keys, resolve_block_hashes
 
 if TYPE_CHECKING:
     from cache.request import Request
@@ -289,10 +289,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             # Common case, written out: one dict lookup per block.
             get = block_pool.cached_block_hash_to_block.get_one_block
             raw = block_pool.cached_block_hash_to_block.raw_get
-            suffix = kv_cache_group_ids[0].to_bytes(4, "big")
+            keys = group_keys(
+                block_hashes, block_pool.hash_block_size, block_size, kv_cache_group_ids[0]
+            )
+            if keys is None:
+                suffix = kv_cache_group_ids[0].to_bytes(4, "big")
+                keys = [h + suffix for h in hashes[:num_blocks]]
             out = computed[0]
             for i in range(num_blocks):
-                key = hashes[i] + suffix
+                key = keys[i]
                 block = raw(key)
                 if block is None:
                     break
@@ -437,6 +442,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             get_one = block_pool.cached_block_hash_to_block.get_one_block
             raw = block_pool.cached_block_hash_to_block.raw_get
             suffix = kv_cache_group_ids[0].to_bytes(4, "big")
+            keys = group_keys(
+                block_hashes, block_pool.hash_block_size, block_size, kv_cache_group_ids[0]
+            )
         else:
             get_cached = block_pool.get_cached_block
         run: list = []
@@ -449,9 +457,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             stop = e - need + 1 if e >= need - 1 else 0
             while j >= stop:
                 if num_groups == 1:
-                    block = raw(hashes[j] + suffix)
+                    key = keys[j] if keys is not None else hashes[j] + suffix
+                    block = raw(key)
                     if block is not None and block.__class__ is dict:
-                        block = get_one(hashes[j] + suffix)
+                        block = get_one(key)
                     cached = None if block is None else (block,)
                 else:
                     cached = get_cached(hashes[j], kv_cache_group_ids)

@@ -74,3 +74,13 @@ def test_memoised_coarse_hashes_equal_the_lazy_view():
     for factor in (2, 4):
         view = BlockHashListWithBlockSize(list(req.block_hashes), 4, 4 * factor)
         assert req.block_hashes.coarse(factor) == list(view)
+
+
+def test_memoised_group_keys():
+    req = Request("r", list(range(40)), hash_block_size=4)
+    keys = req.block_hashes.keys(2, 3)
+    assert keys == [make_block_hash_with_group_id(h, 3) for h in req.block_hashes.coarse(2)]
+    req.append_output_token_ids(list(range(40, 48)))
+    assert len(req.block_hashes.keys(2, 3)) == 6 and req.block_hashes.keys(1, 0)[11] == (
+        make_block_hash_with_group_id(req.block_hashes[11], 0)
+    )
