@@ -306,7 +306,7 @@ class BlockPool:
             if block is None:
                 return None
             if block.__class__ is dict:  # duplicates under one key: the first one
-                block = index.get_one_block(key)
+                block = next(iter(block.values()))
             out.append(block)
         return out
 

@@ -287,7 +287,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         num_blocks = min(max_length // block_size, len(hashes))
         if len(kv_cache_group_ids) == 1:
             # Common case, written out: one dict lookup per block.
-            get = block_pool.cached_block_hash_to_block.get_one_block
             raw = block_pool.cached_block_hash_to_block.raw_get
             keys = group_keys(
                 block_hashes, block_pool.hash_block_size, block_size, kv_cache_group_ids[0]
@@ -302,7 +301,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 if block is None:
                     break
                 if block.__class__ is dict:  # duplicates under one key: take the first
-                    block = get(key)
+                    block = next(iter(block.values()))
                 out.append(block)
         else:
             for i in range(num_blocks):
@@ -438,14 +437,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         c = 0 if drop_eagle_block else 1
         need = max(need, 1)  # vLLM's scan always needs one cached block, even for window 1
         num_groups = len(kv_cache_group_ids)
-        if num_groups == 1:
-            get_one = block_pool.cached_block_hash_to_block.get_one_block
-            raw = block_pool.cached_block_hash_to_block.raw_get
-            suffix = kv_cache_group_ids[0].to_bytes(4, "big")
-            keys = group_keys(
-                block_hashes, block_pool.hash_block_size, block_size, kv_cache_group_ids[0]
-            )
-        else:
+        raw = block_pool.cached_block_hash_to_block.raw_get
+        key_lists = [
+            group_keys(block_hashes, block_pool.hash_block_size, block_size, gid)
+            for gid in kv_cache_group_ids
+        ]
+        if any(keys is None for keys in key_lists):
+            key_lists = None
             get_cached = block_pool.get_cached_block
         run: list = []
         end = -1
@@ -456,12 +454,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             j = e
             stop = e - need + 1 if e >= need - 1 else 0
             while j >= stop:
-                if num_groups == 1:
-                    key = keys[j] if keys is not None else hashes[j] + suffix
-                    block = raw(key)
-                    if block is not None and block.__class__ is dict:
-                        block = get_one(key)
-                    cached = None if block is None else (block,)
+                if key_lists is not None:
+                    cached = []
+                    for keys in key_lists:
+                        block = raw(keys[j])
+                        if block is None:
+                            cached = None
+                            break
+                        if block.__class__ is dict:  # duplicates: the first one
+                            block = next(iter(block.values()))
+                        cached.append(block)
                 else:
                     cached = get_cached(hashes[j], kv_cache_group_ids)
                 if cached is None:

@@ -72,8 +72,10 @@ def test_window_lookup_matches_vllm_scan(
     max_length = max(0, n - cut) * block_size
     alignment = block_size * ratio
     ids = list(range(num_groups))
+    # `plain`: hashes as a plain list (no memoised keys), the other lookup path.
+    hashes = list(req.block_hashes) if plain else req.block_hashes
     got, length = SlidingWindowManager.find_longest_cache_hit(
-        req.block_hashes, max_length, ids, pool, spec, eagle, alignment
+        hashes, max_length, ids, pool, spec, eagle, alignment
     )
     for g in ids:
         expected = vllm_scan(
