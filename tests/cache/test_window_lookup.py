@@ -54,9 +54,10 @@ def vllm_scan(hit, max_num_blocks, block_size, window, eagle, alignment, null):
     eagle=st.booleans(),
     num_groups=st.sampled_from([1, 2]),
     cut=st.integers(0, 3),
+    plain=st.booleans(),
 )
 def test_window_lookup_matches_vllm_scan(
-    pattern, block_size, ratio, window, eagle, num_groups, cut
+    pattern, block_size, ratio, window, eagle, num_groups, cut, plain
 ):
     n = len(pattern)
     pool = BlockPool(2 * n + 2, enable_caching=True, hash_block_size=block_size)
