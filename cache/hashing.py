@@ -206,16 +206,16 @@ class BlockHashes(list):
         self._coarse: dict[int, list[bytes]] = {}
         self._keys: dict[tuple[int, int], list[bytes]] = {}
 
-    def keys(self, factor: int, group_id: int) -> list[bytes]:
-        """Prefix-index keys of the coarse blocks in group ``group_id`` (memoised)."""
-        out = self._keys.get((factor, group_id))
-        if out is None:
-            out = self._keys[factor, group_id] = []
-        hashes = self if factor == 1 else self.coarse(factor)
-        if len(out) < len(hashes):
-            suffix = group_id.to_bytes(_GROUP_ID_BYTES, "big")
-            out.extend([h + suffix for h in hashes[len(out) :]])
-        return out
+    def key_memo(self, factor: int, group_id: int) -> list[bytes]:
+        """The memo of prefix-index keys of coarse blocks in group ``group_id``.
+
+        Entry i is ``coarse(factor)[i] + group id``; callers extend it in order (lazily, up to
+        what a lookup needs).
+        """
+        memo = self._keys.get((factor, group_id))
+        if memo is None:
+            memo = self._keys[factor, group_id] = []
+        return memo
 
     def coarse(self, factor: int) -> list[bytes]:
         out = self._coarse.get(factor)
@@ -227,15 +227,6 @@ class BlockHashes(list):
             for i in range(len(out), n):
                 out.append(join(self[i * factor : (i + 1) * factor]))
         return out
-
-
-def group_keys(
-    hashes: Sequence[bytes], hash_block_size: int, block_size: int, group_id: int
-) -> list[bytes] | None:
-    """Memoised index keys of a request's blocks in one group, or None for a plain list."""
-    if isinstance(hashes, BlockHashes) and block_size % hash_block_size == 0:
-        return hashes.keys(block_size // hash_block_size, group_id)
-    return None
 
 
 def resolve_block_hashes(

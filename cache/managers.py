@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from cache import spec as specs
 from cache.block_pool import BlockPool, KVCacheBlock
-from cache.hashing import group_keys, resolve_block_hashes
+from cache.hashing import BlockHashes, resolve_block_hashes
 
 if TYPE_CHECKING:
     from cache.request import Request
@@ -282,21 +282,32 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         alignment_tokens: int,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         block_size = kv_cache_spec.block_size
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-        num_blocks = min(max_length // block_size, len(hashes))
-        if len(kv_cache_group_ids) == 1:
-            # Common case, written out: one dict lookup per block.
+        factor = block_size // block_pool.hash_block_size
+        if len(kv_cache_group_ids) == 1 and block_size % block_pool.hash_block_size == 0:
+            # Common case, written out: one dict lookup per block. Keys are built lazily up to
+            # the first miss and memoised on the request (a waiting request is looked up again
+            # every step).
+            num_blocks = min(max_length // block_size, len(block_hashes) // factor)
             raw = block_pool.cached_block_hash_to_block.raw_get
-            keys = group_keys(
-                block_hashes, block_pool.hash_block_size, block_size, kv_cache_group_ids[0]
+            gid = kv_cache_group_ids[0]
+            suffix = gid.to_bytes(4, "big")
+            memo = (
+                block_hashes.key_memo(factor, gid) if isinstance(block_hashes, BlockHashes) else []
             )
-            if keys is None:
-                suffix = kv_cache_group_ids[0].to_bytes(4, "big")
-                keys = [h + suffix for h in hashes[:num_blocks]]
+            num_memo = len(memo)
+            join = b"".join
             out = computed[0]
             for i in range(num_blocks):
-                key = keys[i]
+                if i < num_memo:
+                    key = memo[i]
+                else:
+                    if factor == 1:
+                        key = block_hashes[i] + suffix
+                    else:
+                        key = join(block_hashes[i * factor : (i + 1) * factor]) + suffix
+                    memo.append(key)
+                    num_memo += 1
                 block = raw(key)
                 if block is None:
                     break
@@ -304,6 +315,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                     block = next(iter(block.values()))
                 out.append(block)
         else:
+            hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+            num_blocks = min(max_length // block_size, len(hashes))
             for i in range(num_blocks):
                 cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
                 if cached is None:
@@ -438,13 +451,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         need = max(need, 1)  # vLLM's scan always needs one cached block, even for window 1
         num_groups = len(kv_cache_group_ids)
         raw = block_pool.cached_block_hash_to_block.raw_get
-        key_lists = [
-            group_keys(block_hashes, block_pool.hash_block_size, block_size, gid)
-            for gid in kv_cache_group_ids
-        ]
-        if any(keys is None for keys in key_lists):
-            key_lists = None
-            get_cached = block_pool.get_cached_block
+        suffixes = [gid.to_bytes(4, "big") for gid in kv_cache_group_ids]
         run: list = []
         end = -1
         e = max_num_blocks - 1
@@ -454,18 +461,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             j = e
             stop = e - need + 1 if e >= need - 1 else 0
             while j >= stop:
-                if key_lists is not None:
-                    cached = []
-                    for keys in key_lists:
-                        block = raw(keys[j])
-                        if block is None:
-                            cached = None
-                            break
-                        if block.__class__ is dict:  # duplicates: the first one
-                            block = next(iter(block.values()))
-                        cached.append(block)
-                else:
-                    cached = get_cached(hashes[j], kv_cache_group_ids)
+                h = hashes[j]
+                cached = []
+                for suffix in suffixes:
+                    block = raw(h + suffix)
+                    if block is None:
+                        cached = None
+                        break
+                    if block.__class__ is dict:  # duplicates: the first one
+                        block = next(iter(block.values()))
+                    cached.append(block)
                 if cached is None:
                     break
                 run.append(cached)

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from cache import Request
+from cache import BlockPool, Request
 from cache.hashing import (
     BlockHashListWithBlockSize,
     get_block_hash,
@@ -16,6 +16,8 @@ from cache.hashing import (
     none_hash,
     sha256,
 )
+from cache.managers import FullAttentionManager
+from cache.spec import FullAttentionSpec
 
 
 def reference_hashes(tokens, block_size, extra=lambda start: None):
@@ -76,11 +78,21 @@ def test_memoised_coarse_hashes_equal_the_lazy_view():
         assert req.block_hashes.coarse(factor) == list(view)
 
 
-def test_memoised_group_keys():
-    req = Request("r", list(range(40)), hash_block_size=4)
-    keys = req.block_hashes.keys(2, 3)
-    assert keys == [make_block_hash_with_group_id(h, 3) for h in req.block_hashes.coarse(2)]
-    req.append_output_token_ids(list(range(40, 48)))
-    assert len(req.block_hashes.keys(2, 3)) == 6 and req.block_hashes.keys(1, 0)[11] == (
-        make_block_hash_with_group_id(req.block_hashes[11], 0)
+def test_lazily_memoised_keys_equal_the_index_keys():
+    mgr_tokens = list(range(40))
+    req = Request("r", mgr_tokens, hash_block_size=4)
+    pool = BlockPool(20, enable_caching=True, hash_block_size=4)
+    blocks = pool.get_new_blocks(5)
+    pool.cache_full_blocks(req, blocks, 0, 5, 8, 3)
+    memo = req.block_hashes.key_memo(2, 3)
+    assert memo == []
+    (hit,), length = FullAttentionManager.find_longest_cache_hit(
+        req.block_hashes, 39, [3], pool, _full(8), False, 8
     )
+    assert [b.block_id for b in hit] == [b.block_id for b in blocks[:4]] and length == 32
+    assert memo == [make_block_hash_with_group_id(h, 3) for h in req.block_hashes.coarse(2)[:4]]
+    assert all(pool.cached_block_hash_to_block.get_one_block(k) is not None for k in memo)
+
+
+def _full(block_size):
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype="bfloat16")
