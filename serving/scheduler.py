@@ -179,6 +179,8 @@ class Scheduler:
         enable_chunked_prefill: if False, a waiting request whose remaining prompt does not
             fit in the budget stops admission for this step instead of being chunked.
         eos_token_id: token that stops a request (FINISHED_STOPPED); None: never.
+        reserve_full_isl: admit a waiting request only if its whole remaining sequence fits
+            (vLLM 0.32's `scheduler_reserve_full_isl`, default on); False checks one chunk.
 
     Raises:
         ValueError: a count is negative or zero where at least one is needed.
@@ -197,6 +199,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         enable_chunked_prefill: bool = True,
         eos_token_id: int | None = None,
+        reserve_full_isl: bool = True,
     ) -> None:
         _check_count("max_num_seqs", max_num_seqs, 1)
         _check_count("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -216,6 +219,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
         self.eos_token_id = eos_token_id
+        # vLLM 0.32's `scheduler_reserve_full_isl`: admit a request only if its whole prompt
+        # fits (window kinds at their admission cap), not just the first chunk.
+        self.reserve_full_isl = reserve_full_isl
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.status: dict[str, RequestStatus] = {}  # same keys as `requests`
@@ -461,14 +467,17 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new_tokens > plan.token_budget:
                 return
             num_new_tokens = min(num_new_tokens, plan.token_budget)
-            # No lookahead on a request's first allocation (vLLM: avoids a P/D block mismatch).
-            lookahead = 0 if request.num_computed_tokens == 0 else self.num_lookahead_tokens
+            # vLLM 0.32 reserves lookahead slots on the first allocation too (it drops them only
+            # for asynchronous KV loads, which we do not have); earlier vLLM used 0 here.
+            lookahead = self.num_lookahead_tokens
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request,
                 max(num_new_tokens - num_replay_tokens, 0),
                 num_new_computed_tokens=num_hit_tokens,
                 new_computed_blocks=hit_blocks,
                 num_lookahead_tokens=lookahead,
+                full_sequence_must_fit=self.reserve_full_isl,
+                has_scheduled_reqs=bool(plan.num_scheduled_tokens),
             )
             if new_blocks is None:
                 return

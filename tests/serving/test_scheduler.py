@@ -335,15 +335,16 @@ def test_max_num_seqs_limits_running_requests():
     assert output.finished_req_ids == {"a", "b"}
 
 
-def test_lookahead_slots_not_reserved_on_first_allocation():
+def test_lookahead_slots_reserved_from_the_first_allocation():
+    # vLLM 0.32: the first allocation reserves lookahead slots too (16 + 4 -> 2 blocks).
     scheduler = make_scheduler(num_spec_tokens=4, num_lookahead_tokens=4)
     request = add(scheduler, "r", 16)
     output = scheduler.schedule()
     assert output.scheduled_new_reqs[0].block_ids == scheduler.kv_cache_manager.get_block_ids("r")
-    assert len(scheduler.kv_cache_manager.get_block_ids("r")[0]) == 1  # 16 tokens, no lookahead
+    assert len(scheduler.kv_cache_manager.get_block_ids("r")[0]) == 2
     scheduler.update_from_output(output, {"r": [5]})
-    output = scheduler.schedule()  # 17 tokens + 4 lookahead -> 2 blocks
-    assert len(output.scheduled_cached_reqs[0].new_block_ids[0]) == 1
+    output = scheduler.schedule()  # 17 tokens + 4 lookahead -> still 2 blocks
+    assert output.scheduled_cached_reqs[0].new_block_ids[0] == []
     assert request.num_computed_tokens == 17
 
 
