@@ -1015,27 +1015,25 @@ def v41_layer_specs(desc: ModelCacheDesc) -> dict[str, KVCacheSpec]:
 
 
 def _compressed_spec(desc: ModelCacheDesc, r: int) -> MLAAttentionSpec:
-    return MLAAttentionSpec(
-        block_size=desc.block_size,
-        num_kv_heads=1,
-        head_size=desc.compressed_record_bytes,
-        dtype=desc.record_dtype,
-        state_content_bytes=desc.compressed_record_bytes,
-        tokens_per_state=r,
-        alignment=desc.page_alignment,
-        model_version="deepseek_v4",
-    )
+    return _mla_rows_spec(desc, r, desc.compressed_record_bytes, desc.page_alignment)
 
 
 def _indexer_spec(desc: ModelCacheDesc, r: int) -> MLAAttentionSpec:
+    return _mla_rows_spec(desc, r, desc.indexer_key_bytes, desc.indexer_page_alignment)
+
+
+def _mla_rows_spec(
+    desc: ModelCacheDesc, r: int, row_bytes: int, alignment: int | None
+) -> MLAAttentionSpec:
+    """A full-attention cache of packed rows, one per ``r`` tokens (compressed KV, index keys)."""
     return MLAAttentionSpec(
         block_size=desc.block_size,
         num_kv_heads=1,
-        head_size=desc.indexer_key_bytes,
+        head_size=row_bytes,
         dtype=desc.record_dtype,
-        state_content_bytes=desc.indexer_key_bytes,
+        state_content_bytes=row_bytes,
         tokens_per_state=r,
-        alignment=desc.indexer_page_alignment,
+        alignment=alignment,
         model_version="deepseek_v4",
     )
 
