@@ -530,14 +530,13 @@ class BlockPool:
         ``ordered_blocks`` is in eviction order (first = evicted first); callers pass a
         request's blocks tail first. See ``unhashed_blocks_to_front`` for where they go.
         """
-        # One pass, linking as we go: front blocks are inserted one after another right after
-        # the head (= prepend_n of them in order), the others at the tail (= append_n).
-        queue = self.free_block_queue
-        tail = queue.fake_free_list_tail
-        insert_after = queue.fake_free_list_head
-        front = self.unhashed_blocks_to_front
-        caching = self.enable_caching
-        num_freed = 0
+        # Blocks reaching 0 are split in two runs (in the given order): never-cached ones go to
+        # the head (reused first), cached ones to the tail (LRU); each run is linked as a chain.
+        to_front: list[KVCacheBlock] = []
+        to_back: list[KVCacheBlock] = []
+        front = to_front if self.unhashed_blocks_to_front else to_back
+        if not self.enable_caching:
+            to_back = front
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -547,21 +546,15 @@ class BlockPool:
                 if ref_cnt < 0:
                     raise RuntimeError(f"{block!r} freed more often than it was referenced")
                 continue
-            if front and (block._block_hash is None or not caching):
-                nxt = insert_after.next_free_block
-                block.prev_free_block = insert_after
-                block.next_free_block = nxt
-                insert_after.next_free_block = block
-                nxt.prev_free_block = block  # type: ignore[union-attr]
-                insert_after = block
+            if block._block_hash is None:
+                front.append(block)
             else:
-                prev = tail.prev_free_block
-                block.prev_free_block = prev
-                block.next_free_block = tail
-                prev.next_free_block = block  # type: ignore[union-attr]
-                tail.prev_free_block = block
-            num_freed += 1
-        queue.num_free_blocks += num_freed
+                to_back.append(block)
+        queue = self.free_block_queue
+        if to_front:
+            queue.prepend_n(to_front)
+        if to_back and to_back is not to_front:
+            queue.append_n(to_back)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops the index entries of the given blocks without freeing them."""
