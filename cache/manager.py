@@ -126,6 +126,10 @@ class KVCacheManager:
         eagle_drop_once: vLLM 0.32's EAGLE hit lookup (see `HybridKVCacheCoordinator`); False
             gives the earlier per-lookup drop that the reference scenario 24 encodes.
         log_stats: collect `PrefixCacheStats`.
+        scheduler_block_size: accepted for vLLM 0.32 callers, who pass the resolved value; it
+            must equal ours (the lcm of the group block sizes).
+        max_in_flight_tokens: vLLM 0.32's name for ``max_num_batched_tokens`` (synchronous
+            scheduling: one batch in flight).
     """
 
     def __init__(
@@ -144,6 +148,8 @@ class KVCacheManager:
         watermark: float = 0.0,
         eagle_drop_once: bool = True,
         log_stats: bool = True,
+        scheduler_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
     ) -> None:
         _check_count("max_model_len", max_model_len)
         if max_model_len == 0:
@@ -161,6 +167,21 @@ class KVCacheManager:
         self.scheduler_block_size, self.hash_block_size = resolve_kv_cache_block_sizes(
             kv_cache_config, enable_caching=enable_caching, hash_block_size=hash_block_size
         )
+        if scheduler_block_size is not None and scheduler_block_size != self.scheduler_block_size:
+            raise ValueError(
+                f"scheduler_block_size={scheduler_block_size} does not match this config's "
+                f"{self.scheduler_block_size} (the lcm of its group block sizes)"
+            )
+        if max_in_flight_tokens is not None:
+            if (
+                max_num_batched_tokens is not None
+                and max_num_batched_tokens != max_in_flight_tokens
+            ):
+                raise ValueError(
+                    f"max_in_flight_tokens={max_in_flight_tokens} and max_num_batched_tokens="
+                    f"{max_num_batched_tokens} disagree; give one"
+                )
+            max_num_batched_tokens = max_in_flight_tokens
         group_specs = [allocator_spec(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
         self.num_replay_tokens_max = max((s.prefix_replay_tokens for s in group_specs), default=0)
         self.coordinator = get_kv_cache_coordinator(
@@ -263,6 +284,8 @@ class KVCacheManager:
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = True,
+        reserved_blocks: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Gives the request slots for ``num_new_tokens`` more tokens (plus lookahead).
 
@@ -278,6 +301,10 @@ class KVCacheManager:
                 admission cap).
             has_scheduled_reqs: whether other requests are already scheduled this step; the
                 watermark applies only then, and only to requests not yet running.
+            reserved_blocks: free blocks this call must leave untouched (vLLM: for in-flight
+                asynchronous loads).
+            num_external_computed_tokens: tokens a KV connector holds; only 0 is supported
+                (no connectors here).
 
         Returns:
             The newly allocated blocks per group, or None if the pool cannot supply them (then
@@ -301,6 +328,13 @@ class KVCacheManager:
             _check_count("num_encoder_tokens", num_encoder_tokens)
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no new computed tokens")
+        if num_external_computed_tokens:
+            raise ValueError(
+                f"num_external_computed_tokens={num_external_computed_tokens}: KV connectors are "
+                "not supported; only 0 is allowed"
+            )
+        if reserved_blocks:
+            _check_count("reserved_blocks", reserved_blocks)
         if new_computed_blocks is not None:
             hit_blocks = new_computed_blocks.blocks
             if len(hit_blocks) != self.num_kv_cache_groups:
@@ -332,9 +366,9 @@ class KVCacheManager:
             num_tokens_need_slot = self.max_model_len
         coordinator = self.coordinator
         request_id = request.request_id
-        watermark = 0
+        watermark = reserved_blocks
         if self.watermark_blocks and has_scheduled_reqs and request.num_computed_tokens == 0:
-            watermark = self.watermark_blocks
+            watermark += self.watermark_blocks
 
         if not has_hits and not full_sequence_must_fit and coordinator.plain_path:
             # The common step (decode, next prefill chunk, a first chunk without hits): one

@@ -51,6 +51,20 @@ def test_bad_allocate_arguments_leave_manager_unchanged(busy, kwargs, message):
     assert snapshot(mgr) == before
 
 
+def test_vllm_compatible_arguments(busy):
+    mgr, a = busy
+    free = mgr.num_free_blocks
+    with pytest.raises(ValueError, match="KV connectors are not supported"):
+        mgr.allocate_slots(a, 1, num_external_computed_tokens=16)
+    b = request(mgr, "b", range(500, 540))
+    assert mgr.allocate_slots(b, 40, reserved_blocks=free - 1) is None  # needs 3 + 3 blocks
+    assert mgr.allocate_slots(b, 40, reserved_blocks=free - 6) is not None
+    with pytest.raises(ValueError, match="scheduler_block_size=32 does not match"):
+        manager([full(), swa(16, 32)], 40, scheduler_block_size=32)
+    same = manager([full(), swa(16, 32)], 40, scheduler_block_size=16, max_in_flight_tokens=64)
+    assert same.coordinator.single_type_managers[1].max_admission_blocks_per_request == 7
+
+
 def test_hits_for_a_running_request_are_refused(busy):
     mgr, a = busy
     b = request(mgr, "b", range(70))
