@@ -223,9 +223,11 @@ class BlockHashes(list):
             out = self._coarse[factor] = []
         n = len(self) // factor
         if len(out) < n:
-            join = b"".join
-            for i in range(len(out), n):
-                out.append(join(self[i * factor : (i + 1) * factor]))
+            if factor == 2:
+                out.extend([self[2 * i] + self[2 * i + 1] for i in range(len(out), n)])
+            else:
+                join = b"".join
+                out.extend([join(self[i * factor : (i + 1) * factor]) for i in range(len(out), n)])
         return out
 
 

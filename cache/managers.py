@@ -304,6 +304,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 else:
                     if factor == 1:
                         key = block_hashes[i] + suffix
+                    elif factor == 2:  # (V4.1-Flash: 64-token blocks over 32-token hashes)
+                        key = block_hashes[2 * i] + block_hashes[2 * i + 1] + suffix
                     else:
                         key = join(block_hashes[i * factor : (i + 1) * factor]) + suffix
                     memo.append(key)
