@@ -199,7 +199,7 @@ class KVCacheCoordinator:
         pool = self.block_pool
         if need + reserved_blocks > pool.free_block_queue.num_free_blocks:
             return None
-        new_blocks = self._no_new_blocks
+        new_blocks = self.no_new_blocks
         if todo is not None:
             new_blocks = list(new_blocks)
             for i, tables, k in todo:
@@ -228,7 +228,7 @@ class KVCacheCoordinator:
     def _build_plans(self) -> None:
         """Per-manager constants of the fused path (refreshed when EAGLE flags change)."""
         managers = self.single_type_managers
-        self._no_new_blocks = tuple(() for _ in managers)
+        self.no_new_blocks = tuple(() for _ in managers)
         self._freeing = tuple(
             (m, m.req_to_blocks, m.block_size, m.skip_offset) for m in managers if m.frees_blocks
         )

@@ -383,7 +383,7 @@ class KVCacheManager:
             )
             if new_blocks is None:
                 return None
-            if new_blocks is coordinator._no_new_blocks:
+            if new_blocks is coordinator.no_new_blocks:
                 return self.empty_kv_cache_blocks
             return KVCacheBlocks(new_blocks)
 
