@@ -1,0 +1,712 @@
+"""Model configuration and the per-layer plan of DeepSeek-V4.1.
+
+`ModelConfig` is one frozen, hashable dataclass (so it can be a static argument under `jax.jit`),
+validated on construction. Field names are the official inference names (the keys of the
+reference's `inference/config.json`); `ModelConfig.from_dict` also accepts the Hugging Face names
+of a checkpoint's `config.json`, including V4.1's nesting of text fields under `text_config`.
+
+`LayerPlan` is derived once from the config: per layer its compress ratio, its role (window-only,
+full, reindex, reuse), its kv source, its index source and its part in the two-level candidate
+selection. The rules follow the reference and vLLM (``../shared/reference/model_v41.md`` section
+2.5, ``v41_in_vllm.md`` section 1.2); every violation names the layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "LayerInfo",
+    "LayerPlan",
+    "ModelConfig",
+    "Role",
+    "tiny_v41",
+    "v41_flash",
+]
+
+
+class Role(enum.Enum):
+    """What a layer's attention computes (model_v41.md section 2.5)."""
+
+    SWA = "swa"  # ratio 0: sliding window only
+    FULL = "full"  # kv source (and index source): compressor, caches, own indexer
+    REINDEX = "reindex"  # index source only: own indexer over its kv source's index keys
+    REUSE = "reuse"  # neither: the latest published top-k over its kv source's cache
+
+
+# Hugging Face config.json name -> inference name. Names that are the same in both are omitted.
+_HF_NAMES = {
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "num_attention_heads": "n_heads",
+    "moe_intermediate_size": "moe_inter_dim",
+    "num_experts_per_tok": "n_activated_experts",
+    "scoring_func": "score_func",
+    "routed_scaling_factor": "route_scale",
+    "rms_norm_eps": "norm_eps",
+    "qk_rope_head_dim": "rope_head_dim",
+    "sliding_window": "window_size",
+    "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers",
+    "candidate_source_layer_id": "candidate_source_layer",
+    "max_position_embeddings": "max_seq_len",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+    "engram_pad_token_id": "engram_pad_id",
+}
+# Keys of a checkpoint config that describe things this package deliberately does not model
+# (vision tower, token ids of special spans, HF bookkeeping) or that it reads through other
+# paths. They are accepted and ignored; any other unknown key is an error.
+_IGNORED_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "torch_dtype",
+        "transformers_version",
+        "auto_map",
+        "vision_config",
+        "text_config",
+        "quantization_config",
+        "rope_scaling",
+        "rope_parameters",
+        "num_key_value_heads",
+        "hidden_act",
+        "tie_word_embeddings",
+        "topk_method",
+        "n_group",
+        "topk_group",
+        "first_k_dense_replace",
+        "initializer_range",
+        "use_cache",
+        "attention_bias",
+        "attention_dropout",
+        "pad_token_id",
+        "image_token_id",
+        "num_hash_layers",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "moe_layer_freq",
+        "ep_size",
+        "intermediate_size",
+        "max_batch_size",
+        "temperature",
+        "vision_n_layers",
+        "vision_dim",
+        "vision_n_heads",
+        "vision_inter_dim",
+        "vision_patch_size",
+        "vision_rope_theta",
+        "vision_downsample_ratio",
+        "vision_max_n_token",
+        "vision_min_pixels",
+        "vision_max_wh_ratio",
+        "scale_fmt",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The DeepSeek-V4.1 text model. Defaults are the released V4.1-Flash values.
+
+    Only the backbone is modelled: Engram, the DSpark drafter and the vision tower are recorded
+    (their config fields parse) but not computed; see README.
+    """
+
+    vocab_size: int = 129280
+    dim: int = 5120
+    n_layers: int = 40
+    n_mtp_layers: int = 3
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_lora_rank: int = 1024
+    o_groups: int = 8
+    window_size: int = 128
+    # one entry per layer, draft layers included: 0 window only, 1 per-token, 2 pairs pooled
+    compress_ratios: tuple[int, ...] = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+    kv_source_layers: tuple[int, ...] = (2, 8, 14, 20)
+    index_source_layers: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
+    candidate_source_layer: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    max_seq_len: int = 1048576
+    norm_eps: float = 1e-20
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    moe_inter_dim: int = 2304
+    score_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    gate_temp: float = 1.0
+    # checkpoint storage: fp8 e4m3 weights with one e8m0 scale per block x block tile; routed
+    # experts packed fp4 (e2m1) with one e8m0 scale per 32 inputs
+    dtype: str = "fp8"
+    expert_dtype: str | None = "fp4"
+    fp8_block_size: int = 32
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    # parsed, not computed (outside this package's scope)
+    engram_layer_ids: tuple[int, ...] = (1, 14)
+    dspark_block_size: int = 5
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
+    # reproduce the official reference's quantisation simulation (fp8 activations before fp8/fp4
+    # GEMMs, fp8 window latent, FP4 compressed entries and index q/k)
+    quant_sim: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("compress_ratios", "kv_source_layers", "index_source_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+        for name in ("engram_layer_ids", "dspark_target_layer_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+        self._validate()
+        # the plan validates the topology and names the offending layer
+        LayerPlan.from_config(self)
+
+    # -- validation --------------------------------------------------------------------------
+    def _validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"ModelConfig: {msg}")
+
+        positive = [
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "head_dim",
+            "rope_head_dim",
+            "q_lora_rank",
+            "o_lora_rank",
+            "o_groups",
+            "window_size",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "max_seq_len",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "n_routed_experts",
+            "n_activated_experts",
+            "moe_inter_dim",
+            "fp8_block_size",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"{name}={value!r} must be a positive int",
+            )
+        need(self.n_mtp_layers >= 0, f"n_mtp_layers={self.n_mtp_layers} must be >= 0")
+        need(
+            self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim,
+            f"rope_head_dim={self.rope_head_dim} must be even and <= head_dim={self.head_dim}",
+        )
+        need(
+            self.rope_head_dim <= self.index_head_dim,
+            f"rope_head_dim={self.rope_head_dim} must be <= index_head_dim={self.index_head_dim}",
+        )
+        need(
+            self.n_heads % self.o_groups == 0,
+            f"n_heads={self.n_heads} must be a multiple of o_groups={self.o_groups}",
+        )
+        need(
+            self.n_activated_experts <= self.n_routed_experts,
+            f"n_activated_experts={self.n_activated_experts} exceeds "
+            f"n_routed_experts={self.n_routed_experts}",
+        )
+        need(
+            self.n_shared_experts == 1,
+            f"n_shared_experts={self.n_shared_experts}: exactly one shared expert is supported",
+        )
+        need(
+            self.score_func == "sqrtsoftplus",
+            f"score_func={self.score_func!r}: V4.1 uses 'sqrtsoftplus'",
+        )
+        need(self.dtype in ("fp8", "bf16"), f"dtype={self.dtype!r} must be 'fp8' or 'bf16'")
+        need(
+            self.expert_dtype in ("fp4", None),
+            f"expert_dtype={self.expert_dtype!r} must be 'fp4' or None",
+        )
+        need(self.norm_eps >= 0, f"norm_eps={self.norm_eps} must be >= 0")
+        need(self.gate_temp > 0, f"gate_temp={self.gate_temp} must be > 0")
+        need(self.rope_factor >= 1, f"rope_factor={self.rope_factor} must be >= 1")
+        need(
+            len(self.compress_ratios) >= self.n_layers,
+            f"compress_ratios has {len(self.compress_ratios)} entries, fewer than "
+            f"n_layers={self.n_layers}",
+        )
+        if self.candidate_source_layer >= 0:
+            need(
+                self.candidate_block_size > 0 and self.candidate_topk_blocks > 0,
+                f"candidate_source_layer={self.candidate_source_layer} needs "
+                f"candidate_block_size > 0 and candidate_topk_blocks > 0 (got "
+                f"{self.candidate_block_size}, {self.candidate_topk_blocks})",
+            )
+        if self.quant_sim:
+            for name, value, block in (
+                ("dim", self.dim, self.fp8_block_size),
+                ("q_lora_rank", self.q_lora_rank, self.fp8_block_size),
+                ("moe_inter_dim", self.moe_inter_dim, 32),
+                ("head_dim", self.head_dim, 32),
+                ("index_head_dim", self.index_head_dim, 32),
+                ("o_groups*o_lora_rank", self.o_groups * self.o_lora_rank, self.fp8_block_size),
+            ):
+                need(
+                    value % block == 0,
+                    f"quant_sim needs {name}={value} to be a multiple of {block}",
+                )
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def plan(self) -> LayerPlan:
+        return LayerPlan.from_config(self)
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+    def ratio(self, layer: int) -> int:
+        return self.compress_ratios[layer] if layer < len(self.compress_ratios) else 0
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # -- parsing ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+        """Build from a checkpoint's config.json (HF names, with or without `text_config`) or
+        from the reference's inference config (inference names). ``overrides`` win."""
+        if not isinstance(raw, Mapping):
+            raise TypeError(f"config must be a mapping, got {type(raw).__name__}")
+        merged: dict[str, Any] = dict(raw)
+        text = raw.get("text_config")
+        if isinstance(text, Mapping):
+            # V4.1 keeps the text model under text_config; top-level keys (e.g. quantisation)
+            # still apply where the nested block does not set them.
+            merged.update(text)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        unknown = []
+        for key, value in merged.items():
+            name = _HF_NAMES.get(key, key)
+            if name in fields:
+                if name in values and values[name] != value:
+                    raise ValueError(
+                        f"config sets {name!r} twice with different values ({values[name]!r} "
+                        f"and {value!r} from {key!r})"
+                    )
+                values[name] = value
+            elif key in _IGNORED_KEYS or key.startswith(("engram_", "dspark_", "vision_")):
+                continue
+            else:
+                unknown.append(key)
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}")
+        rope = merged.get("rope_scaling") or merged.get("rope_parameters")
+        if (
+            isinstance(rope, Mapping)
+            and "compress" in rope
+            and isinstance(rope["compress"], Mapping)
+        ):
+            rope = rope["compress"]
+        if isinstance(rope, Mapping) and rope.get("type", rope.get("rope_type")) not in (
+            None,
+            "default",
+        ):
+            values.setdefault("rope_factor", rope.get("factor", 1.0))
+            if "original_max_position_embeddings" in rope:
+                values.setdefault("original_seq_len", rope["original_max_position_embeddings"])
+            for k in ("beta_fast", "beta_slow"):
+                if k in rope:
+                    values.setdefault(k, rope[k])
+        quant = merged.get("quantization_config")
+        if isinstance(quant, Mapping):
+            block = quant.get("weight_block_size")
+            if block is not None:
+                if len(block) != 2 or block[0] != block[1]:
+                    raise ValueError(f"weight_block_size={block} must be square [B, B]")
+                values.setdefault("fp8_block_size", int(block[0]))
+            values.setdefault("dtype", "fp8")
+            if "expert_dtype" in quant:
+                values.setdefault("expert_dtype", quant["expert_dtype"])
+        elif "dtype" not in values and text is not None:
+            values.setdefault("dtype", "bf16")
+        if "engram_layer_ids" in merged:
+            values["engram_layer_ids"] = tuple(merged["engram_layer_ids"])
+        elif "text_config" in raw or "n_layers" in raw or "num_hidden_layers" in raw:
+            values["engram_layer_ids"] = ()
+        for key in ("dspark_target_layer_ids", "dspark_block_size"):
+            if key in merged:
+                values[key] = merged[key]
+        if "candidate_source_layer" not in values:
+            values["candidate_source_layer"] = -1
+            values.setdefault("candidate_topk_blocks", 0)
+            values.setdefault("candidate_block_size", 0)
+        for key in ("kv_source_layers", "index_source_layers", "compress_ratios"):
+            if key in values:
+                values[key] = tuple(int(v) for v in values[key])
+        if "n_mtp_layers" not in values:
+            values["n_mtp_layers"] = max(
+                0, len(values.get("compress_ratios", ())) - values.get("n_layers", cls.n_layers)
+            )
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except TypeError as exc:  # e.g. a wrong type for a field
+            raise ValueError(f"invalid config: {exc}") from exc
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str], **overrides: Any) -> ModelConfig:
+        """Read ``config.json`` (a file, or a checkpoint directory that holds one)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f), **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Inference names; `from_dict(to_dict())` round-trips."""
+        out = dataclasses.asdict(self)
+        for k, v in out.items():
+            if isinstance(v, tuple):
+                out[k] = list(v)
+        return out
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A V4.1-style config.json (text fields under text_config) for checkpoints we write."""
+        inv = {v: k for k, v in _HF_NAMES.items()}
+        text: dict[str, Any] = {}
+        for k, v in self.to_dict().items():
+            if k in (
+                "quant_sim",
+                "dtype",
+                "expert_dtype",
+                "fp8_block_size",
+                "rope_factor",
+                "original_seq_len",
+                "beta_fast",
+                "beta_slow",
+            ):
+                continue
+            text[inv.get(k, k)] = v
+        text["rope_scaling"] = {
+            "type": "yarn",
+            "factor": self.rope_factor,
+            "original_max_position_embeddings": self.original_seq_len,
+            "beta_fast": self.beta_fast,
+            "beta_slow": self.beta_slow,
+        }
+        text["model_type"] = "deepseek_v41_text"
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV41ForCausalLM"],
+            "model_type": "deepseek_v41",
+            "text_config": text,
+        }
+        if self.dtype == "fp8":
+            out["quantization_config"] = {
+                "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "scale_fmt": "ue8m0",
+                "weight_block_size": [self.fp8_block_size, self.fp8_block_size],
+                "expert_dtype": self.expert_dtype,
+            }
+        return out
+
+
+# -- layer plan ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerInfo:
+    layer: int
+    ratio: int
+    role: Role
+    kv_source: int | None  # layer whose compressed cache (and index keys) this layer reads
+    index_source: int | None  # layer whose top-k this layer uses (itself for index sources)
+    is_candidate_source: bool
+    uses_candidates: bool
+
+    @property
+    def owns_compressor(self) -> bool:
+        return self.role is Role.FULL
+
+    @property
+    def owns_indexer(self) -> bool:
+        return self.role in (Role.FULL, Role.REINDEX)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """Per backbone layer: ratio, role and sources (draft layers are not part of the plan)."""
+
+    layers: tuple[LayerInfo, ...]
+
+    def __getitem__(self, layer: int) -> LayerInfo:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def by_role(self, role: Role) -> tuple[int, ...]:
+        return tuple(info.layer for info in self.layers if info.role is role)
+
+    def describe(self) -> str:
+        """One line per layer, for the demo and for humans."""
+        lines = []
+        for info in self.layers:
+            extra = []
+            if info.kv_source is not None and info.kv_source != info.layer:
+                extra.append(f"kv<-{info.kv_source}")
+            if info.role is Role.REUSE and info.index_source is not None:
+                extra.append(f"top-k<-{info.index_source}")
+            if info.is_candidate_source:
+                extra.append("candidate source")
+            if info.uses_candidates:
+                extra.append("candidate consumer")
+            lines.append(
+                f"layer {info.layer:3d}  ratio {info.ratio}  {info.role.value:8s} "
+                + " ".join(extra)
+            )
+        return "\n".join(lines)
+
+    @staticmethod
+    def from_config(cfg: ModelConfig) -> LayerPlan:
+        return _build_plan(
+            cfg.n_layers,
+            tuple(cfg.ratio(layer) for layer in range(cfg.n_layers)),
+            cfg.kv_source_layers,
+            cfg.index_source_layers,
+            cfg.candidate_source_layer,
+            cfg.candidate_topk_blocks,
+            cfg.candidate_block_size,
+            cfg.index_topk,
+            tuple(cfg.compress_ratios[cfg.n_layers :]),
+        )
+
+
+_PLAN_CACHE: dict[tuple, LayerPlan] = {}
+
+
+def _build_plan(
+    n_layers: int,
+    ratios: tuple[int, ...],
+    kv_sources: tuple[int, ...],
+    index_sources: tuple[int, ...],
+    candidate_source: int,
+    candidate_topk_blocks: int,
+    candidate_block_size: int,
+    index_topk: int,
+    draft_ratios: tuple[int, ...],
+) -> LayerPlan:
+    key = (n_layers, ratios, kv_sources, index_sources, candidate_source, draft_ratios)
+    if key in _PLAN_CACHE:
+        return _PLAN_CACHE[key]
+
+    def fail(msg: str) -> None:
+        raise ValueError(f"layer plan: {msg}")
+
+    for layer, r in enumerate(ratios):
+        if r not in (0, 1, 2):
+            fail(f"layer {layer} has compress ratio {r}; V4.1 allows 0, 1 or 2")
+    for layer, r in enumerate(draft_ratios, start=n_layers):
+        if r != 0:
+            fail(f"draft layer {layer} has compress ratio {r}; draft layers are window-only")
+    for name, ids in (("kv_source_layers", kv_sources), ("index_source_layers", index_sources)):
+        if list(ids) != sorted(set(ids)):
+            fail(f"{name}={list(ids)} must be sorted and unique")
+        for s in ids:
+            if not 0 <= s < n_layers:
+                fail(f"{name} names layer {s}, outside the backbone's layers 0..{n_layers - 1}")
+            if ratios[s] == 0:
+                fail(f"layer {s} is in {name} but has compress ratio 0")
+    for s in kv_sources:
+        if s not in index_sources:
+            fail(f"layer {s} is a kv source but not an index source (nobody would make its keys)")
+    if candidate_source >= 0 and candidate_source not in kv_sources:
+        fail(f"candidate source layer {candidate_source} must be a kv source")
+
+    infos = []
+    for layer in range(n_layers):
+        r = ratios[layer]
+        if r == 0:
+            infos.append(
+                LayerInfo(
+                    layer=layer,
+                    ratio=0,
+                    role=Role.SWA,
+                    kv_source=None,
+                    index_source=None,
+                    is_candidate_source=False,
+                    uses_candidates=False,
+                )
+            )
+            continue
+        kv = max((s for s in kv_sources if s <= layer), default=None)
+        idx = max((s for s in index_sources if s <= layer), default=None)
+        if kv is None:
+            fail(f"layer {layer} has compress ratio {r} but no kv source at or below it")
+        if idx is None:
+            fail(f"layer {layer} has compress ratio {r} but no index source at or below it")
+        if ratios[kv] != r:
+            fail(f"layer {layer} has ratio {r} but its kv source {kv} has ratio {ratios[kv]}")
+        if ratios[idx] != r:
+            fail(f"layer {layer} has ratio {r} but its index source {idx} has ratio {ratios[idx]}")
+        # the top-k a reuse layer inherits is the latest one any index source published; it
+        # must come from an index source over the same kv source
+        if idx < kv:
+            fail(
+                f"layer {layer}: its latest index source {idx} precedes its kv source {kv}, "
+                "so the top-k it would reuse indexes another cache"
+            )
+        if layer in kv_sources:
+            role = Role.FULL
+        elif layer in index_sources:
+            role = Role.REINDEX
+        else:
+            role = Role.REUSE
+        is_cand = layer == candidate_source
+        uses = layer in index_sources and 0 <= candidate_source < layer
+        if uses and ratios[candidate_source] != r:
+            fail(
+                f"layer {layer} consumes candidates of layer {candidate_source} but its ratio "
+                f"{r} differs from the candidate source's {ratios[candidate_source]}"
+            )
+        if uses and kv != max(s for s in kv_sources if s <= layer and s >= candidate_source):
+            fail(f"layer {layer} consumes candidates but reads a different kv source ({kv})")
+        infos.append(
+            LayerInfo(
+                layer=layer,
+                ratio=r,
+                role=role,
+                kv_source=kv,
+                index_source=idx,
+                is_candidate_source=is_cand,
+                uses_candidates=uses,
+            )
+        )
+    plan = LayerPlan(tuple(infos))
+    _PLAN_CACHE[key] = plan
+    return plan
+
+
+# -- presets ---------------------------------------------------------------------------------
+
+
+def v41_flash(**overrides: Any) -> ModelConfig:
+    """DeepSeek-V4.1-Flash as released (dba1be0a): 40 backbone layers + 3 DSpark stages."""
+    return ModelConfig(**overrides)
+
+
+def tiny_v41(**overrides: Any) -> ModelConfig:
+    """A small V4.1 that covers every role (``v41_in_vllm.md`` section 6.1 topology):
+
+    layer 0 window-only; 1 full r=2 (dense indexer); 2 reuse r=2; 3 full r=1 and candidate
+    source; 4 reuse r=1; 5 reindex and candidate consumer; 6 reuse of 5's top-k; 7 window-only;
+    plus one window-only draft layer (parsed, not computed). With window 8, top-k 16 and
+    candidate blocks of 4 x 8, prompts of 40-80 tokens reach every sparse regime.
+    """
+    fields: dict[str, Any] = dict(
+        vocab_size=512,
+        dim=64,
+        n_layers=8,
+        n_mtp_layers=1,
+        n_heads=4,
+        head_dim=64,
+        rope_head_dim=16,
+        q_lora_rank=32,
+        o_lora_rank=32,
+        o_groups=2,
+        window_size=8,
+        compress_ratios=(0, 2, 2, 1, 1, 1, 1, 0, 0),
+        kv_source_layers=(1, 3),
+        index_source_layers=(1, 3, 5),
+        candidate_source_layer=3,
+        candidate_topk_blocks=8,
+        candidate_block_size=4,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=16,
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        rope_factor=4.0,
+        original_seq_len=64,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        max_seq_len=512,
+        norm_eps=1e-6,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        hc_eps=1e-6,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_activated_experts=2,
+        moe_inter_dim=64,
+        engram_layer_ids=(),
+        dspark_block_size=0,
+        dspark_target_layer_ids=(),
+        dspark_n_routed_experts=8,
+        dspark_n_activated_experts=2,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rope_inv_freq(cfg: ModelConfig, ratio: int) -> tuple[float, ...]:
+    """Inverse frequencies of one layer's rotary table (plain for ratio 0, YaRN otherwise)."""
+    dim = cfg.rope_head_dim
+    if ratio == 0:
+        base, orig = cfg.rope_theta, 0
+    else:
+        base, orig = cfg.compress_rope_theta, cfg.original_seq_len
+    freqs = [1.0 / (base ** (i / dim)) for i in range(0, dim, 2)]
+    if orig > 0 and cfg.rope_factor != 1.0:
+
+        def corrected(rotations: float) -> float:
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corrected(cfg.beta_fast)), 0)
+        high = min(math.ceil(corrected(cfg.beta_slow)), dim - 1)
+        out = []
+        for i, f in enumerate(freqs):
+            ramp = min(max((i - low) / max(high - low, 1e-3), 0.0), 1.0)
+            smooth = 1.0 - ramp
+            out.append(f / cfg.rope_factor * (1 - smooth) + f * smooth)
+        freqs = out
+    return tuple(freqs)

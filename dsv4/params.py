@@ -1,0 +1,259 @@
+"""The parameter pytree: names, shapes, checkpoint formats, and random initialisation.
+
+Params are a flat ``dict[str, jax.Array]`` keyed by the checkpoint's tensor names (the official
+inference names, e.g. ``layers.3.attn.wq_a.weight``), holding *dequantised* values in one float
+dtype. One deliberate difference: the routed experts of a layer are stacked into one tensor per
+projection, ``layers.L.ffn.experts.w1.weight`` of shape ``[n_routed_experts, out, in]``, because
+the MoE computes over all experts at once; `checkpoint_tensors` expands them back into the
+released per-expert names (``layers.L.ffn.experts.E.w1.weight``) for loading and saving.
+
+Each tensor also records its storage format in the released checkpoint (`Storage`): ``fp8``
+(e4m3 values + one e8m0 scale per ``fp8_block_size`` square tile), ``fp4`` (two e2m1 codes per
+byte, low nibble first, + one e8m0 scale per 32 inputs), ``bf16`` or ``f32``. With
+``ModelConfig.quant_sim`` the model fake-quantises the activations that feed fp8 and fp4 GEMMs,
+so the set of quantised weights is part of the model's numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4.config import ModelConfig, Role
+
+__all__ = [
+    "CheckpointTensor",
+    "ParamSpec",
+    "Storage",
+    "abstract_params",
+    "checkpoint_tensors",
+    "count_params",
+    "init_params",
+    "param_specs",
+]
+
+
+class Storage(enum.Enum):
+    FP8 = "fp8"
+    FP4 = "fp4"
+    BF16 = "bf16"
+    F32 = "f32"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    storage: Storage
+    # how random init draws it: "linear" (normal / sqrt(fan_in)), "norm" (around 1), "normal",
+    # "zeros", "hc_fn" (small), "hc_scale"
+    init: str = "linear"
+    stacked: bool = False  # leading axis = routed expert
+
+
+def _linear(cfg: ModelConfig, out: int, inp: int) -> ParamSpec:
+    return ParamSpec((out, inp), Storage.FP8 if cfg.dtype == "fp8" else Storage.BF16)
+
+
+def _bf16(*shape: int, init: str = "linear") -> ParamSpec:
+    return ParamSpec(tuple(shape), Storage.BF16, init)
+
+
+def _f32(*shape: int, init: str) -> ParamSpec:
+    return ParamSpec(tuple(shape), Storage.F32, init)
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Every backbone tensor (Engram, DSpark and vision excluded), in checkpoint order."""
+    d, h, hd = cfg.dim, cfg.n_heads, cfg.head_dim
+    specs: dict[str, ParamSpec] = {
+        "embed.weight": _bf16(cfg.vocab_size, d, init="embed"),
+    }
+    mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    expert_storage = Storage.FP4 if cfg.expert_dtype == "fp4" else _linear(cfg, 1, 1).storage
+    for info in cfg.plan:
+        p = f"layers.{info.layer}."
+        specs[p + "attn_norm.weight"] = _bf16(d, init="norm")
+        specs[p + "ffn_norm.weight"] = _bf16(d, init="norm")
+        for sub in ("attn", "ffn"):
+            specs[p + f"hc_{sub}_fn"] = _f32(mix, cfg.hc_mult * d, init="hc_fn")
+            specs[p + f"hc_{sub}_base"] = _f32(mix, init="hc_base")
+            specs[p + f"hc_{sub}_scale"] = _f32(3, init="hc_scale")
+        a = p + "attn."
+        specs[a + "wq_a.weight"] = _linear(cfg, cfg.q_lora_rank, d)
+        specs[a + "q_norm.weight"] = _bf16(cfg.q_lora_rank, init="norm")
+        specs[a + "wq_b.weight"] = _linear(cfg, h * hd, cfg.q_lora_rank)
+        specs[a + "wkv.weight"] = _linear(cfg, hd, d)
+        specs[a + "kv_norm.weight"] = _bf16(hd, init="norm")
+        specs[a + "wo_a.weight"] = _linear(
+            cfg, cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups
+        )
+        specs[a + "wo_b.weight"] = _linear(cfg, d, cfg.o_groups * cfg.o_lora_rank)
+        specs[a + "attn_sink"] = _f32(h, init="normal")
+        if info.role is Role.FULL:
+            specs[a + "compressor.wkv.weight"] = _bf16(hd, d)
+            if info.ratio > 1:
+                specs[a + "compressor.wgate.weight"] = _bf16(hd, d)
+            specs[a + "compressor.norm.weight"] = _bf16(hd, init="norm")
+            specs[a + "indexer.wk.weight"] = _bf16(cfg.index_head_dim, hd)
+            specs[a + "indexer.k_norm.weight"] = _bf16(cfg.index_head_dim, init="norm")
+        if info.role in (Role.FULL, Role.REINDEX):
+            specs[a + "indexer.wq_b.weight"] = _linear(
+                cfg, cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank
+            )
+            specs[a + "indexer.weights_proj.weight"] = _bf16(cfg.index_n_heads, d)
+        f = p + "ffn."
+        specs[f + "gate.weight"] = _bf16(cfg.n_routed_experts, d)
+        specs[f + "gate.bias"] = _f32(cfg.n_routed_experts, init="bias")
+        e, inter = cfg.n_routed_experts, cfg.moe_inter_dim
+        specs[f + "experts.w1.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
+        specs[f + "experts.w2.weight"] = ParamSpec((e, d, inter), expert_storage, stacked=True)
+        specs[f + "experts.w3.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
+        specs[f + "shared_experts.w1.weight"] = _linear(cfg, inter, d)
+        specs[f + "shared_experts.w2.weight"] = _linear(cfg, d, inter)
+        specs[f + "shared_experts.w3.weight"] = _linear(cfg, inter, d)
+    specs["norm.weight"] = _bf16(d, init="norm")
+    specs["head.weight"] = _bf16(cfg.vocab_size, d)
+    return specs
+
+
+def quantised_weights(cfg: ModelConfig) -> frozenset[str]:
+    """Names whose GEMM takes fp8-quantised activations under ``quant_sim`` (fp8 and fp4
+    weights). ``wo_a`` is fp8 in the checkpoint but the reference dequantises it to bf16 at
+    conversion and runs it as a plain einsum, so it is not in this set."""
+    out = set()
+    for name, spec in param_specs(cfg).items():
+        if spec.storage in (Storage.FP8, Storage.FP4) and not name.endswith("wo_a.weight"):
+            out.add(name)
+    return frozenset(out)
+
+
+# -- checkpoint view -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor of the released checkpoint: its name, safetensors dtype and stored shape, and
+    where its values live in our params (``param`` name, and the expert index if stacked)."""
+
+    name: str
+    dtype: str  # safetensors dtype string: F8_E4M3, F8_E8M0, I8, BF16, F32
+    shape: tuple[int, ...]
+    param: str
+    expert: int | None
+    role: str  # "weight" (values) or "scale"
+    storage: Storage
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def checkpoint_tensors(cfg: ModelConfig) -> Iterator[CheckpointTensor]:
+    """The released checkpoint's tensors for our params: names, dtypes and stored shapes
+    (fp8 weights with their ``.scale`` tiles, packed fp4 experts with per-32 scales)."""
+    blk = cfg.fp8_block_size
+    for name, spec in param_specs(cfg).items():
+        entries: list[tuple[str, tuple[int, ...], int | None]]
+        if spec.stacked:
+            base, proj = name.rsplit(".experts.", 1)
+            entries = [
+                (f"{base}.experts.{e}.{proj}", spec.shape[1:], e) for e in range(spec.shape[0])
+            ]
+        else:
+            entries = [(name, spec.shape, None)]
+        for tname, shape, expert in entries:
+            if spec.storage is Storage.FP8:
+                out, inp = shape
+                yield CheckpointTensor(
+                    tname, "F8_E4M3", shape, name, expert, "weight", spec.storage
+                )
+                yield CheckpointTensor(
+                    tname.removesuffix(".weight") + ".scale",
+                    "F8_E8M0",
+                    (_ceil_div(out, blk), _ceil_div(inp, blk)),
+                    name,
+                    expert,
+                    "scale",
+                    spec.storage,
+                )
+            elif spec.storage is Storage.FP4:
+                out, inp = shape
+                yield CheckpointTensor(
+                    tname, "I8", (out, inp // 2), name, expert, "weight", spec.storage
+                )
+                yield CheckpointTensor(
+                    tname.removesuffix(".weight") + ".scale",
+                    "F8_E8M0",
+                    (out, inp // 32),
+                    name,
+                    expert,
+                    "scale",
+                    spec.storage,
+                )
+            else:
+                dt = "BF16" if spec.storage is Storage.BF16 else "F32"
+                yield CheckpointTensor(tname, dt, shape, name, expert, "weight", spec.storage)
+
+
+# -- initialisation --------------------------------------------------------------------------
+
+
+def _init_one(key: jax.Array, spec: ParamSpec, dtype: jnp.dtype, cfg: ModelConfig) -> jax.Array:
+    shape = spec.shape
+    kind = spec.init
+    if kind == "linear":
+        fan_in = shape[-1]
+        x = jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in)
+    elif kind == "embed":
+        x = jax.random.normal(key, shape, jnp.float32)
+    elif kind == "norm":
+        x = 1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)
+    elif kind == "normal":
+        x = jax.random.normal(key, shape, jnp.float32)
+    elif kind == "bias":
+        x = 0.1 * jax.random.normal(key, shape, jnp.float32)
+    elif kind == "hc_fn":
+        x = jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[-1])
+    elif kind == "hc_base":
+        x = 0.5 * jax.random.normal(key, shape, jnp.float32)
+    elif kind == "hc_scale":
+        x = 0.5 + 0.5 * jax.random.uniform(key, shape, jnp.float32)
+    elif kind == "zeros":
+        x = jnp.zeros(shape, jnp.float32)
+    else:  # pragma: no cover - a spec bug
+        raise ValueError(f"unknown init {kind!r}")
+    keep_f32 = spec.storage is Storage.F32
+    return x if keep_f32 else x.astype(dtype)
+
+
+def init_params(
+    cfg: ModelConfig, key: jax.Array | int = 0, dtype: jnp.dtype = jnp.float32
+) -> dict[str, jax.Array]:
+    """Random params with activations of sensible size at every layer (for tests and the demo).
+
+    Float tensors stored as f32 in the checkpoint (mHC, sinks, gate bias) stay f32; the rest take
+    ``dtype``."""
+    if isinstance(key, int):
+        key = jax.random.PRNGKey(key)
+    specs = param_specs(cfg)
+    keys = jax.random.split(key, len(specs))
+    return {
+        name: _init_one(k, spec, jnp.dtype(dtype), cfg)
+        for k, (name, spec) in zip(keys, specs.items(), strict=True)
+    }
+
+
+def abstract_params(
+    cfg: ModelConfig, dtype: jnp.dtype = jnp.float32
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of `init_params` without allocating (``jax.eval_shape``)."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return sum(int(np.prod(s.shape)) for s in param_specs(cfg).values())
