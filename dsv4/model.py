@@ -1,0 +1,235 @@
+"""Incremental inference with dense per-sequence caches: chunked prefill of any size, then decode.
+
+`init_cache(cfg, batch, max_len)` allocates, per sequence of the batch:
+
+* ``win.{L}`` — every layer's window ring of ``window_size`` latents (slot = position mod w), and
+  one ``win_pos`` ring of the positions held (-1 = empty), shared by all layers;
+* ``comp.{S}`` / ``ikey.{S}`` — for every kv source S, its compressed entries (rotated at their
+  group's first position, quantisation-simulated when ``quant_sim``) and index keys, row j for
+  group j, ``max_len // ratio`` rows;
+* ``state_kv.{S}`` / ``state_score.{S}`` — for ratio-2 kv sources, the fp32 projections and gate
+  logits of the tokens of a group still open at the end of a chunk (slot = position mod ratio).
+
+`forward_step(params, cfg, cache, tokens, start, lengths)` runs a chunk ``tokens[B, T]``; row b
+holds positions ``start[b] .. start[b] + T - 1`` of which the first ``lengths[b]`` are real (the
+rest is padding that reads nothing and writes nothing). The math is the reference's
+(`dsv4.reference`), with the cache standing in for the part of the sequence before the chunk; the
+tests check every position of every chunking against `reference.forward`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv4 import layers as L
+from dsv4.config import ModelConfig, Role
+from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2, fp8_qdq
+from dsv4.reference import (
+    NEG_INF,
+    index_scores,
+    select_candidate_blocks,
+    sink_attention,
+    topk_indices,
+)
+
+Cache = dict[str, jax.Array]
+
+__all__ = ["forward_step", "init_cache"]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
+    """Empty caches for ``batch`` sequences of up to ``max_len`` tokens."""
+    if max_len <= 0 or batch <= 0:
+        raise ValueError(f"batch={batch} and max_len={max_len} must be positive")
+    w = cfg.window_size
+    cache: Cache = {"win_pos": jnp.full((batch, w), -1, jnp.int32)}
+    for info in cfg.plan:
+        cache[f"win.{info.layer}"] = jnp.zeros((batch, w, cfg.head_dim), dtype)
+        if info.role is Role.FULL:
+            n = max_len // info.ratio
+            cache[f"comp.{info.layer}"] = jnp.zeros((batch, n, cfg.head_dim), dtype)
+            cache[f"ikey.{info.layer}"] = jnp.zeros((batch, n, cfg.index_head_dim), dtype)
+            if info.ratio > 1:
+                shape = (batch, info.ratio, cfg.head_dim)
+                cache[f"state_kv.{info.layer}"] = jnp.zeros(shape, jnp.float32)
+                cache[f"state_score.{info.layer}"] = jnp.full(shape, -jnp.inf, jnp.float32)
+    return cache
+
+
+class _Step:
+    """Per-chunk quantities shared by all layers."""
+
+    def __init__(
+        self, cfg: ModelConfig, cache: Cache, start: jax.Array, lengths: jax.Array, t: int
+    ):
+        b = start.shape[0]
+        self.t = t
+        self.start = start
+        self.pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        self.valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+        self.end = start + lengths  # [B] first position after the chunk
+        w = cfg.window_size
+        old_pos = cache["win_pos"]  # [B, w]
+        p = self.pos
+        # window visibility: ring entries written by earlier chunks, then the chunk itself
+        ring_ok = (old_pos[:, None, :] >= 0) & (old_pos[:, None, :] < start[:, None, None])
+        ring_ok &= old_pos[:, None, :] > p[:, :, None] - w
+        chunk_ok = self.valid[:, None, :] & (p[:, None, :] <= p[:, :, None])
+        chunk_ok &= p[:, None, :] > p[:, :, None] - w
+        self.win_mask = jnp.concatenate([ring_ok, chunk_ok], axis=-1)  # [B, T, w + T]
+        # ring writes: the last w real tokens of the chunk (distinct slots); others dropped
+        write = self.valid & (p >= self.end[:, None] - w)
+        self.ring_slot = jnp.where(write, p % w, w)  # w = out of range -> dropped
+        self.rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        self.new_win_pos = old_pos.at[self.rows, self.ring_slot].set(p, mode="drop")
+
+
+def _write_ring(ring: jax.Array, kv: jax.Array, st: _Step) -> jax.Array:
+    return ring.at[st.rows, st.ring_slot].set(kv.astype(ring.dtype), mode="drop")
+
+
+def _compressor(
+    x, params, a: str, layer: int, ratio: int, cfg: ModelConfig, cache: Cache, st: _Step
+):
+    """Pre-rope latents at the rows that close a group ([B, T, hd], garbage elsewhere), the mask
+    of those rows, and the updated open-group state."""
+    if ratio == 1:
+        z = L.linear(x, params, a + "compressor.wkv.weight", cfg)
+        z = L.rms_norm(z, params[a + "compressor.norm.weight"], cfg.norm_eps)
+        return z, st.valid, {}
+    xf = x.astype(jnp.float32)
+    kv = jnp.einsum("btd,od->bto", xf, params[a + "compressor.wkv.weight"].astype(jnp.float32))
+    sc = jnp.einsum("btd,od->bto", xf, params[a + "compressor.wgate.weight"].astype(jnp.float32))
+    skv, ssc = cache[f"state_kv.{layer}"], cache[f"state_score.{layer}"]
+    p, t = st.pos, st.t
+    members_kv, members_sc = [], []
+    for m in range(ratio):
+        mpos = p - (ratio - 1) + m  # position of group member m for a token closing its group
+        in_chunk = mpos >= st.start[:, None]
+        idx = jnp.clip(jnp.arange(t)[None, :] - (ratio - 1) + m, 0, t - 1)
+        from_chunk_kv = jnp.take_along_axis(kv, idx[..., None], axis=1)
+        from_chunk_sc = jnp.take_along_axis(sc, idx[..., None], axis=1)
+        slot = jnp.mod(mpos, ratio)
+        from_state_kv = jnp.take_along_axis(skv, slot[..., None], axis=1)
+        from_state_sc = jnp.take_along_axis(ssc, slot[..., None], axis=1)
+        members_kv.append(jnp.where(in_chunk[..., None], from_chunk_kv, from_state_kv))
+        members_sc.append(jnp.where(in_chunk[..., None], from_chunk_sc, from_state_sc))
+    gkv = jnp.stack(members_kv, axis=2)  # [B, T, R, hd]
+    gsc = jax.nn.softmax(jnp.stack(members_sc, axis=2), axis=2)
+    z = jnp.sum(gkv * gsc, axis=2).astype(x.dtype)
+    z = L.rms_norm(z, params[a + "compressor.norm.weight"], cfg.norm_eps)
+    closes = st.valid & ((p + 1) % ratio == 0)
+    # tokens of the group still open after the chunk wait in the state
+    open_from = (st.end // ratio) * ratio
+    keep = st.valid & (p >= open_from[:, None])
+    slot = jnp.where(keep, p % ratio, ratio)
+    new_state = {
+        f"state_kv.{layer}": skv.at[st.rows, slot].set(kv, mode="drop"),
+        f"state_score.{layer}": ssc.at[st.rows, slot].set(sc, mode="drop"),
+    }
+    return z, closes, new_state
+
+
+def _attention(
+    x, params, layer: int, cfg: ModelConfig, cache: Cache, new: Cache, st: _Step, shared
+):
+    info = cfg.plan[layer]
+    a = f"layers.{layer}." + "attn."
+    b, t, _ = x.shape
+    r = info.ratio
+    cos, sin = L.rope_tables(cfg, r, st.pos)  # [B, T, rope/2]
+    qr = L.rms_norm(
+        L.linear(x, params, a + "wq_a.weight", cfg), params[a + "q_norm.weight"], cfg.norm_eps
+    )
+    q = L.linear(qr, params, a + "wq_b.weight", cfg).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    q = L.apply_rope(q, cos[:, :, None, :], sin[:, :, None, :])
+    kv = L.rms_norm(
+        L.linear(x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
+    )
+    kv = L.apply_rope(kv, cos, sin)
+    if cfg.quant_sim:
+        kv = fp8_qdq(kv, 32)
+    ring = cache[f"win.{layer}"]
+    keys = [ring.astype(kv.dtype), kv]
+    masks = [st.win_mask]
+    new[f"win.{layer}"] = _write_ring(ring, kv, st)
+
+    if r:
+        src = info.kv_source
+        if info.role is Role.FULL:
+            z, closes, state = _compressor(x, params, a, layer, r, cfg, cache, st)
+            new.update(state)
+            gcos, gsin = L.rope_tables(cfg, r, st.pos - (r - 1))  # group's first position
+            k = L.rms_norm(
+                L.linear(z, params, a + "indexer.wk.weight", cfg),
+                params[a + "indexer.k_norm.weight"],
+                cfg.norm_eps,
+            )
+            k = L.apply_rope(k, gcos, gsin)
+            c = L.apply_rope(z, gcos, gsin)
+            if cfg.quant_sim:
+                k = fp4_qdq_pow2(k, 32)
+                c = fp4_qdq_e4m3(c, 16)
+            comp, ikey = cache[f"comp.{layer}"], cache[f"ikey.{layer}"]
+            row = jnp.where(closes, st.pos // r, comp.shape[1])  # out of range -> dropped
+            new[f"comp.{layer}"] = comp.at[st.rows, row].set(c.astype(comp.dtype), mode="drop")
+            new[f"ikey.{layer}"] = ikey.at[st.rows, row].set(k.astype(ikey.dtype), mode="drop")
+        comp = new[f"comp.{src}"]
+        n = comp.shape[1]
+        visible = (st.pos + 1) // r  # [B, T]
+        if info.role in (Role.FULL, Role.REINDEX):
+            ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+            qi = L.linear(qr, params, a + "indexer.wq_b.weight", cfg).reshape(b, t, ih, ihd)
+            qi = L.apply_rope(qi, cos[:, :, None, :], sin[:, :, None, :])
+            if cfg.quant_sim:
+                qi = fp4_qdq_pow2(qi, 32)
+            w = L.linear(x, params, a + "indexer.weights_proj.weight", cfg) * (ihd**-0.5 * ih**-0.5)
+            scores = index_scores(qi, w, new[f"ikey.{src}"].astype(qi.dtype), visible)
+            if info.is_candidate_source:
+                shared["candidates"] = select_candidate_blocks(
+                    scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size
+                )
+            elif info.uses_candidates:
+                scores = jnp.where(shared["candidates"], scores, NEG_INF)
+            shared["topk"] = topk_indices(scores, visible, cfg.index_topk)
+        sel = shared["topk"]
+        comp_mask = jnp.zeros((b, t, n + 1), bool)
+        comp_mask = jnp.put_along_axis(
+            comp_mask, jnp.where(sel >= 0, sel, n), True, axis=-1, inplace=False
+        )[..., :n]
+        keys.append(comp.astype(kv.dtype))
+        masks.append(comp_mask)
+    keys = jnp.concatenate(keys, axis=1)
+    mask = jnp.concatenate(masks, axis=-1)
+    o = sink_attention(q, keys, mask, params[a + "attn_sink"], cfg.head_dim**-0.5).astype(x.dtype)
+    return L.attention_output(o, cos, sin, params, a, cfg)
+
+
+def forward_step(
+    params, cfg: ModelConfig, cache: Cache, tokens: jax.Array, start: jax.Array, lengths: jax.Array
+) -> tuple[jax.Array, Cache]:
+    """One chunk for every row: logits float32[B, T, vocab] and the updated cache.
+
+    tokens int32[B, T]; start int32[B] (position of each row's first token); lengths int32[B]
+    (real tokens per row, 0..T). Rows must continue exactly where their cache ends."""
+    b, t = tokens.shape
+    start = jnp.asarray(start, jnp.int32).reshape(b)
+    lengths = jnp.asarray(lengths, jnp.int32).reshape(b)
+    st = _Step(cfg, cache, start, lengths, t)
+    new: Cache = dict(cache)
+    new["win_pos"] = st.new_win_pos
+    shared: dict[str, jax.Array] = {}
+    x = L.embed(params, tokens, cfg)
+    pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
+    for layer in range(cfg.n_layers):
+        p = f"layers.{layer}."
+        a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
+        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
+        att = _attention(h, params, layer, cfg, cache, new, st, shared)
+        x = L.hc_post(att, x, a_post, a_comb)
+        f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
+        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
+        x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
+        pre = f_pre
+    return L.head(params, x, pre, cfg), new
