@@ -1,0 +1,818 @@
+"""Reading and writing checkpoints: the released safetensors format, and our own orbax format.
+
+Released format (``../shared/reference/model_v41.md`` section 4): a directory with
+``config.json`` and either ``model.safetensors`` or ``model.safetensors.index.json`` plus the
+shards it names. Linear weights are fp8 e4m3 with one e8m0 (power-of-two) scale per
+``fp8_block_size`` square tile, routed experts are packed fp4 e2m1 (two codes per byte, low nibble
+= even index) with one e8m0 scale per 32 inputs, the rest BF16 or F32 (`dsv4.params.Storage`).
+
+* `load_pretrained` reads such a directory into our params (a flat dict of dequantised float
+  arrays, routed experts stacked ``[E, out, in]``). It parses the safetensors headers itself and
+  memory-maps each tensor's byte range, because numpy has no dtype for F8_E8M0 scales or packed
+  fp4 and a whole shard must never be read into RAM. Before decoding anything it checks every
+  tensor against `dsv4.params.checkpoint_tensors` and reports all missing, unexpected, mistyped,
+  mis-shaped and corrupt tensors in one `CheckpointError`. Tensors of parts this package does not
+  model (Engram, DSpark/MTP, the vision tower, the image bias) are skipped with one log line.
+* `save_pretrained` writes our params in that released format (quantising fp8 tiles and fp4
+  groups with power-of-two scales), optionally sharded; `quantize_params_like_checkpoint` gives
+  the values a save + load round trip would give, without touching disk.
+* `save_params` / `restore_params` store the float params as they are (orbax), for our own use.
+
+The low-level codecs (`dequant_fp8`, `dequant_fp4`, `e8m0_to_float`, `quant_fp8`, `quant_fp4`)
+are public so tests can check them on hand-built bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import json
+import logging
+import math
+import os
+import re
+import struct
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from dsv4.config import ModelConfig
+from dsv4.params import CheckpointTensor, Storage, checkpoint_tensors, param_specs
+from dsv4.quant import E2M1_VALUES
+
+__all__ = [
+    "CheckpointError",
+    "dequant_fp4",
+    "dequant_fp8",
+    "e8m0_to_float",
+    "load_pretrained",
+    "quant_fp4",
+    "quant_fp8",
+    "quantize_params_like_checkpoint",
+    "restore_params",
+    "save_params",
+    "save_pretrained",
+]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+FP4_GROUP = 32  # inputs per e8m0 scale of a packed fp4 expert weight
+E8M0_BIAS = 127
+# problems listed per category in one error message; the count of the rest is still given
+MAX_LISTED = 100
+
+# bytes per element of every safetensors dtype string (others in a header are "unknown")
+_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+# Released tensors of parts this package does not model; each pattern has a short label for the
+# skip summary. Engram tables alone are ~196B parameters.
+_OUT_OF_SCOPE = (
+    ("engram", re.compile(r"^layers\.\d+\.engram\.")),
+    ("mtp", re.compile(r"^mtp\.")),
+    ("vision", re.compile(r"^vision\.")),
+    ("aligner", re.compile(r"^aligner\.")),
+    ("image", re.compile(r"^image_(?:start|end|newline)(?:\.|$)")),
+    ("bias_vl", re.compile(r"^layers\.\d+\.ffn\.gate\.bias_vl$")),
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or does not match the config / the params."""
+
+
+def _out_of_scope(name: str) -> str | None:
+    for label, pattern in _OUT_OF_SCOPE:
+        if pattern.match(name):
+            return label
+    return None
+
+
+# -- codecs ----------------------------------------------------------------------------------
+
+# e2m1 code -> value (bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6, -0, ..., -6
+_E2M1 = np.asarray(E2M1_VALUES, np.float32)
+# midpoints between consecutive magnitudes; at a tie round-to-nearest-even takes the even code
+_E2M1_MIDS = (_E2M1[:7] + _E2M1[1:8]) / 2
+_E2M1_TIE_UP = np.arange(1, 8) % 2 == 0  # the upper neighbour's code is even
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype.itemsize != 1:
+        raise TypeError(f"expected a 1-byte dtype (raw bytes), got {a.dtype}")
+    return a.view(np.uint8)
+
+
+def e8m0_to_float(scale: np.ndarray, name: str = "scale") -> np.ndarray:
+    """E8M0 scale bytes -> float32 ``2^(byte - 127)``. Byte 255 is e8m0's NaN: rejected, since a
+    NaN scale would silently poison a whole tile of weights."""
+    b = _as_bytes(scale)
+    if b.size and int(b.max()) == 255:
+        where = tuple(int(i) for i in np.argwhere(b == 255)[0])
+        raise CheckpointError(
+            f"{name}: F8_E8M0 scale byte 255 (NaN) at index {where}; scale bytes must be 0..254"
+        )
+    return np.ldexp(np.float32(1.0), b.astype(np.int32) - E8M0_BIAS).astype(np.float32)
+
+
+def _expand_tiles(scale: np.ndarray, shape: tuple[int, ...], block: int) -> np.ndarray:
+    """Per-tile scales ``[..., ceil(o/B), ceil(i/B)]`` -> per-element ``[..., o, i]``."""
+    o, i = shape[-2:]
+    full = np.repeat(np.repeat(scale, block, axis=-2), block, axis=-1)
+    return full[..., :o, :i]
+
+
+def dequant_fp8(
+    values: np.ndarray,
+    scale: np.ndarray,
+    block: int,
+    name: str = "weight",
+    scale_name: str | None = None,
+) -> np.ndarray:
+    """FP8 weight bytes ``[..., o, i]`` (e4m3) and e8m0 tile scales ``[..., ceil(o/B),
+    ceil(i/B)]`` -> float32 ``e4m3 · 2^(scale - 127)`` per ``block x block`` tile (exact).
+    ``name`` / ``scale_name`` only label errors."""
+    b = _as_bytes(values)
+    o, i = b.shape[-2:]
+    want = (*b.shape[:-2], -(-o // block), -(-i // block))
+    if tuple(scale.shape) != want:
+        raise CheckpointError(
+            f"{name}: scale shape {tuple(scale.shape)} does not tile weight {b.shape} in "
+            f"{block}x{block} blocks (expected {want})"
+        )
+    if b.size and bool(np.any((b & 0x7F) == 0x7F)):
+        where = tuple(int(k) for k in np.argwhere((b & 0x7F) == 0x7F)[0])
+        raise CheckpointError(f"{name}: F8_E4M3 NaN byte (0x7F/0xFF) at index {where}")
+    s = e8m0_to_float(scale, scale_name or f"scale of {name}")
+    v = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    if o % block == 0 and i % block == 0:
+        lead = v.shape[:-2]
+        tiles = v.reshape(*lead, o // block, block, i // block, block)
+        return (tiles * s[..., :, None, :, None]).reshape(v.shape)
+    return v * _expand_tiles(s, v.shape, block)
+
+
+def dequant_fp4(
+    packed: np.ndarray,
+    scale: np.ndarray,
+    name: str = "weight",
+    scale_name: str | None = None,
+) -> np.ndarray:
+    """Packed fp4 bytes ``[..., o, i/2]`` (low nibble = even input index, high nibble = odd) and
+    e8m0 scales ``[..., o, ceil(i/32)]`` -> float32 ``e2m1 · 2^(scale - 127)`` ``[..., o, i]``.
+    ``name`` / ``scale_name`` only label errors."""
+    b = _as_bytes(packed)
+    half = b.shape[-1]
+    i = 2 * half
+    want = (*b.shape[:-1], -(-i // FP4_GROUP))
+    if tuple(scale.shape) != want:
+        raise CheckpointError(
+            f"{name}: scale shape {tuple(scale.shape)} does not match packed fp4 weight "
+            f"{b.shape} (one scale per {FP4_GROUP} inputs: expected {want})"
+        )
+    s = e8m0_to_float(scale, scale_name or f"scale of {name}")
+    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], i)
+    v = _E2M1[codes]
+    s_full = np.repeat(s, FP4_GROUP, axis=-1)[..., :i]
+    return v * s_full
+
+
+def _pow2_exponent(amax: np.ndarray, max_value: float) -> np.ndarray:
+    """``ceil(log2(amax / max_value))`` exactly (float64 frexp, no log rounding), clamped to the
+    e8m0 range [-127, 127]. An all-zero block gets the smallest scale, 2^-127: this is the
+    "amax floored at a tiny positive number" of the reference's quantiser."""
+    x = np.asarray(amax, np.float64) / max_value
+    m, e = np.frexp(x)  # x = m · 2^e, m in [0.5, 1)
+    e = np.where(m == 0.5, e - 1, e)  # exact powers of two
+    e = np.where(x > 0, e, -E8M0_BIAS)
+    return np.clip(e, -E8M0_BIAS, E8M0_BIAS).astype(np.int32)
+
+
+def _scale_bytes(exp: np.ndarray) -> np.ndarray:
+    return (exp + E8M0_BIAS).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def _finite_f64(x: Any, name: str) -> np.ndarray:
+    a = np.asarray(x)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise CheckpointError(f"{name}: cannot quantise dtype {a.dtype}; expected a float array")
+    a = a.astype(np.float64)
+    if not np.all(np.isfinite(a)):
+        raise CheckpointError(f"{name}: cannot quantise a tensor that holds NaN or Inf")
+    return a
+
+
+def quant_fp8(x: Any, block: int, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """Float ``[..., o, i]`` -> (e4m3 values ``[..., o, i]``, e8m0 scales ``[..., ceil(o/B),
+    ceil(i/B)]``). Per tile: scale ``2^ceil(log2(amax / 448))``, values ``x / scale`` rounded to
+    nearest even and saturated at ±448."""
+    a = _finite_f64(x, name)
+    if a.ndim < 2:
+        raise CheckpointError(f"{name}: fp8 tiles need a matrix, got shape {a.shape}")
+    o, i = a.shape[-2:]
+    to, ti = -(-o // block), -(-i // block)
+    pad = [(0, 0)] * (a.ndim - 2) + [(0, to * block - o), (0, ti * block - i)]
+    tiles = np.pad(a, pad).reshape(*a.shape[:-2], to, block, ti, block)
+    exp = _pow2_exponent(np.max(np.abs(tiles), axis=(-3, -1)), FP8_MAX)
+    q = tiles / np.ldexp(1.0, exp)[..., :, None, :, None]
+    q = np.clip(q, -FP8_MAX, FP8_MAX).reshape(*a.shape[:-2], to * block, ti * block)
+    q = q[..., :o, :i].astype(ml_dtypes.float8_e4m3fn)
+    return q, _scale_bytes(exp)
+
+
+def quant_fp4(x: Any, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """Float ``[..., o, i]`` (i a multiple of 32) -> (packed int8 ``[..., o, i/2]``, e8m0 scales
+    ``[..., o, i/32]``). Per 32 inputs: scale ``2^ceil(log2(amax / 6))``, values ``x / scale``
+    rounded to the nearest e2m1 value (ties to even) and saturated at ±6; two codes per byte,
+    the even index in the low nibble."""
+    a = _finite_f64(x, name)
+    if a.ndim < 2 or a.shape[-1] % FP4_GROUP:
+        raise CheckpointError(
+            f"{name}: packed fp4 needs a matrix whose input width is a multiple of "
+            f"{FP4_GROUP}, got shape {a.shape}"
+        )
+    groups = a.reshape(*a.shape[:-1], a.shape[-1] // FP4_GROUP, FP4_GROUP)
+    exp = _pow2_exponent(np.max(np.abs(groups), axis=-1), FP4_MAX)
+    v = np.clip(groups / np.ldexp(1.0, exp)[..., None], -FP4_MAX, FP4_MAX).reshape(a.shape)
+    mag = np.abs(v)
+    code = np.searchsorted(_E2M1_MIDS, mag, side="left")  # number of midpoints below mag
+    at_mid = np.take(_E2M1_MIDS, np.minimum(code, 6)) == mag
+    code = code + (at_mid & np.take(_E2M1_TIE_UP, np.minimum(code, 6)))
+    code = (code | (np.signbit(v).astype(code.dtype) << 3)).astype(np.uint8)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.view(np.int8), _scale_bytes(exp)
+
+
+# -- safetensors headers ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One tensor in a safetensors file: where its bytes are and what the header says."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...] | None  # None when the header's shape is malformed
+    start: int  # absolute byte offset in the file
+    nbytes: int
+    problem: str | None  # a corrupt entry (offsets, byte count, dtype string)
+
+
+def _read_header(path: str) -> dict[str, _Entry]:
+    """Parse one safetensors file's header. File-level damage raises; per-tensor damage is
+    recorded on the entry so that all such problems can be reported together."""
+    fname = os.path.basename(path)
+    size = os.path.getsize(path)
+    if size < 8:
+        raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if 8 + n > size:
+            raise CheckpointError(
+                f"{path}: header length {n} exceeds the file's {size} bytes (truncated file, "
+                "or not a safetensors file)"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
+    data_start, data_len = 8 + n, size - 8 - n
+    out: dict[str, _Entry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        problem = None
+        dtype, shape, start, nbytes = "?", None, 0, 0
+        if not isinstance(info, dict):
+            problem = f"header entry is a {type(info).__name__}, not an object"
+        else:
+            dtype = info.get("dtype")
+            raw_shape = info.get("shape")
+            offsets = info.get("data_offsets")
+            if isinstance(raw_shape, list) and all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw_shape
+            ):
+                shape = tuple(raw_shape)
+            else:
+                problem = f"malformed shape {raw_shape!r}"
+            if not (
+                isinstance(offsets, list)
+                and len(offsets) == 2
+                and all(isinstance(k, int) and not isinstance(k, bool) for k in offsets)
+            ):
+                problem = problem or f"malformed data_offsets {offsets!r}"
+            else:
+                begin, end = offsets
+                start, nbytes = data_start + begin, end - begin
+                if not 0 <= begin <= end <= data_len:
+                    problem = problem or (
+                        f"data_offsets {offsets} lie outside the file's {data_len}-byte data "
+                        "region (truncated file?)"
+                    )
+                elif not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+                    problem = problem or f"unknown dtype {dtype!r}"
+                elif shape is not None and nbytes != math.prod(shape) * _ITEMSIZE[dtype]:
+                    problem = (
+                        f"holds {nbytes} bytes but {dtype} {list(shape)} needs "
+                        f"{math.prod(shape) * _ITEMSIZE[dtype]}"
+                    )
+        if problem is not None:
+            problem = f"{name} in {fname}: {problem}"
+        out[name] = _Entry(name, path, str(dtype), shape, start, nbytes, problem)
+    return out
+
+
+def _checkpoint_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of a checkpoint directory, and the index's weight map if any."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                data = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{index}: not valid JSON ({exc})") from exc
+        wmap = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wmap, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+        ):
+            raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> file")
+        by_file: dict[str, list[str]] = collections.defaultdict(list)
+        for name, fname in wmap.items():
+            by_file[fname].append(name)
+        missing = [f for f in sorted(by_file) if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            lines = [
+                f"{f} (holds {len(by_file[f])} tensors, e.g. {sorted(by_file[f])[0]})"
+                for f in missing
+            ]
+            raise CheckpointError(
+                f"{index} names shard files missing from {path}:\n  " + "\n  ".join(lines)
+            )
+        return [os.path.join(path, f) for f in sorted(by_file)], wmap
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single], None
+    raise CheckpointError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}")
+
+
+def _format_problems(title: str, groups: list[tuple[str, list[str]]]) -> str:
+    total = sum(len(items) for _, items in groups)
+    lines = [f"{title} ({total} problem{'' if total == 1 else 's'})"]
+    for label, items in groups:
+        if not items:
+            continue
+        lines.append(f"{label} ({len(items)}):")
+        lines.extend(f"  {item}" for item in items[:MAX_LISTED])
+        if len(items) > MAX_LISTED:
+            lines.append(f"  ... and {len(items) - MAX_LISTED} more")
+    return "\n".join(lines)
+
+
+def _index_checkpoint(
+    path: str, cfg: ModelConfig
+) -> tuple[dict[str, _Entry], list[CheckpointTensor], collections.Counter]:
+    """Read every header and check the checkpoint against the config's tensors, raising one
+    `CheckpointError` that lists every problem. Returns the entries by name, the expected
+    tensors and the per-label counts of skipped out-of-scope tensors."""
+    files, wmap = _checkpoint_files(path)
+    entries: dict[str, _Entry] = {}
+    corrupt, index_issues = [], []
+    for file in files:
+        for name, entry in _read_header(file).items():
+            if name in entries:
+                index_issues.append(
+                    f"{name} is in both {os.path.basename(entries[name].file)} and "
+                    f"{os.path.basename(file)}"
+                )
+                continue
+            entries[name] = entry
+    if wmap is not None:
+        for name, fname in wmap.items():
+            got = entries.get(name)
+            if got is None:
+                index_issues.append(f"{INDEX_FILE} maps {name} to {fname}, which lacks it")
+            elif os.path.basename(got.file) != fname:
+                index_issues.append(
+                    f"{INDEX_FILE} maps {name} to {fname}, but it is in "
+                    f"{os.path.basename(got.file)}"
+                )
+        for name, entry in entries.items():
+            if name not in wmap:
+                index_issues.append(
+                    f"{name} is in {os.path.basename(entry.file)} but not in {INDEX_FILE}"
+                )
+
+    expected = list(checkpoint_tensors(cfg))
+    expected_names = {t.name for t in expected}
+    missing, wrong_dtype, wrong_shape = [], [], []
+    for t in expected:
+        e = entries.get(t.name)
+        if e is None:
+            missing.append(t.name)
+            continue
+        if e.problem is not None:
+            corrupt.append(e.problem)
+        if e.dtype != t.dtype:
+            wrong_dtype.append(f"{t.name}: expected {t.dtype}, got {e.dtype}")
+        if e.shape != tuple(t.shape):
+            got = list(e.shape) if e.shape is not None else "malformed"
+            wrong_shape.append(f"{t.name}: expected {list(t.shape)}, got {got}")
+    unexpected = []
+    skipped: collections.Counter = collections.Counter()
+    for name in entries:
+        if name in expected_names:
+            continue
+        label = _out_of_scope(name)
+        if label is None:
+            unexpected.append(f"{name} (in {os.path.basename(entries[name].file)})")
+        else:
+            skipped[label] += 1
+    groups = [
+        ("missing tensors", missing),
+        ("unexpected tensors", unexpected),
+        ("wrong dtype", wrong_dtype),
+        ("wrong shape", wrong_shape),
+        ("corrupt tensors", corrupt),
+        ("inconsistent index", index_issues),
+    ]
+    if any(items for _, items in groups):
+        raise CheckpointError(
+            _format_problems(f"checkpoint {path} does not match its config", groups)
+        )
+    return entries, expected, skipped
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+class _Files:
+    """Read-only memory maps of the checkpoint's files, opened on first use."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, np.memmap] = {}
+
+    def raw(self, e: _Entry) -> np.ndarray:
+        """The entry's bytes as a uint8 view of the memory map, shaped like the tensor for
+        1-byte dtypes (nothing is read until the values are used)."""
+        if e.nbytes == 0:
+            return np.zeros(0, np.uint8)
+        mm = self._maps.get(e.file)
+        if mm is None:
+            mm = self._maps[e.file] = np.memmap(e.file, dtype=np.uint8, mode="r")
+        return mm[e.start : e.start + e.nbytes]
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+def _decode(
+    files: _Files,
+    cfg: ModelConfig,
+    weight: CheckpointTensor,
+    scale: CheckpointTensor | None,
+    entries: Mapping[str, _Entry],
+) -> np.ndarray:
+    """One stored tensor (with its scale) -> its float32 (or bf16) values, shaped like the
+    dequantised weight."""
+    e = entries[weight.name]
+    raw = files.raw(e)
+    where = f"{weight.name} (in {os.path.basename(e.file)})"
+    if weight.storage in (Storage.FP8, Storage.FP4):
+        s = entries[scale.name]
+        sraw = files.raw(s).reshape(scale.shape)
+        swhere = f"{scale.name} (in {os.path.basename(s.file)})"
+        if weight.storage is Storage.FP8:
+            return dequant_fp8(raw.reshape(weight.shape), sraw, cfg.fp8_block_size, where, swhere)
+        return dequant_fp4(raw.reshape(weight.shape), sraw, where, swhere)
+    if weight.dtype == "BF16":
+        return raw.view(ml_dtypes.bfloat16).reshape(weight.shape)
+    return raw.view("<f4").reshape(weight.shape)
+
+
+def load_pretrained(
+    path: str | os.PathLike[str],
+    dtype: Any = jnp.float32,
+    *,
+    config: ModelConfig | None = None,
+    progress: bool = True,
+) -> tuple[ModelConfig, dict[str, jax.Array]]:
+    """Load a released-format checkpoint directory into ``(config, params)``.
+
+    ``config`` overrides the directory's ``config.json``. Quantised tensors are dequantised
+    exactly (fp8 · tile scale, fp4 · group scale) and, like every tensor not stored as F32, cast
+    to ``dtype``; F32 tensors (mHC, attention sinks, router bias) stay float32. Routed experts
+    are stacked into ``[E, out, in]``. Every structural problem (missing, unexpected, wrong dtype,
+    wrong shape, corrupt byte ranges, inconsistent index) is reported in one `CheckpointError`
+    (a ValueError) before any value is read; tensors of Engram, DSpark/MTP, the vision tower
+    and the image router bias are skipped with one log line. Files are memory-mapped and read
+    one tensor at a time.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    if not jnp.issubdtype(np_dtype, jnp.floating):
+        raise CheckpointError(f"dtype={dtype!r}: params must be a float dtype")
+    if config is None:
+        if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+            raise CheckpointError(f"{path}: no {CONFIG_FILE} (pass config= to load without one)")
+        config = ModelConfig.from_json(path)
+    cfg = config
+    entries, expected, skipped = _index_checkpoint(path, cfg)
+    if skipped:
+        summary = ", ".join(f"{label}: {n}" for label, n in sorted(skipped.items()))
+        logger.warning(
+            "%s: skipped %d tensors of parts this package does not model (%s)",
+            path,
+            sum(skipped.values()),
+            summary,
+        )
+
+    by_param: dict[str, list[CheckpointTensor]] = collections.defaultdict(list)
+    for t in expected:
+        by_param[t.param].append(t)
+    specs = param_specs(cfg)
+    files = _Files()
+    params: dict[str, jax.Array] = {}
+    bar = _progress(len(expected), progress, "loading " + os.path.basename(path.rstrip("/")))
+    try:
+        for pname, spec in specs.items():
+            target = np.float32 if spec.storage is Storage.F32 else np_dtype
+            out = np.empty(spec.shape, target)
+            pairs: dict[int | None, dict[str, CheckpointTensor]] = collections.defaultdict(dict)
+            for t in by_param[pname]:
+                pairs[t.expert][t.role] = t
+            for expert, ts in pairs.items():
+                value = _decode(files, cfg, ts["weight"], ts.get("scale"), entries)
+                if expert is None:
+                    out[...] = value
+                else:
+                    out[expert] = value
+                bar.update(len(ts))
+            params[pname] = jnp.asarray(out)
+    finally:
+        bar.close()
+        files.close()
+    return cfg, params
+
+
+def _progress(total: int, enabled: bool, desc: str) -> tqdm:
+    return tqdm(total=total, disable=not enabled, desc=desc, unit="tensor")
+
+
+# -- saving ----------------------------------------------------------------------------------
+
+
+def _check_params(params: Mapping[str, Any], cfg: ModelConfig, what: str) -> None:
+    """Names and shapes of ``params`` must be exactly ``param_specs(cfg)``'s."""
+    specs = param_specs(cfg)
+    missing = [n for n in specs if n not in params]
+    unexpected = [n for n in params if n not in specs]
+    wrong = [
+        f"{n}: expected {list(specs[n].shape)}, got {list(np.shape(params[n]))}"
+        for n in specs
+        if n in params and tuple(np.shape(params[n])) != specs[n].shape
+    ]
+    groups = [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
+    if missing or unexpected or wrong:
+        raise CheckpointError(_format_problems(f"{what}: params do not match the config", groups))
+
+
+def _encode(params: Mapping[str, Any], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """The released checkpoint's tensors in `checkpoint_tensors` order, as numpy arrays in their
+    stored dtypes. Each param (or expert) is quantised once, for its weight and its scale."""
+    blk = cfg.fp8_block_size
+    cache_key, cache = None, None
+    host: tuple[str, np.ndarray] | None = None
+    for t in checkpoint_tensors(cfg):
+        if host is None or host[0] != t.param:
+            host = (t.param, np.asarray(params[t.param]))
+        x = host[1] if t.expert is None else host[1][t.expert]
+        if t.storage in (Storage.FP8, Storage.FP4):
+            key = (t.param, t.expert)
+            if key != cache_key:
+                if t.storage is Storage.FP8:
+                    cache = quant_fp8(x, blk, t.name)
+                else:
+                    cache = quant_fp4(x, t.name)
+                cache_key = key
+            arr = cache[0] if t.role == "weight" else cache[1]
+        elif t.dtype == "BF16":
+            arr = np.asarray(x).astype(ml_dtypes.bfloat16)
+        else:
+            arr = np.asarray(x).astype(np.float32)
+        if tuple(arr.shape) != tuple(t.shape):  # pragma: no cover - a params.py bug
+            raise CheckpointError(f"{t.name}: encoded shape {arr.shape}, expected {t.shape}")
+        yield t.name, np.ascontiguousarray(arr)
+
+
+def _hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg.to_hf_dict()``, plus the expert storage where the HF layout alone would not bring it
+    back (a bf16 config without a quantization_config reads back with fp4 experts)."""
+    out = cfg.to_hf_dict()
+    back = ModelConfig.from_dict(out)
+    if back.expert_dtype != cfg.expert_dtype:
+        out["text_config"]["expert_dtype"] = cfg.expert_dtype
+        back = ModelConfig.from_dict(out)
+    if back.replace(quant_sim=cfg.quant_sim) != cfg:  # pragma: no cover - a config.py bug
+        diff = [
+            f"{f.name}: {getattr(cfg, f.name)!r} -> {getattr(back, f.name)!r}"
+            for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(back, f.name) and f.name != "quant_sim"
+        ]
+        raise CheckpointError(f"config does not round-trip through config.json: {diff}")
+    return out
+
+
+def save_pretrained(
+    params: Mapping[str, Any],
+    cfg: ModelConfig,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Write ``params`` as a released-format checkpoint directory.
+
+    ``config.json`` is ``cfg.to_hf_dict()``; fp8 linears become e4m3 tiles with e8m0 tile scales,
+    routed experts packed fp4 with per-32 e8m0 scales (see `quant_fp8`, `quant_fp4`), the rest
+    BF16 (round to nearest even) or F32, following ``param_specs(cfg)``. With ``max_shard_bytes``
+    the tensors are split greedily, in checkpoint order, into ``model-0000K-of-0000N.safetensors``
+    shards of at most that many data bytes (a larger tensor gets a shard of its own) plus
+    ``model.safetensors.index.json``; otherwise one ``model.safetensors``. Files of an earlier
+    checkpoint in ``path`` with those names are removed first, so a stale index cannot shadow
+    the new files. One shard's tensors are held in memory at a time.
+    """
+    path = os.fspath(path)
+    _check_params(params, cfg, "save_pretrained")
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive or None")
+    hf = _hf_config(cfg)
+    tensors = list(checkpoint_tensors(cfg))
+    shards: list[list[str]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = math.prod(t.shape) * _ITEMSIZE[t.dtype]
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t.name)
+        size += nbytes
+    if max_shard_bytes is None:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+
+    os.makedirs(path, exist_ok=True)
+    stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
+    stale += [os.path.join(path, f) for f in (SINGLE_FILE, INDEX_FILE)]
+    for f in stale:
+        if os.path.isfile(f):
+            os.remove(f)
+    with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(hf, f, indent=2)
+        f.write("\n")
+
+    from safetensors.numpy import save_file
+
+    encoded = _encode(params, cfg)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, shard in zip(names, shards):
+        arrays: dict[str, np.ndarray] = {}
+        for want in shard:
+            name, arr = next(encoded)
+            assert name == want, (name, want)
+            arrays[name] = arr
+            weight_map[name] = fname
+            total += arr.nbytes
+        save_file(arrays, os.path.join(path, fname), metadata={"format": "pt"})
+    if max_shard_bytes is not None:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+
+
+def quantize_params_like_checkpoint(
+    params: Mapping[str, Any], cfg: ModelConfig
+) -> dict[str, jax.Array]:
+    """The params a `save_pretrained` + `load_pretrained` round trip would give, computed in
+    memory: fp8 / fp4 quantise-dequantise (same codecs), BF16 rounding for BF16-stored tensors.
+    Each result keeps its input's dtype (F32-stored tensors: float32), so with float32 params
+    this equals ``load_pretrained(..., dtype=jnp.float32)`` of a saved checkpoint bit for bit."""
+    _check_params(params, cfg, "quantize_params_like_checkpoint")
+    blk = cfg.fp8_block_size
+    out: dict[str, jax.Array] = {}
+    for name, spec in param_specs(cfg).items():
+        x = np.asarray(params[name])
+        if spec.storage is Storage.FP8:
+            q, s = quant_fp8(x, blk, name)
+            y = dequant_fp8(q, s, blk, name)
+        elif spec.storage is Storage.FP4:
+            q, s = quant_fp4(x, name)
+            y = dequant_fp4(q, s, name)
+        elif spec.storage is Storage.BF16:
+            y = x.astype(ml_dtypes.bfloat16)
+        else:
+            y = x.astype(np.float32)
+        target = np.float32 if spec.storage is Storage.F32 else x.dtype
+        out[name] = jnp.asarray(y.astype(target))
+    return out
+
+
+# -- our own format (orbax) ------------------------------------------------------------------
+
+
+def save_params(
+    params: Mapping[str, Any], path: str | os.PathLike[str], *, overwrite: bool = False
+) -> None:
+    """Save the params unchanged (names, shapes, dtypes, exact values) with orbax's
+    StandardCheckpointer. ``path`` must not exist unless ``overwrite``."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path, dict(params), force=overwrite)
+    ckptr.wait_until_finished()
+
+
+def restore_params(
+    path: str | os.PathLike[str],
+    *,
+    cfg: ModelConfig | None = None,
+    dtype: Any = None,
+) -> dict[str, jax.Array]:
+    """Restore params written by `save_params` onto the default device.
+
+    With ``cfg`` the saved names and shapes are first checked against ``param_specs(cfg)`` and
+    every difference is reported in one `CheckpointError`. ``dtype`` casts the restored values;
+    with ``cfg`` the tensors the released checkpoint stores as F32 stay float32, without ``cfg``
+    every float tensor is cast.
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such orbax checkpoint directory")
+    ckptr = ocp.StandardCheckpointer()
+    tree = ckptr.metadata(path).item_metadata.tree
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(f"{path}: expected a flat dict of arrays, found {type(tree)}")
+    if cfg is not None:
+        specs = param_specs(cfg)
+        missing = [n for n in specs if n not in tree]
+        unexpected = [n for n in tree if n not in specs]
+        wrong = [
+            f"{n}: config expects {list(specs[n].shape)}, saved {list(tree[n].shape)}"
+            for n in specs
+            if n in tree and tuple(tree[n].shape) != specs[n].shape
+        ]
+        groups = [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
+        if missing or unexpected or wrong:
+            raise CheckpointError(
+                _format_problems(f"orbax checkpoint {path} does not match the config", groups)
+            )
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = {
+        n: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding) for n, m in tree.items()
+    }
+    params = dict(ckptr.restore(path, abstract))
+    if dtype is not None:
+        specs = param_specs(cfg) if cfg is not None else {}
+        for n, x in params.items():
+            keep = n in specs and specs[n].storage is Storage.F32
+            if not keep and jnp.issubdtype(x.dtype, jnp.floating):
+                params[n] = x.astype(dtype)
+    return params
