@@ -1,0 +1,188 @@
+"""The V4.1-Flash params have exactly the released checkpoint's backbone tensors.
+
+The expected table below is written out by hand from ``../shared/reference/model_v41.md``
+section 4.2 (names, dtypes, stored shapes; scale shapes for 32 x 32 blocks), not derived from
+``dsv4.params``. Engram (``layers.{1,14}.engram.*``), the DSpark drafter (``mtp.*``), the vision
+tower and ``ffn.gate.bias_vl`` are outside the backbone and excluded. Shapes come from
+``jax.eval_shape``, so nothing of the 552B parameters is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import param_count
+from dsv4.config import tiny_v41, v41_flash
+from dsv4.params import abstract_params, checkpoint_tensors, count_params
+
+F8, E8M0, I8, BF16, F32 = "F8_E4M3", "F8_E8M0", "I8", "BF16", "F32"
+N_LAYERS, N_EXPERTS = 40, 384
+KV_SOURCES_RATIO2 = (2, 8, 14)  # compressor with wgate
+KV_SOURCES_RATIO1 = (20,)  # compressor without wgate
+REINDEX = (24, 28, 32, 36)  # own indexer query, no compressor / index-key projection
+
+GLOBAL = {
+    "embed.weight": (BF16, (129280, 5120)),
+    "head.weight": (BF16, (129280, 5120)),
+    "norm.weight": (BF16, (5120,)),
+}
+EVERY_LAYER = {
+    "attn_norm.weight": (BF16, (5120,)),
+    "ffn_norm.weight": (BF16, (5120,)),
+    "hc_attn_fn": (F32, (24, 20480)),
+    "hc_attn_base": (F32, (24,)),
+    "hc_attn_scale": (F32, (3,)),
+    "hc_ffn_fn": (F32, (24, 20480)),
+    "hc_ffn_base": (F32, (24,)),
+    "hc_ffn_scale": (F32, (3,)),
+    "attn.wq_a.weight": (F8, (1280, 5120)),
+    "attn.wq_a.scale": (E8M0, (40, 160)),
+    "attn.q_norm.weight": (BF16, (1280,)),
+    "attn.wq_b.weight": (F8, (32768, 1280)),
+    "attn.wq_b.scale": (E8M0, (1024, 40)),
+    "attn.wkv.weight": (F8, (512, 5120)),
+    "attn.wkv.scale": (E8M0, (16, 160)),
+    "attn.kv_norm.weight": (BF16, (512,)),
+    "attn.wo_a.weight": (F8, (8192, 4096)),
+    "attn.wo_a.scale": (E8M0, (256, 128)),
+    "attn.wo_b.weight": (F8, (5120, 8192)),
+    "attn.wo_b.scale": (E8M0, (160, 256)),
+    "attn.attn_sink": (F32, (64,)),
+    "ffn.gate.weight": (BF16, (384, 5120)),
+    "ffn.gate.bias": (F32, (384,)),
+    "ffn.shared_experts.w1.weight": (F8, (2304, 5120)),
+    "ffn.shared_experts.w1.scale": (E8M0, (72, 160)),
+    "ffn.shared_experts.w3.weight": (F8, (2304, 5120)),
+    "ffn.shared_experts.w3.scale": (E8M0, (72, 160)),
+    "ffn.shared_experts.w2.weight": (F8, (5120, 2304)),
+    "ffn.shared_experts.w2.scale": (E8M0, (160, 72)),
+}
+EVERY_EXPERT = {
+    "w1.weight": (I8, (2304, 2560)),
+    "w1.scale": (E8M0, (2304, 160)),
+    "w3.weight": (I8, (2304, 2560)),
+    "w3.scale": (E8M0, (2304, 160)),
+    "w2.weight": (I8, (5120, 1152)),
+    "w2.scale": (E8M0, (5120, 72)),
+}
+KV_SOURCE = {
+    "attn.compressor.wkv.weight": (BF16, (512, 5120)),
+    "attn.compressor.norm.weight": (BF16, (512,)),
+    "attn.indexer.wk.weight": (BF16, (128, 512)),
+    "attn.indexer.k_norm.weight": (BF16, (128,)),
+}
+RATIO2_GATE = {"attn.compressor.wgate.weight": (BF16, (512, 5120))}
+INDEX_SOURCE = {
+    "attn.indexer.wq_b.weight": (F8, (4096, 1280)),
+    "attn.indexer.wq_b.scale": (E8M0, (128, 40)),
+    "attn.indexer.weights_proj.weight": (BF16, (32, 5120)),
+}
+
+
+def released_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Backbone tensors of the released V4.1-Flash checkpoint: name -> (dtype, stored shape)."""
+    out = dict(GLOBAL)
+    for layer in range(N_LAYERS):
+        extra = dict(EVERY_LAYER)
+        if layer in KV_SOURCES_RATIO2 + KV_SOURCES_RATIO1:
+            extra |= KV_SOURCE
+        if layer in KV_SOURCES_RATIO2:
+            extra |= RATIO2_GATE
+        if layer in KV_SOURCES_RATIO2 + KV_SOURCES_RATIO1 + REINDEX:
+            extra |= INDEX_SOURCE
+        for e in range(N_EXPERTS):
+            extra |= {f"ffn.experts.{e}.{k}": v for k, v in EVERY_EXPERT.items()}
+        out |= {f"layers.{layer}.{k}": v for k, v in extra.items()}
+    return out
+
+
+def dequantised_shapes(released: dict) -> dict[str, tuple[int, ...]]:
+    """Value tensors (no scales) with their dequantised shapes: packed fp4 holds 2 per byte."""
+    out = {}
+    for name, (dtype, shape) in released.items():
+        if dtype == E8M0:
+            continue
+        out[name] = (shape[0], 2 * shape[1]) if dtype == I8 else shape
+    return out
+
+
+def differences(want: dict, got: dict) -> list[str]:
+    """Readable differences between two name -> value dicts (a few of each kind)."""
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    wrong = sorted(
+        f"{k}: expected {want[k]}, got {got[k]}"
+        for k in want.keys() & got.keys()
+        if want[k] != got[k]
+    )
+    out = []
+    for label, items in (("missing", missing), ("unexpected", extra), ("different", wrong)):
+        if items:
+            out.append(f"{len(items)} {label}, e.g. {items[:5]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def released():
+    return released_tensors()
+
+
+@pytest.fixture(scope="module")
+def abstract():
+    return abstract_params(v41_flash())
+
+
+def test_table_size(released):
+    # 3 global + 40 layers x (29 per-layer + 384 x 6 expert) + 3 ratio-2 sources x 5
+    # + 1 ratio-1 source x 4 + 8 index sources x 3
+    assert len(released) == 3 + 40 * (29 + 384 * 6) + 3 * 5 + 4 + 8 * 3
+
+
+def test_abstract_params_match_released_names_and_shapes(abstract, released):
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in abstract.values())
+    flat = {}
+    for name, x in abstract.items():
+        if ".ffn.experts." in name:
+            base, proj = name.split(".ffn.experts.")
+            assert x.shape[0] == N_EXPERTS, name
+            for e in range(x.shape[0]):
+                flat[f"{base}.ffn.experts.{e}.{proj}"] = tuple(x.shape[1:])
+        else:
+            flat[name] = tuple(x.shape)
+    assert not differences(dequantised_shapes(released), flat)
+
+
+def test_checkpoint_tensors_match_released(released):
+    got = {t.name: (t.dtype, tuple(t.shape)) for t in checkpoint_tensors(v41_flash())}
+    assert not differences(released, got)
+
+
+def test_param_dtypes(abstract, released):
+    assert {x.dtype for x in abstract.values()} == {jnp.dtype(jnp.float32)}
+    half = abstract_params(v41_flash(), jnp.bfloat16)
+    for name, x in half.items():
+        stored = released[name.replace(".experts.", ".experts.0.")][0]
+        want = jnp.float32 if stored == F32 else jnp.bfloat16
+        assert x.dtype == want, name
+
+
+def test_param_count(abstract, released, capsys):
+    n = sum(math.prod(shape) for shape in dequantised_shapes(released).values())
+    assert count_params(v41_flash()) == n
+    counts = param_count.breakdown(abstract, v41_flash())
+    assert counts["total"] == n
+    assert sum(counts[c] for c in param_count.CATEGORIES) == n
+    assert counts["moe_routed"] == 40 * 384 * 3 * 2304 * 5120
+    assert counts["embed_head"] == 2 * 129280 * 5120
+    assert 551e9 < n < 553e9  # the "552B backbone" of the tech-report summaries
+    assert param_count.main([]) == 0
+    line = capsys.readouterr().out.strip().splitlines()
+    assert len(line) == 1
+    out = json.loads(line[0])
+    assert out["configs"]["v41_flash"]["total"] == n
+    assert out["configs"]["tiny_v41"]["total"] == count_params(tiny_v41())
