@@ -1,0 +1,66 @@
+"""Compressor (kernel 4 of pallas_kernels/README.md): gated pair pooling (ratio 2) or the plain
+path (ratio 1), RMSNorm, RoPE at the group's first position, the slot-mapped record write and
+the ring rows of open groups.
+
+`compressor(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
+kernel on TPU and the Triton kernel on GPU (`pallas_kernels._backend.resolve_impl`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from pallas_kernels._backend import resolve_impl
+from pallas_kernels.compressor import reference
+from pallas_kernels.compressor.common import cost
+
+__all__ = ["compressor", "cost"]
+
+
+def compressor(
+    kv: jax.Array,  # [T, D] (ratio 1) | f32[T, 2D] (ratio 2: [a | s])
+    token_req: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T], -1 = padding
+    query_start_loc: jax.Array,  # i32[R + 1]
+    norm_weight: jax.Array,  # [D]
+    inv_freq: jax.Array,  # f32[rope / 2]
+    comp_slot: jax.Array,  # i32[T], -1 = no write
+    ring_block: jax.Array | None,  # i32[R], 0 = none (ratio 2 only)
+    comp_pages: jax.Array,  # [P, E, D]
+    ring_pages: jax.Array | None,  # f32[Pr, C, 2D] (ratio 2 only)
+    *,
+    ratio: int,
+    eps: float,
+    impl: str | None = None,
+    interpret: Any = False,
+):
+    """Compress one ragged batch into the paged cache (pallas_kernels/README.md, kernel 4).
+
+    Returns ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latent rows (zeros where
+    no group closes), the updated record pages, and the updated ring (``None`` for ratio 1).
+    Under `jit`, donate ``comp_pages`` / ``ring_pages`` so the kernels update them in place.
+    """
+    impl = resolve_impl(impl)
+    args = (
+        kv,
+        token_req,
+        positions,
+        query_start_loc,
+        norm_weight,
+        inv_freq,
+        comp_slot,
+        ring_block,
+        comp_pages,
+        ring_pages,
+    )
+    if impl == "reference":
+        return reference.compressor(*args, ratio=ratio, eps=eps)
+    if impl == "tpu":
+        from pallas_kernels.compressor import tpu
+
+        return tpu.compressor(*args, ratio=ratio, eps=eps, interpret=interpret)
+    from pallas_kernels.compressor import gpu
+
+    return gpu.compressor(*args, ratio=ratio, eps=eps, interpret=interpret)

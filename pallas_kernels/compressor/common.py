@@ -1,0 +1,114 @@
+"""Math helpers (usable inside kernels), argument checks and the cost model of the compressor."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["check_compressor_args", "cost", "pair_pool", "rms_norm", "rope_rows"]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype) -> jax.Array:
+    """RMSNorm over the last axis in f32, rounded to ``dtype`` (the model's `layers.rms_norm`)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(dtype)
+
+
+def pair_pool(a0, s0, a1, s1):
+    """Per-channel softmax over a pair of tokens, applied to their values (f32)."""
+    m = jnp.maximum(s0, s1)
+    e0 = jnp.exp(s0 - m)
+    e1 = jnp.exp(s1 - m)
+    den = e0 + e1
+    return a0 * (e0 / den) + a1 * (e1 / den)
+
+
+def rope_rows(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the last ``2 * cos.shape[-1]`` dims of rows x [.., D] as interleaved pairs.
+
+    ``cos``/``sin`` [.., R/2]. Math in f32, result in x's dtype (the model's
+    `layers.apply_rope`)."""
+    r = 2 * cos.shape[-1]
+    head, tail = x[..., :-r], x[..., -r:]
+    t = tail.astype(jnp.float32).reshape(*tail.shape[:-1], r // 2, 2)
+    x0, x1 = t[..., 0], t[..., 1]
+    y0 = x0 * cos - x1 * sin
+    y1 = x0 * sin + x1 * cos
+    rot = jnp.stack([y0, y1], axis=-1).reshape(tail.shape).astype(x.dtype)
+    return jnp.concatenate([head, rot], axis=-1)
+
+
+def _fail(msg: str):
+    raise ValueError(f"compressor: {msg}")
+
+
+def check_compressor_args(
+    kv,
+    token_req,
+    positions,
+    query_start_loc,
+    norm_weight,
+    inv_freq,
+    comp_slot,
+    ring_block,
+    comp_pages,
+    ring_pages,
+    *,
+    ratio,
+) -> int:
+    """Static checks; returns the latent width D."""
+    if ratio not in (1, 2):
+        _fail(f"ratio must be 1 or 2 (V4.1's kv sources), got {ratio}")
+    if kv.ndim != 2:
+        _fail(f"kv must be [T, D] (ratio 1) or [T, 2D] (ratio 2), got {kv.shape}")
+    t = kv.shape[0]
+    d = kv.shape[1] // ratio
+    if ratio == 2:
+        if kv.shape[1] % 2:
+            _fail(f"kv_score must be [T, 2D], got odd width {kv.shape[1]}")
+        if kv.dtype != jnp.float32:
+            _fail(f"kv_score (ratio 2) must be f32, got {kv.dtype}")
+        if ring_pages is None or ring_block is None:
+            _fail("ratio 2 needs ring_pages and ring_block")
+        if ring_pages.ndim != 3 or ring_pages.shape[2] != 2 * d:
+            _fail(f"ring_pages must be [P, C, 2D={2 * d}], got {ring_pages.shape}")
+        if ring_pages.dtype != jnp.float32:
+            _fail(f"ring_pages must be f32, got {ring_pages.dtype}")
+    if comp_pages.ndim != 3 or comp_pages.shape[2] != d:
+        _fail(f"comp_pages must be [P, E, D={d}], got {comp_pages.shape}")
+    if norm_weight.shape != (d,):
+        _fail(f"norm_weight must be [D={d}], got {norm_weight.shape}")
+    if inv_freq.ndim != 1 or 2 * inv_freq.shape[0] > d:
+        _fail(f"inv_freq must be [rope/2] with rope <= D={d}, got {inv_freq.shape}")
+    for name, a in (("token_req", token_req), ("positions", positions), ("comp_slot", comp_slot)):
+        if a.shape != (t,) or a.dtype != jnp.int32:
+            _fail(f"{name} must be i32[T={t}], got {a.dtype}{list(a.shape)}")
+    if query_start_loc.ndim != 1 or query_start_loc.dtype != jnp.int32:
+        _fail(f"query_start_loc must be i32[R + 1], got {query_start_loc.dtype}")
+    if ring_block is not None and (
+        ring_block.shape != (query_start_loc.shape[0] - 1,) or ring_block.dtype != jnp.int32
+    ):
+        _fail(
+            f"ring_block must be i32[R={query_start_loc.shape[0] - 1}], got "
+            f"{ring_block.dtype}{list(ring_block.shape)}"
+        )
+    return d
+
+
+def cost(
+    num_tokens: int, dim: int, *, ratio: int, record_dtype=jnp.bfloat16, ring_rows: int = 0
+) -> dict[str, int]:
+    """Bytes and FLOPs of one compressor call over ``num_tokens`` tokens of latent ``dim``.
+
+    Reads each token's input row once (f32 ``[a | s]`` for ratio 2), writes one record per
+    closed group and one latent row per token, plus ``ring_rows`` raw rows to and from the ring.
+    FLOPs: pooling (6 per channel and pair), norm (4 per channel), rope (6 per rotated pair,
+    counted on all channels as an upper bound)."""
+    rb = np.dtype(record_dtype).itemsize
+    in_b = num_tokens * dim * (8 if ratio == 2 else rb)
+    groups = num_tokens // ratio
+    bytes_ = in_b + groups * dim * rb + num_tokens * dim * rb + ring_rows * 2 * dim * 4 * 2
+    flops = num_tokens * dim * (6 * (ratio == 2) + 4) + groups * dim * 3
+    return {"flops": int(flops), "bytes": int(bytes_)}

@@ -1,0 +1,103 @@
+"""Argument checks and the cost model shared by the indexer's reference and kernels."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["check_indexer_args", "cost"]
+
+
+def _fail(msg: str):
+    raise ValueError(f"indexer_topk: {msg}")
+
+
+def check_indexer_args(
+    qi,
+    weights,
+    ikey_pages,
+    comp_tables,
+    token_req,
+    positions,
+    visible,
+    *,
+    entries_per_block,
+    k,
+    candidate_block_size,
+    candidate_topk_blocks,
+    candidates,
+) -> str:
+    """Static (shape / dtype / option) checks; returns the mode: "plain", "source" or
+    "consumer". Values (block ids, positions) are not inspected: shapes only."""
+    if qi.ndim != 3:
+        _fail(f"qi must be [T, IH, Di], got shape {qi.shape}")
+    t, ih, di = qi.shape
+    if weights.shape != (t, ih):
+        _fail(f"weights must be [T, IH] = {(t, ih)}, got {weights.shape}")
+    if ikey_pages.ndim != 3 or ikey_pages.shape[2] != di:
+        _fail(f"ikey_pages must be [P, E, Di={di}], got {ikey_pages.shape}")
+    if ikey_pages.shape[1] != entries_per_block:
+        _fail(
+            f"entries_per_block={entries_per_block} differs from ikey_pages.shape[1]="
+            f"{ikey_pages.shape[1]}"
+        )
+    if comp_tables.ndim != 2 or comp_tables.dtype != jnp.int32:
+        _fail(f"comp_tables must be i32[R, nb], got {comp_tables.dtype}{list(comp_tables.shape)}")
+    for name, a in (("token_req", token_req), ("positions", positions), ("visible", visible)):
+        if a.shape != (t,) or a.dtype != jnp.int32:
+            _fail(f"{name} must be i32[T={t}], got {a.dtype}{list(a.shape)}")
+    if k <= 0:
+        _fail(f"k must be positive, got {k}")
+    if candidate_topk_blocks < 0 or candidate_block_size < 0:
+        _fail(
+            f"candidate_topk_blocks={candidate_topk_blocks} and candidate_block_size="
+            f"{candidate_block_size} must be >= 0"
+        )
+    if candidates is not None:
+        if candidate_block_size <= 0:
+            _fail(f"candidates need candidate_block_size > 0, got {candidate_block_size}")
+        if candidates.ndim != 2 or candidates.shape[0] != t or candidates.dtype != jnp.int32:
+            _fail(f"candidates must be i32[T={t}, CB], got {candidates.dtype}{candidates.shape}")
+        return "consumer"
+    if candidate_topk_blocks > 0:
+        if candidate_block_size <= 0:
+            _fail(
+                f"candidate_topk_blocks={candidate_topk_blocks} needs candidate_block_size > 0, "
+                f"got {candidate_block_size}"
+            )
+        return "source"
+    return "plain"
+
+
+def cost(
+    num_tokens: int,
+    index_heads: int,
+    index_head_dim: int,
+    entries: int,
+    *,
+    k: int,
+    key_dtype=jnp.bfloat16,
+    q_dtype=jnp.bfloat16,
+    candidate_topk_blocks: int = 0,
+    entries_per_block: int = 64,
+) -> dict[str, int]:
+    """Bytes moved and FLOPs of one indexer call in which each of ``num_tokens`` tokens scores
+    ``entries`` visible index keys (the kernels read each visible key page once per token).
+
+    FLOPs count the q.k products (2 * IH * Di per entry) and the weighted ReLU sum (3 * IH per
+    entry); the selection is a few compare passes per entry and is not counted as FLOPs.
+    Bytes: the keys, the queries and weights, the block-table rows, the outputs."""
+    kb = np.dtype(key_dtype).itemsize
+    qb = np.dtype(q_dtype).itemsize
+    pages = math.ceil(entries / entries_per_block)
+    flops = num_tokens * entries * (2 * index_heads * index_head_dim + 3 * index_heads)
+    bytes_ = (
+        num_tokens * entries * index_head_dim * kb
+        + num_tokens * index_heads * (index_head_dim * qb + 4)
+        + num_tokens * pages * 4
+        + num_tokens * (k + candidate_topk_blocks) * 4
+        + num_tokens * 12
+    )
+    return {"flops": int(flops), "bytes": int(bytes_)}

@@ -1,0 +1,118 @@
+"""Pure-jnp indexer top-k over paged index keys: the oracle of the kernels and the CPU path.
+
+Written for clarity, not speed: every token gathers its request's index keys densely through the
+block table, scores all of them, and selects with `jax.lax.top_k` (ties to the lower index). The
+kernels compute the same sets without materialising scores in HBM and without a sort.
+
+Semantics (pallas_kernels/README.md, kernel 3; model_v41.md 2.4):
+
+* ``s(j) = sum_h weights[t, h] * relu(qi[t, h] . key[j])`` in f32 for ``j < visible[t]``, -inf
+  beyond (and everywhere for a padding token, ``positions[t] == -1``). A -0.0 score is counted
+  as +0.0 so that ties do not depend on the sign of a zero.
+* Candidate source (``candidate_topk_blocks > 0`` and ``candidates is None``): block ``b`` of
+  ``candidate_block_size`` entries scores its best entry; the block of entry ``visible - 1`` is
+  pinned (+inf); the top ``min(candidate_topk_blocks, blocks)`` blocks (ties: lower block) are
+  returned, -1 for blocks scoring -inf and for padding columns.
+* Consumer (``candidates`` given): scores outside the listed blocks are -inf.
+* Top-k: the ``k`` highest scores (ties: lower index); picks that are -inf are -1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.indexer.common import check_indexer_args
+
+__all__ = ["indexer_topk"]
+
+
+def _dense_keys(ikey_pages, comp_tables, token_req):
+    """Each token's request keys, densely: [T, nb * E, Di] (pages gathered in table order)."""
+    pages = ikey_pages[comp_tables]  # [R, nb, E, Di]
+    r, nb, e, di = pages.shape
+    return pages.reshape(r, nb * e, di)[token_req]
+
+
+def _scores(qi, weights, keys, visible):
+    """Weighted ReLU scores [T, N] with -inf at j >= visible and -0.0 canonicalised."""
+    dots = jnp.einsum("thd,tnd->thn", qi, keys.astype(qi.dtype), preferred_element_type=jnp.float32)
+    s = jnp.einsum("thn,th->tn", jax.nn.relu(dots), weights.astype(jnp.float32))
+    s = jnp.where(s == 0, 0.0, s)
+    n = keys.shape[1]
+    return jnp.where(jnp.arange(n)[None, :] < visible[:, None], s, -jnp.inf)
+
+
+def _top(values, width, kk):
+    """Top ``kk`` ids of each row (-1 where the value is -inf), padded with -1 to ``width``."""
+    vals, ids = jax.lax.top_k(values, kk)
+    ids = jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
+    return jnp.pad(ids, ((0, 0), (0, width - kk)), constant_values=-1)
+
+
+def _candidate_blocks(scores, visible, block_size, topk_blocks):
+    n = scores.shape[1]
+    nblocks = -(-n // block_size)
+    padded = jnp.pad(scores, ((0, 0), (0, nblocks * block_size - n)), constant_values=-jnp.inf)
+    blocks = jnp.max(padded.reshape(-1, nblocks, block_size), axis=-1)
+    newest = jnp.where(visible > 0, (visible - 1) // block_size, -1)
+    blocks = jnp.where(jnp.arange(nblocks)[None, :] == newest[:, None], jnp.inf, blocks)
+    return _top(blocks, topk_blocks, min(topk_blocks, nblocks))
+
+
+def _candidate_mask(candidates, n, block_size):
+    """Entries [T, n] whose block is listed in ``candidates`` [T, CB] (-1 and ids past the
+    last block list nothing)."""
+    nblocks = -(-n // block_size)
+    ids = jnp.where((candidates >= 0) & (candidates < nblocks), candidates, nblocks)
+    keep = jnp.zeros((candidates.shape[0], nblocks + 1), bool)
+    keep = keep.at[jnp.arange(candidates.shape[0])[:, None], ids].set(True)
+    return jnp.repeat(keep[:, :nblocks], block_size, axis=1)[:, :n]
+
+
+def indexer_topk(
+    qi: jax.Array,  # [T, IH, Di]
+    weights: jax.Array,  # [T, IH]
+    ikey_pages: jax.Array,  # [P, E, Di]
+    comp_tables: jax.Array,  # i32[R, nb]
+    token_req: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T], -1 = padding
+    visible: jax.Array,  # i32[T]
+    *,
+    entries_per_block: int,
+    k: int,
+    candidate_block_size: int = 0,
+    candidate_topk_blocks: int = 0,
+    candidates: jax.Array | None = None,  # i32[T, CB] block ids, -1 = none
+):
+    """Top-k index entries per token over paged index keys (reference).
+
+    Returns:
+      ``topk`` i32[T, k] of request-local entry ids (-1 = none); for a candidate source
+      ``(topk, blocks)`` with ``blocks`` i32[T, candidate_topk_blocks] (-1 = none).
+    """
+    mode = check_indexer_args(
+        qi,
+        weights,
+        ikey_pages,
+        comp_tables,
+        token_req,
+        positions,
+        visible,
+        entries_per_block=entries_per_block,
+        k=k,
+        candidate_block_size=candidate_block_size,
+        candidate_topk_blocks=candidate_topk_blocks,
+        candidates=candidates,
+    )
+    n = comp_tables.shape[1] * entries_per_block
+    vis = jnp.where(positions >= 0, jnp.clip(visible, 0, n), 0)
+    keys = _dense_keys(ikey_pages, comp_tables, token_req)
+    scores = _scores(qi, weights, keys, vis)
+    blocks = None
+    if mode == "source":
+        blocks = _candidate_blocks(scores, vis, candidate_block_size, candidate_topk_blocks)
+    elif mode == "consumer":
+        scores = jnp.where(_candidate_mask(candidates, n, candidate_block_size), scores, -jnp.inf)
+    topk = _top(scores, k, min(k, n))
+    return topk if blocks is None else (topk, blocks)

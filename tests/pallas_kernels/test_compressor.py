@@ -1,0 +1,185 @@
+"""compressor: the reference against a straightforward per-request NumPy formula, the kernels
+against the reference.
+
+Each request owns a raw history of ``[a | s]`` rows (ratio 2) or kv rows (ratio 1); a step
+holds one chunk per request. The oracle walks the chunk token by token in float64: it pools a
+closing pair from the history, norms, rotates at the group's first position, and writes the
+record at the token's slot; the ring afterwards holds the chunk's last raw rows. Pages and ring
+rows that the step must not touch are NaN, so a stray read or write shows.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.compressor import compressor
+
+EPS = 1e-6
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # absolute, values are O(1) after the norm
+
+
+def make_step(
+    chunks,  # per request: (first position p0, chunk length L, has a ring block)
+    *,
+    ratio,
+    d=256,
+    rope=64,
+    e=4,
+    cap=8,
+    pad_tokens=2,
+    dtype=jnp.float32,
+    seed=0,
+):
+    """One ragged step plus each request's raw history (for the oracle)."""
+    rng = np.random.default_rng(seed)
+    r = len(chunks)
+    width = 2 * d if ratio == 2 else d
+    hist = [rng.standard_normal((p0 + n, width)).astype(np.float32) for p0, n, _ in chunks]
+    if ratio == 2:
+        for h in hist:
+            h[:, d:] *= 2.0  # gate logits with some spread
+    rows, token_req, positions, qsl = [], [], [], [0]
+    for i, (p0, n, _) in enumerate(chunks):
+        rows.append(hist[i][p0 : p0 + n])
+        token_req += [i] * n
+        positions += list(range(p0, p0 + n))
+        qsl.append(qsl[-1] + n)
+    rows.append(np.full((pad_tokens, width), np.nan, np.float32))
+    token_req += [0] * pad_tokens
+    positions += [-1] * pad_tokens
+    t = len(positions)
+
+    max_entries = max((p0 + n) // ratio for p0, n, _ in chunks) + 1
+    nb = -(-max_entries // e)
+    num_pages = 1 + r * nb + 2
+    perm = rng.permutation(np.arange(1, num_pages))
+    tables = perm[: r * nb].reshape(r, nb).astype(np.int32)
+    comp_pages = np.full((num_pages, e, d), np.nan, np.float32)
+    comp_slot = np.full(t, -1, np.int32)
+    for i in range(t):
+        p = positions[i]
+        if p >= 0 and (p + 1) % ratio == 0:
+            j = p // ratio
+            comp_slot[i] = tables[token_req[i], j // e] * e + j % e
+
+    ring_block = ring_pages = None
+    if ratio == 2:
+        ring_pages = np.full((r + 3, cap, 2 * d), np.nan, np.float32)
+        ring_block = np.zeros(r, np.int32)
+        ring_ids = rng.permutation(np.arange(1, r + 3))
+        for i, (p0, _n, has_ring) in enumerate(chunks):
+            if not has_ring:
+                continue
+            ring_block[i] = ring_ids[i]
+            for p in range(max(0, p0 - cap), p0):  # what earlier steps left in the ring
+                ring_pages[ring_block[i], p % cap] = hist[i][p]
+    half = rope // 2
+    inv_freq = (1.0 / (10000.0 ** (np.arange(half) / half))).astype(np.float32)
+    norm_weight = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    args = dict(
+        kv=jnp.asarray(np.concatenate(rows), dtype if ratio == 1 else jnp.float32),
+        token_req=jnp.asarray(token_req, jnp.int32),
+        positions=jnp.asarray(positions, jnp.int32),
+        query_start_loc=jnp.asarray(qsl, jnp.int32),
+        norm_weight=jnp.asarray(norm_weight, dtype),
+        inv_freq=jnp.asarray(inv_freq),
+        comp_slot=jnp.asarray(comp_slot),
+        ring_block=None if ring_block is None else jnp.asarray(ring_block),
+        comp_pages=jnp.asarray(comp_pages, dtype),
+        ring_pages=None if ring_pages is None else jnp.asarray(ring_pages),
+    )
+    return args, hist
+
+
+def oracle(args, hist, chunks, *, ratio):
+    """Expected (latent, comp_pages, ring_pages) in float64, per request and token."""
+    d = args["comp_pages"].shape[2]
+    latent = np.zeros((args["positions"].shape[0], d))
+    pages = np.array(args["comp_pages"], np.float64)
+    ring = None if args["ring_pages"] is None else np.array(args["ring_pages"], np.float64)
+    w = np.asarray(args["norm_weight"], np.float64)
+    inv = np.asarray(args["inv_freq"], np.float64)
+    e = pages.shape[1]
+    qsl = np.asarray(args["query_start_loc"])
+    slots = np.asarray(args["comp_slot"])
+    for i, (p0, n, has_ring) in enumerate(chunks):
+        h = hist[i].astype(np.float64)
+        for t in range(qsl[i], qsl[i] + n):
+            p = p0 + t - qsl[i]
+            if (p + 1) % ratio:
+                continue
+            if ratio == 1:
+                x = h[p]
+            else:
+                if p == p0 and not has_ring:
+                    continue  # the pair's first half is gone: no latent, no record
+                a, s = h[p - 1 : p + 1, :d], h[p - 1 : p + 1, d:]
+                g = np.exp(s - s.max(0))
+                x = (a * g / g.sum(0)).sum(0)
+            z = w * x / np.sqrt(np.mean(x * x) + EPS)
+            latent[t] = z
+            ang = (ratio * (p // ratio)) * inv
+            c, sn = np.cos(ang), np.sin(ang)
+            rot = z.copy()
+            x0, x1 = z[d - 2 * len(inv) :: 2], z[d - 2 * len(inv) + 1 :: 2]
+            rot[d - 2 * len(inv) :: 2] = x0 * c - x1 * sn
+            rot[d - 2 * len(inv) + 1 :: 2] = x0 * sn + x1 * c
+            pages[slots[t] // e, slots[t] % e] = rot
+        if ratio == 2 and has_ring:
+            rb = int(args["ring_block"][i])
+            cap = ring.shape[1]
+            for p in range(max(p0, p0 + n - cap), p0 + n):
+                ring[rb, p % cap] = h[p]
+    return latent, pages, ring
+
+
+def assert_close_nan(got, want, tol, what):
+    got = np.asarray(got, np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN pattern")
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=tol, err_msg=what)
+
+
+def run_and_check(chunks, *, ratio, impl="reference", interpret=False, dtype=jnp.float32, **kw):
+    args, hist = make_step(chunks, ratio=ratio, dtype=dtype, **kw)
+    latent, pages, ring = compressor(**args, ratio=ratio, eps=EPS, impl=impl, interpret=interpret)
+    want = oracle(args, hist, chunks, ratio=ratio)
+    tol = TOL[dtype]
+    assert latent.dtype == (dtype if ratio == 1 else args["comp_pages"].dtype)
+    assert_close_nan(latent, want[0], tol, "latent")
+    assert_close_nan(pages, want[1], tol, "comp_pages")
+    if ratio == 2:
+        assert_close_nan(ring, want[2], 0.0, "ring_pages")
+    else:
+        assert ring is None
+    return args
+
+
+# -- scenarios: (p0, chunk length, has ring) per request -----------------------------------------
+
+SCENARIOS = {
+    "decode": [(0, 1, True), (1, 1, True), (6, 1, True), (9, 1, True), (14, 1, False)],
+    "prefill": [(0, 13, True), (0, 2, True), (0, 1, True)],
+    "mixed": [(5, 6, True), (0, 9, True), (12, 1, True), (3, 1, False), (7, 12, True)],
+}
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_reference_matches_oracle(name, ratio):
+    run_and_check(SCENARIOS[name], ratio=ratio, seed=sorted(SCENARIOS).index(name))
+
+
+def test_reference_bf16():
+    run_and_check(SCENARIOS["mixed"], ratio=2, dtype=jnp.bfloat16)
+    run_and_check(SCENARIOS["mixed"], ratio=1, dtype=jnp.bfloat16)
+
+
+def test_reference_rejects_bad_arguments():
+    args, _ = make_step([(0, 4, True)], ratio=2)
+    with pytest.raises(ValueError, match="ratio must be 1 or 2"):
+        compressor(**args, ratio=4, eps=EPS, impl="reference")
+    bad = dict(args, ring_pages=None)
+    with pytest.raises(ValueError, match="ring_pages"):
+        compressor(**bad, ratio=2, eps=EPS, impl="reference")
