@@ -431,6 +431,7 @@ class ModelConfig:
             "model_type": "deepseek_v41",
             "text_config": text,
         }
+        text["expert_dtype"] = self.expert_dtype
         if self.dtype == "fp8":
             out["quantization_config"] = {
                 "quant_method": "fp8",
