@@ -183,3 +183,63 @@ def test_reference_rejects_bad_arguments():
     bad = dict(args, ring_pages=None)
     with pytest.raises(ValueError, match="ring_pages"):
         compressor(**bad, ratio=2, eps=EPS, impl="reference")
+
+
+# -- kernels against the reference, in the interpreters -----------------------------------------
+
+CHECKING = dict(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
+
+
+def checking_interpreter():
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(**CHECKING)
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_kernel_matches_oracle(name, ratio, impl):
+    run_and_check(SCENARIOS[name], ratio=ratio, impl=impl, interpret=True, seed=7)
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_kernel_bf16(impl):
+    run_and_check(SCENARIOS["mixed"], ratio=2, impl=impl, interpret=True, dtype=jnp.bfloat16)
+    run_and_check(SCENARIOS["decode"], ratio=1, impl=impl, interpret=True, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_tpu_kernel_checking_interpreter(ratio):
+    """Simulated DMAs and semaphores, NaN-filled scratch, race detection."""
+    run_and_check(SCENARIOS["mixed"], ratio=ratio, impl="tpu", interpret=checking_interpreter())
+
+
+def test_tpu_kernel_long_chunk_rereads_ring_before_overwriting_it():
+    """A chunk of more than C tokens from an odd position overwrites the ring row its first
+    token pools from: the read must come first."""
+    run_and_check([(9, 11, True), (3, 1, True)], ratio=2, impl="tpu", interpret=True)
+    run_and_check([(9, 11, True), (3, 1, True)], ratio=2, impl="gpu", interpret=True)
+
+
+@pytest.mark.parametrize("what", ["slot", "ring"])
+def test_tpu_checking_interpreter_raises_on_bad_block(what):
+    args, _ = make_step([(3, 4, True)], ratio=2)
+    if what == "slot":
+        p, e, _ = args["comp_pages"].shape
+        args["comp_slot"] = jnp.where(args["comp_slot"] >= 0, p * e + 1, -1)
+    else:
+        args["ring_block"] = jnp.full_like(args["ring_block"], args["ring_pages"].shape[0] + 2)
+    with pytest.raises(Exception, match=r"[Oo]ut.of.bounds"):
+        latent, pages, ring = compressor(
+            **args, ratio=2, eps=EPS, impl="tpu", interpret=checking_interpreter()
+        )
+        pages.block_until_ready()
+
+
+@pytest.fixture(autouse=True)
+def _reset_tpu_interpreter():
+    yield
+    from jax.experimental.pallas import tpu as pltpu
+
+    pltpu.reset_tpu_interpret_mode_state()  # required after an exception in the interpreter

@@ -1,0 +1,187 @@
+"""Triton (Pallas GPU) compressor: one program per token.
+
+A program loads its token's row, the previous token's row and (for a chunk-first token at an
+odd position) its ring row, pools the pair (ratio 2), RMS-norms, writes the pre-rope latent,
+and writes the rotated record at its slot. The rotation needs the interleaved pairs apart:
+instead of shuffling lanes, the even and odd lanes of the rope tail are loaded separately with
+strided loads (the norm is a per-row scale, so each lane's normalised value can be rebuilt
+from its own input lanes) and stored back with strided stores.
+
+Programs run concurrently, so a chunk-first token's ring read could race with the store of a
+later token that reuses that ring row (a chunk of at least ``C`` tokens); the ring rows are
+therefore stored after the kernel, by an in-place scatter of at most ``C`` rows per request.
+Shapes must be powers of two (Triton): ``D``, ``2D`` and ``rope / 2``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._backend import cost_estimate, gpu_interpret
+from pallas_kernels.compressor.common import check_compressor_args, cost, pair_pool
+from pallas_kernels.compressor.tpu import CLOSES, FROM_RING, token_metadata
+
+__all__ = ["compressor"]
+
+
+def _norm_scale(x, eps):
+    """rsqrt(mean(x^2) + eps) of an f32 row (the factor of `common.rms_norm`)."""
+    return jax.lax.rsqrt(jnp.mean(x * x) + eps)
+
+
+def _kernel(
+    slot_ref,  # i32[T]
+    src_ref,  # i32[T]
+    flags_ref,  # i32[T]
+    gpos_ref,  # f32[T]
+    kv_ref,  # [T, W]
+    ring_ref,  # f32[Pr * C, 2D] (ratio 2) | unused
+    w_ref,  # [D]
+    inv_ref,  # f32[half]
+    pages_in,  # aliased with pages_ref
+    latent_ref,  # [T, D]
+    pages_ref,  # [P * E, D]
+    *,
+    ratio,
+    eps,
+    d,
+    half,
+    latent_dtype,
+):
+    del pages_in
+    t = pl.program_id(0)
+    flags = flags_ref[t]
+    closes = (flags & CLOSES) != 0
+    head = d - 2 * half
+    w = w_ref[...].astype(jnp.float32)
+
+    def at(ref, row, off, start, stride):
+        """Lanes ``off + start + stride * i`` of one row: all D (stride 1) or the rope tail's
+        even / odd half (stride 2)."""
+        n = d if stride == 1 else half
+        return ref[row, pl.ds(off + start, n, stride=stride)]
+
+    if ratio == 1:
+
+        def pre_norm(start, stride):
+            return at(kv_ref, t, 0, start, stride).astype(jnp.float32)
+
+    else:
+        prev = jnp.maximum(t - 1, 0)
+        src = jnp.maximum(src_ref[t], 0)
+        from_ring = (flags & FROM_RING) != 0
+
+        def pre_norm(start, stride):
+            a1, s1 = at(kv_ref, t, 0, start, stride), at(kv_ref, t, d, start, stride)
+            a0 = jnp.where(
+                from_ring, at(ring_ref, src, 0, start, stride), at(kv_ref, prev, 0, start, stride)
+            )
+            s0 = jnp.where(
+                from_ring, at(ring_ref, src, d, start, stride), at(kv_ref, prev, d, start, stride)
+            )
+            pooled = pair_pool(a0, s0, a1, s1)
+            return pooled.astype(latent_dtype).astype(jnp.float32)
+
+    x = pre_norm(0, 1)
+    r = _norm_scale(x, eps)
+    z = jnp.where(closes, (w * (x * r)).astype(latent_dtype), jnp.zeros((d,), latent_dtype))
+    latent_ref[t, :] = z
+
+    slot = slot_ref[t]
+
+    @pl.when(slot >= 0)
+    def _write_record():
+        lane = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
+        pltriton.store(
+            pages_ref.at[pl.ds(slot, 1), :],
+            z.astype(pages_ref.dtype)[None, :],
+            mask=lane < head,
+        )
+        we = w_ref[pl.ds(head, half, stride=2)].astype(jnp.float32)
+        wo = w_ref[pl.ds(head + 1, half, stride=2)].astype(jnp.float32)
+        ze = (we * (pre_norm(head, 2) * r)).astype(latent_dtype).astype(jnp.float32)
+        zo = (wo * (pre_norm(head + 1, 2) * r)).astype(latent_dtype).astype(jnp.float32)
+        angle = gpos_ref[t] * inv_ref[...]
+        c, s = jnp.cos(angle), jnp.sin(angle)
+        y0 = (ze * c - zo * s).astype(latent_dtype).astype(pages_ref.dtype)
+        y1 = (ze * s + zo * c).astype(latent_dtype).astype(pages_ref.dtype)
+        pages_ref[slot, pl.ds(head, half, stride=2)] = y0
+        pages_ref[slot, pl.ds(head + 1, half, stride=2)] = y1
+
+
+def compressor(
+    kv,
+    token_req,
+    positions,
+    query_start_loc,
+    norm_weight,
+    inv_freq,
+    comp_slot,
+    ring_block,
+    comp_pages,
+    ring_pages,
+    *,
+    ratio: int,
+    eps: float,
+    interpret=False,
+):
+    """Triton compressor; same arguments and results as `reference.compressor`."""
+    d = check_compressor_args(
+        kv,
+        token_req,
+        positions,
+        query_start_loc,
+        norm_weight,
+        inv_freq,
+        comp_slot,
+        ring_block,
+        comp_pages,
+        ring_pages,
+        ratio=ratio,
+    )
+    t = kv.shape[0]
+    half = inv_freq.shape[0]
+    for name, n in (("D", d), ("rope / 2", half)):
+        if n & (n - 1):
+            raise ValueError(f"compressor (gpu): {name}={n} must be a power of two (Triton)")
+    p, e, _ = comp_pages.shape
+    cap = ring_pages.shape[1] if ratio == 2 else 1
+    latent_dtype = kv.dtype if ratio == 1 else comp_pages.dtype
+    slot, src, dst, flags, gpos = token_metadata(
+        token_req, positions, query_start_loc, comp_slot, ring_block, ratio=ratio, cap=cap
+    )
+    pages_flat = comp_pages.reshape(p * e, d)
+    ring_flat = ring_pages.reshape(-1, 2 * d) if ratio == 2 else jnp.zeros((1, 1), jnp.float32)
+    c = cost(t, d, ratio=ratio, record_dtype=comp_pages.dtype, ring_rows=min(t, cap))
+    latent, pages_flat = pl.pallas_call(
+        functools.partial(_kernel, ratio=ratio, eps=eps, d=d, half=half, latent_dtype=latent_dtype),
+        grid=(t,),
+        out_shape=[
+            jax.ShapeDtypeStruct((t, d), latent_dtype),
+            jax.ShapeDtypeStruct(pages_flat.shape, pages_flat.dtype),
+        ],
+        input_output_aliases={8: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        cost_estimate=cost_estimate(c["flops"], c["bytes"], transcendentals=2 * t * half),
+        interpret=gpu_interpret(interpret),
+    )(
+        slot,
+        src,
+        flags,
+        gpos,
+        kv,
+        ring_flat,
+        norm_weight,
+        inv_freq.astype(jnp.float32),
+        pages_flat,
+    )
+    ring = None
+    if ratio == 2:
+        rows = jnp.where(dst >= 0, dst, ring_flat.shape[0])
+        ring = ring_flat.at[rows].set(kv, mode="drop").reshape(ring_pages.shape)
+    return latent, pages_flat.reshape(comp_pages.shape), ring
