@@ -1,0 +1,179 @@
+"""Jitted ``dsv4.generate`` on ``tiny_v41``: compile time and steady-state decode throughput.
+
+Usage::
+
+    python -m benchmarks.generate_cpu                       # batch 1 and 8, prompt 32, 64 new
+    python -m benchmarks.generate_cpu --batches 1,4,8 --new-tokens 128 --repeats 5
+
+It prints ONE JSON line. Per batch size B (random prompts of ``--prompt-len`` tokens, seeded
+random weights, greedy, no EOS so every row runs all steps):
+
+* ``compile_s``: first call minus warm call of ``generate(..., max_new_tokens=N)`` (tracing and
+  XLA compilation; the first call also runs once);
+* ``warm_call_s``: the best of ``--repeats`` warm calls (prefill + N - 1 decode steps);
+* ``prefill_s``: the best warm call of ``generate(..., max_new_tokens=1)`` (prefill and the first
+  sample; compiled separately, its compile is not reported);
+* ``decode_tokens_per_s``: ``B * (N - 1) / (warm_call_s - prefill_s)``, the steady-state decode
+  rate with the prefill taken out, and ``ms_per_decode_step`` (one token for every row);
+* ``end_to_end_tokens_per_s``: ``B * N / warm_call_s`` (what a user of one call sees).
+
+``decode_tokens_per_s_ratio_b8_over_b1`` (when both batch sizes run) says how well decode
+batches: one decode step of the tiny model is dominated by per-step overhead, so a ratio near 8
+means batching is almost free. The machine's backend, device and CPU count are reported; on a
+shared machine run it twice and trust the better numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DEFAULT_BATCHES = (1, 8)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def measure_batch(
+    params: Any,
+    cfg: Any,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    *,
+    repeats: int = 3,
+    seed: int = 0,
+    generate: Callable[..., Any] | None = None,
+) -> dict[str, Any]:
+    """Timings of ``generate`` for one batch size (see the module docstring for each field).
+    ``generate`` defaults to `dsv4.generate.generate` (tests pass a stand-in)."""
+    import jax
+    import jax.numpy as jnp
+
+    if generate is None:
+        from dsv4.generate import generate
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens} must be >= 2 to time decode steps")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    key = jax.random.PRNGKey(seed + batch)
+    # ids 3.. (skip the byte tokenizer's specials); every row has the full prompt length
+    prompt = jax.random.randint(key, (batch, prompt_len), 3, cfg.vocab_size, jnp.int32)
+
+    def run(n: int) -> Any:
+        return generate(params, cfg, prompt, n)
+
+    first_s = _timed(lambda: run(new_tokens))
+    warm_s = min(_timed(lambda: run(new_tokens)) for _ in range(repeats))
+    _timed(lambda: run(1))  # compile the prefill-only variant
+    prefill_s = min(_timed(lambda: run(1)) for _ in range(repeats))
+    decode_s = warm_s - prefill_s
+    steps = new_tokens - 1
+    ok = decode_s > 0
+    return {
+        "batch": batch,
+        "compile_s": round(max(first_s - warm_s, 0.0), 3),
+        "first_call_s": round(first_s, 3),
+        "warm_call_s": round(warm_s, 5),
+        "prefill_s": round(prefill_s, 5),
+        "decode_s": round(decode_s, 5),
+        "decode_tokens_per_s": round(batch * steps / decode_s, 1) if ok else None,
+        "ms_per_decode_step": round(1000 * decode_s / steps, 3) if ok else None,
+        "end_to_end_tokens_per_s": round(batch * new_tokens / warm_s, 1),
+    }
+
+
+def run_benchmark(
+    *,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    repeats: int = 3,
+    seed: int = 0,
+    generate: Callable[..., Any] | None = None,
+) -> dict[str, Any]:
+    """Build seeded ``tiny_v41`` params and measure every batch size: the dict ``main`` prints."""
+    import jax
+
+    from dsv4.config import tiny_v41
+    from dsv4.params import count_params, init_params
+
+    t0 = time.perf_counter()
+    cfg = tiny_v41()
+    if prompt_len < 1 or prompt_len + new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt_len={prompt_len} + new_tokens={new_tokens} must fit max_seq_len "
+            f"{cfg.max_seq_len} (and prompt_len >= 1)"
+        )
+    params = init_params(cfg, jax.random.PRNGKey(seed))
+    results = {
+        f"batch_{b}": measure_batch(
+            params, cfg, b, prompt_len, new_tokens, repeats=repeats, seed=seed, generate=generate
+        )
+        for b in batches
+    }
+    out: dict[str, Any] = {
+        "benchmark": "generate_cpu",
+        "model": "tiny_v41",
+        "params": count_params(cfg),
+        "dtype": "float32",
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "sampling": "greedy, no eos",
+        "results": results,
+    }
+    b1, b8 = results.get("batch_1"), results.get("batch_8")
+    if b1 and b8 and b1["decode_tokens_per_s"] and b8["decode_tokens_per_s"]:
+        ratio = b8["decode_tokens_per_s"] / b1["decode_tokens_per_s"]
+        out["decode_tokens_per_s_ratio_b8_over_b1"] = round(ratio, 3)
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="warm calls; the best one counts")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        batches = tuple(int(b) for b in args.batches.split(",") if b)
+    except ValueError:
+        ap.error(f"--batches must be a comma list of ints, got {args.batches!r}")
+    if not batches or min(batches) < 1:
+        ap.error(f"--batches must name batch sizes >= 1, got {args.batches!r}")
+    try:
+        res = run_benchmark(
+            batches=batches,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            repeats=args.repeats,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
+    print(json.dumps(res, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""benchmarks/generate_cpu.py without compiling the model: `generate` and `init_params` are
+replaced by stand-ins whose cost is known, so the JSON line's shape and the arithmetic that turns
+timings into decode throughput are checked in well under a second (a real run compiles the
+model four times, minutes on a small CPU; `python -m benchmarks.generate_cpu` is the real thing).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import generate_cpu
+
+PREFILL_S = 0.03
+STEP_S = 0.005
+
+
+def fake_generate(params, cfg, prompt, max_new_tokens):
+    """Costs a fixed prefill plus one fixed step per further token, whatever the batch."""
+    assert prompt.dtype == jnp.int32 and prompt.ndim == 2
+    assert int(prompt.min()) >= 3 and int(prompt.max()) < cfg.vocab_size
+    time.sleep(PREFILL_S + STEP_S * (max_new_tokens - 1))
+    return jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
+
+
+@pytest.fixture
+def fake_model(monkeypatch):
+    import dsv4.generate
+    import dsv4.params
+
+    monkeypatch.setattr(dsv4.params, "init_params", lambda cfg, key: {})
+    monkeypatch.setattr(dsv4.generate, "generate", fake_generate)
+
+
+def test_json_line(fake_model, capsys):
+    assert generate_cpu.main(["--new-tokens", "11", "--prompt-len", "5", "--repeats", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert out["benchmark"] == "generate_cpu" and out["model"] == "tiny_v41"
+    assert (out["prompt_len"], out["new_tokens"], out["repeats"]) == (5, 11, 2)
+    assert out["backend"] == "cpu" and out["params"] > 0
+    assert set(out["results"]) == {"batch_1", "batch_8"}
+    for b in (1, 8):
+        r = out["results"][f"batch_{b}"]
+        assert r["batch"] == b
+        # 10 decode steps of STEP_S each, prefill taken out (sleep may overshoot)
+        assert 0.7 * STEP_S * 1000 < r["ms_per_decode_step"] < 2 * STEP_S * 1000
+        assert r["decode_tokens_per_s"] == pytest.approx(b * 10 / r["decode_s"], rel=1e-2)
+        assert r["end_to_end_tokens_per_s"] < r["decode_tokens_per_s"]  # prefill is out
+        assert r["prefill_s"] >= PREFILL_S and r["compile_s"] >= 0
+    ratio = out["decode_tokens_per_s_ratio_b8_over_b1"]
+    assert 4 < ratio < 12  # the stand-in's step cost does not depend on the batch
+
+
+def test_bad_arguments(fake_model, capsys):
+    for argv, message in [
+        (["--batches", "1,x"], "comma list of ints"),
+        (["--batches", "0"], "batch sizes >= 1"),
+        (["--new-tokens", "1"], "must be >= 2 to time decode steps"),
+        (["--prompt-len", "500", "--new-tokens", "64"], "must fit max_seq_len 512"),
+    ]:
+        with pytest.raises(SystemExit):
+            generate_cpu.main(argv)
+        assert message in capsys.readouterr().err
