@@ -1,0 +1,153 @@
+"""Shared plumbing of the kernel entries: which implementation runs, how it is interpreted,
+what it costs, and the debug check of block tables.
+
+Every public entry (`window_attention`, `sparse_attention`, ...) takes `impl=` and `interpret=`:
+
+* `impl=None` picks by `jax.default_backend()`: `"tpu"` on TPU, `"gpu"` on CUDA GPUs, and the
+  pure-jnp `"reference"` everywhere else (CPU). `impl="reference" | "tpu" | "gpu"` forces one.
+* `interpret=` is only meaningful for the kernels. `False` (the default) compiles for the real
+  chip; `True` runs the kernel in Pallas' HLO interpreter (fast, clamps bad indices silently);
+  for `impl="tpu"` a `pltpu.InterpretParams(...)` runs the checking TPU interpreter, which
+  simulates VMEM/SMEM, DMAs and semaphores, fills uninitialised memory with NaN and raises on
+  out-of-bounds reads and (with `detect_races=True`) on races.
+
+Nothing here reads environment variables: the choice is always an explicit argument.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+IMPLS = ("reference", "tpu", "gpu")
+
+# Finite stand-in for -inf in running maxima: exp(-1e30 - x) underflows to 0 without producing
+# inf - inf = NaN. The window kernel's state floors `m` here (pallas_kernels/README.md).
+MASK_VALUE = -1e30
+
+
+def resolve_impl(impl: str | None) -> str:
+    """The implementation to run: `impl` itself, or the one for `jax.default_backend()`."""
+    if impl is None:
+        backend = jax.default_backend()
+        if backend == "tpu":
+            return "tpu"
+        if backend in ("gpu", "cuda"):
+            return "gpu"
+        return "reference"
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {(None, *IMPLS)}")
+    return impl
+
+
+def tpu_interpret(interpret: Any) -> Any:
+    """`interpret=` for a TPU `pallas_call`: False, True (HLO interpreter) or InterpretParams."""
+    if interpret is None:
+        return False
+    return interpret
+
+
+def gpu_interpret(interpret: Any) -> bool:
+    """`interpret=` for a Triton `pallas_call`: only the HLO interpreter exists for it."""
+    if interpret is None or interpret is False:
+        return False
+    if interpret is True:
+        return True
+    raise ValueError(
+        f"interpret={interpret!r} is not valid for impl='gpu': the Triton kernels run in the "
+        "HLO interpreter only (interpret=True); InterpretParams is for impl='tpu'"
+    )
+
+
+def cost_estimate(flops: float, bytes_accessed: float, transcendentals: float = 0) -> Any:
+    """A `pl.CostEstimate` from a kernel's cost model (rounded to ints, as XLA wants)."""
+    return pl.CostEstimate(
+        flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(bytes_accessed)
+    )
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of `dtype`."""
+    return np.dtype(dtype).itemsize
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides `n` and is at most `cap` (1 when n is odd)."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of ints."""
+    return -(-a // b)
+
+
+def window_pages(window: int, page_size: int) -> int:
+    """Most pages a window of `window` consecutive positions can touch."""
+    return cdiv(window - 1, page_size) + 1
+
+
+def _raise_bad_tables(tables: np.ndarray, num_pages: int, name: str) -> None:
+    tables = np.asarray(tables)
+    bad = np.argwhere((tables < 0) | (tables >= num_pages))
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        raise ValueError(
+            f"{name}{list(where)} = {int(tables[where])} is not a block id in [0, {num_pages}) "
+            f"({len(bad)} bad entries; block 0 is the null block, nothing is clamped)"
+        )
+
+
+def check_block_tables(tables: jax.Array, num_pages: int, name: str) -> None:
+    """Raise (at run time, also under `jit`) if any entry of `tables` is outside [0, num_pages).
+
+    The kernels never clamp a block id: the TPU checking interpreter raises on the bad DMA, and
+    this check raises on every implementation. Under `jit` the error surfaces as a
+    `JaxRuntimeError` carrying this message.
+    """
+    if isinstance(tables, jax.core.Tracer):
+        jax.debug.callback(_raise_bad_tables, tables, num_pages, name)
+    else:
+        _raise_bad_tables(np.asarray(tables), num_pages, name)
+
+
+def check_shapes(**arrays: tuple[jax.Array, tuple[Any, ...]]) -> None:
+    """Check ranks and named sizes: `check_shapes(q=(q, ("T", "H", "D")), ...)`.
+
+    Each dimension is an int (must match) or a name (must agree everywhere it appears).
+    Raises ValueError naming the argument, its shape and the expected pattern.
+    """
+    sizes: dict[str, int] = {}
+    for arg, (x, pattern) in arrays.items():
+        shape = tuple(x.shape)
+        if len(shape) != len(pattern):
+            raise ValueError(f"{arg} has shape {shape}; expected {pattern}")
+        for got, want in zip(shape, pattern):
+            if isinstance(want, int):
+                if got != want:
+                    raise ValueError(f"{arg} has shape {shape}; expected {pattern}")
+            elif sizes.setdefault(want, got) != got:
+                raise ValueError(
+                    f"{arg} has shape {shape}; expected {pattern} with {want}={sizes[want]}"
+                )
+
+
+def check_int32(**arrays: jax.Array) -> None:
+    """Index arrays must be int32 (the kernels address SMEM with them)."""
+    for name, x in arrays.items():
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+def roofline_fraction(bytes_moved: float, seconds: float, peak_bytes_per_second: float) -> float:
+    """Achieved share of a memory-bandwidth roofline."""
+    if seconds <= 0 or not math.isfinite(seconds):
+        return float("nan")
+    return bytes_moved / seconds / peak_bytes_per_second

@@ -1,0 +1,129 @@
+"""window_attention: the reference and the kernels (interpret mode) against a float64 oracle built
+from dense per-request rows, over NaN-poisoned paged caches.
+
+Tolerances: f32 paths 2e-5 (abs and rel); bf16 pages/queries 1.5e-2 (the kernels feed bf16
+probabilities to the value matmul, as on the chip).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from paged_cases import Step, make_step
+
+from pallas_kernels import window_attention
+
+H, D, S, W = 4, 128, 8, 16  # heads, latent, page size, window (kernel tests: tiny on purpose)
+TOL = {np.float32: 2e-5, jnp.bfloat16: 1.5e-2}
+
+# (length after the step, new tokens) per request
+SCENARIOS = {
+    "decode": [(1, 1), (W, 1), (W + 1, 1), (W - 1, 1), (S, 1), (S + 1, 1), (3 * W + 5, 1)],
+    "prefill": [(W + 3, W + 3), (2 * W + S, W)],
+    "mixed": [(5, 1), (W + 2, W + 2), (3 * W, 1), (2 * W + 1, 3), (S, 1)],
+}
+
+
+def _args(step: Step, dtype):
+    """The positional arguments and the static keywords of a step."""
+    args = (
+        jnp.asarray(step.q, dtype),
+        jnp.asarray(step.swa.pages, dtype),
+        jnp.asarray(step.swa.tables),
+        jnp.asarray(step.token_req),
+        jnp.asarray(step.positions),
+        jnp.asarray(step.sink),
+    )
+    rs = None if step.replay_start is None else jnp.asarray(step.replay_start)
+    return args, dict(window=step.window, scale=step.scale, replay_start=rs)
+
+
+def _run(step: Step, dtype, **kw):
+    args, static = _args(step, dtype)
+    return window_attention(*args, **static, **kw)
+
+
+def _check_out(out, step: Step, dtype):
+    assert out.dtype == dtype and out.shape == step.q.shape
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float64), step.window_out(), atol=tol, rtol=tol)
+
+
+def _check_state(state, step: Step, dtype):
+    m, denom, acc = (np.asarray(x, np.float64) for x in state)
+    want_m, want_l, want_acc = step.window_state()
+    tol = TOL[dtype]
+    np.testing.assert_allclose(m, want_m, atol=tol, rtol=tol)
+    np.testing.assert_allclose(denom, want_l, atol=tol, rtol=tol)
+    np.testing.assert_allclose(acc, want_acc, atol=tol * 4, rtol=tol)
+    pad = step.positions < 0
+    assert np.all(m[pad] == np.float32(-1e30)) and np.all(denom[pad] == 0) and np.all(acc[pad] == 0)
+
+
+def _step(scenario, dtype=np.float32, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    np_dtype = np.float32 if dtype == np.float32 else jnp.bfloat16
+    return make_step(
+        rng, SCENARIOS[scenario], heads=H, dim=D, page_size=S, window=W, dtype=np_dtype, **kw
+    )
+
+
+# --------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_reference_matches_oracle(scenario, dtype):
+    step = _step(scenario, dtype, padding=2, shuffle=True)
+    _check_out(_run(step, dtype, impl="reference"), step, dtype)
+    _check_state(_run(step, dtype, impl="reference", return_state=True), step, dtype)
+
+
+def test_reference_replay_start():
+    step = _step("mixed", replay_start=[0, 3, 2 * W + 1, 2 * W - 2, 4])
+    _check_out(_run(step, np.float32, impl="reference"), step, np.float32)
+
+
+def test_reference_under_jit_and_default_impl_is_reference_on_cpu():
+    step = _step("decode")
+    args, static = _args(step, np.float32)
+    fn = jax.jit(functools.partial(window_attention, **static))
+    _check_out(fn(*args), step, np.float32)
+
+
+def test_debug_check_names_the_bad_block():
+    step = _step("decode")
+    step.swa.tables[2, 0] = step.swa.pages.shape[0] + 3
+    with pytest.raises(ValueError, match=r"swa_tables\[2, 0\] = .* not a block id"):
+        _run(step, np.float32, impl="reference", debug=True)
+    args, static = _args(step, np.float32)
+    fn = jax.jit(functools.partial(window_attention, **static, impl="reference", debug=True))
+    with pytest.raises(Exception, match=r"swa_tables\[2, 0\]"):
+        jax.block_until_ready(fn(*args))
+
+
+def test_bad_arguments_are_named():
+    step = _step("decode")
+    with pytest.raises(ValueError, match="sink has shape"):
+        window_attention(
+            jnp.asarray(step.q), jnp.asarray(step.swa.pages), jnp.asarray(step.swa.tables),
+            jnp.asarray(step.token_req), jnp.asarray(step.positions), jnp.zeros(H + 1),
+            window=W, scale=1.0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        _run(step, np.float32, impl="cuda")
+    with pytest.raises(ValueError, match="window must be"):
+        window_attention(
+            jnp.asarray(step.q), jnp.asarray(step.swa.pages), jnp.asarray(step.swa.tables),
+            jnp.asarray(step.token_req), jnp.asarray(step.positions), jnp.asarray(step.sink),
+            window=0, scale=1.0,
+        )  # fmt: skip
+
+
+# keep the interpreter import used even when kernel tests are deselected
+_ = pltpu
