@@ -38,21 +38,24 @@ Cache = dict[str, jax.Array]
 __all__ = ["forward_step", "init_cache"]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
-    """Empty caches for ``batch`` sequences of up to ``max_len`` tokens."""
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, fill: float = 0.0
+) -> Cache:
+    """Empty caches for ``batch`` sequences of up to ``max_len`` tokens. Rows not yet written
+    hold ``fill`` (tests pass NaN to prove that no unwritten row is ever read)."""
     if max_len <= 0 or batch <= 0:
         raise ValueError(f"batch={batch} and max_len={max_len} must be positive")
     w = cfg.window_size
     cache: Cache = {"win_pos": jnp.full((batch, w), -1, jnp.int32)}
     for info in cfg.plan:
-        cache[f"win.{info.layer}"] = jnp.zeros((batch, w, cfg.head_dim), dtype)
+        cache[f"win.{info.layer}"] = jnp.full((batch, w, cfg.head_dim), fill, dtype)
         if info.role is Role.FULL:
             n = max_len // info.ratio
-            cache[f"comp.{info.layer}"] = jnp.zeros((batch, n, cfg.head_dim), dtype)
-            cache[f"ikey.{info.layer}"] = jnp.zeros((batch, n, cfg.index_head_dim), dtype)
+            cache[f"comp.{info.layer}"] = jnp.full((batch, n, cfg.head_dim), fill, dtype)
+            cache[f"ikey.{info.layer}"] = jnp.full((batch, n, cfg.index_head_dim), fill, dtype)
             if info.ratio > 1:
                 shape = (batch, info.ratio, cfg.head_dim)
-                cache[f"state_kv.{info.layer}"] = jnp.zeros(shape, jnp.float32)
+                cache[f"state_kv.{info.layer}"] = jnp.full(shape, fill, jnp.float32)
                 cache[f"state_score.{info.layer}"] = jnp.full(shape, -jnp.inf, jnp.float32)
     return cache
 

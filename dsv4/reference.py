@@ -79,6 +79,8 @@ def sink_attention(
     """One softmax per (token, head) over the unmasked keys with a sink logit in the
     denominator. q [B, T, H, d], keys [B, T, K, d] or [B, K, d], mask [B, T, K]; out fp32."""
     if keys.ndim == 3:
+        # keys no query may see could be anything (NaN in tests): keep them out of p @ V
+        keys = jnp.where(jnp.any(mask, axis=1)[..., None], keys, 0)
         logits = jnp.einsum("bthd,bkd->bthk", q, keys, preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("bthd,btkd->bthk", q, keys, preferred_element_type=jnp.float32)
