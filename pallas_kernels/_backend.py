@@ -151,3 +151,31 @@ def roofline_fraction(bytes_moved: float, seconds: float, peak_bytes_per_second:
     if seconds <= 0 or not math.isfinite(seconds):
         return float("nan")
     return bytes_moved / seconds / peak_bytes_per_second
+
+
+class Cost:
+    """What one kernel call moves and computes (the cost model behind `pl.CostEstimate` and
+    benchmarks/kernels.py): HBM bytes read + written, FLOPs, transcendentals."""
+
+    __slots__ = ("bytes_accessed", "flops", "transcendentals")
+
+    def __init__(self, bytes_accessed: float, flops: float, transcendentals: float = 0):
+        self.bytes_accessed = int(bytes_accessed)
+        self.flops = int(flops)
+        self.transcendentals = int(transcendentals)
+
+    def as_estimate(self) -> dict[str, int]:
+        """Keyword arguments of `cost_estimate`."""
+        return dict(
+            flops=self.flops,
+            bytes_accessed=self.bytes_accessed,
+            transcendentals=self.transcendentals,
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(
+            bytes=self.bytes_accessed, flops=self.flops, transcendentals=self.transcendentals
+        )
+
+    def __repr__(self) -> str:
+        return f"Cost(bytes={self.bytes_accessed}, flops={self.flops})"

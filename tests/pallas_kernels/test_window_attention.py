@@ -21,12 +21,14 @@ from pallas_kernels import window_attention
 H, D, S, W = 4, 128, 8, 16  # heads, latent, page size, window (kernel tests: tiny on purpose)
 TOL = {np.float32: 2e-5, jnp.bfloat16: 1.5e-2}
 
-# (length after the step, new tokens) per request
+# (length after the step, new tokens) per request: lengths 1, window +- 1, page boundaries.
 SCENARIOS = {
     "decode": [(1, 1), (W, 1), (W + 1, 1), (W - 1, 1), (S, 1), (S + 1, 1), (3 * W + 5, 1)],
-    "prefill": [(W + 3, W + 3), (2 * W + S, W)],
+    "prefill": [(W + 3, W + 3), (2 * W + S, W), (S - 1, S - 1)],
     "mixed": [(5, 1), (W + 2, W + 2), (3 * W, 1), (2 * W + 1, 3), (S, 1)],
 }
+# padding tokens per scenario: T = 8, 40 (tiles of 8 tokens on the TPU kernel) and 27 (odd)
+PADDING = {"decode": 1, "prefill": 2, "mixed": 2}
 
 
 def _args(step: Step, dtype):
@@ -125,5 +127,46 @@ def test_bad_arguments_are_named():
         )  # fmt: skip
 
 
-# keep the interpreter import used even when kernel tests are deselected
-_ = pltpu
+# --------------------------------------------------------------------------- kernels (interpret)
+
+
+def checking_tpu_interpreter():
+    """The TPU interpreter that simulates memory: NaN for uninitialised VMEM, raises on races
+    and out-of-bounds DMAs."""
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+
+
+KERNELS = {
+    "tpu": lambda: dict(impl="tpu", interpret=checking_tpu_interpreter()),
+    "gpu": lambda: dict(impl="gpu", interpret=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_matches_oracle(kernel, scenario, dtype):
+    step = _step(scenario, dtype, padding=PADDING[scenario], shuffle=scenario == "mixed")
+    _check_out(_run(step, dtype, **KERNELS[kernel]()), step, dtype)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_state_and_replay_start(kernel):
+    step = _step("mixed", padding=3, shuffle=True, replay_start=[0, 3, 2 * W + 1, 2 * W - 2, 4])
+    _check_out(_run(step, np.float32, **KERNELS[kernel]()), step, np.float32)
+    _check_state(_run(step, np.float32, return_state=True, **KERNELS[kernel]()), step, np.float32)
+
+
+def test_tpu_kernel_in_the_fast_interpreter_and_unordered_tiles():
+    """interpret=True (HLO), tiles of 8 mixing requests and positions in random order."""
+    step = _step("prefill", padding=2, shuffle=True)
+    _check_out(_run(step, np.float32, impl="tpu", interpret=True), step, np.float32)
+
+
+def test_tpu_checking_interpreter_raises_on_a_bad_block():
+    step = _step("decode", padding=1)
+    step.swa.tables[6, -1] = step.swa.pages.shape[0] + 5  # inside request 6's window
+    with pytest.raises(Exception, match="Out-of-bounds"):
+        jax.block_until_ready(_run(step, np.float32, **KERNELS["tpu"]()))
+    with pytest.raises(ValueError, match=r"swa_tables\[6, 6\]"):
+        _run(step, np.float32, impl="tpu", interpret=True, debug=True)

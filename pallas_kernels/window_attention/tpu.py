@@ -1,0 +1,267 @@
+"""Mosaic TPU kernel of window attention over the paged window cache.
+
+Layout of the work:
+
+* The grid walks tiles of `tq` consecutive tokens of the ragged batch (q and the outputs are
+  BlockSpec-pipelined per tile). Per-token metadata (request, position, first visible position,
+  and the physical pages of the token's window) is scalar-prefetched into SMEM; the kernel never
+  needs the whole block table (which at 1M tokens is 32k entries per request).
+* Pages are DMA'd from HBM straight into a VMEM slab. Within a tile, consecutive tokens of the
+  same request whose windows overlap form a *segment*: its pages sit in the slab in logical order
+  and are fetched once (a prefill chunk of `tq` tokens reads ~(tq + window) / S pages instead of
+  tq * window / S). Any token order is correct; sharing just needs the usual grouping.
+* Slabs are double-buffered: while tile i is computed, tile i+1's pages are in flight. The grid
+  is therefore sequential ("arbitrary"), which is what v5e/v6e (one TensorCore) do anyway.
+* Every token's window is a contiguous run of `NW * S` slab rows starting at its first page, so
+  one [H, D] x [D, NW * S] matmul gives all its logits. Rows outside the token's window (later
+  pages of its segment, other segments, never-written slots) are masked in the logits and zeroed
+  before the value matmul, so garbage or NaN there cannot leak.
+* Softmax in f32, one pass (the window fits at once); the sink enters only the denominator at the
+  end. With `return_state` the kernel writes (m, l, acc) without the sink instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _backend
+from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.window_attention.cost import window_cost
+
+TOKENS_PER_TILE = 8  # tokens per grid step (largest power of two <= this that divides T)
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    req_ref,  # i32[T]
+    pos_ref,  # i32[T]
+    lo_ref,  # i32[T] first visible position (> pos: nothing visible)
+    pages_ref,  # i32[T * NW] physical pages of logical pages lo // S + j
+    # inputs
+    q_ref,  # [tq, H, D] (VMEM block)
+    sink_ref,  # f32[H, 1]
+    kv_hbm,  # [P, S, D] (HBM)
+    # outputs: out [tq, H, D] | m [tq, H, 1], l [tq, H, 1], acc [tq, H, D]
+    *refs,
+    tq: int,
+    nw: int,
+    page: int,
+    scale: float,
+    return_state: bool,
+):
+    outs, (slab, sem, tok_slot, n_fetch) = refs[:-4], refs[-4:]
+    tile = pl.program_id(0)
+    num_tiles = pl.num_programs(0)
+    buf = tile % 2
+
+    def page_copy(phys, b, slot):
+        return pltpu.make_async_copy(
+            kv_hbm.at[phys], slab.at[b, pl.ds(pl.multiple_of(slot * page, page), page)], sem.at[b]
+        )
+
+    def issue(t0, b):
+        """Start the page DMAs of the tile starting at token t0 into slab b."""
+
+        def token(i, carry):
+            seg_req, seg_lo, seg_hi, seg_start, n_free, count = carry
+            t = t0 + i
+            r, p, lo = req_ref[t], pos_ref[t], lo_ref[t]
+            active = (p >= 0) & (lo <= p)
+            first, last = lo // page, p // page
+            join = (r == seg_req) & (first >= seg_lo) & (first <= seg_hi + 1)
+            start = jnp.where(join, seg_start, n_free)
+            new_lo = jnp.where(join, seg_lo, first)
+            have = jnp.where(join, seg_hi, first - 1)  # pages new_lo..have are in the slab
+            new_hi = jnp.maximum(have, last)
+
+            def fetch(logical, c):
+                phys = pages_ref[t * nw + logical - first]
+                page_copy(phys, b, start + logical - new_lo).start()
+                return c
+
+            lax.fori_loop(
+                jnp.where(active, have + 1, 0), jnp.where(active, new_hi + 1, 0), fetch, 0
+            )
+            tok_slot[b, i] = jnp.where(active, start + first - new_lo, -1)
+            fetched = jnp.where(active, new_hi - have, 0)
+            new = (r, new_lo, new_hi, start, start + new_hi - new_lo + 1, count + fetched)
+            old = (seg_req, seg_lo, seg_hi, seg_start, n_free, count + fetched)
+            return tuple(jnp.where(active, a, o) for a, o in zip(new, old))
+
+        init = tuple(jnp.int32(v) for v in (-1, 0, -2, 0, 0, 0))
+        n_fetch[b] = lax.fori_loop(0, tq, token, init)[-1]
+
+    @pl.when(tile == 0)
+    def _():
+        issue(0, 0)
+
+    @pl.when(tile + 1 < num_tiles)
+    def _():
+        issue((tile + 1) * tq, 1 - buf)
+
+    def wait(i, c):
+        page_copy(0, buf, 0).wait()
+        return c
+
+    lax.fori_loop(0, n_fetch[buf], wait, 0)
+
+    rows = nw * page
+    sink = sink_ref[...]  # [H, 1]
+
+    def token(i, c):
+        t = tile * tq + i
+        start = tok_slot[buf, i]
+
+        @pl.when(start < 0)
+        def _():
+            for o in outs:
+                o[i] = jnp.zeros(o.shape[1:], o.dtype)
+            if return_state:
+                outs[0][i] = jnp.full(outs[0].shape[1:], MASK_VALUE, jnp.float32)
+
+        @pl.when(start >= 0)
+        def _():
+            p, lo = pos_ref[t], lo_ref[t]
+            base = (lo // page) * page  # position of the first slab row read
+            kv = slab[buf, pl.ds(pl.multiple_of(start * page, page), rows), :]  # [rows, D]
+            q = q_ref[i]  # [H, D]
+            if q.dtype != kv.dtype:
+                q, kv = q.astype(jnp.float32), kv.astype(jnp.float32)
+            z = lax.dot_general(
+                q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )  # [H, rows]
+            col = base + lax.broadcasted_iota(jnp.int32, (1, rows), 1)
+            seen = (col >= lo) & (col <= p)
+            z = jnp.where(seen, z * scale, MASK_VALUE)
+            m = jnp.max(z, axis=1, keepdims=True)  # [H, 1], finite: position p is visible
+            e = jnp.where(seen, jnp.exp(z - m), 0.0)
+            denom = jnp.sum(e, axis=1, keepdims=True)
+            row = base + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+            kv = jnp.where((row >= lo) & (row <= p), kv, jnp.zeros_like(kv))
+            acc = jnp.dot(e.astype(kv.dtype), kv, preferred_element_type=jnp.float32)  # [H, D]
+            if return_state:
+                outs[0][i] = m
+                outs[1][i] = denom
+                outs[2][i] = acc
+            else:
+                top = jnp.maximum(m, sink)
+                w = jnp.exp(m - top)
+                outs[0][i] = (acc * (w / (denom * w + jnp.exp(sink - top)))).astype(outs[0].dtype)
+
+        return c
+
+    lax.fori_loop(0, tq, token, 0)
+
+
+def window_attention(
+    q: jax.Array,  # [T, H, D]
+    swa_pages: jax.Array,  # [P, S, D]
+    swa_tables: jax.Array,  # i32[R, nb]
+    token_req: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    sink: jax.Array,  # f32[H]
+    *,
+    window: int,
+    scale: float,
+    replay_start: jax.Array | None = None,
+    return_state: bool = False,
+    interpret=False,
+    tokens_per_tile: int = TOKENS_PER_TILE,
+):
+    """The TPU kernel behind `pallas_kernels.window_attention` (same arguments and results)."""
+    num_tokens, heads, dim = q.shape
+    _, page, _ = swa_pages.shape
+    nb = swa_tables.shape[1]
+    nw = _backend.window_pages(window, page)
+    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
+
+    lo = jnp.maximum(positions - window + 1, 0)
+    if replay_start is not None:
+        lo = jnp.maximum(lo, replay_start[token_req])
+    logical = lo[:, None] // page + jnp.arange(nw, dtype=jnp.int32)[None, :]
+    tok_pages = swa_tables[token_req[:, None], jnp.clip(logical, 0, nb - 1)]  # [T, NW]
+
+    itemsize = _backend.itemsize
+    if return_state:
+        out_shape = (
+            jax.ShapeDtypeStruct((num_tokens, heads, 1), jnp.float32),
+            jax.ShapeDtypeStruct((num_tokens, heads, 1), jnp.float32),
+            jax.ShapeDtypeStruct((num_tokens, heads, dim), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((tq, heads, 1), lambda i, *_: (i, 0, 0)),
+            pl.BlockSpec((tq, heads, 1), lambda i, *_: (i, 0, 0)),
+            pl.BlockSpec((tq, heads, dim), lambda i, *_: (i, 0, 0)),
+        )
+        out_bytes = num_tokens * heads * (dim + 2) * 4
+    else:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        out_specs = pl.BlockSpec((tq, heads, dim), lambda i, *_: (i, 0, 0))
+        out_bytes = q.size * itemsize(q.dtype)
+
+    cost = window_cost(
+        num_tokens=num_tokens,
+        num_requests=swa_tables.shape[0],
+        heads=heads,
+        dim=dim,
+        window=window,
+        page_size=page,
+        q_bytes=itemsize(q.dtype),
+        kv_bytes=itemsize(swa_pages.dtype),
+        out_bytes_total=out_bytes,
+    )
+    slab_rows = (tq + 1) * nw * page
+    vmem = (
+        2 * slab_rows * dim * itemsize(swa_pages.dtype)
+        + 4 * tq * heads * dim * 4  # q and output blocks, double-buffered (f32 bound)
+        + 4 * tq * heads * 128 * 4  # m, l blocks (lane-padded)
+        + 8 * nw * page * max(dim, 128) * 4  # matmul temporaries
+    )
+    kernel = functools.partial(
+        _kernel, tq=tq, nw=nw, page=page, scale=scale, return_state=return_state
+    )
+    result = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(num_tokens // tq,),
+            in_specs=[
+                pl.BlockSpec((tq, heads, dim), lambda i, *_: (i, 0, 0)),
+                pl.BlockSpec((heads, 1), lambda i, *_: (0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=out_specs,
+            scratch_shapes=[
+                pltpu.VMEM((2, slab_rows, dim), swa_pages.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((2, tq), jnp.int32),
+                pltpu.SMEM((2,), jnp.int32),
+            ],
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=int(min(max(32 << 20, 2 * vmem), 100 << 20)),
+        ),
+        cost_estimate=_backend.cost_estimate(**cost.as_estimate()),
+        interpret=interpret,
+        name="window_attention",
+    )(
+        token_req,
+        positions,
+        lo,
+        tok_pages.reshape(-1),
+        q,
+        sink.astype(jnp.float32).reshape(heads, 1),
+        swa_pages,
+    )
+    if return_state:
+        m, denom, acc = result
+        return m[..., 0], denom[..., 0], acc
+    return result
