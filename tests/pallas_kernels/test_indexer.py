@@ -238,3 +238,87 @@ def test_reference_rejects_bad_arguments():
         )
     with pytest.raises(ValueError, match="impl="):
         indexer_topk(*args_of(case), entries_per_block=case["e"], k=K, impl="cuda")
+
+
+# -- kernels against the reference, in the interpreters -----------------------------------------
+# One ragged batch covers decode rows, prefill chunks, padding tokens, empty and length-1 rows,
+# contexts at k and at candidate-block boundaries; each mode compiles once (interpret-mode
+# compiles, not runs, dominate the time here).
+
+KERNEL_BATCH = (
+    [1, 7, 8, 9, 33, 64, 13, 0, 30],
+    [[1], [7], [8], [9], [33], [64], list(range(1, 14)), [-1, 0], [3, 4, 29, 30, -1]],
+)
+KERNEL_IMPLS = ["tpu"]
+
+
+def checking_interpreter():
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(
+        detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _reset_tpu_interpreter():
+    yield
+    from jax.experimental.pallas import tpu as pltpu
+
+    pltpu.reset_tpu_interpret_mode_state()  # required after an exception in the interpreter
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_kernel_plain_topk(impl):
+    case = make_case(*KERNEL_BATCH, seed=11)
+    kw = dict(entries_per_block=case["e"], k=K)
+    got = indexer_topk(*args_of(case), **kw, impl=impl, interpret=True)
+    check_exact(got, indexer_topk(*args_of(case), **kw, impl="reference"), K)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_kernel_candidate_source_and_consumer(impl):
+    case = make_case(*KERNEL_BATCH, seed=12)
+    kw = dict(entries_per_block=case["e"], k=K, candidate_block_size=4)
+    got = indexer_topk(*args_of(case), **kw, candidate_topk_blocks=3, impl=impl, interpret=True)
+    want = indexer_topk(*args_of(case), **kw, candidate_topk_blocks=3, impl="reference")
+    check_exact(got[0], want[0], K)
+    check_exact(got[1], want[1], 3)
+    # a consumer of those blocks (given in the reference's order, which is not index order)
+    got = indexer_topk(*args_of(case), **kw, candidates=want[1], impl=impl, interpret=True)
+    check_exact(got, indexer_topk(*args_of(case), **kw, candidates=want[1], impl="reference"), K)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_float_data(impl, dtype):
+    case = make_case(*KERNEL_BATCH, integer=False, dtype=dtype, seed=13)
+    kw = dict(entries_per_block=case["e"], k=K)
+    got = indexer_topk(*args_of(case), **kw, impl=impl, interpret=True)
+    want = indexer_topk(*args_of(case), **kw, impl="reference")
+    scores, _ = oracle_scores(case)
+    check_close(got, want, scores, FLOAT_TOL[dtype])
+
+
+def test_tpu_kernel_checking_interpreter():
+    """Simulated DMAs, NaN-filled scratch, race detection; pages of 8 entries, random order."""
+    case = make_case([20, 3], [[20, 19], [3]], e=8, seed=14)
+    kw = dict(entries_per_block=8, k=K, candidate_block_size=4, candidate_topk_blocks=2)
+    got = indexer_topk(*args_of(case), **kw, impl="tpu", interpret=checking_interpreter())
+    want = indexer_topk(*args_of(case), **kw, impl="reference")
+    check_exact(got[0], want[0], K)
+    check_exact(got[1], want[1], 2)
+
+
+def test_tpu_checking_interpreter_raises_on_bad_block():
+    case = make_case([20], [[20]], e=8, seed=15)
+    num_pages = case["ikey_pages"].shape[0]
+    case["comp_tables"] = case["comp_tables"].at[0, 1].set(num_pages + 3)
+    with pytest.raises(Exception, match=r"[Oo]ut.of.bounds"):
+        indexer_topk(
+            *args_of(case),
+            entries_per_block=8,
+            k=K,
+            impl="tpu",
+            interpret=checking_interpreter(),
+        ).block_until_ready()

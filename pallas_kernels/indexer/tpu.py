@@ -1,0 +1,386 @@
+"""Mosaic TPU indexer: one grid step per token, every score on chip, selection without a sort.
+
+Per token ``t`` of request ``r`` with ``n = visible[t]`` entries:
+
+1. **Scoring.** The key pages of entries ``< n`` are DMA'd from HBM (``pl.ANY``) in chunks of
+   ``CE`` entries (double-buffered: chunk ``c + 1`` is in flight while chunk ``c`` is scored),
+   page ids read from the scalar-prefetched block table. Each 128-entry slice gives
+   ``s = sum_h w_h relu(q_h . k)`` ([IH, Di] x [128, Di] on the MXU, f32) and becomes one row of
+   a VMEM score array ``[N / 128, 128]``; entries ``>= n`` are -inf. Scores never reach HBM.
+2. **Candidate blocks** (source): block maxima of ``candidate_block_size`` lanes by lane rolls,
+   kept on each block's first lane; the newest block is pinned to +inf.
+   **Consumer**: the listed blocks (SMEM) unmask their lanes; everything else is -inf.
+3. **Exact top-k by threshold counting** (`_select`): scores are mapped to order-preserving
+   int32 keys; the k-th largest key is built bit by bit from the top (32 counting passes over
+   the score rows), then the lowest index among the ties is found the same way over the index
+   bits. The selected set is exactly "the k highest, ties to the lower index".
+4. **Compaction**: row by row, the selected lanes are ranked with a triangular matmul and moved
+   to the front of the row with a one-hot matmul (exact, f32 HIGHEST), then appended to the
+   output at a running offset with one dynamic lane rotation. Rows without picks cost one sum.
+
+The work per token is one pass over its visible keys (HBM roofline) plus ~(32 + log2 N)
+compare passes over its scores in VMEM; nothing is sorted and no score is written to HBM.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._backend import cdiv, cost_estimate, tpu_interpret
+from pallas_kernels.indexer.common import check_indexer_args, cost
+
+__all__ = ["indexer_topk"]
+
+LANES = 128
+CHUNK_ENTRIES = 512  # entries per key DMA chunk (rounded to a multiple of lcm(E, 128))
+INT_MIN = -(2**31)
+
+
+def _order_key(x):
+    """int32 keys with the order of the f32 values (-0.0 is canonicalised by the caller)."""
+    b = pltpu.bitcast(x, jnp.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+def _count(vals_ref, nrows, pred):
+    """Number of lanes of rows ``< nrows`` of ``vals_ref`` where ``pred(x, idx)`` holds."""
+    ntiles = cdiv_dyn(nrows, 8)
+
+    def body(i, acc):
+        x = vals_ref[pl.ds(pl.multiple_of(i * 8, 8), 8), :]
+        row = i * 8 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        idx = row * LANES + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        hit = pred(x, idx) & (row < nrows) & (x > -jnp.inf)
+        return acc + hit.astype(jnp.int32)
+
+    acc = jax.lax.fori_loop(0, ntiles, body, jnp.zeros((8, LANES), jnp.int32))
+    return jnp.sum(acc)
+
+
+def cdiv_dyn(a, b):
+    return (a + b - 1) // b
+
+
+def _select(vals_ref, nrows, k, index_bits):
+    """The selection "k highest, ties to the lower index" over the finite-or-+inf lanes of rows
+    ``< nrows``: returns ``(tau, cut)`` such that lane ``(x, idx)`` is picked iff
+    ``key(x) > tau`` or ``key(x) == tau and idx <= cut``."""
+    total = _count(vals_ref, nrows, lambda x, idx: x == x)
+
+    def key_bit(i, thr_u):
+        cand = thr_u | jnp.left_shift(jnp.int32(1), 31 - i)  # bit 31 wraps to INT_MIN
+        cand_key = cand ^ jnp.int32(INT_MIN)
+        n = _count(vals_ref, nrows, lambda x, idx: _order_key(x) >= cand_key)
+        return jnp.where(n >= k, cand, thr_u)
+
+    thr_u = jax.lax.fori_loop(0, 32, key_bit, jnp.int32(0))
+    tau = thr_u ^ jnp.int32(INT_MIN)
+    n_gt = _count(vals_ref, nrows, lambda x, idx: _order_key(x) > tau)
+    need = k - n_gt
+
+    # the largest cut with fewer than `need` ties at indices < cut, built from the top bit
+    def cut_bit(i, cut):
+        cand = cut | jnp.left_shift(jnp.int32(1), index_bits - 1 - i)
+        n = _count(vals_ref, nrows, lambda x, idx: (_order_key(x) == tau) & (idx < cand))
+        return jnp.where(n < need, cand, cut)
+
+    cut = jax.lax.fori_loop(0, index_bits, cut_bit, jnp.int32(0))
+    # every finite lane is picked when there are at most k of them
+    small = total <= k
+    tau = jnp.where(small, jnp.int32(INT_MIN), tau)
+    cut = jnp.where(small, jnp.int32(2**31 - 1), cut)
+    return tau, cut
+
+
+def _compact(vals_ref, nrows, tau, cut, out_ref, id_shift):
+    """Write the ids (``idx >> id_shift``) of the picked lanes to ``out_ref`` [K/128, 128]
+    (-1 elsewhere), in index order."""
+    out_ref[...] = jnp.full(out_ref.shape, -1, jnp.int32)
+    lane_r = jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 0)
+    lane_c = jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 1)
+    strict_upper = (lane_r < lane_c).astype(jnp.float32)  # rank = sum of picks to the left
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+    hi = jax.lax.Precision.HIGHEST
+
+    def body(r, off):
+        x = vals_ref[pl.ds(r, 1), :]
+        idx = r * LANES + lane
+        key = _order_key(x)
+        pick = (x > -jnp.inf) & ((key > tau) | ((key == tau) & (idx <= cut)))
+        c = jnp.sum(pick.astype(jnp.int32))
+
+        @pl.when(c > 0)
+        def _append():
+            m8 = jnp.broadcast_to(pick.astype(jnp.float32), (8, LANES))
+            rank8 = jnp.dot(m8, strict_upper, precision=hi, preferred_element_type=jnp.float32)
+            ids8 = jnp.broadcast_to((idx >> id_shift).astype(jnp.float32), (8, LANES))
+            rank_t = jnp.transpose(rank8)[:, 0:1]  # [128, 1]
+            pick_t = jnp.transpose(m8)[:, 0:1]
+            onehot = jnp.where((rank_t == lane_c.astype(jnp.float32)) & (pick_t > 0), 1.0, 0.0)
+            packed = jnp.dot(ids8, onehot, precision=hi, preferred_element_type=jnp.float32)
+            packed = packed[0:1, :].astype(jnp.int32)  # ids at lanes 0 .. c - 1
+            s = off % LANES
+            j = off // LANES
+            rolled = pltpu.roll(packed, s, 1)
+            here = (lane >= s) & (lane < s + c)
+            out_ref[pl.ds(j, 1), :] = jnp.where(here, rolled, out_ref[pl.ds(j, 1), :])
+
+            @pl.when(s + c > LANES)
+            def _spill():
+                there = lane < s + c - LANES
+                row = out_ref[pl.ds(j + 1, 1), :]
+                out_ref[pl.ds(j + 1, 1), :] = jnp.where(there, rolled, row)
+
+        return off + c
+
+    jax.lax.fori_loop(0, nrows, body, jnp.int32(0))
+
+
+def _kernel(
+    req_ref,  # SMEM i32[T]
+    vis_ref,  # SMEM i32[T] (0 for padding tokens)
+    tab_ref,  # SMEM i32[R, nbp]
+    q_ref,  # VMEM [IH, Di]
+    w_ref,  # VMEM f32[IH, 1]
+    *rest,
+    mode,
+    e,
+    ce,
+    k,
+    cbs,
+    cb,
+    index_bits,
+):
+    if mode == "consumer":
+        cand_ref, keys_hbm, out_ref, sc_ref, aux_ref, kbuf, sems = rest
+    elif mode == "source":
+        keys_hbm, out_ref, blk_ref, sc_ref, aux_ref, kbuf, sems = rest
+    else:
+        keys_hbm, out_ref, sc_ref, kbuf, sems = rest
+    t = pl.program_id(0)
+    r = req_ref[t]
+    n = vis_ref[t]
+    pages_per_chunk = ce // e
+    nchunks = cdiv_dyn(n, ce)
+    nrows = nchunks * (ce // LANES)
+
+    def page_copy(c, i, slot):
+        page = tab_ref[r, c * pages_per_chunk + i]
+        return pltpu.make_async_copy(
+            keys_hbm.at[page], kbuf.at[slot, pl.ds(i * e, e)], sems.at[slot]
+        )
+
+    def for_pages(c, slot, fn):
+        for i in range(pages_per_chunk):
+
+            @pl.when((c * pages_per_chunk + i) * e < n)
+            def _(i=i):
+                fn(page_copy(c, i, slot))
+
+    @pl.when(nchunks > 0)
+    def _first():
+        for_pages(0, 0, lambda cp: cp.start())
+
+    q = q_ref[...]
+    w = w_ref[...].astype(jnp.float32)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+
+    def chunk(c, carry):
+        slot = c % 2
+
+        @pl.when(c + 1 < nchunks)
+        def _next():
+            for_pages(c + 1, 1 - slot, lambda cp: cp.start())
+
+        for_pages(c, slot, lambda cp: cp.wait())
+        for sb in range(ce // LANES):
+            keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
+            dots = jax.lax.dot_general(
+                q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            s = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
+            idx = c * ce + sb * LANES + lane
+            s = jnp.where(idx < n, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
+            sc_ref[pl.ds(c * (ce // LANES) + sb, 1), :] = s
+        return carry
+
+    jax.lax.fori_loop(0, nchunks, chunk, 0)
+
+    if mode == "consumer":
+        ntiles = cdiv_dyn(nrows, 8)
+
+        def clear(i, carry):
+            aux_ref[pl.ds(pl.multiple_of(i * 8, 8), 8), :] = jnp.zeros((8, LANES), jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(0, ntiles, clear, 0)
+
+        def allow(j, carry):
+            b = cand_ref[0, j]
+            first = b * cbs
+
+            @pl.when((b >= 0) & (first < n))
+            def _():
+                row, lo = first // LANES, first % LANES
+                inside = (lane >= lo) & (lane < lo + cbs)
+                cur = aux_ref[pl.ds(row, 1), :]
+                aux_ref[pl.ds(row, 1), :] = jnp.where(inside, 1.0, cur)
+
+            return carry
+
+        jax.lax.fori_loop(0, cand_ref.shape[1], allow, 0)
+
+        def mask(i, carry):
+            rows = pl.ds(pl.multiple_of(i * 8, 8), 8)
+            sc_ref[rows, :] = jnp.where(aux_ref[rows, :] > 0, sc_ref[rows, :], -jnp.inf)
+            return carry
+
+        jax.lax.fori_loop(0, ntiles, mask, 0)
+
+    if mode == "source":
+        newest = jnp.where(n > 0, ((n - 1) // cbs) * cbs, -1)
+
+        def block_max(i, carry):
+            rows = pl.ds(pl.multiple_of(i * 8, 8), 8)
+            x = sc_ref[rows, :]
+            m = x
+            sh = 1
+            while sh < cbs:
+                m = jnp.maximum(m, pltpu.roll(m, LANES - sh, 1))  # lane l sees l + sh
+                sh *= 2
+            row = i * 8 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+            idx = row * LANES + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+            m = jnp.where(idx == newest, jnp.inf, m)
+            aux_ref[rows, :] = jnp.where(idx % cbs == 0, m, -jnp.inf)
+            return carry
+
+        jax.lax.fori_loop(0, cdiv_dyn(nrows, 8), block_max, 0)
+        tau, cut = _select(aux_ref, nrows, cb, index_bits)
+        _compact(aux_ref, nrows, tau, cut, blk_ref, int(math.log2(cbs)))
+
+    tau, cut = _select(sc_ref, nrows, k, index_bits)
+    _compact(sc_ref, nrows, tau, cut, out_ref, 0)
+
+
+def _round_up(x, m):
+    return cdiv(x, m) * m
+
+
+def indexer_topk(
+    qi,
+    weights,
+    ikey_pages,
+    comp_tables,
+    token_req,
+    positions,
+    visible,
+    *,
+    entries_per_block: int,
+    k: int,
+    candidate_block_size: int = 0,
+    candidate_topk_blocks: int = 0,
+    candidates=None,
+    interpret=False,
+):
+    """Mosaic TPU indexer; same arguments and results as `reference.indexer_topk`."""
+    mode = check_indexer_args(
+        qi,
+        weights,
+        ikey_pages,
+        comp_tables,
+        token_req,
+        positions,
+        visible,
+        entries_per_block=entries_per_block,
+        k=k,
+        candidate_block_size=candidate_block_size,
+        candidate_topk_blocks=candidate_topk_blocks,
+        candidates=candidates,
+    )
+    t, ih, di = qi.shape
+    e = entries_per_block
+    _, nb = comp_tables.shape
+    cbs = candidate_block_size
+    if mode != "plain" and (cbs & (cbs - 1) or LANES % cbs):
+        raise ValueError(
+            f"indexer_topk (tpu): candidate_block_size={cbs} must be a power of two <= 128"
+        )
+    if LANES % e and e % LANES:
+        raise ValueError(
+            f"indexer_topk (tpu): entries_per_block={e} must divide 128 or be a multiple of it"
+        )
+    unit = math.lcm(e, LANES)
+    ce = _round_up(min(max(CHUNK_ENTRIES, unit), _round_up(nb * e, unit)), unit)
+    nbp = _round_up(nb, ce // e)
+    n_entries = nbp * e
+    nr = _round_up(n_entries // LANES, 8)
+    index_bits = max(1, (nr * LANES - 1).bit_length())
+    kp = _round_up(k, LANES)
+    cb = candidate_topk_blocks
+
+    tables = jnp.pad(comp_tables, ((0, 0), (0, nbp - nb)))
+    vis = jnp.where(positions >= 0, jnp.clip(visible, 0, nb * e), 0).astype(jnp.int32)
+    per_token = lambda i, *_: (i, 0, 0)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((None, ih, di), per_token),
+        pl.BlockSpec((None, ih, 1), per_token),
+    ]
+    operands = [qi, weights.astype(jnp.float32)[:, :, None]]
+    if mode == "consumer":
+        in_specs.append(
+            pl.BlockSpec((1, candidates.shape[1]), lambda i, *_: (i, 0), memory_space=pltpu.SMEM)
+        )
+        operands.append(candidates)
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    operands.append(ikey_pages)
+    out_specs = [pl.BlockSpec((None, kp // LANES, LANES), per_token)]
+    out_shape = [jax.ShapeDtypeStruct((t, kp // LANES, LANES), jnp.int32)]
+    cbp = _round_up(max(cb, 1), LANES)
+    if mode == "source":
+        out_specs.append(pl.BlockSpec((None, cbp // LANES, LANES), per_token))
+        out_shape.append(jax.ShapeDtypeStruct((t, cbp // LANES, LANES), jnp.int32))
+    scratch = [pltpu.VMEM((nr, LANES), jnp.float32)]
+    if mode != "plain":
+        scratch.append(pltpu.VMEM((nr, LANES), jnp.float32))
+    scratch += [pltpu.VMEM((2, ce, di), ikey_pages.dtype), pltpu.SemaphoreType.DMA((2,))]
+    vmem = (nr * LANES * 4) * (1 + (mode != "plain")) + 2 * ce * di * ikey_pages.dtype.itemsize
+    c = cost(
+        t,
+        ih,
+        di,
+        nb * e,
+        k=k,
+        key_dtype=ikey_pages.dtype,
+        q_dtype=qi.dtype,
+        candidate_topk_blocks=cb,
+        entries_per_block=e,
+    )
+    outs = pl.pallas_call(
+        functools.partial(
+            _kernel, mode=mode, e=e, ce=ce, k=k, cbs=max(cbs, 1), cb=cb, index_bits=index_bits
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(t,),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",),
+            vmem_limit_bytes=int(max(32 << 20, vmem + (16 << 20))),
+        ),
+        cost_estimate=cost_estimate(c["flops"], c["bytes"]),
+        interpret=tpu_interpret(interpret),
+    )(token_req, vis, tables, *operands)
+    topk = outs[0].reshape(t, kp)[:, :k]
+    if mode == "source":
+        return topk, outs[1].reshape(t, cbp)[:, :cb]
+    return topk
