@@ -5,7 +5,7 @@ Per tile:
 * the token rows come in as a VMEM block, plus the 8-row block that ends just before the tile
   (its last row is the first member of a pair that straddles the tile boundary);
 * ratio 2: every chunk-first token at an odd position DMAs its ring row ``(p - 1) % C`` from
-  the request's ring block (HBM, ``pl.ANY``) into VMEM, and waits for it **before** any ring
+  the request's ring block (HBM) into VMEM, and waits for it **before** any ring
   write of the tile is issued (the grid is sequential, so earlier tiles' writes are done too);
 * pooling, RMSNorm (f32) and the rotation are vector math on the tile; the rotation swaps the
   interleaved pairs with two lane rolls (no strided lane access);
@@ -102,7 +102,7 @@ def _kernel(
     w_ref,  # VMEM [1, D]
     inv_ref,  # VMEM f32[1, D]
     sign_ref,  # VMEM f32[1, D]
-    pages_in,  # ANY (aliased to pages_hbm)
+    pages_in,  # HBM (aliased to pages_hbm)
     *rest,
     ratio,
     eps,
@@ -110,10 +110,10 @@ def _kernel(
     latent_dtype,
 ):
     if ratio == 2:
-        _, latent_ref, pages_hbm, ring_hbm, ring_rows, entry_ref, sems = rest
+        _, latent_ref, pages_hbm, ring_hbm, ring_rows, raw_ref, entry_ref, sems = rest
     else:
         latent_ref, pages_hbm, entry_ref, sems = rest
-        ring_hbm = ring_rows = None
+        ring_hbm = ring_rows = raw_ref = None
     base = pl.program_id(0) * TILE
     kv = kv_ref[...]
     flags = flags_ref[...]
@@ -125,9 +125,7 @@ def _kernel(
 
         def ring_copy(j):
             row = jnp.maximum(src_ref[base + j], 0)
-            return pltpu.make_async_copy(
-                ring_hbm.at[pl.ds(row, 1)], ring_rows.at[pl.ds(j, 1)], sems.at[0]
-            )
+            return pltpu.make_async_copy(ring_hbm.at[pl.ds(row, 1)], ring_rows.at[j], sems.at[0])
 
         for j in range(TILE):
 
@@ -145,24 +143,27 @@ def _kernel(
         row = jax.lax.broadcasted_iota(jnp.int32, kv.shape, 0)
         shifted = pltpu.roll(kv, 1, 0)
         shifted = jnp.where(row == 0, prev_ref[7:8, :], shifted)
-        member0 = jnp.where((flags & FROM_RING) != 0, ring_rows[...], shifted)
+        ring = jnp.concatenate([ring_rows[j] for j in range(TILE)], axis=0)
+        member0 = jnp.where((flags & FROM_RING) != 0, ring, shifted)
+        for j in range(TILE):  # one row per tile-aligned slot: single-row DMAs stay aligned
+            raw_ref[j] = kv[j : j + 1]
         pooled = pair_pool(member0[:, :d], member0[:, d:], kv[:, :d], kv[:, d:])
         z = rms_norm(pooled.astype(latent_dtype), w_ref[...], eps, latent_dtype)
 
     latent = jnp.where(closes, z, jnp.zeros_like(z))
     latent_ref[...] = latent
     entry = rotate(latent, gpos_ref[...], inv_ref[...], sign_ref[...])
-    entry_ref[...] = entry.astype(entry_ref.dtype)
+    entry = entry.astype(entry_ref.dtype)
+    for j in range(TILE):
+        entry_ref[j] = entry[j : j + 1]
 
     def record_copy(j):
         row = jnp.maximum(slot_ref[base + j], 0)
-        return pltpu.make_async_copy(
-            entry_ref.at[pl.ds(j, 1)], pages_hbm.at[pl.ds(row, 1)], sems.at[1]
-        )
+        return pltpu.make_async_copy(entry_ref.at[j], pages_hbm.at[pl.ds(row, 1)], sems.at[1])
 
     def ring_store(j):
         row = jnp.maximum(dst_ref[base + j], 0)
-        return pltpu.make_async_copy(kv_ref.at[pl.ds(j, 1)], ring_hbm.at[pl.ds(row, 1)], sems.at[2])
+        return pltpu.make_async_copy(raw_ref.at[j], ring_hbm.at[pl.ds(row, 1)], sems.at[2])
 
     for j in range(TILE):
 
@@ -219,6 +220,13 @@ def compressor(
         ring_pages,
         ratio=ratio,
     )
+    if comp_pages.dtype.itemsize != 4:
+        # a record is one row of a tiled HBM array; rows of a 16-bit array are packed in pairs,
+        # so a single-row DMA cannot address one (Mosaic: "unit subtile (2)")
+        raise NotImplementedError(
+            f"compressor (tpu): comp_pages of {comp_pages.dtype} records; the TPU kernel writes "
+            "32-bit records (f32 here, the quantised formats later)"
+        )
     t, width = kv.shape
     p, e, _ = comp_pages.shape
     cap = ring_pages.shape[1] if ratio == 2 else 1
@@ -249,24 +257,24 @@ def compressor(
         pl.BlockSpec((1, d), whole),
         pl.BlockSpec((1, d), whole),
         pl.BlockSpec((1, d), whole),
-        pl.BlockSpec(memory_space=pl.ANY),
+        pl.BlockSpec(memory_space=pltpu.HBM),
     ]
-    out_specs = [pl.BlockSpec((TILE, d), row_block), pl.BlockSpec(memory_space=pl.ANY)]
+    out_specs = [pl.BlockSpec((TILE, d), row_block), pl.BlockSpec(memory_space=pltpu.HBM)]
     out_shape = [
         jax.ShapeDtypeStruct((tp, d), latent_dtype),
         jax.ShapeDtypeStruct(pages_flat.shape, pages_flat.dtype),
     ]
     operands = [kv_p, kv_p, flags, gpos, norm_weight[None, :], inv_lane, sign_lane, pages_flat]
-    scratch = [pltpu.VMEM((TILE, d), comp_pages.dtype), pltpu.SemaphoreType.DMA((3,))]
+    scratch = [pltpu.VMEM((TILE, 1, d), comp_pages.dtype), pltpu.SemaphoreType.DMA((3,))]
     # operand indices count the 3 scalar-prefetch arrays
     aliases = {3 + 7: 1}
     if ratio == 2:
         ring_flat = ring_pages.reshape(-1, 2 * d)
-        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-        out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
+        out_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         out_shape.append(jax.ShapeDtypeStruct(ring_flat.shape, ring_flat.dtype))
         operands.append(ring_flat)
-        scratch.insert(0, pltpu.VMEM((TILE, width), jnp.float32))
+        scratch[:0] = [pltpu.VMEM((TILE, 1, width), jnp.float32)] * 2  # ring rows, raw rows
         aliases[3 + 8] = 2
     c = cost(t, d, ratio=ratio, record_dtype=comp_pages.dtype, ring_rows=min(t, cap))
     outs = pl.pallas_call(

@@ -334,9 +334,9 @@ def indexer_topk(
     operands = [qi, weights.astype(jnp.float32)[:, :, None]]
     if mode == "consumer":
         in_specs.append(
-            pl.BlockSpec((1, candidates.shape[1]), lambda i, *_: (i, 0), memory_space=pltpu.SMEM)
+            pl.BlockSpec((None, 1, candidates.shape[1]), per_token, memory_space=pltpu.SMEM)
         )
-        operands.append(candidates)
+        operands.append(candidates[:, None, :])
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     operands.append(ikey_pages)
     out_specs = [pl.BlockSpec((None, kp // LANES, LANES), per_token)]
