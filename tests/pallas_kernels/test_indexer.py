@@ -13,7 +13,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import compile_for_tpu, lower_for_tpu, requires_libtpu
+from aot import (
+    compile_for_h100,
+    compile_for_tpu,
+    lower_for_gpu,
+    lower_for_tpu,
+    requires_cuda_plugin,
+    requires_libtpu,
+)
 
 from dsv4 import reference as dense
 from pallas_kernels.indexer import indexer_topk
@@ -250,7 +257,7 @@ KERNEL_BATCH = (
     [1, 7, 8, 9, 33, 64, 13, 0, 30],
     [[1], [7], [8], [9], [33], [64], list(range(1, 14)), [-1, 0], [3, 4, 29, 30, -1]],
 )
-KERNEL_IMPLS = ["tpu"]
+KERNEL_IMPLS = ["tpu", "gpu"]
 
 
 def checking_interpreter():
@@ -393,3 +400,14 @@ def test_tpu_lowers_at_released_shapes(mode):
     assert "tpu_custom_call" in lower_for_tpu(
         _released_fn(mode, "tpu"), *_released(mode), device_kind="TPU v5 lite"
     )
+
+
+@requires_cuda_plugin
+@pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
+def test_h100_compiles_at_released_shapes(mode):
+    compile_for_h100(_released_fn(mode, "gpu"), *_released(mode))
+
+
+@pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
+def test_gpu_lowers_at_released_shapes(mode):
+    assert "triton" in lower_for_gpu(_released_fn(mode, "gpu"), *_released(mode))

@@ -1,0 +1,289 @@
+"""Triton (Pallas GPU) indexer: block maxima, exact block pre-selection, rescoring, exact top-k.
+
+A Triton program cannot keep a long context's scores on chip, so the GPU path splits the work
+into three small kernels (one program per token each) and only ever writes *block maxima*
+(1/BS of the score matrix) and the scores of the few candidate blocks to HBM:
+
+1. `_blocks_kernel`: stream the visible keys (gathered through the block table, 128 entries a
+   step), score them on the tensor cores, write the max of each block of ``BS`` entries.
+2. `_select_kernel` on the block maxima: the top ``min(k, blocks)`` blocks (ties: lower block)
+   contain the true top-k (each block holding a top-k entry scores at least the k-th score, and
+   ties resolve to the lower index at both levels). A candidate source runs it a second time
+   with the newest block pinned to +inf for its ``candidate_topk_blocks`` output.
+3. `_rescore_kernel`: score just the entries of the selected blocks (or of a consumer's
+   candidate blocks: a consumer never touches other keys), then `_select_kernel` picks the
+   exact top-k among them.
+
+`_select_kernel` is sort-free: order-preserving int32 keys, the k-th largest built bit by bit
+with counting passes, the tie cut over the id bits, then compaction with a prefix sum and a
+scatter store. Shapes are padded to powers of two (Triton); heads are padded to 16 (MMA).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._backend import cdiv, cost_estimate, gpu_interpret
+from pallas_kernels.indexer.common import check_indexer_args, cost
+
+__all__ = ["indexer_topk"]
+
+CHUNK = 128  # entries scored per step
+SELECT_CHUNK = 1024  # values per counting step
+INT_MIN = -(2**31)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _params():
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _score(q, w, keys):
+    """sum_h w_h relu(q_h . k) for keys [C, Di] -> [C] (f32)."""
+    dots = jax.lax.dot_general(
+        q,
+        keys.astype(q.dtype),
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    s = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None], axis=0)
+    return jnp.where(s == 0.0, 0.0, s)
+
+
+def _gather_keys(tab_ref, keys_ref, r, nb, e, entry):
+    """Key rows [C, Di] of request-local entries ``entry`` [C] (clamped into the table)."""
+    entry = jnp.clip(entry, 0, nb * e - 1)
+    page = tab_ref[r * nb + entry // e]
+    return keys_ref[page * e + entry % e]
+
+
+def _blocks_kernel(req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, bm_ref, *, nb, e, bs):
+    t = pl.program_id(0)
+    r, n = req_ref[t], vis_ref[t]
+    q, w = q_ref[...], w_ref[...]
+    per = CHUNK // bs
+
+    def step(c, carry):
+        entry = c * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32)
+
+        def scored():
+            s = _score(q, w, _gather_keys(tab_ref, keys_ref, r, nb, e, entry))
+            return jnp.where(entry < n, s, -jnp.inf)
+
+        s = jax.lax.cond(c * CHUNK < n, scored, lambda: jnp.full((CHUNK,), -jnp.inf))
+        bm_ref[pl.ds(c * per, per)] = jnp.max(s.reshape(per, bs), axis=1)
+        return carry
+
+    jax.lax.fori_loop(0, bm_ref.shape[0] // per, step, 0)
+
+
+def _order_key(x):
+    b = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+def _select_kernel(pin_ref, vals_ref, ids_ref, out_ref, *, k, id_bits):
+    """Ids of the k highest values (ties: lower id; value -inf never), -1 padded."""
+    t = pl.program_id(0)
+    pin = pin_ref[t]
+    m = vals_ref.shape[0]
+    ch = min(SELECT_CHUNK, m)
+
+    def load(c):
+        v = vals_ref[pl.ds(c * ch, ch)]
+        ids = ids_ref[pl.ds(c * ch, ch)]
+        v = jnp.where((ids == pin) & (pin >= 0), jnp.inf, v)
+        return _order_key(v), ids, v > -jnp.inf
+
+    def count(pred):
+        def body(c, acc):
+            key, ids, ok = load(c)
+            return acc + jnp.sum((ok & pred(key, ids)).astype(jnp.int32))
+
+        return jax.lax.fori_loop(0, m // ch, body, jnp.int32(0))
+
+    total = count(lambda key, ids: key == key)
+
+    def key_bit(i, thr_u):
+        cand = thr_u | jnp.left_shift(jnp.int32(1), 31 - i)
+        cand_key = cand ^ jnp.int32(INT_MIN)
+        return jnp.where(count(lambda key, ids: key >= cand_key) >= k, cand, thr_u)
+
+    tau = jax.lax.fori_loop(0, 32, key_bit, jnp.int32(0)) ^ jnp.int32(INT_MIN)
+    need = k - count(lambda key, ids: key > tau)
+
+    def cut_bit(i, cut):
+        cand = cut | jnp.left_shift(jnp.int32(1), id_bits - 1 - i)
+        n = count(lambda key, ids: (key == tau) & (ids < cand))
+        return jnp.where(n < need, cand, cut)
+
+    cut = jax.lax.fori_loop(0, id_bits, cut_bit, jnp.int32(0))
+    small = total <= k
+    tau = jnp.where(small, jnp.int32(INT_MIN), tau)
+    cut = jnp.where(small, jnp.int32(2**31 - 1), cut)
+    picked = jnp.minimum(total, k)
+    width = out_ref.shape[0]
+    dummy = width // 2  # past every real slot; written by unpicked lanes, then dropped
+    lane = jnp.arange(width, dtype=jnp.int32)
+    pltriton.store(
+        out_ref.at[pl.ds(0, width)], jnp.full((width,), -1, jnp.int32), mask=lane >= picked
+    )
+
+    def compact(c, off):
+        key, ids, ok = load(c)
+        pick = ok & ((key > tau) | ((key == tau) & (ids <= cut)))
+        pos = off + jnp.cumsum(pick.astype(jnp.int32)) - 1
+        out_ref[jnp.where(pick, pos, dummy)] = ids
+        return off + jnp.sum(pick.astype(jnp.int32))
+
+    jax.lax.fori_loop(0, m // ch, compact, jnp.int32(0))
+
+
+def _rescore_kernel(
+    req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, blocks_ref, vals_ref, ids_ref, *, nb, e, bs
+):
+    t = pl.program_id(0)
+    r, n = req_ref[t], vis_ref[t]
+    q, w = q_ref[...], w_ref[...]
+    per = CHUNK // bs
+
+    def step(c, carry):
+        blk = blocks_ref[pl.ds(c * per, per)]
+        entry = (blk[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :]).reshape(CHUNK)
+        ok = (jnp.repeat(blk, bs) >= 0) & (entry < n)
+        s = _score(q, w, _gather_keys(tab_ref, keys_ref, r, nb, e, entry))
+        vals_ref[pl.ds(c * CHUNK, CHUNK)] = jnp.where(ok, s, -jnp.inf)
+        ids_ref[pl.ds(c * CHUNK, CHUNK)] = jnp.where(ok, entry, -1)
+        return carry
+
+    jax.lax.fori_loop(0, blocks_ref.shape[0] // per, step, 0)
+
+
+def _per_token(*shape):
+    return pl.BlockSpec((None, *shape), lambda t: (t,) + (0,) * len(shape))
+
+
+def _whole(x):
+    return pl.BlockSpec(x.shape, lambda t: (0,) * x.ndim)
+
+
+def _select(vals, ids, pin, k, id_bits, interpret):
+    t, m = vals.shape
+    kp = _pow2(max(k, 1))
+    out = pl.pallas_call(
+        functools.partial(_select_kernel, k=k, id_bits=id_bits),
+        grid=(t,),
+        in_specs=[_whole(pin), _per_token(m), _per_token(m)],
+        out_specs=_per_token(2 * kp),
+        out_shape=jax.ShapeDtypeStruct((t, 2 * kp), jnp.int32),
+        compiler_params=_params(),
+        interpret=interpret,
+    )(pin, vals, ids)
+    return out[:, :k]
+
+
+def indexer_topk(
+    qi,
+    weights,
+    ikey_pages,
+    comp_tables,
+    token_req,
+    positions,
+    visible,
+    *,
+    entries_per_block: int,
+    k: int,
+    candidate_block_size: int = 0,
+    candidate_topk_blocks: int = 0,
+    candidates=None,
+    interpret=False,
+):
+    """Triton indexer; same arguments and results as `reference.indexer_topk`."""
+    mode = check_indexer_args(
+        qi,
+        weights,
+        ikey_pages,
+        comp_tables,
+        token_req,
+        positions,
+        visible,
+        entries_per_block=entries_per_block,
+        k=k,
+        candidate_block_size=candidate_block_size,
+        candidate_topk_blocks=candidate_topk_blocks,
+        candidates=candidates,
+    )
+    interpret = gpu_interpret(interpret)
+    t, ih, di = qi.shape
+    e = entries_per_block
+    p = ikey_pages.shape[0]
+    _, nb = comp_tables.shape
+    if di & (di - 1) or di < 16:
+        raise ValueError(f"indexer_topk (gpu): index head dim {di} must be a power of two >= 16")
+    bs = candidate_block_size if mode != "plain" else 8
+    if bs & (bs - 1) or bs > CHUNK:
+        raise ValueError(f"indexer_topk (gpu): candidate_block_size={bs} must be a power of two")
+    ihp = max(16, _pow2(ih))
+    q = jnp.pad(qi, ((0, 0), (0, ihp - ih), (0, 0)))
+    w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, ihp - ih)))  # padded heads weigh 0
+    n_entries = nb * e
+    vis = jnp.where(positions >= 0, jnp.clip(visible, 0, n_entries), 0).astype(jnp.int32)
+    keys = ikey_pages.reshape(p * e, di)
+    tab = comp_tables.reshape(-1)
+    id_bits = max(1, n_entries.bit_length())
+    scalars = (token_req, vis, tab)
+    common_specs = [_whole(token_req), _whole(vis), _whole(tab), _per_token(ihp, di)]
+    common_specs += [_per_token(ihp), _whole(keys)]
+    c = cost(t, ih, di, n_entries, k=k, key_dtype=ikey_pages.dtype, q_dtype=qi.dtype)
+
+    blocks_out = None
+    if mode == "consumer":
+        cbp = _pow2(max(candidates.shape[1], CHUNK // bs))
+        blocks = jnp.pad(candidates, ((0, 0), (0, cbp - candidates.shape[1])), constant_values=-1)
+    else:
+        nblocks = _pow2(max(cdiv(n_entries, bs), CHUNK // bs))
+        bm = pl.pallas_call(
+            functools.partial(_blocks_kernel, nb=nb, e=e, bs=bs),
+            grid=(t,),
+            in_specs=common_specs,
+            out_specs=_per_token(nblocks),
+            out_shape=jax.ShapeDtypeStruct((t, nblocks), jnp.float32),
+            compiler_params=_params(),
+            cost_estimate=cost_estimate(c["flops"], c["bytes"]),
+            interpret=interpret,
+        )(*scalars, q, w, keys)
+        block_ids = jnp.broadcast_to(jnp.arange(nblocks, dtype=jnp.int32), bm.shape)
+        no_pin = jnp.full((t,), -1, jnp.int32)
+        bits = max(1, nblocks.bit_length())
+        if mode == "source":
+            newest = jnp.where(vis > 0, (vis - 1) // bs, -1)
+            blocks_out = _select(bm, block_ids, newest, candidate_topk_blocks, bits, interpret)
+        kb = min(k, cdiv(n_entries, bs))
+        blocks = _select(bm, block_ids, no_pin, kb, bits, interpret)
+        blocks = jnp.pad(
+            blocks, ((0, 0), (0, _pow2(max(kb, CHUNK // bs)) - kb)), constant_values=-1
+        )
+    m = blocks.shape[1] * bs
+    vals, ids = pl.pallas_call(
+        functools.partial(_rescore_kernel, nb=nb, e=e, bs=bs),
+        grid=(t,),
+        in_specs=[*common_specs, _per_token(blocks.shape[1])],
+        out_specs=[_per_token(m), _per_token(m)],
+        out_shape=[
+            jax.ShapeDtypeStruct((t, m), jnp.float32),
+            jax.ShapeDtypeStruct((t, m), jnp.int32),
+        ],
+        compiler_params=_params(),
+        interpret=interpret,
+    )(*scalars, q, w, keys, blocks)
+    topk = _select(vals, ids, jnp.full((t,), -1, jnp.int32), k, id_bits, interpret)
+    return topk if blocks_out is None else (topk, blocks_out)
