@@ -1,1 +1,37 @@
-"""The DeepSeek-V4.1 model as pure JAX functions over pytrees (see DESIGN.md section 2)."""
+"""DeepSeek-V4.1 in JAX: a functional model over pytrees (see DESIGN.md section 2).
+
+* `ModelConfig`, `tiny_v41`, `v41_flash`, `LayerPlan`, `Role` — configuration and layer plan;
+* `init_params`, `abstract_params`, `param_specs` — the parameter pytree (checkpoint names);
+* `reference.forward` — the whole-sequence oracle;
+* `model.init_cache` / `model.forward_step` — incremental inference with dense caches;
+* `generate` — jitted prefill + decode loop;
+* `load_pretrained` / `save_pretrained` (released safetensors format) and
+  `save_params` / `restore_params` (orbax).
+"""
+
+from dsv4 import reference
+from dsv4.checkpoint import load_pretrained, restore_params, save_params, save_pretrained
+from dsv4.config import LayerPlan, ModelConfig, Role, tiny_v41, v41_flash
+from dsv4.generate import generate
+from dsv4.params import abstract_params, init_params, param_specs
+from dsv4.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "LayerPlan",
+    "ModelConfig",
+    "Role",
+    "abstract_params",
+    "generate",
+    "init_params",
+    "load_pretrained",
+    "load_tokenizer",
+    "param_specs",
+    "reference",
+    "restore_params",
+    "save_params",
+    "save_pretrained",
+    "tiny_v41",
+    "v41_flash",
+]

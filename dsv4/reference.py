@@ -63,12 +63,10 @@ def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, visible: jax.Array
     """sum_h w[.., h] relu(q[.., h, :] . key[j]) for queries q [B, T, IH, d], keys [B, N, d];
     entries j >= visible [B, T] are -inf."""
     dots = jnp.einsum("bthd,bnd->bthn", q, keys, preferred_element_type=jnp.float32)
-    s = jnp.einsum(
-        "bthn,bth->btn",
-        jax.nn.relu(dots),
-        w.astype(jnp.float32),
-        preferred_element_type=jnp.float32,
-    )
+    # an elementwise product and a plain reduction over heads, not a matmul: the summation
+    # order then does not depend on the batch shape, so equal scores (common once q and k are
+    # FP4-simulated) stay bit-equal between a prefill and a decode and ties break the same way
+    s = jnp.sum(jax.nn.relu(dots) * w.astype(jnp.float32)[..., None], axis=2)
     n = keys.shape[1]
     return jnp.where(jnp.arange(n) < visible[..., None], s, NEG_INF)
 
