@@ -80,7 +80,7 @@ def _kernel(
         jnp.zeros((heads,), jnp.float32),
         jnp.zeros((heads, dim), jnp.float32),
     )
-    m, denom, acc = lax.fori_loop(0, (count + block_keys - 1) // block_keys, chunk, init)
+    m, denom, acc = lax.fori_loop(jnp.int32(0), (count + block_keys - 1) // block_keys, chunk, init)
     if return_state:
         outs[0][...] = m
         outs[1][...] = denom

@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from paged_cases import Selection, Step, make_selection, make_step, sparse_out
 
 from pallas_kernels import sparse_attention, window_attention
+from pallas_kernels.sparse_attention import tpu
 
 H, D, S, W = 4, 128, 8, 16  # heads, latent, window page size, window
 E, K = 8, 16  # entries per compressed block, top-k width
@@ -115,3 +117,90 @@ def test_bad_arguments_are_named():
         sparse_attention(*args, **static, state=(args[0],))
     with pytest.raises(ValueError, match="topk must be int32"):
         sparse_attention(*args[:5], args[5].astype(jnp.int16), args[6], **static)
+
+
+# --------------------------------------------------------------------------- kernels (interpret)
+
+
+def checking_tpu_interpreter():
+    """The TPU interpreter that simulates memory: NaN for uninitialised VMEM, raises on races
+    and out-of-bounds DMAs."""
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+
+
+KERNELS = {
+    "tpu": lambda: dict(impl="tpu", interpret=checking_tpu_interpreter()),
+    "gpu": lambda: dict(impl="gpu", interpret=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_matches_oracle(kernel, scenario, dtype):
+    step, sel = _case(scenario, dtype, empty_rows=(0,))
+    args, static = _args(step, sel, dtype)
+    out = sparse_attention(*args, **static, state=_window_state(step, dtype), **KERNELS[kernel]())
+    _check(out, step, sel, dtype, with_window=True)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_without_window_state(kernel):
+    step, sel = _case("mixed", empty_rows=(1,))
+    args, static = _args(step, sel, np.float32)
+    out = sparse_attention(*args, **static, **KERNELS[kernel]())
+    _check(out, step, sel, np.float32, with_window=False)
+
+
+@pytest.mark.parametrize(
+    "dtype,interpret",
+    [(jnp.bfloat16, "checking"), (np.float32, "hlo"), (jnp.bfloat16, "hlo")],
+)
+def test_tpu_kernel_shares_rows_between_tokens_of_a_request(dtype, interpret):
+    """Tiles of 4 tokens fetch the union of their picks once (mixed requests, shuffled)."""
+    step, sel = _case("mixed", dtype, padding=3, empty_rows=(2,), shared_fraction=0.6)
+    assert len(step.positions) % 4 == 0
+    args, static = _args(step, sel, dtype)
+    mode = checking_tpu_interpreter() if interpret == "checking" else True
+    out = tpu.sparse_attention(
+        *args, **static, state=_window_state(step, dtype), interpret=mode, tokens_per_tile=4
+    )
+    _check(out, step, sel, dtype, with_window=True)
+
+
+def test_tpu_kernels_chain_window_state_into_sparse():
+    """The window kernel's state feeds the sparse kernel: one softmax over both."""
+    step, sel = _case("prefill", empty_rows=(3,))
+    args, static = _args(step, sel, np.float32)
+    state = window_attention(
+        *args[:1], jnp.asarray(step.swa.pages), jnp.asarray(step.swa.tables), *args[3:5],
+        args[6], window=W, scale=step.scale, return_state=True, impl="tpu", interpret=True,
+    )  # fmt: skip
+    out = sparse_attention(*args, **static, state=state, impl="tpu", interpret=True)
+    _check(out, step, sel, np.float32, with_window=True)
+
+
+def test_tpu_checking_interpreter_raises_on_a_bad_block():
+    step, sel = _case("decode", padding=0, shuffle=False)
+    r = 2
+    t = int(np.flatnonzero(step.token_req == r)[0])
+    picked = sel.topk[t][sel.topk[t] >= 0]
+    sel.comp.tables[r, picked[0] // E] = sel.comp.pages.shape[0] + 7
+    args, static = _args(step, sel, np.float32)
+    with pytest.raises(Exception, match="Out-of-bounds"):
+        jax.block_until_ready(sparse_attention(*args, **static, **KERNELS["tpu"]()))
+    with pytest.raises(ValueError, match=rf"comp_tables\[{r}, "):
+        sparse_attention(*args, **static, impl="tpu", interpret=True, debug=True)
+
+
+def test_tpu_row_lists_fetch_a_requests_union_once():
+    """Four tokens of request 1 picking overlapping entries: each entry is fetched once, and every
+    token's segment is its request's part of the tile's list."""
+    tables = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    token_req = jnp.asarray([1, 1, 0, 1], jnp.int32)
+    positions = jnp.asarray([5, 6, 3, -1], jnp.int32)
+    topk = jnp.asarray([[3, 9, -1], [9, 3, 4], [3, -1, -1], [7, 7, 7]], jnp.int32)
+    addr, ids, seg = tpu._row_lists(tables, token_req, positions, topk, per_block=8, tq=4)
+    assert ids.tolist() == [[3, 3, 4, 9] + [-1] * 8]  # request 0: {3}; request 1: {3, 4, 9}
+    assert addr.tolist() == [[1 * 8 + 3, 3 * 8 + 3, 3 * 8 + 4, 4 * 8 + 1] + [-1] * 8]
+    assert seg.tolist() == [[1, 4], [1, 4], [0, 1], [1, 4]]  # the padding token's picks are gone

@@ -1,0 +1,168 @@
+"""Pallas Triton-backend GPU kernel of sparse attention over the paged compressed cache.
+
+Targets NVIDIA Hopper (H100/H200, sm_90), where it is compile-tested; the Triton backend also
+serves Ampere (A100, sm_80) and Ada. One program per (token, block of `BH` heads):
+
+* Selected entries are gathered straight from the paged cache (viewed as rows [P * E, D]) into
+  registers/shared memory with vector-indexed loads, `BK` at a time: no gathered copy in HBM.
+* Empty slots (-1) are masked in the logits and their (possibly null-block) rows zeroed before
+  the value product, so nothing they read can leak.
+* The softmax continues the window's f32 state (or an empty one), then adds the sink and
+  normalises. Head blocks of one token, and tokens of one request selecting the same entries,
+  share the fetched rows through L2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.sparse_attention.cost import sparse_cost
+from pallas_kernels.window_attention.gpu import _dot
+
+BLOCK_HEADS = 16
+BLOCK_KEYS = 32
+NUM_WARPS = 4
+
+
+def _kernel(
+    req_ref,  # i32[T]
+    pos_ref,  # i32[T]
+    tables_ref,  # i32[R * nbc]
+    kv_ref,  # [P * E, D]
+    q_ref,  # [BH, D]
+    sink_ref,  # f32[BH]
+    topk_ref,  # i32[Kp]
+    *refs,  # (m [BH], l [BH], acc [BH, D]) if with_state, then out [BH, D]
+    nbc: int,
+    per_block: int,
+    block_keys: int,
+    scale: float,
+    with_state: bool,
+):
+    o_ref = refs[-1]
+    t = pl.program_id(0)
+    r, p = req_ref[t], pos_ref[t]
+    q = q_ref[...]
+    heads, dim = q.shape
+    if with_state:
+        init = (refs[0][...], refs[1][...], refs[2][...])
+    else:
+        init = (
+            jnp.full((heads,), MASK_VALUE, jnp.float32),
+            jnp.zeros((heads,), jnp.float32),
+            jnp.zeros((heads, dim), jnp.float32),
+        )
+
+    def chunk(c, carry):
+        m, denom, acc = carry
+        ids = topk_ref[pl.ds(c * block_keys, block_keys)]
+        picked = ids >= 0
+        ids = jnp.maximum(ids, 0)
+        blocks = tables_ref[r * nbc + ids // per_block]
+        keys = kv_ref[blocks * per_block + ids % per_block]  # [BK, D]
+        keys = jnp.where(picked[:, None], keys, jnp.zeros_like(keys))
+        z = _dot(q, keys, trans_b=True) * scale  # [BH, BK]
+        z = jnp.where(picked[None, :], z, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(z, axis=1))
+        alpha = jnp.exp(m - m_new)
+        e = jnp.where(picked[None, :], jnp.exp(z - m_new[:, None]), 0.0)
+        denom = alpha * denom + jnp.sum(e, axis=1)
+        acc = alpha[:, None] * acc + _dot(e.astype(keys.dtype), keys)
+        return m_new, denom, acc
+
+    num_chunks = jnp.where(p >= 0, jnp.int32(topk_ref.shape[0] // block_keys), jnp.int32(0))
+    m, denom, acc = lax.fori_loop(jnp.int32(0), num_chunks, chunk, init)
+    sink = sink_ref[...]
+    top = jnp.maximum(m, sink)
+    w = jnp.exp(m - top)
+    out = acc * (w / (denom * w + jnp.exp(sink - top)))[:, None]
+    o_ref[...] = jnp.where(p >= 0, out, 0.0).astype(o_ref.dtype)
+
+
+def sparse_attention(
+    q: jax.Array,  # [T, H, D]
+    comp_pages: jax.Array,  # [P, E, D]
+    comp_tables: jax.Array,  # i32[R, nbc]
+    token_req: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    topk: jax.Array,  # i32[T, K]
+    sink: jax.Array,  # f32[H]
+    *,
+    entries_per_block: int,
+    scale: float,
+    state=None,
+    interpret: bool = False,
+    block_heads: int = BLOCK_HEADS,
+    block_keys: int = BLOCK_KEYS,
+):
+    """The GPU kernel behind `pallas_kernels.sparse_attention` (same arguments and results)."""
+    num_tokens, heads, dim = q.shape
+    num_pages = comp_pages.shape[0]
+    k = topk.shape[1]
+    bh = min(block_heads, heads)
+    if heads % bh:
+        raise ValueError(f"heads={heads} must be a multiple of block_heads={bh}")
+    kp = max(block_keys, 1 << (k - 1).bit_length())  # Triton shapes are powers of two
+    bk = min(block_keys, kp)
+    topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
+
+    qspec = pl.BlockSpec((None, bh, dim), lambda t, h: (t, h, 0))
+    whole = pl.BlockSpec()  # the whole array: gathered from inside the kernel
+    in_specs = [
+        whole,
+        whole,
+        whole,
+        whole,
+        qspec,
+        pl.BlockSpec((bh,), lambda t, h: (h,)),
+        pl.BlockSpec((None, kp), lambda t, h: (t, 0)),
+    ]
+    inputs = [
+        token_req,
+        positions,
+        comp_tables.reshape(-1),
+        comp_pages.reshape(num_pages * entries_per_block, dim),
+        q,
+        sink.astype(jnp.float32),
+        topk,
+    ]
+    with_state = state is not None
+    if with_state:
+        vec = pl.BlockSpec((None, bh), lambda t, h: (t, h))
+        in_specs += [vec, vec, qspec]
+        inputs += [x.astype(jnp.float32) for x in state]
+    cost = sparse_cost(
+        num_tokens=num_tokens,
+        heads=heads,
+        dim=dim,
+        topk=k,
+        q_bytes=q.dtype.itemsize,
+        kv_bytes=comp_pages.dtype.itemsize,
+        with_state=with_state,
+    )
+    kernel = functools.partial(
+        _kernel,
+        nbc=comp_tables.shape[1],
+        per_block=entries_per_block,
+        block_keys=bk,
+        scale=scale,
+        with_state=with_state,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num_tokens, heads // bh),
+        in_specs=in_specs,
+        out_specs=qspec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+        cost_estimate=pl.CostEstimate(**cost.as_estimate()),
+        interpret=interpret,
+        name="sparse_attention",
+    )(*inputs)

@@ -1,0 +1,343 @@
+"""Mosaic TPU kernel of sparse attention over the paged compressed cache.
+
+Layout of the work:
+
+* The grid walks tiles of `tq` consecutive tokens. Each tile has a *row list* of `U = tq * Kp`
+  slots: with `tq = 1` the token's own top-k row; with `tq > 1` the de-duplicated union of the
+  tile's selections, sorted by (request, entry), so tokens of one request (speculative decode,
+  prefill) fetch an entry once. Each token then reads only its request's segment of the union
+  and keeps the rows it selected (membership test against its own top-k row).
+* Rows are DMA'd one by one from the paged cache straight into a VMEM slab (no gathered copy in
+  HBM). Row addresses (`block * E + offset`, from the block table) are computed outside the kernel
+  and DMA'd per tile into SMEM, two tiles ahead, so SMEM stays small at any batch size. Slabs are
+  double-buffered: tile i+1's rows are in flight while tile i is computed ("arbitrary" grid).
+* Softmax continues the window's f32 state (m, l, acc) chunk by chunk (online softmax over
+  `CHUNK`-row slices), then adds the sink and normalises. Rows a token did not select (other
+  tokens' picks, empty slots, stale slab contents) are masked in the logits and zeroed before the
+  value matmul, so no garbage or NaN leaks.
+
+The per-row DMA issue rate (one descriptor per selected entry) is what bounds this design at
+decode; sharing rows between a request's tokens and double-buffering are what it does about it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _backend
+from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.sparse_attention.cost import sparse_cost
+
+CHUNK = 128  # slab rows per softmax step (one lane tile of logits)
+TOKENS_PER_TILE = 1  # > 1 shares fetched rows between tokens of a request (sorts in XLA)
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    pos_ref,  # i32[T]
+    seg_ref,  # i32[2 * T]: each token's [lo, hi) range of its tile's row list
+    # inputs
+    rows_hbm,  # i32[n_tiles, U] row addresses (-1 = empty), HBM
+    q_ref,  # [tq, H, D]
+    sink_ref,  # f32[H, 1]
+    ucol_ref,  # i32[U, 1] entry id of each slot (-1 = empty)
+    urow_ref,  # i32[1, U] the same, lane-major
+    *refs,
+    tq: int,
+    per_block: int,
+    scale: float,
+    with_state: bool,
+    packed: bool,
+    bitcast_in_kernel: bool,
+):
+    refs = list(refs)
+    topk_ref = refs.pop(0) if tq > 1 else None  # i32[tq, 1, Kp]
+    state_refs = [refs.pop(0) for _ in range(3)] if with_state else None
+    kv_hbm, o_ref, slab, rows_smem, row_sem, list_sem, n_fetch = refs
+    # bf16 rows share 32-bit sublane words in pairs, and a DMA cannot address half a word: fetch
+    # the word row holding the entry (rows 2j, 2j+1 -> low, high halves) and unpack by parity.
+    words = kv_hbm.bitcast(jnp.uint32) if bitcast_in_kernel else kv_hbm
+    row_of = (lambda off: off // 2) if packed else (lambda off: off)
+    tile = pl.program_id(0)
+    num_tiles = pl.num_programs(0)
+    buf = tile % 2
+    slots = slab.shape[1]
+
+    def list_copy(which, slot):
+        return pltpu.make_async_copy(rows_hbm.at[which], rows_smem.at[slot], list_sem.at[slot])
+
+    def row_copy(addr, b, u):
+        src = words.at[addr // per_block, pl.ds(row_of(addr % per_block), 1)]
+        return pltpu.make_async_copy(src, slab.at[b, pl.ds(u, 1)], row_sem.at[b])
+
+    def issue(b):
+        """Start the row DMAs of the list in rows_smem[b] into slab b."""
+
+        def row(u, count):
+            addr = rows_smem[b, u]
+
+            @pl.when(addr >= 0)
+            def _():
+                row_copy(addr, b, u).start()
+
+            return count + (addr >= 0).astype(jnp.int32)
+
+        n_fetch[b] = lax.fori_loop(0, slots, row, jnp.int32(0))
+
+    @pl.when(tile == 0)
+    def _():
+        first = list_copy(0, 0)
+        first.start()
+        first.wait()
+        issue(0)
+
+        @pl.when(num_tiles > 1)
+        def _():
+            list_copy(1, 1).start()
+
+    @pl.when(tile + 1 < num_tiles)
+    def _():
+        list_copy(tile + 1, 1 - buf).wait()
+        issue(1 - buf)
+
+        @pl.when(tile + 2 < num_tiles)
+        def _():
+            list_copy(tile + 2, buf).start()
+
+    def wait(i, c):
+        row_copy(0, buf, 0).wait()
+        return c
+
+    lax.fori_loop(0, n_fetch[buf], wait, 0)
+
+    sink = sink_ref[...]  # [H, 1]
+
+    def token(i, c):
+        t = tile * tq + i
+
+        @pl.when(pos_ref[t] < 0)
+        def _():
+            o_ref[i] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
+
+        @pl.when(pos_ref[t] >= 0)
+        def _():
+            lo, hi = seg_ref[2 * t], seg_ref[2 * t + 1]
+            q = q_ref[i]  # [H, D]
+            heads, dim = q.shape
+            if with_state:
+                init = tuple(ref[i] for ref in state_refs)
+            else:
+                init = (
+                    jnp.full((heads, 1), MASK_VALUE, jnp.float32),
+                    jnp.zeros((heads, 1), jnp.float32),
+                    jnp.zeros((heads, dim), jnp.float32),
+                )
+            picks = topk_ref[i] if tq > 1 else None  # [1, Kp]
+
+            def chunk(k, carry):
+                m, denom, acc = carry
+                base = pl.multiple_of(k * CHUNK, CHUNK)
+                rows = slab[buf, pl.ds(base, CHUNK), :]  # [C, D]
+                ucol = ucol_ref[pl.ds(base, CHUNK), :]  # [C, 1]
+                urow = urow_ref[:, pl.ds(base, CHUNK)]  # [1, C]
+                scol = base + lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
+                srow = base + lax.broadcasted_iota(jnp.int32, (1, CHUNK), 1)
+                keep_col = (ucol >= 0) & (scol >= lo) & (scol < hi)
+                keep_row = (urow >= 0) & (srow >= lo) & (srow < hi)
+                if picks is not None:  # the union holds other tokens' picks too
+                    hit = ((ucol == picks) & (ucol >= 0)).astype(jnp.float32)  # [C, Kp]
+                    keep_col &= jnp.max(hit, axis=1, keepdims=True) > 0.5
+                    ones = jnp.ones((8, hit.shape[1]), jnp.float32)
+                    count = lax.dot_general(ones, hit, (((1,), (1,)), ((), ())))  # [8, C]
+                    keep_row &= count[0:1] > 0.5
+                if packed:  # exact bf16 -> f32 from the half of the word that holds the row
+                    odd = (ucol & 1) == 1
+                    bits = jnp.where(odd, rows & jnp.uint32(0xFFFF0000), rows << 16)
+                    rows = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+                qq, kk = q, rows
+                if qq.dtype != kk.dtype:
+                    qq, kk = qq.astype(jnp.float32), kk.astype(jnp.float32)
+                z = lax.dot_general(
+                    qq, kk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )  # [H, C]
+                z = jnp.where(keep_row, z * scale, MASK_VALUE)
+                m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
+                alpha = jnp.exp(m - m_new)
+                e = jnp.where(keep_row, jnp.exp(z - m_new), 0.0)
+                kk = jnp.where(keep_col, kk, jnp.zeros_like(kk))
+                pv = jnp.dot(e.astype(kk.dtype), kk, preferred_element_type=jnp.float32)
+                return m_new, alpha * denom + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv
+
+            m, denom, acc = lax.fori_loop(lo // CHUNK, (hi + CHUNK - 1) // CHUNK, chunk, init)
+            top = jnp.maximum(m, sink)
+            w = jnp.exp(m - top)
+            o_ref[i] = (acc * (w / (denom * w + jnp.exp(sink - top)))).astype(o_ref.dtype)
+
+        return c
+
+    lax.fori_loop(0, tq, token, 0)
+
+
+def _row_lists(comp_tables, token_req, positions, topk, *, per_block: int, tq: int):
+    """Per tile: the row list (addresses, entry ids) and each token's [lo, hi) segment of it.
+
+    tq == 1: the token's own row. tq > 1: the sorted, de-duplicated union of the tile's picks,
+    grouped by request; a token's segment is its request's part.
+    """
+    num_tokens, kp = topk.shape
+    valid = (topk >= 0) & (positions[:, None] >= 0)
+    ids = jnp.where(valid, topk, -1)
+    safe = jnp.maximum(ids, 0)
+    addr = comp_tables[token_req[:, None], safe // per_block] * per_block + safe % per_block
+    addr = jnp.where(valid, addr, -1)
+    if tq == 1:
+        lo = jnp.zeros((num_tokens,), jnp.int32)
+        seg = jnp.stack([lo, lo + kp], axis=1)
+        return addr, ids, seg
+    tiles, slots = num_tokens // tq, tq * kp
+    req = jnp.broadcast_to(token_req[:, None], topk.shape).reshape(tiles, slots)
+    ids_t, addr_t = ids.reshape(tiles, slots), addr.reshape(tiles, slots)
+    empty = (ids_t < 0).astype(jnp.int32)
+    empty, req, ids_t, addr_t = lax.sort((empty, req, ids_t, addr_t), dimension=1, num_keys=3)
+    dup = (req[:, 1:] == req[:, :-1]) & (ids_t[:, 1:] == ids_t[:, :-1])
+    empty = empty | jnp.pad(dup, ((0, 0), (1, 0))).astype(jnp.int32)
+    empty, req, ids_t, addr_t = lax.sort((empty, req, ids_t, addr_t), dimension=1, num_keys=3)
+    kept = empty == 0
+    ids_t, addr_t = jnp.where(kept, ids_t, -1), jnp.where(kept, addr_t, -1)
+    tok_req = token_req.reshape(tiles, tq, 1)
+    kept_req = jnp.where(kept, req, -1)[:, None, :]  # [tiles, 1, U]
+    lo = jnp.sum(kept[:, None, :] & (kept_req < tok_req), axis=2)
+    hi = jnp.sum(kept[:, None, :] & (kept_req <= tok_req), axis=2)
+    seg = jnp.stack([lo.reshape(-1), hi.reshape(-1)], axis=1).astype(jnp.int32)
+    return addr_t, ids_t, seg
+
+
+def pack_row_pairs(pages: jax.Array) -> jax.Array:
+    """bf16 [P, E, D] -> u32 [P, E / 2, D], rows 2j and 2j+1 in the low and high halves: the
+    view Mosaic's ref bitcast gives on the chip. Used only under the checking interpreter, which
+    cannot simulate ref bitcasts (it copies the cache; tests only)."""
+    bits = lax.bitcast_convert_type(pages, jnp.uint16).astype(jnp.uint32)
+    return bits[:, 0::2] | (bits[:, 1::2] << 16)
+
+
+def sparse_attention(
+    q: jax.Array,  # [T, H, D]
+    comp_pages: jax.Array,  # [P, E, D]
+    comp_tables: jax.Array,  # i32[R, nbc]
+    token_req: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    topk: jax.Array,  # i32[T, K]
+    sink: jax.Array,  # f32[H]
+    *,
+    entries_per_block: int,
+    scale: float,
+    state=None,
+    interpret=False,
+    tokens_per_tile: int = TOKENS_PER_TILE,
+):
+    """The TPU kernel behind `pallas_kernels.sparse_attention` (same arguments and results)."""
+    num_tokens, heads, dim = q.shape
+    k = topk.shape[1]
+    packed = comp_pages.dtype == jnp.bfloat16
+    if not packed and _backend.itemsize(comp_pages.dtype) != 4:
+        raise ValueError(
+            f"comp_pages must be f32 or bf16 for the TPU kernel, got {comp_pages.dtype}"
+        )
+    if packed and entries_per_block % 2:
+        raise ValueError(f"bf16 pages need an even entries_per_block, got {entries_per_block}")
+    bitcast_in_kernel = packed and not isinstance(interpret, pltpu.InterpretParams)
+    slab_dtype = jnp.uint32 if packed else comp_pages.dtype
+    kp = _backend.cdiv(k, CHUNK) * CHUNK
+    topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
+    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
+    tiles, slots = num_tokens // tq, tq * kp
+    addr, ids, seg = _row_lists(
+        comp_tables, token_req, positions, topk, per_block=entries_per_block, tq=tq
+    )
+    ids = ids.reshape(tiles, slots)
+
+    with_state = state is not None
+    tok_block = lambda i, *_: (i, 0, 0)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec(memory_space=pl.ANY),
+        pl.BlockSpec((tq, heads, dim), tok_block),
+        pl.BlockSpec((heads, 1), lambda i, *_: (0, 0)),
+        pl.BlockSpec((None, slots, 1), tok_block),
+        pl.BlockSpec((None, 1, slots), tok_block),
+    ]
+    inputs = [
+        addr.reshape(tiles, slots),
+        q,
+        sink.astype(jnp.float32).reshape(heads, 1),
+        ids[:, :, None],
+        ids[:, None, :],
+    ]
+    if tq > 1:
+        in_specs.append(pl.BlockSpec((tq, 1, kp), tok_block))
+        inputs.append(topk[:, None, :])
+    if with_state:
+        m, denom, acc = (x.astype(jnp.float32) for x in state)
+        in_specs += [
+            pl.BlockSpec((tq, heads, 1), tok_block),
+            pl.BlockSpec((tq, heads, 1), tok_block),
+            pl.BlockSpec((tq, heads, dim), tok_block),
+        ]
+        inputs += [m[..., None], denom[..., None], acc]
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    inputs.append(comp_pages if bitcast_in_kernel or not packed else pack_row_pairs(comp_pages))
+
+    isz = _backend.itemsize
+    cost = sparse_cost(
+        num_tokens=num_tokens,
+        heads=heads,
+        dim=dim,
+        topk=k,
+        q_bytes=isz(q.dtype),
+        kv_bytes=isz(comp_pages.dtype),
+        with_state=with_state,
+    )
+    vmem = (
+        2 * slots * dim * isz(comp_pages.dtype)
+        + 2 * slots * 128 * 4  # the lane-padded id column
+        + 6 * tq * heads * dim * 4  # q, out, acc blocks (f32 bound), double-buffered
+        + 8 * CHUNK * max(dim, kp) * 4  # temporaries
+    )
+    kernel = functools.partial(
+        _kernel,
+        tq=tq,
+        per_block=entries_per_block,
+        scale=scale,
+        with_state=with_state,
+        packed=packed,
+        bitcast_in_kernel=bitcast_in_kernel,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(tiles,),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tq, heads, dim), tok_block),
+            scratch_shapes=[
+                pltpu.VMEM((2, slots, dim), slab_dtype),
+                pltpu.SMEM((2, slots), jnp.int32),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((2,), jnp.int32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=int(min(max(32 << 20, 2 * vmem), 100 << 20)),
+        ),
+        cost_estimate=_backend.cost_estimate(**cost.as_estimate()),
+        interpret=interpret,
+        name="sparse_attention",
+    )(positions, seg.reshape(-1), *inputs)
