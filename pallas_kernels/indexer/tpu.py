@@ -4,7 +4,7 @@ Per token ``t`` of request ``r`` with ``n = visible[t]`` entries:
 
 1. **Scoring.** The key pages of entries ``< n`` are DMA'd from HBM (``pl.ANY``) in chunks of
    ``CE`` entries (double-buffered: chunk ``c + 1`` is in flight while chunk ``c`` is scored),
-   page ids read from the scalar-prefetched block table. Each 128-entry slice gives
+   page ids read from the request's block-table row (an SMEM block). Each 128-entry slice gives
    ``s = sum_h w_h relu(q_h . k)`` ([IH, Di] x [128, Di] on the MXU, f32) and becomes one row of
    a VMEM score array ``[N / 128, 128]``; entries ``>= n`` are -inf. Scores never reach HBM.
 2. **Candidate blocks** (source): block maxima of ``candidate_block_size`` lanes by lane rolls,
@@ -145,9 +145,9 @@ def _compact(vals_ref, nrows, tau, cut, out_ref, id_shift):
 def _kernel(
     req_ref,  # SMEM i32[T]
     vis_ref,  # SMEM i32[T] (0 for padding tokens)
-    tab_ref,  # SMEM i32[R, nbp]
     q_ref,  # VMEM [IH, Di]
     w_ref,  # VMEM f32[IH, 1]
+    tab_ref,  # SMEM i32[1, nbp]: the block-table row of this token's request
     *rest,
     mode,
     e,
@@ -164,14 +164,13 @@ def _kernel(
     else:
         keys_hbm, out_ref, sc_ref, kbuf, sems = rest
     t = pl.program_id(0)
-    r = req_ref[t]
     n = vis_ref[t]
     pages_per_chunk = ce // e
     nchunks = cdiv_dyn(n, ce)
     nrows = nchunks * (ce // LANES)
 
     def page_copy(c, i, slot):
-        page = tab_ref[r, c * pages_per_chunk + i]
+        page = tab_ref[0, c * pages_per_chunk + i]
         return pltpu.make_async_copy(
             keys_hbm.at[page], kbuf.at[slot, pl.ds(i * e, e)], sems.at[slot]
         )
@@ -331,7 +330,11 @@ def indexer_topk(
         pl.BlockSpec((None, ih, di), per_token),
         pl.BlockSpec((None, ih, 1), per_token),
     ]
-    operands = [qi, weights.astype(jnp.float32)[:, :, None]]
+    # only the token's own table row sits in SMEM (the pipeline fetches the next token's row)
+    in_specs.append(
+        pl.BlockSpec((None, 1, nbp), lambda i, req, _: (req[i], 0, 0), memory_space=pltpu.SMEM)
+    )
+    operands = [qi, weights.astype(jnp.float32)[:, :, None], tables[:, None, :]]
     if mode == "consumer":
         in_specs.append(
             pl.BlockSpec((None, 1, candidates.shape[1]), per_token, memory_space=pltpu.SMEM)
@@ -366,7 +369,7 @@ def indexer_topk(
             _kernel, mode=mode, e=e, ce=ce, k=k, cbs=max(cbs, 1), cb=cb, index_bits=index_bits
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=2,
             grid=(t,),
             in_specs=in_specs,
             out_specs=out_specs,
@@ -379,7 +382,7 @@ def indexer_topk(
         ),
         cost_estimate=cost_estimate(c["flops"], c["bytes"]),
         interpret=tpu_interpret(interpret),
-    )(token_req, vis, tables, *operands)
+    )(token_req, vis, *operands)
     topk = outs[0].reshape(t, kp)[:, :k]
     if mode == "source":
         return topk, outs[1].reshape(t, cbp)[:, :cb]

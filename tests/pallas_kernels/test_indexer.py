@@ -387,11 +387,14 @@ def test_tpu_compiles_at_released_shapes(mode, topology):
 
 
 @requires_libtpu
-def test_tpu_compiles_at_1m_context():
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+def test_tpu_compiles_at_1m_context(topology):
+    """16 decode tokens of 16 requests over 1M-entry contexts (4 GiB of keys; v5e has 16): 4 MiB
+    of scores per token in VMEM, one 16384-page table row in SMEM."""
     compile_for_tpu(
         _released_fn("source-r1", "tpu"),
-        *_released("source-r1", 4, 1024 * 1024),
-        topology="v6e:1x1",
+        *_released("source-r1", 16, 1024 * 1024),
+        topology=topology,
     )
 
 
