@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from pallas_kernels._backend import resolve_impl
+from pallas_kernels._backend import check_block_tables, resolve_impl
 from pallas_kernels.compressor import reference
 from pallas_kernels.compressor.common import cost
 
@@ -35,14 +36,23 @@ def compressor(
     eps: float,
     impl: str | None = None,
     interpret: Any = False,
+    debug: bool = False,
 ):
     """Compress one ragged batch into the paged cache (pallas_kernels/README.md, kernel 4).
 
     Returns ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latent rows (zeros where
     no group closes), the updated record pages, and the updated ring (``None`` for ratio 1).
     Under `jit`, donate ``comp_pages`` / ``ring_pages`` so the kernels update them in place.
+    ``debug=True`` checks at run time that every written slot's block and every ring block is
+    a block id in range (raises otherwise; nothing is clamped).
     """
     impl = resolve_impl(impl)
+    if debug:
+        e = comp_pages.shape[1]
+        blocks = jnp.where(comp_slot >= 0, comp_slot // e, 0)
+        check_block_tables(blocks, comp_pages.shape[0], "comp_slot // entries_per_block")
+        if ring_block is not None:
+            check_block_tables(ring_block, ring_pages.shape[0], "ring_block")
     args = (
         kv,
         token_req,

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from pallas_kernels._backend import resolve_impl
+from pallas_kernels._backend import check_block_tables, resolve_impl
 from pallas_kernels.indexer import reference
 from pallas_kernels.indexer.common import cost
 
@@ -35,15 +35,19 @@ def indexer_topk(
     candidates: jax.Array | None = None,  # i32[T, CB]
     impl: str | None = None,
     interpret: Any = False,
+    debug: bool = False,
 ):
     """Top-k compressed entries per token (pallas_kernels/README.md, kernel 3).
 
     Returns ``topk`` i32[T, k] (request-local entry ids, -1 = none, order free), or
     ``(topk, blocks)`` for a candidate source (``candidate_topk_blocks > 0`` and no
     ``candidates``), ``blocks`` i32[T, candidate_topk_blocks] (-1 = none). A padding token
-    (position -1) gets -1 everywhere.
+    (position -1) gets -1 everywhere. ``debug=True`` checks at run time that every block id of
+    ``comp_tables`` is in ``[0, P)`` (raises otherwise; nothing is clamped).
     """
     impl = resolve_impl(impl)
+    if debug:
+        check_block_tables(comp_tables, ikey_pages.shape[0], "comp_tables")
     kwargs = dict(
         entries_per_block=entries_per_block,
         k=k,

@@ -305,3 +305,17 @@ def test_h100_compiles_at_released_shapes(ratio, record):
 def test_lowers_at_released_shapes(ratio):
     assert "tpu_custom_call" in lower_for_tpu(_released_fn(ratio, "tpu"), _released(ratio))
     assert "triton" in lower_for_gpu(_released_fn(ratio, "gpu"), _released(ratio, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("what", ["slot", "ring"])
+def test_debug_check_raises_on_bad_block(what):
+    args, _ = make_step([(3, 4, True)], ratio=2)
+    if what == "slot":
+        p, e, _ = args["comp_pages"].shape
+        args["comp_slot"] = jnp.where(args["comp_slot"] >= 0, p * e + 1, -1)
+        match = "comp_slot"
+    else:
+        args["ring_block"] = jnp.full_like(args["ring_block"], args["ring_pages"].shape[0])
+        match = "ring_block"
+    with pytest.raises(Exception, match=match):
+        compressor(**args, ratio=2, eps=EPS, impl="reference", debug=True)

@@ -414,3 +414,10 @@ def test_h100_compiles_at_released_shapes(mode):
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_gpu_lowers_at_released_shapes(mode):
     assert "triton" in lower_for_gpu(_released_fn(mode, "gpu"), *_released(mode))
+
+
+def test_debug_check_raises_on_bad_block():
+    case = make_case([20], [[20]], e=8, seed=15)
+    case["comp_tables"] = case["comp_tables"].at[0, 1].set(case["ikey_pages"].shape[0])
+    with pytest.raises(Exception, match=r"comp_tables\[0, 1\]"):
+        indexer_topk(*args_of(case), entries_per_block=8, k=K, impl="reference", debug=True)
