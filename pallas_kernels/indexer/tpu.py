@@ -9,7 +9,8 @@ Per token ``t`` of request ``r`` with ``n = visible[t]`` entries:
    a VMEM score array ``[N / 128, 128]``; entries ``>= n`` are -inf. Scores never reach HBM.
 2. **Candidate blocks** (source): block maxima of ``candidate_block_size`` lanes by lane rolls,
    kept on each block's first lane; the newest block is pinned to +inf.
-   **Consumer**: the listed blocks (SMEM) unmask their lanes; everything else is -inf.
+   **Consumer** (`_consumer`): only the listed blocks' keys are read (one DMA per block, 128
+   entries per matmul) into a compact score array with an id per lane; no other key is read.
 3. **Exact top-k by threshold counting** (`_select`): scores are mapped to order-preserving
    int32 keys; the k-th largest key is built bit by bit from the top (32 counting passes over
    the score rows), then the lowest index among the ties is found the same way over the index
@@ -48,14 +49,19 @@ def _order_key(x):
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
-def _count(vals_ref, nrows, pred):
-    """Number of lanes of rows ``< nrows`` of ``vals_ref`` where ``pred(x, idx)`` holds."""
+def _count(vals_ref, nrows, pred, ids_ref=None):
+    """Number of lanes of rows ``< nrows`` of ``vals_ref`` where ``pred(x, idx)`` holds; the
+    id of a lane is ``ids_ref``'s entry, or its flat position when there is none."""
     ntiles = cdiv_dyn(nrows, 8)
 
     def body(i, acc):
-        x = vals_ref[pl.ds(pl.multiple_of(i * 8, 8), 8), :]
+        rows = pl.ds(pl.multiple_of(i * 8, 8), 8)
+        x = vals_ref[rows, :]
         row = i * 8 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-        idx = row * LANES + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        if ids_ref is None:
+            idx = row * LANES + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        else:
+            idx = ids_ref[rows, :]
         hit = pred(x, idx) & (row < nrows) & (x > -jnp.inf)
         return acc + hit.astype(jnp.int32)
 
@@ -67,27 +73,27 @@ def cdiv_dyn(a, b):
     return (a + b - 1) // b
 
 
-def _select(vals_ref, nrows, k, index_bits):
+def _select(vals_ref, nrows, k, index_bits, ids_ref=None):
     """The selection "k highest, ties to the lower index" over the finite-or-+inf lanes of rows
     ``< nrows``: returns ``(tau, cut)`` such that lane ``(x, idx)`` is picked iff
     ``key(x) > tau`` or ``key(x) == tau and idx <= cut``."""
-    total = _count(vals_ref, nrows, lambda x, idx: x == x)
+    total = _count(vals_ref, nrows, lambda x, idx: x == x, ids_ref)
 
     def key_bit(i, thr_u):
         cand = thr_u | jnp.left_shift(jnp.int32(1), 31 - i)  # bit 31 wraps to INT_MIN
         cand_key = cand ^ jnp.int32(INT_MIN)
-        n = _count(vals_ref, nrows, lambda x, idx: _order_key(x) >= cand_key)
+        n = _count(vals_ref, nrows, lambda x, idx: _order_key(x) >= cand_key, ids_ref)
         return jnp.where(n >= k, cand, thr_u)
 
     thr_u = jax.lax.fori_loop(0, 32, key_bit, jnp.int32(0))
     tau = thr_u ^ jnp.int32(INT_MIN)
-    n_gt = _count(vals_ref, nrows, lambda x, idx: _order_key(x) > tau)
+    n_gt = _count(vals_ref, nrows, lambda x, idx: _order_key(x) > tau, ids_ref)
     need = k - n_gt
 
     # the largest cut with fewer than `need` ties at indices < cut, built from the top bit
     def cut_bit(i, cut):
         cand = cut | jnp.left_shift(jnp.int32(1), index_bits - 1 - i)
-        n = _count(vals_ref, nrows, lambda x, idx: (_order_key(x) == tau) & (idx < cand))
+        n = _count(vals_ref, nrows, lambda x, idx: (_order_key(x) == tau) & (idx < cand), ids_ref)
         return jnp.where(n < need, cand, cut)
 
     cut = jax.lax.fori_loop(0, index_bits, cut_bit, jnp.int32(0))
@@ -98,7 +104,7 @@ def _select(vals_ref, nrows, k, index_bits):
     return tau, cut
 
 
-def _compact(vals_ref, nrows, tau, cut, out_ref, id_shift):
+def _compact(vals_ref, nrows, tau, cut, out_ref, id_shift, ids_ref=None):
     """Write the ids (``idx >> id_shift``) of the picked lanes to ``out_ref`` [K/128, 128]
     (-1 elsewhere), in index order."""
     out_ref[...] = jnp.full(out_ref.shape, -1, jnp.int32)
@@ -110,7 +116,7 @@ def _compact(vals_ref, nrows, tau, cut, out_ref, id_shift):
 
     def body(r, off):
         x = vals_ref[pl.ds(r, 1), :]
-        idx = r * LANES + lane
+        idx = r * LANES + lane if ids_ref is None else ids_ref[pl.ds(r, 1), :]
         key = _order_key(x)
         pick = (x > -jnp.inf) & ((key > tau) | ((key == tau) & (idx <= cut)))
         c = jnp.sum(pick.astype(jnp.int32))
@@ -158,7 +164,25 @@ def _kernel(
     index_bits,
 ):
     if mode == "consumer":
-        cand_ref, keys_hbm, out_ref, sc_ref, aux_ref, kbuf, sems = rest
+        cand_ref, keys_hbm, out_ref, sc_ref, ids_ref, kbuf, sems = rest
+        _consumer(
+            cand_ref,
+            tab_ref,
+            keys_hbm,
+            q_ref,
+            w_ref,
+            vis_ref,
+            out_ref,
+            sc_ref,
+            ids_ref,
+            kbuf,
+            sems,
+            e=e,
+            cbs=cbs,
+            k=k,
+            index_bits=index_bits,
+        )
+        return
     elif mode == "source":
         keys_hbm, out_ref, blk_ref, sc_ref, aux_ref, kbuf, sems = rest
     else:
@@ -211,37 +235,6 @@ def _kernel(
 
     jax.lax.fori_loop(0, nchunks, chunk, 0)
 
-    if mode == "consumer":
-        ntiles = cdiv_dyn(nrows, 8)
-
-        def clear(i, carry):
-            aux_ref[pl.ds(pl.multiple_of(i * 8, 8), 8), :] = jnp.zeros((8, LANES), jnp.float32)
-            return carry
-
-        jax.lax.fori_loop(0, ntiles, clear, 0)
-
-        def allow(j, carry):
-            b = cand_ref[0, j]
-            first = b * cbs
-
-            @pl.when((b >= 0) & (first < n))
-            def _():
-                row, lo = first // LANES, first % LANES
-                inside = (lane >= lo) & (lane < lo + cbs)
-                cur = aux_ref[pl.ds(row, 1), :]
-                aux_ref[pl.ds(row, 1), :] = jnp.where(inside, 1.0, cur)
-
-            return carry
-
-        jax.lax.fori_loop(0, cand_ref.shape[1], allow, 0)
-
-        def mask(i, carry):
-            rows = pl.ds(pl.multiple_of(i * 8, 8), 8)
-            sc_ref[rows, :] = jnp.where(aux_ref[rows, :] > 0, sc_ref[rows, :], -jnp.inf)
-            return carry
-
-        jax.lax.fori_loop(0, ntiles, mask, 0)
-
     if mode == "source":
         newest = jnp.where(n > 0, ((n - 1) // cbs) * cbs, -1)
 
@@ -265,6 +258,83 @@ def _kernel(
 
     tau, cut = _select(sc_ref, nrows, k, index_bits)
     _compact(sc_ref, nrows, tau, cut, out_ref, 0)
+
+
+def _consumer(
+    cand_ref,
+    tab_ref,
+    keys_hbm,
+    q_ref,
+    w_ref,
+    vis_ref,
+    out_ref,
+    sc_ref,
+    ids_ref,
+    kbuf,
+    sems,
+    *,
+    e,
+    cbs,
+    k,
+    index_bits,
+):
+    """A candidate consumer scores only the entries of its listed blocks: groups of
+    ``128 / cbs`` blocks are DMA'd (one copy per block, double-buffered) into a 128-row key
+    buffer and scored with one matmul into one row of ``sc_ref``; ``ids_ref`` holds each lane's
+    entry id (-1: none). The keys of other blocks are never read."""
+    n = vis_ref[pl.program_id(0)]
+    per = LANES // cbs
+    ngroups = cand_ref.shape[1] // per
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+    q = q_ref[...]
+    w = w_ref[...].astype(jnp.float32)
+
+    def block_copy(g, i, slot):
+        first = jnp.maximum(cand_ref[0, g * per + i], 0) * cbs
+        page = tab_ref[0, first // e]
+        return pltpu.make_async_copy(
+            keys_hbm.at[page, pl.ds(first % e, cbs)],
+            kbuf.at[slot, pl.ds(i * cbs, cbs)],
+            sems.at[slot],
+        )
+
+    def for_blocks(g, slot, fn):
+        for i in range(per):
+            b = cand_ref[0, g * per + i]
+
+            @pl.when((b >= 0) & (b * cbs < n))
+            def _(i=i):
+                fn(block_copy(g, i, slot))
+
+    for_blocks(0, 0, lambda cp: cp.start())
+
+    def group(g, carry):
+        slot = g % 2
+
+        @pl.when(g + 1 < ngroups)
+        def _next():
+            for_blocks(g + 1, 1 - slot, lambda cp: cp.start())
+
+        for_blocks(g, slot, lambda cp: cp.wait())
+        ids = jnp.full((1, LANES), -1, jnp.int32)
+        for i in range(per):
+            b = cand_ref[0, g * per + i]
+            entry = b * cbs + lane % cbs
+            ok = (b >= 0) & (entry < n) & (lane // cbs == i)
+            ids = jnp.where(ok, entry, ids)
+        keys = kbuf[slot].astype(q.dtype)
+        dots = jax.lax.dot_general(
+            q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        s = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
+        s = jnp.where(ids >= 0, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
+        sc_ref[pl.ds(g, 1), :] = s
+        ids_ref[pl.ds(g, 1), :] = ids
+        return carry
+
+    jax.lax.fori_loop(0, ngroups, group, 0)
+    tau, cut = _select(sc_ref, ngroups, k, index_bits, ids_ref)
+    _compact(sc_ref, ngroups, tau, cut, out_ref, 0, ids_ref)
 
 
 def _round_up(x, m):
@@ -310,6 +380,11 @@ def indexer_topk(
         raise ValueError(
             f"indexer_topk (tpu): candidate_block_size={cbs} must be a power of two <= 128"
         )
+    if mode == "consumer" and e % cbs:
+        raise ValueError(
+            f"indexer_topk (tpu): a consumer's candidate blocks ({cbs} entries) must not straddle "
+            f"pages of entries_per_block={e}"
+        )
     if LANES % e and e % LANES:
         raise ValueError(
             f"indexer_topk (tpu): entries_per_block={e} must divide 128 or be a multiple of it"
@@ -336,10 +411,11 @@ def indexer_topk(
     )
     operands = [qi, weights.astype(jnp.float32)[:, :, None], tables[:, None, :]]
     if mode == "consumer":
-        in_specs.append(
-            pl.BlockSpec((None, 1, candidates.shape[1]), per_token, memory_space=pltpu.SMEM)
-        )
-        operands.append(candidates[:, None, :])
+        per = LANES // cbs
+        cbw = _round_up(candidates.shape[1], per)
+        in_specs.append(pl.BlockSpec((None, 1, cbw), per_token, memory_space=pltpu.SMEM))
+        padded = jnp.pad(candidates, ((0, 0), (0, cbw - candidates.shape[1])), constant_values=-1)
+        operands.append(padded[:, None, :])
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     operands.append(ikey_pages)
     out_specs = [pl.BlockSpec((None, kp // LANES, LANES), per_token)]
@@ -348,16 +424,26 @@ def indexer_topk(
     if mode == "source":
         out_specs.append(pl.BlockSpec((None, cbp // LANES, LANES), per_token))
         out_shape.append(jax.ShapeDtypeStruct((t, cbp // LANES, LANES), jnp.int32))
-    scratch = [pltpu.VMEM((nr, LANES), jnp.float32)]
-    if mode != "plain":
-        scratch.append(pltpu.VMEM((nr, LANES), jnp.float32))
-    scratch += [pltpu.VMEM((2, ce, di), ikey_pages.dtype), pltpu.SemaphoreType.DMA((2,))]
-    vmem = (nr * LANES * 4) * (1 + (mode != "plain")) + 2 * ce * di * ikey_pages.dtype.itemsize
+    if mode == "consumer":
+        groups = _round_up(cbw // per, 8)
+        scratch = [
+            pltpu.VMEM((groups, LANES), jnp.float32),
+            pltpu.VMEM((groups, LANES), jnp.int32),
+            pltpu.VMEM((2, LANES, di), ikey_pages.dtype),
+        ]
+        vmem = groups * LANES * 8 + 2 * LANES * di * ikey_pages.dtype.itemsize
+    else:
+        scratch = [pltpu.VMEM((nr, LANES), jnp.float32)]
+        if mode == "source":
+            scratch.append(pltpu.VMEM((nr, LANES), jnp.float32))
+        scratch.append(pltpu.VMEM((2, ce, di), ikey_pages.dtype))
+        vmem = (nr * LANES * 4) * len(scratch) + 2 * ce * di * ikey_pages.dtype.itemsize
+    scratch.append(pltpu.SemaphoreType.DMA((2,)))
     c = cost(
         t,
         ih,
         di,
-        nb * e,
+        min(nb * e, candidates.shape[1] * cbs) if mode == "consumer" else nb * e,
         k=k,
         key_dtype=ikey_pages.dtype,
         q_dtype=qi.dtype,
