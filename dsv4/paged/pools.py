@@ -1,0 +1,654 @@
+"""Device page pools: the byte buffers behind every paged cache, built from a ``KVCacheConfig``.
+
+The host allocator (`cache`) hands out block ids from ONE id space shared by every KV-cache
+group; a block id belongs to one group at a time. This module turns the allocator's static
+description into device buffers and gives every cache layer a typed view of its pages:
+
+* `cache_desc` — the `cache.layout.ModelCacheDesc` of a `ModelConfig` and a `CacheFormats`
+  (record bytes from the formats, ring rows of ``2·head_dim`` floats), so that
+  ``cache.layout.for_model(desc, num_gpu_blocks_override=N)`` gives the ``KVCacheConfig``.
+* `PoolLayout` — per cache layer (compressed KV, index keys, SWA per layer, compressor ring):
+  buffer key, byte offset of its page inside a block row, page bytes, states per page, record
+  format, dim and KV-cache group. Frozen and hashable: a static jit argument. Two layouts:
+
+  - ``"aliased"`` (default, vLLM's packed block-outermost layout): ONE ``uint8`` pool
+    ``[num_blocks, block_stride]``; block ``b`` of a layer is ``pool[b, offset:offset+page]``.
+    Pages of one group sit side by side; groups overlap each other (a block belongs to one
+    group at a time), so a block costs the largest group's page set, not the sum. This is
+    exactly what `cache.layout` sizes: `PoolLayout.pool_bytes` equals `config_pool_bytes`.
+  - ``"separate"`` (debugging): one ``uint8`` buffer ``[num_blocks, page_bytes]`` per layer.
+    Nothing aliases, so a stray write shows up only in its own layer; it costs
+    ``num_blocks · sum(page bytes of every layer)`` (every buffer has a row for every id).
+
+* `init_pools` — zero or NaN-filled buffers (``fill="nan"``: every byte 0xFF, which decodes to
+  NaN in every record format; tests poison unused pages with it).
+* `read_layer` / `read_blocks` / `write_layer` (and the ring aliases `read_ring` /
+  `write_ring`) — decode pages to ``f32[blocks, states, dim]`` (what the kernels take:
+  ``swa_pages``, ``comp_pages``, ``ikey_pages``, ``ring_pages`` of ``pallas_kernels``), and
+  encode + scatter rows through a slot mapping (``slot = block · states + row``, -1 = no
+  write). Pure jnp, jit-able.
+* `check_slots` / `check_block_ids` — host-side (numpy) debug checks: a bad id or slot raises a
+  ValueError naming the layer or group, the value, where it is and the allowed range. The
+  device functions never clamp: an out-of-range slot is dropped and an out-of-range block id
+  reads NaN, so a missed check shows up as missing data or NaN, never as another request's data.
+
+Page byte layout (vLLM's, ``v41_in_vllm.md`` section 2.4): a page of ``n`` states holds all
+``n`` data rows first (state ``k``'s values at ``k · data_bytes``), then all ``n`` scale rows
+(at ``n · data_bytes + k · scale_bytes``), then alignment padding. Plain float records have no
+scale part, so their page is simply ``[n, record_bytes]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Mapping
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache.layout import (
+    ModelCacheDesc,
+    compressed_kv_name,
+    indexer_k_name,
+    ring_name,
+    swa_cache_name,
+)
+from cache.spec import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    UniformTypeKVCacheSpecs,
+)
+from dsv4.config import ModelConfig
+from dsv4.paged.records import NAN_BYTE, CacheFormats, get_record
+
+__all__ = [
+    "AliasKind",
+    "GroupPool",
+    "LayerPool",
+    "PoolLayout",
+    "cache_desc",
+    "check_block_ids",
+    "check_slots",
+    "config_pool_bytes",
+    "init_pools",
+    "layer_kinds",
+    "read_blocks",
+    "read_layer",
+    "read_ring",
+    "write_layer",
+    "write_ring",
+]
+
+AliasKind = Literal["aliased", "separate"]
+POOL_KEY = "pool"  # the buffer key of the aliased layout's shared pool
+
+
+# ---------------------------------------------------------------------------------------------
+# ModelConfig -> ModelCacheDesc
+# ---------------------------------------------------------------------------------------------
+
+
+def cache_desc(
+    cfg: ModelConfig,
+    formats: CacheFormats,
+    *,
+    block_size: int,
+    swa_block_size: int,
+    num_speculative_tokens: int = 0,
+    page_alignment: int | None = None,
+    indexer_page_alignment: int | None = None,
+    swa_bounded_replay: bool = False,
+) -> ModelCacheDesc:
+    """The cache layout description of a model whose caches store ``formats`` records.
+
+    Record bytes come from the formats (window / compressed records of ``head_dim`` values,
+    index keys of ``index_head_dim``), ring rows are ``[a | s]`` of ``2 · head_dim`` floats.
+    ``block_size`` is B (raw tokens per compressed / index-key block: 128 on SM100, 64 on
+    SM90), ``swa_block_size`` the window block (32 in V4.1); alignments round pages up
+    (V4.1 SM100: 512 for both; SM90: 576). Draft layers (``n_mtp_layers``) get SWA caches.
+
+    Raises:
+        ValueError: if a record cannot store its dim (e.g. ``mxfp4`` for a dim that is not a
+            multiple of 32), or the layout description is invalid.
+    """
+    formats.check_dims(cfg.head_dim, cfg.index_head_dim)
+    return ModelCacheDesc(
+        compress_ratios=cfg.compress_ratios,
+        kv_source_layer_ids=cfg.kv_source_layers,
+        index_source_layer_ids=cfg.index_source_layers,
+        num_hidden_layers=cfg.n_layers,
+        num_draft_layers=cfg.n_mtp_layers,
+        sliding_window=cfg.window_size,
+        block_size=block_size,
+        swa_block_size=swa_block_size,
+        num_speculative_tokens=num_speculative_tokens,
+        swa_record_bytes=get_record(formats.window).record_bytes(cfg.head_dim),
+        compressed_record_bytes=get_record(formats.compressed).record_bytes(cfg.head_dim),
+        indexer_key_bytes=get_record(formats.index).record_bytes(cfg.index_head_dim),
+        page_alignment=page_alignment,
+        indexer_page_alignment=indexer_page_alignment,
+        record_dtype="uint8",
+        ring_floats_per_row=2 * cfg.head_dim,
+        swa_bounded_replay=swa_bounded_replay,
+    )
+
+
+def layer_kinds(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Every cache layer name of a model -> ``(kind, layer id)``, kind in ``"swa"``,
+    ``"compressed"``, ``"index"``, ``"ring"`` (the names of `cache.layout`)."""
+    out: dict[str, tuple[str, int]] = {}
+    kv_sources = set(cfg.kv_source_layers)
+    for layer in range(cfg.n_layers + cfg.n_mtp_layers):
+        if layer in kv_sources:
+            out[compressed_kv_name(layer)] = ("compressed", layer)
+            out[indexer_k_name(layer)] = ("index", layer)
+            if cfg.ratio(layer) == 2:
+                out[ring_name(layer)] = ("ring", layer)
+        out[swa_cache_name(layer)] = ("swa", layer)
+    return out
+
+
+def config_pool_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Device bytes the tensors of a ``KVCacheConfig`` take: packed views (``block_stride``
+    set) all view one pool buffer, counted once; other tensors are buffers of their own."""
+    packed = {t.size for t in kv_cache_config.kv_cache_tensors if t.block_stride is not None}
+    if len(packed) > 1:
+        raise ValueError(f"packed tensors disagree on the pool size: {sorted(packed)}")
+    plain = sum(t.size for t in kv_cache_config.kv_cache_tensors if t.block_stride is None)
+    return sum(packed) + plain
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPool:
+    """Where one cache layer's pages live and how they are encoded.
+
+    Fields:
+        name: cache layer name (`cache.layout`'s ``*_name`` functions).
+        kind: ``"swa"`` | ``"compressed"`` | ``"index"`` | ``"ring"``; layer_id: model layer.
+        group: KV-cache group index (the block table that addresses this layer).
+        buffer: key of the buffer in the pools dict.
+        offset: byte offset of this layer's page inside a buffer row (block ``b``'s page is
+            ``pools[buffer][b, offset : offset + page_bytes]``).
+        page_bytes: bytes of one page, alignment padding included.
+        states: states (rows) per page (``block_size // tokens_per_state``; ring: capacity).
+        tokens_per_state: raw tokens per state (compress ratio; 1 for SWA and rings).
+        record: record format name; dim: values per state.
+    """
+
+    name: str
+    kind: str
+    layer_id: int
+    group: int
+    buffer: str
+    offset: int
+    page_bytes: int
+    states: int
+    tokens_per_state: int
+    record: str
+    dim: int
+
+    @property
+    def record_bytes(self) -> int:
+        return get_record(self.record).record_bytes(self.dim)
+
+    @property
+    def data_bytes(self) -> int:
+        return get_record(self.record).data_bytes(self.dim)
+
+    @property
+    def scale_bytes(self) -> int:
+        return get_record(self.record).scale_bytes(self.dim)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the page that hold records (``page_bytes`` minus alignment padding)."""
+        return self.states * self.record_bytes
+
+    @property
+    def num_slots_per_block(self) -> int:
+        return self.states
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPool:
+    """One KV-cache group: its block size in tokens, spec class and layers (in page order)."""
+
+    group: int
+    kind: str
+    block_size: int
+    layer_names: tuple[str, ...]
+    page_bytes: int  # the group's own bytes per block (sum of its layers' pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """The device layout of every paged cache (see the module docstring).
+
+    Build it with `PoolLayout.build`; look layers up with `layer`. Hashable (pass it as a
+    static jit argument).
+
+    Fields:
+        alias: ``"aliased"`` or ``"separate"``.
+        num_blocks: blocks in the shared id space (block 0 is the null block).
+        formats: the record formats.
+        buffers: ``(key, row bytes)`` per buffer; buffer ``key`` is ``uint8[num_blocks, row]``.
+        layers: one `LayerPool` per cache layer, in the config's group order.
+        groups: one `GroupPool` per KV-cache group.
+    """
+
+    alias: str
+    num_blocks: int
+    formats: CacheFormats
+    buffers: tuple[tuple[str, int], ...]
+    layers: tuple[LayerPool, ...]
+    groups: tuple[GroupPool, ...]
+
+    @classmethod
+    def build(
+        cls,
+        cfg: ModelConfig,
+        kv_cache_config: KVCacheConfig,
+        formats: CacheFormats,
+        layout: AliasKind = "aliased",
+    ) -> PoolLayout:
+        """The layout of ``kv_cache_config``'s caches for model ``cfg`` storing ``formats``.
+
+        Raises:
+            ValueError: unknown ``layout``; a cache layer the model does not have; a layer whose
+                state bytes in the config are not its record's bytes (the config was built for
+                other formats: use `cache_desc` with these formats); pages of one group that
+                overlap or leave their buffer row.
+        """
+        if layout not in ("aliased", "separate"):
+            raise ValueError(f"layout must be 'aliased' or 'separate', got {layout!r}")
+        formats.check_dims(cfg.head_dim, cfg.index_head_dim)
+        kinds = layer_kinds(cfg)
+        num_blocks = kv_cache_config.num_blocks
+        placement = (
+            _aliased_placement(kv_cache_config)
+            if layout == "aliased"
+            else _separate_placement(kv_cache_config)
+        )
+        layers, groups = [], []
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            members = _layer_specs(group)
+            groups.append(
+                GroupPool(
+                    group=gid,
+                    kind=type(members[0][1]).__name__,
+                    block_size=group.kv_cache_spec.block_size,
+                    layer_names=tuple(name for name, _ in members),
+                    page_bytes=sum(spec.page_size_bytes for _, spec in members),
+                )
+            )
+            for name, spec in members:
+                layers.append(_layer_pool(name, spec, gid, kinds, formats, cfg, placement))
+        buffers = tuple(dict.fromkeys((key, row) for key, _, row in placement.values()))
+        if len({key for key, _ in buffers}) != len(buffers):
+            raise ValueError(f"buffers disagree on their row bytes: {buffers}")
+        out = cls(
+            alias=layout,
+            num_blocks=num_blocks,
+            formats=formats,
+            buffers=buffers,
+            layers=tuple(layers),
+            groups=tuple(groups),
+        )
+        out._check_pages()
+        return out
+
+    # -- lookups -------------------------------------------------------------------------------
+    @functools.cached_property
+    def _by_name(self) -> dict[str, LayerPool]:
+        return {lp.name: lp for lp in self.layers}
+
+    def layer(self, name: str) -> LayerPool:
+        """The `LayerPool` of a cache layer name; a ValueError lists some known names."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            known = [lp.name for lp in self.layers[:4]]
+            raise ValueError(
+                f"no cache layer {name!r} in this layout ({len(self.layers)} layers, e.g. {known})"
+            ) from None
+
+    def names(self, kind: str | None = None) -> tuple[str, ...]:
+        """Cache layer names, optionally only those of one kind."""
+        return tuple(lp.name for lp in self.layers if kind is None or lp.kind == kind)
+
+    def group_of(self, name: str) -> int:
+        """KV-cache group index (block table) of a cache layer."""
+        return self.layer(name).group
+
+    def buffer_shapes(self) -> dict[str, tuple[int, int]]:
+        """Buffer key -> ``(num_blocks, row bytes)`` (all ``uint8``)."""
+        return {key: (self.num_blocks, row) for key, row in self.buffers}
+
+    def abstract_pools(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of `init_pools`'s result (for ``jax.eval_shape`` / AOT lowering)."""
+        return {k: jax.ShapeDtypeStruct(s, jnp.uint8) for k, s in self.buffer_shapes().items()}
+
+    # -- figures -------------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        """Device bytes one block id costs: the sum of the buffers' rows (aliased: the block
+        stride, i.e. the largest group's page set; separate: every layer's page)."""
+        return sum(row for _, row in self.buffers)
+
+    def pool_bytes(self) -> int:
+        """Device bytes of all buffers (aliased: equals `config_pool_bytes` of the config)."""
+        return self.num_blocks * self.bytes_per_block()
+
+    # -- validation ----------------------------------------------------------------------------
+    def _check_pages(self) -> None:
+        rows = dict(self.buffers)
+        spans: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
+        for lp in self.layers:
+            if lp.used_bytes > lp.page_bytes:
+                raise ValueError(
+                    f"layer {lp.name!r}: {lp.states} {lp.record!r} records of dim {lp.dim} need "
+                    f"{lp.used_bytes} B but its page has {lp.page_bytes} B"
+                )
+            if lp.offset < 0 or lp.offset + lp.page_bytes > rows[lp.buffer]:
+                raise ValueError(
+                    f"layer {lp.name!r}: page [{lp.offset}, {lp.offset + lp.page_bytes}) leaves "
+                    f"its buffer row of {rows[lp.buffer]} B"
+                )
+            spans.setdefault((lp.group, lp.buffer), []).append(
+                (lp.offset, lp.offset + lp.page_bytes, lp.name)
+            )
+        for (group, _), items in spans.items():
+            items.sort()
+            for (_, end, a), (start, _, b) in itertools.pairwise(items):
+                if start < end:
+                    raise ValueError(
+                        f"group {group}: pages of {a!r} and {b!r} overlap (a block row would "
+                        "hold both; within one group pages must be disjoint)"
+                    )
+
+
+def _layer_specs(group: KVCacheGroupSpec) -> list[tuple[str, KVCacheSpec]]:
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [(name, spec.kv_cache_specs[name]) for name in group.layer_names]
+    return [(name, spec) for name in group.layer_names]
+
+
+def _aliased_placement(config: KVCacheConfig) -> dict[str, tuple[str, int, int]]:
+    """Layer name -> (buffer key, offset, row bytes) of the config's own tensors."""
+    out: dict[str, tuple[str, int, int]] = {}
+    num_blocks = config.num_blocks
+    for i, tensor in enumerate(config.kv_cache_tensors):
+        if tensor.block_stride is not None:
+            key, offset, row = POOL_KEY, tensor.offset, tensor.block_stride
+            if tensor.size != row * num_blocks:
+                raise ValueError(
+                    f"packed tensor of {tensor.shared_by} has {tensor.size} B, not block_stride "
+                    f"{row} x {num_blocks} blocks"
+                )
+        else:
+            if tensor.size % num_blocks:
+                raise ValueError(
+                    f"tensor of {tensor.shared_by} has {tensor.size} B, not a multiple of "
+                    f"{num_blocks} blocks"
+                )
+            key, offset, row = f"tensor{i}", 0, tensor.size // num_blocks
+        for name in tensor.shared_by:
+            if name in out:
+                raise ValueError(f"layer {name!r} is backed by two KV-cache tensors")
+            out[name] = (key, offset, row)
+    return out
+
+
+def _separate_placement(config: KVCacheConfig) -> dict[str, tuple[str, int, int]]:
+    return {
+        name: (name, 0, spec.page_size_bytes)
+        for group in config.kv_cache_groups
+        for name, spec in _layer_specs(group)
+    }
+
+
+def _layer_pool(
+    name: str,
+    spec: KVCacheSpec,
+    gid: int,
+    kinds: Mapping[str, tuple[str, int]],
+    formats: CacheFormats,
+    cfg: ModelConfig,
+    placement: Mapping[str, tuple[str, int, int]],
+) -> LayerPool:
+    if name not in kinds:
+        raise ValueError(
+            f"KV-cache group {gid} has layer {name!r}, which this model config has no cache for"
+        )
+    if name not in placement:
+        raise ValueError(f"layer {name!r} of group {gid} is backed by no KV-cache tensor")
+    if not isinstance(spec, AttentionSpec) or spec.num_heads != 1:
+        raise ValueError(f"layer {name!r}: expected a one-head attention spec, got {spec!r}")
+    kind, layer_id = kinds[name]
+    record = formats.record(kind)
+    dim = {"ring": 2 * cfg.head_dim, "index": cfg.index_head_dim}.get(kind, cfg.head_dim)
+    need = get_record(record).record_bytes(dim)
+    if spec.state_content_size_bytes != need:
+        raise ValueError(
+            f"layer {name!r} ({kind}): the KVCacheConfig stores {spec.state_content_size_bytes}-B"
+            f" states but {record!r} records of dim {dim} are {need} B; build the config from "
+            "dsv4.paged.pools.cache_desc(cfg, formats, ...) with the same formats"
+        )
+    buffer, offset, _ = placement[name]
+    return LayerPool(
+        name=name,
+        kind=kind,
+        layer_id=layer_id,
+        group=gid,
+        buffer=buffer,
+        offset=offset,
+        page_bytes=spec.page_size_bytes,
+        states=spec.num_states,
+        tokens_per_state=spec.tokens_per_state,
+        record=record,
+        dim=dim,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffers, reads and writes
+# ---------------------------------------------------------------------------------------------
+
+
+def init_pools(layout: PoolLayout, *, fill: str = "zeros") -> dict[str, jax.Array]:
+    """Fresh buffers: ``fill="zeros"`` (all bytes 0: every record decodes to 0) or ``"nan"``
+    (all bytes 0xFF: every record of every format decodes to NaN)."""
+    if fill == "zeros":
+        byte = 0
+    elif fill == "nan":
+        byte = NAN_BYTE
+    else:
+        raise ValueError(f"fill must be 'zeros' or 'nan', got {fill!r}")
+    return {key: jnp.full(shape, byte, jnp.uint8) for key, shape in layout.buffer_shapes().items()}
+
+
+def _decode_pages(lp: LayerPool, pages: jax.Array) -> jax.Array:
+    """``uint8[k, >= used_bytes]`` page bytes -> ``f32[k, states, dim]``."""
+    n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
+    k = pages.shape[0]
+    records = pages[:, : n * db].reshape(k, n, db)
+    if sb:
+        scales = pages[:, n * db : n * (db + sb)].reshape(k, n, sb)
+        records = jnp.concatenate([records, scales], axis=-1)
+    return get_record(lp.record).decode(records, lp.dim)
+
+
+def _page_bytes(layout: PoolLayout, pools: Mapping[str, jax.Array], lp: LayerPool) -> jax.Array:
+    buf = pools[lp.buffer]
+    if buf.shape != (layout.num_blocks, dict(layout.buffers)[lp.buffer]) or buf.dtype != jnp.uint8:
+        raise ValueError(
+            f"pools[{lp.buffer!r}] is {buf.dtype}{list(buf.shape)}, the layout expects "
+            f"uint8{list(layout.buffer_shapes()[lp.buffer])}"
+        )
+    return buf[:, lp.offset : lp.offset + lp.used_bytes]
+
+
+def read_layer(
+    layout: PoolLayout, pools: Mapping[str, jax.Array], name: str, *, dtype=jnp.float32
+) -> jax.Array:
+    """Every page of layer ``name`` decoded: ``dtype[num_blocks, states, dim]`` (f32 default).
+
+    For SWA / compressed / index-key / ring layers this is the ``swa_pages`` / ``comp_pages`` /
+    ``ikey_pages`` / ``ring_pages`` array of the kernels (block 0 = the null block)."""
+    lp = layout.layer(name)
+    return _decode_pages(lp, _page_bytes(layout, pools, lp)).astype(dtype)
+
+
+def read_blocks(
+    layout: PoolLayout,
+    pools: Mapping[str, jax.Array],
+    name: str,
+    block_ids: jax.Array,
+    *,
+    dtype=jnp.float32,
+) -> jax.Array:
+    """Pages ``block_ids i32[...]`` of layer ``name`` decoded: ``dtype[..., states, dim]``.
+
+    An id outside ``[0, num_blocks)`` is never clamped: its page reads as NaN (run
+    `check_block_ids` in debug mode to get an error instead)."""
+    lp = layout.layer(name)
+    ids = jnp.asarray(block_ids, jnp.int32)
+    ids = jnp.where((ids >= 0) & (ids < layout.num_blocks), ids, layout.num_blocks)
+    page = _page_bytes(layout, pools, lp)
+    rows = page.at[ids.reshape(-1)].get(mode="fill", fill_value=NAN_BYTE)
+    return _decode_pages(lp, rows).reshape(*ids.shape, lp.states, lp.dim).astype(dtype)
+
+
+def write_layer(
+    layout: PoolLayout,
+    pools: Mapping[str, jax.Array],
+    name: str,
+    slots: jax.Array,
+    values: jax.Array,
+) -> dict[str, jax.Array]:
+    """Encode ``values f32[T, dim]`` and store row ``t`` at ``slots[t]`` of layer ``name``.
+
+    ``slot = block · states + row``; ``-1`` means no write. Only the bytes of the written
+    records change (their data and scale rows); the rest of the page, other layers' pages and
+    alignment padding keep their bytes. Slots outside ``[0, num_blocks · states)`` are dropped,
+    never clamped (`check_slots` reports them in debug mode). Two rows with the same slot: one of
+    them wins, unspecified which (`check_slots` rejects duplicates). Returns a new pools dict
+    (only ``pools[buffer]`` replaced).
+    """
+    lp = layout.layer(name)
+    buf = pools[lp.buffer]
+    _page_bytes(layout, pools, lp)  # shape check
+    slots = jnp.asarray(slots, jnp.int32)
+    values = jnp.asarray(values)
+    if slots.ndim != 1 or values.shape != (slots.shape[0], lp.dim):
+        raise ValueError(
+            f"write_layer({name!r}): need slots i32[T] and values [T, {lp.dim}], got "
+            f"{list(slots.shape)} and {list(values.shape)}"
+        )
+    records = get_record(lp.record).encode(values)  # [T, record_bytes]
+    n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
+    valid = (slots >= 0) & (slots < layout.num_blocks * n)
+    block = jnp.where(valid, slots // n, layout.num_blocks)  # out of range -> dropped
+    row = jnp.where(valid, slots % n, 0)[:, None]
+    cols = row * db + jnp.arange(db, dtype=jnp.int32)
+    if sb:
+        cols = jnp.concatenate([cols, n * db + row * sb + jnp.arange(sb, dtype=jnp.int32)], -1)
+    new = buf.at[block[:, None], lp.offset + cols].set(records, mode="drop")
+    return {**pools, lp.buffer: new}
+
+
+def _ring(layout: PoolLayout, name: str) -> LayerPool:
+    lp = layout.layer(name)
+    if lp.kind != "ring":
+        raise ValueError(f"{name!r} is a {lp.kind} cache, not a compressor ring")
+    return lp
+
+
+def read_ring(layout: PoolLayout, pools: Mapping[str, jax.Array], name: str) -> jax.Array:
+    """A compressor ring: ``f32[num_blocks, capacity, 2 · head_dim]`` (``[a | s]`` rows);
+    request ``r`` owns block ``ring_block[r]`` (0 = none) and row ``p % capacity``."""
+    _ring(layout, name)
+    return read_layer(layout, pools, name)
+
+
+def write_ring(
+    layout: PoolLayout,
+    pools: Mapping[str, jax.Array],
+    name: str,
+    slots: jax.Array,
+    rows: jax.Array,
+) -> dict[str, jax.Array]:
+    """Store raw ``rows f32[T, 2 · head_dim]`` at ring ``slots`` (``block · capacity +
+    p % capacity``, -1 = none); see `write_layer`."""
+    _ring(layout, name)
+    return write_layer(layout, pools, name, slots, rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Debug checks (host side)
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_bad(bad: np.ndarray, values: np.ndarray) -> tuple[int, tuple[int, ...]]:
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    return int(values[where]), where
+
+
+def check_slots(layout: PoolLayout, name: str, slots, *, allow_null_block: bool = False) -> None:
+    """Raise a ValueError unless every slot of layer ``name`` is -1 (no write) or a slot of a
+    real block: ``[states, num_blocks · states)`` (``[0, ...)`` with ``allow_null_block``; block
+    0 is the null block, which nothing writes). Valid slots must also be distinct (a scatter
+    with duplicate slots keeps an unspecified one). Host side: pass numpy or concrete arrays."""
+    lp = layout.layer(name)
+    s = np.asarray(slots)
+    if not np.issubdtype(s.dtype, np.integer):
+        raise ValueError(f"layer {name!r}: slots must be integers, got {s.dtype}")
+    lo = 0 if allow_null_block else lp.states
+    hi = layout.num_blocks * lp.states
+    bad = (s != -1) & ((s < lo) | (s >= hi))
+    what = f"layer {name!r} ({lp.kind}, group {lp.group})"
+    if bad.any():
+        value, where = _first_bad(bad, s)
+        block = value // lp.states if value >= 0 else None
+        why = " (block 0 is the null block)" if block == 0 else ""
+        raise ValueError(
+            f"{what}: slot {value} at index {list(where)} is outside [{lo}, {hi}) = blocks "
+            f"[{lo // lp.states}, {layout.num_blocks}) x {lp.states} states{why}; -1 = no write"
+        )
+    valid = s[s != -1]
+    uniq, counts = np.unique(valid, return_counts=True)
+    if (counts > 1).any():
+        dup = int(uniq[counts > 1][0])
+        raise ValueError(
+            f"{what}: slot {dup} is written {int(counts[counts > 1][0])} times in one step "
+            f"(block {dup // lp.states}, row {dup % lp.states})"
+        )
+
+
+def check_block_ids(layout: PoolLayout, group: int, block_table) -> None:
+    """Raise a ValueError unless every id of ``block_table`` (any shape, e.g. ``[R, max_blocks]``
+    of group ``group``) is in ``[0, num_blocks)`` (0 = the null block, used as padding)."""
+    if not 0 <= group < len(layout.groups):
+        raise ValueError(f"no KV-cache group {group}; the layout has {len(layout.groups)}")
+    t = np.asarray(block_table)
+    if not np.issubdtype(t.dtype, np.integer):
+        raise ValueError(f"group {group}: block ids must be integers, got {t.dtype}")
+    bad = (t < 0) | (t >= layout.num_blocks)
+    if bad.any():
+        value, where = _first_bad(bad, t)
+        g = layout.groups[group]
+        raise ValueError(
+            f"group {group} ({g.kind}, e.g. layer {g.layer_names[0]!r}): block id {value} at "
+            f"{list(where)} is outside [0, {layout.num_blocks})"
+        )
