@@ -316,6 +316,10 @@ def test_tpu_kernel_checking_interpreter():
     want = indexer_topk(*args_of(case), **kw, impl="reference")
     check_exact(got[0], want[0], K)
     check_exact(got[1], want[1], 2)
+    # the consumer's per-block DMAs too
+    kw = dict(entries_per_block=8, k=K, candidate_block_size=4, candidates=want[1])
+    got = indexer_topk(*args_of(case), **kw, impl="tpu", interpret=checking_interpreter())
+    check_exact(got, indexer_topk(*args_of(case), **kw, impl="reference"), K)
 
 
 def test_tpu_checking_interpreter_raises_on_bad_block():
