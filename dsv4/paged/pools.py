@@ -489,14 +489,52 @@ def _decode_pages(lp: LayerPool, pages: jax.Array) -> jax.Array:
     return get_record(lp.record).decode(records, lp.dim)
 
 
-def _page_bytes(layout: PoolLayout, pools: Mapping[str, jax.Array], lp: LayerPool) -> jax.Array:
-    buf = pools[lp.buffer]
-    if buf.shape != (layout.num_blocks, dict(layout.buffers)[lp.buffer]) or buf.dtype != jnp.uint8:
+def _buffer(layout: PoolLayout, pools: Mapping[str, jax.Array], lp: LayerPool) -> jax.Array:
+    """The buffer holding ``lp``'s pages, shape-checked against the layout."""
+    try:
+        buf = pools[lp.buffer]
+    except KeyError:
+        raise ValueError(
+            f"pools has no buffer {lp.buffer!r} (layer {lp.name!r}); keys: {sorted(pools)[:4]}"
+            f"{'...' if len(pools) > 4 else ''} — were they built for a {layout.alias} layout?"
+        ) from None
+    want = (layout.num_blocks, dict(layout.buffers)[lp.buffer])
+    if tuple(buf.shape) != want or buf.dtype != jnp.uint8:
         raise ValueError(
             f"pools[{lp.buffer!r}] is {buf.dtype}{list(buf.shape)}, the layout expects "
-            f"uint8{list(layout.buffer_shapes()[lp.buffer])}"
+            f"uint8{list(want)}"
         )
-    return buf[:, lp.offset : lp.offset + lp.used_bytes]
+    return buf
+
+
+# Jitted cores over one buffer (the layer is static): one fused computation per layer when
+# called eagerly, inlined under the caller's jit (which should donate the pools).
+@functools.partial(jax.jit, static_argnums=0)
+def _read_core(lp: LayerPool, buf: jax.Array) -> jax.Array:
+    return _decode_pages(lp, buf[:, lp.offset : lp.offset + lp.used_bytes])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _read_blocks_core(lp: LayerPool, num_blocks: int, buf: jax.Array, ids: jax.Array):
+    ids = jnp.where((ids >= 0) & (ids < num_blocks), ids, num_blocks)  # never clamp
+    rows = buf[:, lp.offset : lp.offset + lp.used_bytes]
+    rows = rows.at[ids.reshape(-1)].get(mode="fill", fill_value=NAN_BYTE)
+    return _decode_pages(lp, rows).reshape(*ids.shape, lp.states, lp.dim)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _write_core(
+    lp: LayerPool, num_blocks: int, buf: jax.Array, slots: jax.Array, values: jax.Array
+) -> jax.Array:
+    records = get_record(lp.record).encode(values)  # [T, record_bytes]
+    n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
+    valid = (slots >= 0) & (slots < num_blocks * n)
+    block = jnp.where(valid, slots // n, num_blocks)  # out of range -> dropped, never clamped
+    row = jnp.where(valid, slots % n, 0)[:, None]
+    cols = row * db + jnp.arange(db, dtype=jnp.int32)
+    if sb:
+        cols = jnp.concatenate([cols, n * db + row * sb + jnp.arange(sb, dtype=jnp.int32)], -1)
+    return buf.at[block[:, None], lp.offset + cols].set(records, mode="drop")
 
 
 def read_layer(
@@ -507,7 +545,7 @@ def read_layer(
     For SWA / compressed / index-key / ring layers this is the ``swa_pages`` / ``comp_pages`` /
     ``ikey_pages`` / ``ring_pages`` array of the kernels (block 0 = the null block)."""
     lp = layout.layer(name)
-    return _decode_pages(lp, _page_bytes(layout, pools, lp)).astype(dtype)
+    return _read_core(lp, _buffer(layout, pools, lp)).astype(dtype)
 
 
 def read_blocks(
@@ -524,10 +562,7 @@ def read_blocks(
     `check_block_ids` in debug mode to get an error instead)."""
     lp = layout.layer(name)
     ids = jnp.asarray(block_ids, jnp.int32)
-    ids = jnp.where((ids >= 0) & (ids < layout.num_blocks), ids, layout.num_blocks)
-    page = _page_bytes(layout, pools, lp)
-    rows = page.at[ids.reshape(-1)].get(mode="fill", fill_value=NAN_BYTE)
-    return _decode_pages(lp, rows).reshape(*ids.shape, lp.states, lp.dim).astype(dtype)
+    return _read_blocks_core(lp, layout.num_blocks, _buffer(layout, pools, lp), ids).astype(dtype)
 
 
 def write_layer(
@@ -547,8 +582,7 @@ def write_layer(
     (only ``pools[buffer]`` replaced).
     """
     lp = layout.layer(name)
-    buf = pools[lp.buffer]
-    _page_bytes(layout, pools, lp)  # shape check
+    buf = _buffer(layout, pools, lp)
     slots = jnp.asarray(slots, jnp.int32)
     values = jnp.asarray(values)
     if slots.ndim != 1 or values.shape != (slots.shape[0], lp.dim):
@@ -556,16 +590,7 @@ def write_layer(
             f"write_layer({name!r}): need slots i32[T] and values [T, {lp.dim}], got "
             f"{list(slots.shape)} and {list(values.shape)}"
         )
-    records = get_record(lp.record).encode(values)  # [T, record_bytes]
-    n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
-    valid = (slots >= 0) & (slots < layout.num_blocks * n)
-    block = jnp.where(valid, slots // n, layout.num_blocks)  # out of range -> dropped
-    row = jnp.where(valid, slots % n, 0)[:, None]
-    cols = row * db + jnp.arange(db, dtype=jnp.int32)
-    if sb:
-        cols = jnp.concatenate([cols, n * db + row * sb + jnp.arange(sb, dtype=jnp.int32)], -1)
-    new = buf.at[block[:, None], lp.offset + cols].set(records, mode="drop")
-    return {**pools, lp.buffer: new}
+    return {**pools, lp.buffer: _write_core(lp, layout.num_blocks, buf, slots, values)}
 
 
 def _ring(layout: PoolLayout, name: str) -> LayerPool:

@@ -47,6 +47,7 @@ runs (`EXACT`, `BF16`, `RELEASED`, `RELEASED_FP8`, and `SM90` for the H200 584-B
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -115,7 +116,9 @@ def _ue8m0_byte(s: jax.Array) -> jax.Array:
 
 
 def _ue8m0_value(b: jax.Array) -> jax.Array:
-    """UE8M0 byte -> ``2^(b - 127)`` as float32; 0 gives ``2^-127`` (subnormal), 0xFF NaN."""
+    """UE8M0 byte -> ``2^(b - 127)`` as float32, 0xFF NaN. Byte 0 is ``2^-127``, a float32
+    subnormal that backends flushing subnormals (XLA CPU) read as 0; no encoder writes it (the
+    amax floors keep every scale byte >= 1)."""
     e = b.astype(jnp.int32)
     normal = jax.lax.bitcast_convert_type(e << 23, jnp.float32)
     value = jnp.where(e == 0, jnp.float32(2.0**-127), normal)
@@ -203,7 +206,7 @@ class RecordFormat:
         if x.ndim == 0:
             raise ValueError(f"record {self.name!r}: encode needs [..., dim], got a scalar")
         self.check_dim(x.shape[-1])
-        return self._encode(x)
+        return _encode_jit(self.name, x)
 
     def decode(self, b: jax.Array, dim: int) -> jax.Array:
         """``b uint8[..., record_bytes(dim)]`` -> ``f32[..., dim]``."""
@@ -214,7 +217,7 @@ class RecordFormat:
                 f"record {self.name!r}: decode(dim={dim}) needs uint8[..., {nbytes}], got "
                 f"{b.dtype}{list(b.shape)}"
             )
-        return self._decode(b, dim)
+        return _decode_jit(self.name, b, int(dim))
 
     def qdq(self, x: jax.Array) -> jax.Array:
         """``decode(encode(x))``: the values a stored record reads back as (f32)."""
@@ -420,6 +423,18 @@ class V4Record(RecordFormat):
         s = _ue8m0_value(b[..., data : data + nope // _V4_TILE])[..., None]
         rope = _from_bytes(b[..., nope:data], jnp.bfloat16).astype(jnp.float32)
         return jnp.concatenate([_untile(q * s), rope], axis=-1)
+
+
+# Jitted cores: one fused computation per (format, shape) when called eagerly; inlined when
+# called under an outer jit.
+@functools.partial(jax.jit, static_argnums=0)
+def _encode_jit(name: str, x: jax.Array) -> jax.Array:
+    return RECORDS[name]._encode(x)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _decode_jit(name: str, b: jax.Array, dim: int) -> jax.Array:
+    return RECORDS[name]._decode(b, dim)
 
 
 RECORDS: dict[str, RecordFormat] = {
