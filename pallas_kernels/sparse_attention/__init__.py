@@ -33,6 +33,7 @@ def sparse_attention(
     impl: str | None = None,
     interpret: Any = None,
     debug: bool = False,
+    tokens_per_tile: int | None = None,
 ) -> jax.Array:
     """Adds the selected compressed entries to the window state (or to an empty state), adds the
     sink and normalises: one softmax over window and selected entries, f32 accumulation.
@@ -54,6 +55,9 @@ def sparse_attention(
       impl: None (by backend), "reference", "tpu" or "gpu".
       interpret: kernels only: False, True, or (TPU) `pltpu.InterpretParams(...)`.
       debug: check at run time that every block id is in [0, P) (raises otherwise).
+      tokens_per_tile: TPU kernel: tokens per grid step (default 1). With > 1, tokens of one request in
+        a tile fetch the union of their picks once (speculative decode: 1 + draft tokens).
+        Ignored elsewhere.
 
     Returns:
       out [T, H, D] in q's dtype.
@@ -89,7 +93,10 @@ def sparse_attention(
     if impl == "tpu":
         from pallas_kernels.sparse_attention import tpu
 
-        return tpu.sparse_attention(*args, **kwargs, interpret=_backend.tpu_interpret(interpret))
+        tiling = {} if tokens_per_tile is None else {"tokens_per_tile": tokens_per_tile}
+        return tpu.sparse_attention(
+            *args, **kwargs, **tiling, interpret=_backend.tpu_interpret(interpret)
+        )
     from pallas_kernels.sparse_attention import gpu
 
     return gpu.sparse_attention(*args, **kwargs, interpret=_backend.gpu_interpret(interpret))

@@ -1,7 +1,8 @@
 """Pallas Triton-backend GPU kernel of sparse attention over the paged compressed cache.
 
 Targets NVIDIA Hopper (H100/H200, sm_90), where it is compile-tested; the Triton backend also
-serves Ampere (A100, sm_80) and Ada. One program per (token, block of `BH` heads):
+serves Ampere (A100, sm_80) and Ada. jax 0.12 deprecates the Pallas Triton backend (it still
+ships and compiles); a Mosaic GPU version is the follow-up for Blackwell and for TMA/WGMMA speed. One program per (token, block of `BH` heads):
 
 * Selected entries are gathered straight from the paged cache (viewed as rows [P * E, D]) into
   registers/shared memory with vector-indexed loads, `BK` at a time: no gathered copy in HBM.

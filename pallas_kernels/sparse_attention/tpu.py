@@ -36,6 +36,7 @@ from pallas_kernels.sparse_attention.cost import sparse_cost
 
 CHUNK = 128  # slab rows per softmax step (one lane tile of logits)
 TOKENS_PER_TILE = 1  # > 1 shares fetched rows between tokens of a request (sorts in XLA)
+_ID_BITS = 28  # entry ids below 2^28 (1M-token contexts need 2^20); 3 bits of request slot
 
 
 def _kernel(
@@ -200,20 +201,29 @@ def _row_lists(comp_tables, token_req, positions, topk, *, per_block: int, tq: i
         lo = jnp.zeros((num_tokens,), jnp.int32)
         seg = jnp.stack([lo, lo + kp], axis=1)
         return addr, ids, seg
+    # One int32 sort key per pick: (the tile-local slot of its request, entry id). A request's
+    # slot is the index of its first token in the tile, so keys group picks by request.
     tiles, slots = num_tokens // tq, tq * kp
-    req = jnp.broadcast_to(token_req[:, None], topk.shape).reshape(tiles, slots)
-    ids_t, addr_t = ids.reshape(tiles, slots), addr.reshape(tiles, slots)
-    empty = (ids_t < 0).astype(jnp.int32)
-    empty, req, ids_t, addr_t = lax.sort((empty, req, ids_t, addr_t), dimension=1, num_keys=3)
-    dup = (req[:, 1:] == req[:, :-1]) & (ids_t[:, 1:] == ids_t[:, :-1])
-    empty = empty | jnp.pad(dup, ((0, 0), (1, 0))).astype(jnp.int32)
-    empty, req, ids_t, addr_t = lax.sort((empty, req, ids_t, addr_t), dimension=1, num_keys=3)
-    kept = empty == 0
-    ids_t, addr_t = jnp.where(kept, ids_t, -1), jnp.where(kept, addr_t, -1)
-    tok_req = token_req.reshape(tiles, tq, 1)
-    kept_req = jnp.where(kept, req, -1)[:, None, :]  # [tiles, 1, U]
-    lo = jnp.sum(kept[:, None, :] & (kept_req < tok_req), axis=2)
-    hi = jnp.sum(kept[:, None, :] & (kept_req <= tok_req), axis=2)
+    tile_req = token_req.reshape(tiles, tq)
+    first = jnp.argmax(tile_req[:, :, None] == tile_req[:, None, :], axis=2).astype(jnp.int32)
+    none = jnp.int32(2**31 - 1)
+    key = jnp.where(
+        valid.reshape(tiles, tq, kp),
+        (first[..., None] << _ID_BITS) | ids.reshape(tiles, tq, kp),
+        none,
+    ).reshape(tiles, slots)
+    key = jnp.sort(key, axis=1)
+    key = jnp.where(jnp.pad(key[:, 1:] == key[:, :-1], ((0, 0), (1, 0))), none, key)
+    key = jnp.sort(key, axis=1)  # distinct picks first, grouped by request
+    kept = key != none
+    slot = jnp.where(kept, key >> _ID_BITS, tq)
+    ids_t = jnp.where(kept, key & (2**_ID_BITS - 1), -1)
+    req = jnp.take_along_axis(tile_req, jnp.minimum(slot, tq - 1), axis=1)
+    safe = jnp.maximum(ids_t, 0)
+    addr_t = comp_tables[req, safe // per_block] * per_block + safe % per_block
+    addr_t = jnp.where(kept, addr_t, -1)
+    lo = jnp.sum(slot[:, None, :] < first[:, :, None], axis=2)
+    hi = jnp.sum(slot[:, None, :] <= first[:, :, None], axis=2)
     seg = jnp.stack([lo.reshape(-1), hi.reshape(-1)], axis=1).astype(jnp.int32)
     return addr_t, ids_t, seg
 
@@ -256,6 +266,11 @@ def sparse_attention(
     kp = _backend.cdiv(k, CHUNK) * CHUNK
     topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
     tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
+    if tq > 8 or comp_tables.shape[1] * entries_per_block > 2**_ID_BITS:
+        raise ValueError(
+            f"row sharing needs tokens_per_tile <= 8 and < 2^{_ID_BITS} entries per request, got "
+            f"{tokens_per_tile} and {comp_tables.shape[1] * entries_per_block}"
+        )
     tiles, slots = num_tokens // tq, tq * kp
     addr, ids, seg = _row_lists(
         comp_tables, token_req, positions, topk, per_block=entries_per_block, tq=tq

@@ -32,6 +32,7 @@ def window_attention(
     impl: str | None = None,
     interpret: Any = None,
     debug: bool = False,
+    tokens_per_tile: int | None = None,
 ) -> jax.Array | State:
     """Each query attends to positions `max(0, p - window + 1, replay_start[r]) .. p` of its
     request in the paged window cache (K = V, one shared latent head), with the per-head `sink`
@@ -55,6 +56,8 @@ def window_attention(
       impl: None (by backend), "reference", "tpu" or "gpu".
       interpret: kernels only: False, True, or (TPU) `pltpu.InterpretParams(...)`.
       debug: check at run time that every block id is in [0, P) (raises otherwise).
+      tokens_per_tile: TPU kernel: tokens per grid step (default 8); a tile's tokens of one request share
+        fetched pages. Ignored elsewhere.
 
     Returns:
       out [T, H, D] in q's dtype, or the state triple when `return_state`.
@@ -81,7 +84,10 @@ def window_attention(
     if impl == "tpu":
         from pallas_kernels.window_attention import tpu
 
-        return tpu.window_attention(*args, **kwargs, interpret=_backend.tpu_interpret(interpret))
+        tiling = {} if tokens_per_tile is None else {"tokens_per_tile": tokens_per_tile}
+        return tpu.window_attention(
+            *args, **kwargs, **tiling, interpret=_backend.tpu_interpret(interpret)
+        )
     from pallas_kernels.window_attention import gpu
 
     return gpu.window_attention(*args, **kwargs, interpret=_backend.gpu_interpret(interpret))

@@ -1,7 +1,8 @@
 """Pallas Triton-backend GPU kernel of window attention over the paged window cache.
 
 Targets NVIDIA Hopper (H100/H200, sm_90), where it is compile-tested; the Triton backend also
-serves Ampere (A100, sm_80) and Ada. One program per (token, block of `BH` heads):
+serves Ampere (A100, sm_80) and Ada. jax 0.12 deprecates the Pallas Triton backend (it still
+ships and compiles); a Mosaic GPU version is the follow-up for Blackwell and for TMA/WGMMA speed. One program per (token, block of `BH` heads):
 
 * Triton has no scalar prefetch: the block table (flattened) and the pages (viewed as rows
   [P * S, D]) are plain inputs, and keys are gathered with vector-indexed ref loads.

@@ -12,11 +12,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from aot import (
+    TPU_TOPOLOGIES,
+    compile_for_h100,
+    compile_for_tpu,
+    lower_for_gpu,
+    lower_for_tpu,
+    requires_cuda_plugin,
+    requires_libtpu,
+)
 from jax.experimental.pallas import tpu as pltpu
 from paged_cases import Selection, Step, make_selection, make_step, sparse_out
 
 from pallas_kernels import sparse_attention, window_attention
 from pallas_kernels.sparse_attention import tpu
+
+# jax 0.12 deprecates (but ships) the Pallas Triton backend the GPU kernels use.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 H, D, S, W = 4, 128, 8, 16  # heads, latent, window page size, window
 E, K = 8, 16  # entries per compressed block, top-k width
@@ -201,6 +213,84 @@ def test_tpu_row_lists_fetch_a_requests_union_once():
     positions = jnp.asarray([5, 6, 3, -1], jnp.int32)
     topk = jnp.asarray([[3, 9, -1], [9, 3, 4], [3, -1, -1], [7, 7, 7]], jnp.int32)
     addr, ids, seg = tpu._row_lists(tables, token_req, positions, topk, per_block=8, tq=4)
-    assert ids.tolist() == [[3, 3, 4, 9] + [-1] * 8]  # request 0: {3}; request 1: {3, 4, 9}
-    assert addr.tolist() == [[1 * 8 + 3, 3 * 8 + 3, 3 * 8 + 4, 4 * 8 + 1] + [-1] * 8]
-    assert seg.tolist() == [[1, 4], [1, 4], [0, 1], [1, 4]]  # the padding token's picks are gone
+    # request 1 (first seen at token 0): {3, 4, 9}, then request 0 (token 2): {3}
+    assert ids.tolist() == [[3, 4, 9, 3] + [-1] * 8]
+    assert addr.tolist() == [[3 * 8 + 3, 3 * 8 + 4, 4 * 8 + 1, 1 * 8 + 3] + [-1] * 8]
+    assert seg.tolist() == [[0, 3], [0, 3], [3, 4], [0, 3]]  # the padding token's picks are gone
+
+
+# --------------------------------------------------------------------------- released shapes
+# Lowering (plain jax) and deviceless compilation (the `aot` extra) at the released model's
+# shapes: 64 heads, latent 512, top-k 512, compressed pages of 64 raw tokens (E = 64 entries at
+# ratio 1, 32 at ratio 2), 1M-token block tables.
+
+REL = dict(heads=64, dim=512, topk=512, pages=8192, tokens=1 << 20)
+
+
+def _released(num_tokens, num_requests, dtype, per_block, with_state):
+    sds = jax.ShapeDtypeStruct
+    i32, f32 = jnp.int32, jnp.float32
+    h, d = REL["heads"], REL["dim"]
+    args = (
+        sds((num_tokens, h, d), dtype),
+        sds((REL["pages"], per_block, d), dtype),
+        sds((num_requests, REL["tokens"] // 64), i32),
+        sds((num_tokens,), i32),
+        sds((num_tokens,), i32),
+        sds((num_tokens, REL["topk"]), i32),
+        sds((h,), f32),
+    )
+    state = (sds((num_tokens, h), f32), sds((num_tokens, h), f32), sds((num_tokens, h, d), f32))
+    return args + (state,) if with_state else args
+
+
+def _entry(impl, per_block, **kw):
+    def run(*args):
+        state = args[7] if len(args) > 7 else None
+        return sparse_attention(
+            *args[:7], entries_per_block=per_block, scale=REL["dim"] ** -0.5, state=state,
+            impl=impl, **kw,
+        )  # fmt: skip
+
+    return run
+
+
+# (tokens, requests, dtype, entries per block, with window state)
+RELEASED_CASES = {
+    "decode-ratio1": (128, 128, jnp.bfloat16, 64, True),
+    "decode-ratio2": (64, 64, jnp.float32, 32, False),
+}
+
+
+@pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
+def test_tpu_kernel_lowers(kind):
+    t, r, dtype, e, state = RELEASED_CASES["decode-ratio1"]
+    text = lower_for_tpu(_entry("tpu", e), *_released(t, r, dtype, e, state), device_kind=kind)
+    assert "tpu_custom_call" in text
+
+
+def test_gpu_kernel_lowers_for_h100():
+    t, r, dtype, e, state = RELEASED_CASES["decode-ratio1"]
+    assert "triton" in lower_for_gpu(_entry("gpu", e), *_released(t, r, dtype, e, state))
+
+
+@requires_libtpu
+@pytest.mark.parametrize("case", list(RELEASED_CASES))
+@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
+def test_tpu_kernel_compiles(topology, case):
+    t, r, dtype, e, state = RELEASED_CASES[case]
+    compile_for_tpu(_entry("tpu", e), *_released(t, r, dtype, e, state), topology=topology)
+
+
+@requires_libtpu
+def test_tpu_kernel_with_row_sharing_compiles():
+    """Speculative decode: 32 requests x 4 tokens, tiles of 4 sharing their union."""
+    args = _released(128, 32, jnp.bfloat16, 64, True)
+    compile_for_tpu(_entry("tpu", 64, tokens_per_tile=4), *args, topology="v5e:1x1")
+
+
+@requires_cuda_plugin
+@pytest.mark.parametrize("case", list(RELEASED_CASES))
+def test_gpu_kernel_compiles_for_h100(case):
+    t, r, dtype, e, state = RELEASED_CASES[case]
+    compile_for_h100(_entry("gpu", e), *_released(t, r, dtype, e, state))

@@ -13,10 +13,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from aot import (
+    TPU_TOPOLOGIES,
+    compile_for_h100,
+    compile_for_tpu,
+    lower_for_gpu,
+    lower_for_tpu,
+    requires_cuda_plugin,
+    requires_libtpu,
+)
 from jax.experimental.pallas import tpu as pltpu
 from paged_cases import Step, make_step
 
 from pallas_kernels import window_attention
+
+# jax 0.12 deprecates (but ships) the Pallas Triton backend the GPU kernels use.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 H, D, S, W = 4, 128, 8, 16  # heads, latent, page size, window (kernel tests: tiny on purpose)
 TOL = {np.float32: 2e-5, jnp.bfloat16: 1.5e-2}
@@ -170,3 +182,64 @@ def test_tpu_checking_interpreter_raises_on_a_bad_block():
         jax.block_until_ready(_run(step, np.float32, **KERNELS["tpu"]()))
     with pytest.raises(ValueError, match=r"swa_tables\[6, 6\]"):
         _run(step, np.float32, impl="tpu", interpret=True, debug=True)
+
+
+# --------------------------------------------------------------------------- released shapes
+# Lowering (plain jax) and deviceless compilation (the `aot` extra: libtpu, CUDA plugin) at the
+# released model's shapes, so a kernel that only works in interpret mode cannot pass.
+
+REL = dict(heads=64, dim=512, page=32, window=128, pages=4096, table=32768)  # 1M tokens / 32
+
+
+def _released(num_tokens, num_requests, dtype):
+    sds = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    return (
+        sds((num_tokens, REL["heads"], REL["dim"]), dtype),
+        sds((REL["pages"], REL["page"], REL["dim"]), dtype),
+        sds((num_requests, REL["table"]), i32),
+        sds((num_tokens,), i32),
+        sds((num_tokens,), i32),
+        sds((REL["heads"],), jnp.float32),
+    )
+
+
+def _entry(impl, return_state):
+    return functools.partial(
+        window_attention,
+        window=REL["window"],
+        scale=REL["dim"] ** -0.5,
+        return_state=return_state,
+        impl=impl,
+    )
+
+
+# (tokens, requests, dtype, return_state): a decode batch and a prefill chunk
+RELEASED_CASES = {"decode": (128, 128, jnp.bfloat16, False), "prefill": (512, 2, jnp.float32, True)}
+
+
+@pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
+def test_tpu_kernel_lowers(kind):
+    t, r, dtype, state = RELEASED_CASES["decode"]
+    assert "tpu_custom_call" in lower_for_tpu(_entry("tpu", state), *_released(t, r, dtype),
+                                              device_kind=kind)  # fmt: skip
+
+
+def test_gpu_kernel_lowers_for_h100():
+    t, r, dtype, state = RELEASED_CASES["decode"]
+    assert "triton" in lower_for_gpu(_entry("gpu", state), *_released(t, r, dtype))
+
+
+@requires_libtpu
+@pytest.mark.parametrize("case", list(RELEASED_CASES))
+@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
+def test_tpu_kernel_compiles(topology, case):
+    t, r, dtype, state = RELEASED_CASES[case]
+    compile_for_tpu(_entry("tpu", state), *_released(t, r, dtype), topology=topology)
+
+
+@requires_cuda_plugin
+@pytest.mark.parametrize("case", list(RELEASED_CASES))
+def test_gpu_kernel_compiles_for_h100(case):
+    t, r, dtype, state = RELEASED_CASES[case]
+    compile_for_h100(_entry("gpu", state), *_released(t, r, dtype))
