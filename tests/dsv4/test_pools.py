@@ -1,0 +1,426 @@
+"""Device page pools: layout figures against cache.layout and v41_in_vllm.md section 3.3,
+reads and writes through both layouts, isolation of pages within a group, debug checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cache.layout import (
+    compressed_kv_name,
+    for_model,
+    indexer_k_name,
+    memory_report,
+    ring_name,
+    swa_cache_name,
+)
+from dsv4.config import tiny_v41, v41_flash
+from dsv4.paged import pools as P
+from dsv4.paged import records as R
+
+TINY_PRESETS = ("EXACT", "BF16", "RELEASED", "RELEASED_FP8")  # SM90's v4_584 needs dim > 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_v41()
+
+
+@pytest.fixture(scope="module")
+def flash():
+    return v41_flash()
+
+
+def _config(cfg, formats, num_blocks, **kw):
+    kw.setdefault("block_size", 16)
+    kw.setdefault("swa_block_size", 4)
+    return for_model(P.cache_desc(cfg, formats, **kw), num_gpu_blocks_override=num_blocks)
+
+
+def _layouts(cfg, formats, num_blocks, **kw):
+    config = _config(cfg, formats, num_blocks, **kw)
+    return config, {a: P.PoolLayout.build(cfg, config, formats, a) for a in ("aliased", "separate")}
+
+
+def _flash_config(flash, preset, num_blocks=2):
+    formats = R.PRESETS[preset]
+    block, align = (64, 576) if preset == "SM90" else (128, 512)
+    kw = dict(block_size=block, swa_block_size=32, page_alignment=align)
+    return _config(flash, formats, num_blocks, indexer_page_alignment=align, **kw), formats
+
+
+def _bits(x):
+    return np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32))
+
+
+# --- layout figures --------------------------------------------------------------------------
+
+
+def test_cache_desc_of_tiny(tiny):
+    desc = P.cache_desc(tiny, R.RELEASED, block_size=16, swa_block_size=4, num_speculative_tokens=3)
+    assert desc.num_hidden_layers == 8 and desc.num_draft_layers == 1
+    assert desc.kv_source_layer_ids == (1, 3) and desc.index_source_layer_ids == (1, 3, 5)
+    assert (desc.swa_record_bytes, desc.compressed_record_bytes, desc.indexer_key_bytes) == (
+        66,
+        36,
+        17,
+    )
+    assert desc.ring_floats_per_row == 128 and desc.sliding_window == 8
+    with pytest.raises(ValueError, match=r"swa record.*v4_584.*dim=64"):
+        P.cache_desc(tiny, R.SM90, block_size=16, swa_block_size=4)
+
+
+def test_tiny_exact_layout_figures(tiny):
+    config, lay = _layouts(tiny, R.EXACT, 8)
+    a, s = lay["aliased"], lay["separate"]
+    pages = {lp.name: lp.page_bytes for lp in a.layers}
+    assert pages[swa_cache_name(0)] == 4 * 256
+    assert pages[compressed_kv_name(1)] == 8 * 256 and pages[compressed_kv_name(3)] == 16 * 256
+    assert pages[indexer_k_name(1)] == 8 * 128 and pages[indexer_k_name(3)] == 16 * 128
+    assert pages[ring_name(1)] == 8 * 128 * 4
+    assert len(a.layers) == 9 + 2 + 2 + 1
+    assert a.buffers == (("pool", 9216),)  # the MLA group: 2048 + 4096 + 1024 + 2048
+    assert a.pool_bytes() == 8 * 9216 == P.config_pool_bytes(config)
+    assert s.bytes_per_block() == 9 * 1024 + 9216 + 4096 == sum(pages.values())
+    assert s.pool_bytes() == 8 * 22528
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_tiny_pool_bytes_equal_what_cache_layout_reports(tiny, preset):
+    config, lay = _layouts(tiny, R.PRESETS[preset], 16)
+    a, s = lay["aliased"], lay["separate"]
+    report = memory_report(config, 256, 64, packed_layout=True)
+    assert a.pool_bytes() == P.config_pool_bytes(config) == report.pool_bytes_per_block * 16
+    assert a.bytes_per_block() == max(g.page_bytes for g in a.groups)
+    # separate: every layer has a row for every block id (the debugging layout costs the sum)
+    assert s.pool_bytes() == 16 * sum(lp.page_bytes for lp in s.layers) > a.pool_bytes()
+    offsets = {t.shared_by[0]: t.offset for t in config.kv_cache_tensors}
+    for lp in a.layers:
+        assert lp.buffer == "pool" and lp.offset == offsets[lp.name]
+        assert lp.used_bytes <= lp.page_bytes
+        assert lp.record == R.PRESETS[preset].record(lp.kind)
+    assert {lp.buffer for lp in s.layers} == {lp.name for lp in s.layers}
+    assert hash(a) == hash(P.PoolLayout.build(tiny, config, R.PRESETS[preset]))
+
+
+# v41_in_vllm.md section 3.3: (kind, ratio) -> (real page bytes, padded page bytes)
+SECTION_3_3 = {
+    "RELEASED_FP8": {  # SM100, B = 128, 528-B records, FP8 index keys
+        ("compressed", 1): (67584, 67584),
+        ("compressed", 2): (33792, 33792),
+        ("index", 1): (16896, 16896),
+        ("index", 2): (8448, 8704),
+        ("swa", 1): (16896, 16896),
+    },
+    "RELEASED": {  # SM100, NVFP4 compressed, MXFP4 index keys
+        ("compressed", 1): (36864, 36864),
+        ("compressed", 2): (18432, 18432),
+        ("index", 1): (8704, 8704),
+        ("index", 2): (4352, 4608),
+        ("swa", 1): (16896, 16896),
+    },
+    "SM90": {  # H200, B = 64, 584-B records, alignment 576
+        ("compressed", 1): (37376, 37440),
+        ("compressed", 2): (18688, 19008),
+        ("index", 1): (8448, 8640),
+        ("index", 2): (4224, 4608),
+        ("swa", 1): (18688, 19008),
+    },
+}
+
+
+@pytest.mark.parametrize("preset", sorted(SECTION_3_3))
+def test_v41_flash_pages_match_section_3_3(flash, preset):
+    config, formats = _flash_config(flash, preset)
+    layout = P.PoolLayout.build(flash, config, formats)
+    seen = {}
+    for lp in layout.layers:
+        if lp.kind == "ring":
+            assert lp.page_bytes == 8 * 1024 * 4 and lp.used_bytes == lp.page_bytes
+            continue
+        key = (lp.kind, lp.tokens_per_state)
+        seen.setdefault(key, set()).add((lp.used_bytes, lp.page_bytes))
+    assert {k: v.pop() for k, v in seen.items() if len(v) == 1} == SECTION_3_3[preset]
+    kinds = [lp.kind for lp in layout.layers]
+    assert [kinds.count(k) for k in ("swa", "compressed", "index", "ring")] == [43, 4, 4, 3]
+    assert layout.pool_bytes() == P.config_pool_bytes(config)
+    report = memory_report(config, 1 << 20, 8192, packed_layout=True)
+    assert layout.bytes_per_block() == report.pool_bytes_per_block
+
+
+def test_v41_flash_group_pages_are_disjoint_and_fit_the_stride(flash):
+    config, formats = _flash_config(flash, "RELEASED")
+    layout = P.PoolLayout.build(flash, config, formats)
+    stride = dict(layout.buffers)["pool"]
+    assert stride == max(g.page_bytes for g in layout.groups)
+    for g in layout.groups:
+        spans = sorted(
+            (lp.offset, lp.offset + lp.page_bytes) for lp in layout.layers if lp.group == g.group
+        )
+        assert spans[0][0] == 0 and spans[-1][1] == g.page_bytes <= stride
+        assert all(end == start for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+# --- reads and writes ------------------------------------------------------------------------
+
+
+def _values(key, shape, spread=True):
+    x = jax.random.normal(key, shape)
+    if spread:  # rows of very different magnitudes exercise the scales
+        x = x * 10.0 ** jax.random.randint(jax.random.fold_in(key, 1), (shape[0], 1), -3, 4)
+    return x
+
+
+@pytest.mark.parametrize("alias", ["aliased", "separate"])
+@pytest.mark.parametrize("preset", ["EXACT", "RELEASED"])
+def test_write_then_read_a_layer(tiny, alias, preset):
+    formats = R.PRESETS[preset]
+    config = _config(tiny, formats, 8)
+    layout = P.PoolLayout.build(tiny, config, formats, alias)
+    pools = P.init_pools(layout, fill="nan")
+    name = compressed_kv_name(1)  # r = 2: 8 states per page
+    lp = layout.layer(name)
+    slots = jnp.array([8, 9, -1, 31, 63, 64, -7, 1000, 40])
+    vals = _values(jax.random.PRNGKey(0), (9, lp.dim))
+    new = P.write_layer(layout, pools, name, slots, vals)
+    pages = np.asarray(P.read_layer(layout, new, name))
+    assert pages.shape == (8, 8, lp.dim)
+    want = np.asarray(R.roundtrip(lp.record, vals))
+    for t, slot in enumerate(np.asarray(slots)):
+        if 0 <= slot < 64:
+            np.testing.assert_array_equal(_bits(pages[slot // 8, slot % 8]), _bits(want[t]))
+    written = {8, 9, 31, 63, 40}
+    unwritten = [s for s in range(64) if s not in written]
+    assert np.isnan(pages.reshape(64, -1)[unwritten]).all()
+    # only the written records' bytes changed (out-of-range and -1 slots dropped, not clamped)
+    old_b, new_b = np.asarray(pools[lp.buffer]), np.asarray(new[lp.buffer])
+    assert (old_b != new_b).sum() <= len(written) * lp.record_bytes
+    assert all(new[k] is pools[k] for k in pools if k != lp.buffer)
+
+
+def _write_each(layout, pools, writes):
+    """For every ``(name, slots, values)``, from the same ``pools``: the buffers after writing
+    it and every layer of its group read back. One jit for all (compiling per call is slow)."""
+    names = tuple(w[0] for w in writes)
+
+    def run(pools, slots, vals):
+        out = []
+        for name, sl, va in zip(names, slots, vals):
+            after = P.write_layer(layout, pools, name, sl, va)
+            group = layout.groups[layout.group_of(name)].layer_names
+            out.append((after, {n: P.read_layer(layout, after, n) for n in group}))
+        return out
+
+    slots = [jnp.asarray(w[1], jnp.int32) for w in writes]
+    return jax.jit(run)(pools, slots, [w[2] for w in writes])
+
+
+def _check_isolation(layout, names):
+    """Write two rows of block 1 of each layer in turn: only its own records' bytes change,
+    and every other layer of its group reads back unchanged (aliased layout)."""
+    pools = P.init_pools(layout, fill="nan")
+    before = jax.jit(lambda p: {n: P.read_layer(layout, p, n) for n in layout.names()})(pools)
+    writes = []
+    for i, name in enumerate(names):
+        lp = layout.layer(name)
+        slots = [lp.states, 2 * lp.states - 1]  # first and last row of block 1
+        writes.append((name, slots, _values(jax.random.PRNGKey(i), (2, lp.dim))))
+    old = np.asarray(pools["pool"])
+    for (name, _, _), (after, reads) in zip(writes, _write_each(layout, pools, writes)):
+        lp = layout.layer(name)
+        idx = np.argwhere(np.asarray(after["pool"]) != old)
+        assert len(idx) and (idx[:, 0] == 1).all()
+        assert (idx[:, 1] >= lp.offset).all() and (idx[:, 1] < lp.offset + lp.used_bytes).all()
+        for other, got in reads.items():
+            if other != name:
+                np.testing.assert_array_equal(_bits(got), _bits(before[other]))
+
+
+def test_writes_stay_inside_their_page_tiny(tiny):
+    layout = P.PoolLayout.build(tiny, _config(tiny, R.RELEASED, 4), R.RELEASED)
+    _check_isolation(layout, layout.names())
+
+
+def test_writes_stay_inside_their_page_v41_flash_mla_group(flash):
+    config, formats = _flash_config(flash, "RELEASED", num_blocks=3)
+    layout = P.PoolLayout.build(flash, config, formats)
+    # the compressed / index-key group: 8 layers of 4 page shapes (nvfp4 / mxfp4, r = 1 / 2)
+    (names,) = [g.layer_names for g in layout.groups if g.kind == "MLAAttentionSpec"]
+    assert len(names) == 8
+    _check_isolation(layout, names)
+
+
+@pytest.mark.parametrize("preset", ["EXACT", "RELEASED"])
+def test_both_layouts_decode_identically_when_blocks_are_owned_by_one_group(tiny, preset):
+    formats = R.PRESETS[preset]
+    num_blocks = 24
+    config, lay = _layouts(tiny, formats, num_blocks)
+    rng = np.random.default_rng(0)
+    groups = lay["aliased"].groups
+    # every block but the null block belongs to one group, every group owns some blocks
+    owner = np.concatenate([[-1], rng.permutation(np.resize(np.arange(len(groups)), 23))])
+    writes = []
+    for i, lp in enumerate(lay["aliased"].layers):
+        mine = np.flatnonzero(owner == lp.group)
+        cand = (mine[:, None] * lp.states + np.arange(lp.states)).ravel()
+        slots = rng.choice(cand, size=min(len(cand), 6), replace=False)
+        slots = np.concatenate([slots, [-1]]).astype(np.int32)
+        P.check_slots(lay["aliased"], lp.name, slots)
+        writes.append((lp.name, slots, _values(jax.random.PRNGKey(i), (len(slots), lp.dim))))
+    pages = {a: _apply_writes(lay[a], P.init_pools(lay[a], fill="nan"), writes) for a in lay}
+    for lp in lay["aliased"].layers:
+        owned = np.flatnonzero((owner == lp.group) | (owner == -1))
+        got = {a: np.asarray(pages[a][lp.name])[owned] for a in lay}
+        np.testing.assert_array_equal(_bits(got["aliased"]), _bits(got["separate"]))
+        assert np.isnan(got["aliased"][0]).all()  # nothing writes the null block
+        _, slots, vals = next(w for w in writes if w[0] == lp.name)
+        rows = np.asarray(pages["aliased"][lp.name]).reshape(-1, lp.dim)[slots[:-1]]
+        np.testing.assert_array_equal(_bits(rows), _bits(R.roundtrip(lp.record, vals[:-1])))
+        other = np.flatnonzero((owner != lp.group) & (owner != -1))
+        assert np.isnan(np.asarray(pages["separate"][lp.name])[other]).all()  # no aliasing
+
+
+def _apply_writes(layout, pools, writes):
+    """All ``(name, slots, values)`` writes in order, then every layer read back (one jit)."""
+    names = tuple(w[0] for w in writes)
+
+    def run(pools, slots, vals):
+        for name, sl, va in zip(names, slots, vals):
+            pools = P.write_layer(layout, pools, name, sl, va)
+        return {n: P.read_layer(layout, pools, n) for n in layout.names()}
+
+    return jax.jit(run)(pools, [jnp.asarray(w[1]) for w in writes], [w[2] for w in writes])
+
+
+def test_ring_helpers(tiny):
+    config, lay = _layouts(tiny, R.BF16, 6, num_speculative_tokens=3)
+    for layout in lay.values():
+        pools = P.init_pools(layout)
+        name = ring_name(1)
+        rows = _values(jax.random.PRNGKey(3), (4, 128))
+        slots = jnp.asarray([8 * 2 + 0, 8 * 2 + 7, 8 * 5 + 3, -1])
+        pools = P.write_ring(layout, pools, name, slots, rows)
+        ring = np.asarray(P.read_ring(layout, pools, name))
+        assert ring.shape == (6, 8, 128)
+        np.testing.assert_array_equal(ring[2, 0], rows[0])  # raw f32, exact
+        np.testing.assert_array_equal(ring[2, 7], rows[1])
+        np.testing.assert_array_equal(ring[5, 3], rows[2])
+        assert np.count_nonzero(ring) == 3 * 128
+        with pytest.raises(ValueError, match="not a compressor ring"):
+            P.read_ring(layout, pools, swa_cache_name(1))
+        with pytest.raises(ValueError, match="not a compressor ring"):
+            P.write_ring(layout, pools, compressed_kv_name(1), slots, rows)
+
+
+def test_read_blocks_never_clamps(tiny):
+    config, lay = _layouts(tiny, R.RELEASED, 6)
+    layout = lay["aliased"]
+    name = indexer_k_name(3)
+    lp = layout.layer(name)
+    pools = P.init_pools(layout)  # zeros: a clamped read would give zeros, not NaN
+    pools = P.write_layer(
+        layout,
+        pools,
+        name,
+        jnp.arange(6 * lp.states),
+        _values(jax.random.PRNGKey(1), (6 * lp.states, lp.dim)),
+    )
+    full = np.asarray(P.read_layer(layout, pools, name))
+    ids = jnp.asarray([[5, 2], [6, -1]])
+    got = np.asarray(P.read_blocks(layout, pools, name, ids))
+    assert got.shape == (2, 2, lp.states, lp.dim)
+    np.testing.assert_array_equal(got[0, 0], full[5])
+    np.testing.assert_array_equal(got[0, 1], full[2])
+    assert np.isnan(got[1]).all()
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_init_pools_fills(tiny, preset):
+    formats = R.PRESETS[preset]
+    layout = P.PoolLayout.build(tiny, _config(tiny, formats, 3), formats)
+    nan, zero = P.init_pools(layout, fill="nan"), P.init_pools(layout)
+    for name in layout.names():
+        assert np.isnan(np.asarray(P.read_layer(layout, nan, name))).all()
+        assert not np.asarray(P.read_layer(layout, zero, name)).any()
+    assert jax.eval_shape(lambda: P.init_pools(layout)) == layout.abstract_pools()
+    with pytest.raises(ValueError, match="fill"):
+        P.init_pools(layout, fill="ones")
+
+
+def test_layout_is_a_static_jit_argument(tiny):
+    formats = R.RELEASED
+    config = _config(tiny, formats, 5)
+    layout = P.PoolLayout.build(tiny, config, formats)
+    traces = []
+
+    def step(layout, pools, slots, vals):
+        traces.append(1)
+        pools = P.write_layer(layout, pools, swa_cache_name(2), slots, vals)
+        return pools, P.read_layer(layout, pools, swa_cache_name(2))
+
+    jstep = jax.jit(step, static_argnums=0, donate_argnums=1)
+    pools = P.init_pools(layout, fill="nan")
+    for i in range(3):
+        again = P.PoolLayout.build(tiny, config, formats)  # equal and equally hashed
+        vals = _values(jax.random.PRNGKey(i), (2, 64))
+        pools, pages = jstep(again, pools, jnp.asarray([4 + i, 8 + i]), vals)
+    assert len(traces) == 1
+    np.testing.assert_array_equal(_bits(pages[1, 2]), _bits(R.roundtrip("mxfp8", vals[0])))
+    np.testing.assert_array_equal(_bits(pages[2, 2]), _bits(R.roundtrip("mxfp8", vals[1])))
+
+
+# --- debug checks and errors -----------------------------------------------------------------
+
+
+def test_check_slots(tiny):
+    layout = P.PoolLayout.build(tiny, _config(tiny, R.BF16, 8), R.BF16)
+    name = compressed_kv_name(1)  # 8 states per page, 64 slots
+    P.check_slots(layout, name, np.array([-1, 8, 63, -1]))
+    for bad, where in ((64, "slot 64 at index \\[1\\]"), (-2, "slot -2"), (3, "null block")):
+        with pytest.raises(ValueError, match=where) as err:
+            P.check_slots(layout, name, np.array([9, bad]))
+        msg = str(err.value)
+        assert name in msg and "[8, 64)" in msg and "-1 = no write" in msg
+    P.check_slots(layout, name, np.array([3]), allow_null_block=True)
+    with pytest.raises(ValueError, match="slot 9 is written 2 times"):
+        P.check_slots(layout, name, np.array([9, -1, 9]))
+    with pytest.raises(ValueError, match="integers"):
+        P.check_slots(layout, name, np.array([1.0]))
+
+
+def test_check_block_ids(tiny):
+    layout = P.PoolLayout.build(tiny, _config(tiny, R.BF16, 8), R.BF16)
+    mla = next(g.group for g in layout.groups if g.kind == "MLAAttentionSpec")
+    P.check_block_ids(layout, mla, np.array([[1, 7, 0], [0, 0, 0]]))
+    for bad in (8, -1):
+        with pytest.raises(ValueError, match=f"block id {bad} at \\[1, 2\\]") as err:
+            P.check_block_ids(layout, mla, np.array([[1, 7, 0], [0, 0, bad]]))
+        assert f"group {mla} (MLAAttentionSpec" in str(err.value) and "[0, 8)" in str(err.value)
+    with pytest.raises(ValueError, match="no KV-cache group 99"):
+        P.check_block_ids(layout, 99, np.array([1]))
+
+
+def test_build_and_call_errors(tiny):
+    config = _config(tiny, R.BF16, 4)
+    with pytest.raises(ValueError, match="cache_desc") as err:
+        P.PoolLayout.build(tiny, config, R.EXACT)
+    assert "128-B states" in str(err.value) and "256 B" in str(err.value)
+    with pytest.raises(ValueError, match="'aliased' or 'separate'"):
+        P.PoolLayout.build(tiny, config, R.BF16, "packed")
+    with pytest.raises(ValueError, match="no cache layer"):
+        P.PoolLayout.build(tiny, config, R.BF16).layer("model.layers.5.attn")
+    desc = P.cache_desc(tiny, R.BF16, block_size=16, swa_block_size=4)
+    extra = for_model(dataclasses.replace(desc, num_draft_layers=2), num_gpu_blocks_override=4)
+    with pytest.raises(ValueError, match=r"model\.layers\.9\.attn\.swa_cache.*has no cache for"):
+        P.PoolLayout.build(tiny, extra, R.BF16)
+    a = P.PoolLayout.build(tiny, config, R.BF16)
+    s = P.PoolLayout.build(tiny, config, R.BF16, "separate")
+    with pytest.raises(ValueError, match="separate layout"):
+        P.read_layer(s, P.init_pools(a), swa_cache_name(0))
+    with pytest.raises(ValueError, match=r"values \[T, 64\]"):
+        P.write_layer(a, P.init_pools(a), swa_cache_name(0), jnp.asarray([4]), jnp.zeros((1, 32)))
