@@ -424,3 +424,29 @@ def test_build_and_call_errors(tiny):
         P.read_layer(s, P.init_pools(a), swa_cache_name(0))
     with pytest.raises(ValueError, match=r"values \[T, 64\]"):
         P.write_layer(a, P.init_pools(a), swa_cache_name(0), jnp.asarray([4]), jnp.zeros((1, 32)))
+
+
+def test_cache_memory_benchmark_agrees_with_section_3_3():
+    import json
+
+    from benchmarks.cache_memory import SECTION_3_3, run_benchmark
+
+    res = run_benchmark(num_blocks=10, max_model_len=4096)
+    json.dumps(res)
+    assert res["all_checks_ok"]
+    assert set(res["results"]) == set(R.PRESETS)
+    assert all(f"{p}/{k}" in res["checks"] for p, kinds in SECTION_3_3.items() for k in kinds)
+    released = res["results"]["RELEASED"]
+    assert released["aliased"]["bytes_per_block"] == 114688
+    assert released["layers"]["index_r2"] == {
+        "count": 3,
+        "record": "mxfp4",
+        "record_bytes": 68,
+        "real_page_bytes": 4352,
+        "page_bytes": 4608,
+        "states_per_page": 64,
+        "tokens_per_page": 128,
+        "bytes_per_token_per_layer": 36.0,
+    }
+    for entry in res["results"].values():
+        assert entry["separate"]["bytes_per_block"] > entry["aliased"]["bytes_per_block"]
