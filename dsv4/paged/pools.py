@@ -21,7 +21,8 @@ description into device buffers and gives every cache layer a typed view of its 
     ``num_blocks · sum(page bytes of every layer)`` (every buffer has a row for every id).
 
 * `init_pools` — zero or NaN-filled buffers (``fill="nan"``: every byte 0xFF, which decodes to
-  NaN in every record format; tests poison unused pages with it).
+  NaN in every record format; tests poison unused pages with it); `fill_blocks` resets whole
+  blocks (vLLM zeroes newly allocated blocks when groups of different precisions alias).
 * `read_layer` / `read_blocks` / `write_layer` (and the ring aliases `read_ring` /
   `write_ring`) — decode pages to ``f32[blocks, states, dim]`` (what the kernels take:
   ``swa_pages``, ``comp_pages``, ``ikey_pages``, ``ring_pages`` of ``pallas_kernels``), and
@@ -76,6 +77,7 @@ __all__ = [
     "check_block_ids",
     "check_slots",
     "config_pool_bytes",
+    "fill_blocks",
     "init_pools",
     "layer_kinds",
     "read_blocks",
@@ -476,6 +478,34 @@ def init_pools(layout: PoolLayout, *, fill: str = "zeros") -> dict[str, jax.Arra
     else:
         raise ValueError(f"fill must be 'zeros' or 'nan', got {fill!r}")
     return {key: jnp.full(shape, byte, jnp.uint8) for key, shape in layout.buffer_shapes().items()}
+
+
+def fill_blocks(
+    layout: PoolLayout,
+    pools: Mapping[str, jax.Array],
+    block_ids: jax.Array,
+    *,
+    fill: str = "zeros",
+) -> dict[str, jax.Array]:
+    """Reset whole blocks: every byte of rows ``block_ids i32[K]`` of every buffer set to 0
+    (``fill="zeros"``) or 0xFF (``"nan"``); ids outside ``[0, num_blocks)`` (e.g. -1 padding)
+    are skipped.
+
+    Why: in the aliased layout a block freed by one group and handed to another still holds the
+    old group's bytes, which the new group's records decode as arbitrary values, NaN or Inf
+    included (e.g. ring floats read as e4m3). vLLM zeroes newly allocated blocks when groups mix
+    precisions (``KVCacheConfig.needs_kv_cache_zeroing``); this is that operation, and with
+    ``"nan"`` the test variant (stale rows read as NaN, so a kernel that reads a row it should
+    not poisons its output)."""
+    byte = {"zeros": 0, "nan": NAN_BYTE}.get(fill)
+    if byte is None:
+        raise ValueError(f"fill must be 'zeros' or 'nan', got {fill!r}")
+    ids = jnp.asarray(block_ids, jnp.int32).reshape(-1)
+    ids = jnp.where((ids >= 0) & (ids < layout.num_blocks), ids, layout.num_blocks)
+    out = dict(pools)
+    for key, _ in layout.buffers:
+        out[key] = pools[key].at[ids].set(jnp.uint8(byte), mode="drop")
+    return out
 
 
 def _decode_pages(lp: LayerPool, pages: jax.Array) -> jax.Array:

@@ -450,3 +450,25 @@ def test_cache_memory_benchmark_agrees_with_section_3_3():
     }
     for entry in res["results"].values():
         assert entry["separate"]["bytes_per_block"] > entry["aliased"]["bytes_per_block"]
+
+
+@pytest.mark.parametrize("alias", ["aliased", "separate"])
+def test_fill_blocks_resets_whole_blocks(tiny, alias):
+    formats = R.RELEASED
+    layout = P.PoolLayout.build(tiny, _config(tiny, formats, 5), formats, alias)
+    pools = P.init_pools(layout)
+    name = ring_name(1)  # f32 rows: stale floats in a block later used by a uint8-record group
+    pools = P.write_ring(
+        layout, pools, name, jnp.arange(8, 40), _values(jax.random.PRNGKey(0), (32, 128))
+    )
+    pools = P.fill_blocks(layout, pools, jnp.asarray([2, -1, 4, 9]), fill="nan")
+    for key, buf in pools.items():
+        rows = np.asarray(buf)
+        assert (rows[[2, 4]] == 0xFF).all() and not rows[0].any(), key
+        assert rows[[1, 3]].any() == (key == layout.layer(name).buffer), key  # others kept
+    for n in layout.names():
+        assert np.isnan(np.asarray(P.read_layer(layout, pools, n))[[2, 4]]).all()
+    pools = P.fill_blocks(layout, pools, jnp.asarray([1, 2]))
+    assert not np.asarray(P.read_ring(layout, pools, name))[[1, 2]].any()
+    with pytest.raises(ValueError, match="fill"):
+        P.fill_blocks(layout, pools, jnp.asarray([1]), fill="x")
