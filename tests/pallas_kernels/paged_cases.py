@@ -246,3 +246,39 @@ def sparse_out(step: Step, sel: Selection, *, with_window: bool) -> np.ndarray:
         m, denom, acc = window_oracle_state(step.q[t].astype(np.float64), keys, step.scale)
         out[t] = finish_state(m, denom, acc, step.sink.astype(np.float64))
     return out
+
+
+def checking_tpu_interpreter():
+    """The TPU interpreter that simulates memory: NaN for uninitialised VMEM and SMEM, raises on
+    races and on out-of-bounds DMAs."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+
+
+def kernel_mode(kernel: str) -> dict:
+    """`impl=` / `interpret=` for a test of the "tpu" or "gpu" kernel.
+
+    On CPU the kernel is interpreted (the TPU one in the checking interpreter); on its own chip
+    (scripts/device_check.sh) it is compiled and run; on the other chip the test is skipped.
+    """
+    import jax
+    import pytest
+
+    backend = jax.default_backend()
+    if backend == kernel:
+        return dict(impl=kernel, interpret=False)
+    if backend != "cpu":
+        pytest.skip(f"the {kernel} kernel runs interpreted on CPU and compiled on its own chip")
+    if kernel == "tpu":
+        return dict(impl="tpu", interpret=checking_tpu_interpreter())
+    return dict(impl="gpu", interpret=True)
+
+
+def cpu_only() -> None:
+    """Skip a test that exercises an interpreter (checks the chips cannot make) off CPU."""
+    import jax
+    import pytest
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("interpreter-only check")

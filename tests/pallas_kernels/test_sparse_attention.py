@@ -21,8 +21,16 @@ from aot import (
     requires_cuda_plugin,
     requires_libtpu,
 )
-from jax.experimental.pallas import tpu as pltpu
-from paged_cases import Selection, Step, make_selection, make_step, sparse_out
+from paged_cases import (
+    Selection,
+    Step,
+    checking_tpu_interpreter,
+    cpu_only,
+    kernel_mode,
+    make_selection,
+    make_step,
+    sparse_out,
+)
 
 from pallas_kernels import sparse_attention, window_attention
 from pallas_kernels.sparse_attention import tpu
@@ -30,7 +38,7 @@ from pallas_kernels.sparse_attention import tpu
 # jax 0.12 deprecates (but ships) the Pallas Triton backend the GPU kernels use.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-H, D, S, W = 4, 128, 8, 16  # heads, latent, window page size, window
+H, D, S, W = 16, 128, 8, 16  # heads, latent, window page size, window
 E, K = 8, 16  # entries per compressed block, top-k width
 TOL = {np.float32: 2e-5, jnp.bfloat16: 1.5e-2}
 
@@ -134,33 +142,24 @@ def test_bad_arguments_are_named():
 # --------------------------------------------------------------------------- kernels (interpret)
 
 
-def checking_tpu_interpreter():
-    """The TPU interpreter that simulates memory: NaN for uninitialised VMEM, raises on races
-    and out-of-bounds DMAs."""
-    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
-
-
-KERNELS = {
-    "tpu": lambda: dict(impl="tpu", interpret=checking_tpu_interpreter()),
-    "gpu": lambda: dict(impl="gpu", interpret=True),
-}
+KERNELS = ("tpu", "gpu")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_matches_oracle(kernel, scenario, dtype):
     step, sel = _case(scenario, dtype, empty_rows=(0,))
     args, static = _args(step, sel, dtype)
-    out = sparse_attention(*args, **static, state=_window_state(step, dtype), **KERNELS[kernel]())
+    out = sparse_attention(*args, **static, state=_window_state(step, dtype), **kernel_mode(kernel))
     _check(out, step, sel, dtype, with_window=True)
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_without_window_state(kernel):
     step, sel = _case("mixed", empty_rows=(1,))
     args, static = _args(step, sel, np.float32)
-    out = sparse_attention(*args, **static, **KERNELS[kernel]())
+    out = sparse_attention(*args, **static, **kernel_mode(kernel))
     _check(out, step, sel, np.float32, with_window=False)
 
 
@@ -170,6 +169,7 @@ def test_kernel_without_window_state(kernel):
 )
 def test_tpu_kernel_shares_rows_between_tokens_of_a_request(dtype, interpret):
     """Tiles of 4 tokens fetch the union of their picks once (mixed requests, shuffled)."""
+    cpu_only()
     step, sel = _case("mixed", dtype, padding=3, empty_rows=(2,), shared_fraction=0.6)
     assert len(step.positions) % 4 == 0
     args, static = _args(step, sel, dtype)
@@ -182,6 +182,7 @@ def test_tpu_kernel_shares_rows_between_tokens_of_a_request(dtype, interpret):
 
 def test_tpu_kernels_chain_window_state_into_sparse():
     """The window kernel's state feeds the sparse kernel: one softmax over both."""
+    cpu_only()
     step, sel = _case("prefill", empty_rows=(3,))
     args, static = _args(step, sel, np.float32)
     state = window_attention(
@@ -193,6 +194,7 @@ def test_tpu_kernels_chain_window_state_into_sparse():
 
 
 def test_tpu_checking_interpreter_raises_on_a_bad_block():
+    cpu_only()
     step, sel = _case("decode", padding=0, shuffle=False)
     r = 2
     t = int(np.flatnonzero(step.token_req == r)[0])
@@ -200,7 +202,9 @@ def test_tpu_checking_interpreter_raises_on_a_bad_block():
     sel.comp.tables[r, picked[0] // E] = sel.comp.pages.shape[0] + 7
     args, static = _args(step, sel, np.float32)
     with pytest.raises(Exception, match="Out-of-bounds"):
-        jax.block_until_ready(sparse_attention(*args, **static, **KERNELS["tpu"]()))
+        jax.block_until_ready(
+            sparse_attention(*args, **static, impl="tpu", interpret=checking_tpu_interpreter())
+        )
     with pytest.raises(ValueError, match=rf"comp_tables\[{r}, "):
         sparse_attention(*args, **static, impl="tpu", interpret=True, debug=True)
 

@@ -22,15 +22,14 @@ from aot import (
     requires_cuda_plugin,
     requires_libtpu,
 )
-from jax.experimental.pallas import tpu as pltpu
-from paged_cases import Step, make_step
+from paged_cases import Step, checking_tpu_interpreter, cpu_only, kernel_mode, make_step
 
 from pallas_kernels import window_attention
 
 # jax 0.12 deprecates (but ships) the Pallas Triton backend the GPU kernels use.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-H, D, S, W = 4, 128, 8, 16  # heads, latent, page size, window (kernel tests: tiny on purpose)
+H, D, S, W = 16, 128, 8, 16  # heads, latent, page size, window (kernel tests: tiny on purpose)
 TOL = {np.float32: 2e-5, jnp.bfloat16: 1.5e-2}
 
 # (length after the step, new tokens) per request: lengths 1, window +- 1, page boundaries.
@@ -103,7 +102,8 @@ def test_reference_replay_start():
     _check_out(_run(step, np.float32, impl="reference"), step, np.float32)
 
 
-def test_reference_under_jit_and_default_impl_is_reference_on_cpu():
+def test_default_impl_under_jit():
+    """impl=None: the reference on CPU, the chip's own kernel (compiled) on a chip."""
     step = _step("decode")
     args, static = _args(step, np.float32)
     fn = jax.jit(functools.partial(window_attention, **static))
@@ -142,44 +142,39 @@ def test_bad_arguments_are_named():
 # --------------------------------------------------------------------------- kernels (interpret)
 
 
-def checking_tpu_interpreter():
-    """The TPU interpreter that simulates memory: NaN for uninitialised VMEM, raises on races
-    and out-of-bounds DMAs."""
-    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
-
-
-KERNELS = {
-    "tpu": lambda: dict(impl="tpu", interpret=checking_tpu_interpreter()),
-    "gpu": lambda: dict(impl="gpu", interpret=True),
-}
+KERNELS = ("tpu", "gpu")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_matches_oracle(kernel, scenario, dtype):
     step = _step(scenario, dtype, padding=PADDING[scenario], shuffle=scenario == "mixed")
-    _check_out(_run(step, dtype, **KERNELS[kernel]()), step, dtype)
+    _check_out(_run(step, dtype, **kernel_mode(kernel)), step, dtype)
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_state_and_replay_start(kernel):
     step = _step("mixed", padding=3, shuffle=True, replay_start=[0, 3, 2 * W + 1, 2 * W - 2, 4])
-    _check_out(_run(step, np.float32, **KERNELS[kernel]()), step, np.float32)
-    _check_state(_run(step, np.float32, return_state=True, **KERNELS[kernel]()), step, np.float32)
+    _check_out(_run(step, np.float32, **kernel_mode(kernel)), step, np.float32)
+    _check_state(_run(step, np.float32, return_state=True, **kernel_mode(kernel)), step, np.float32)
 
 
 def test_tpu_kernel_in_the_fast_interpreter_and_unordered_tiles():
     """interpret=True (HLO), tiles of 8 mixing requests and positions in random order."""
+    cpu_only()
     step = _step("prefill", padding=2, shuffle=True)
     _check_out(_run(step, np.float32, impl="tpu", interpret=True), step, np.float32)
 
 
 def test_tpu_checking_interpreter_raises_on_a_bad_block():
+    cpu_only()
     step = _step("decode", padding=1)
     step.swa.tables[6, -1] = step.swa.pages.shape[0] + 5  # inside request 6's window
     with pytest.raises(Exception, match="Out-of-bounds"):
-        jax.block_until_ready(_run(step, np.float32, **KERNELS["tpu"]()))
+        jax.block_until_ready(
+            _run(step, np.float32, impl="tpu", interpret=checking_tpu_interpreter())
+        )
     with pytest.raises(ValueError, match=r"swa_tables\[6, 6\]"):
         _run(step, np.float32, impl="tpu", interpret=True, debug=True)
 
@@ -243,3 +238,24 @@ def test_tpu_kernel_compiles(topology, case):
 def test_gpu_kernel_compiles_for_h100(case):
     t, r, dtype, state = RELEASED_CASES[case]
     compile_for_h100(_entry("gpu", state), *_released(t, r, dtype))
+
+
+# --------------------------------------------------------------------------- benchmark
+
+
+def test_kernel_benchmark_prints_the_cost_model(capsys):
+    """benchmarks/kernels.py on CPU: one JSON line, bytes and FLOPs for every shape, no timing."""
+    import json
+
+    from benchmarks import kernels
+
+    assert kernels.main(["--quick", "--no-time"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not out["timed"] and {"window_attention", "sparse_attention"} <= out["results"].keys()
+    for rows in out["results"].values():
+        assert {r["phase"] for r in rows} == {"decode", "prefill"}
+        assert all(r["bytes"] > 0 and r["flops"] > 0 and r["time_s"] is None for r in rows)
+    decode = [r for r in out["results"]["window_attention"] if r["phase"] == "decode"]
+    # a decode token moves its q, its output and its window's pages (5 pages of 32 x 512 bf16)
+    one = next(r for r in decode if r["batch"] == 1)
+    assert one["bytes"] >= 2 * 64 * 512 * 2 + 5 * 32 * 512 * 2

@@ -1,0 +1,256 @@
+"""Host-side builders (numpy) of the paged step's batch (DESIGN.md section 5).
+
+`build_batch` turns the requests scheduled for one step — their new tokens, where they start,
+and the block ids the allocator (`cache.KVCacheManager.get_block_ids`) holds for them in every
+KV-cache group — into the arrays of the step contract, padded to bucket sizes so the jitted step
+compiles a bounded number of times:
+
+* ``token_ids``, ``positions`` (-1 = padding), ``token_req`` — i32[T];
+* ``query_start_loc`` i32[R + 1], ``seq_lens`` i32[R], ``logits_indices`` i32[R],
+  ``replay_start`` i32[R];
+* ``tables[g]`` — i32[R, blocks_g]: the physical block ids of group g (0 = null block), wide
+  enough for ``max_model_len``;
+* ``slots`` — where each token's new state goes (-1 = nothing):
+  ``"g{g}"`` token slots of a sliding-window group (``table[p // S] * S + p % S``),
+  ``"g{g}r{r}"`` compressed-state slots of ratio r in a full group (state ``j = p // r``
+  written by the group's last token only: ``table[j // E] * E + j % E`` with ``E = B / r``),
+  ``"ring{g}"`` ring rows of a circular-buffer group (the last ``min(len, C)`` tokens of each
+  request's chunk, row ``ring_block * C + p % C``).
+
+Bounded replay (`v41_in_vllm.md` 4.5): a request with ``replay_start > 0`` recomputes tokens
+whose compressed state and index keys are already cached: rows below ``cache_write_from`` get no
+compressed/index-key slot, and the window of every row is clipped at ``replay_start``.
+
+With ``debug=True`` every block id is checked against the pool and every slot against its page;
+a bad value raises ValueError naming the request, group, position and the allowed range. Nothing
+is ever clamped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from cache.spec import (
+    CircularBufferSpec,
+    KVCacheConfig,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    iter_layer_specs,
+)
+
+__all__ = ["GroupInfo", "StepRequest", "bucket", "build_batch", "group_infos"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+    """What the builder needs of a KV-cache group."""
+
+    index: int
+    kind: str  # "window" (token per slot), "compressed" (states of ratio r), "ring"
+    block_size: int  # tokens per block (window, compressed) or ring capacity
+    ratios: tuple[int, ...]  # compressed groups: the tokens_per_state values present
+
+
+def group_infos(config: KVCacheConfig) -> tuple[GroupInfo, ...]:
+    out = []
+    for g, group in enumerate(config.kv_cache_groups):
+        specs = iter_layer_specs(group.kv_cache_spec)
+        first = specs[0]
+        if isinstance(first, SlidingWindowMLASpec):
+            out.append(GroupInfo(g, "window", first.block_size, (1,)))
+        elif isinstance(first, CircularBufferSpec):
+            out.append(GroupInfo(g, "ring", first.block_size, ()))
+        elif isinstance(first, MLAAttentionSpec):
+            ratios = tuple(sorted({s.tokens_per_state for s in specs}))
+            out.append(GroupInfo(g, "compressed", first.block_size, ratios))
+        else:  # pragma: no cover - a layout this model never builds
+            raise ValueError(f"group {g}: unsupported spec {type(first).__name__}")
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class StepRequest:
+    """One request's share of a step."""
+
+    token_ids: Sequence[int]  # the tokens scheduled now (drafts included)
+    start: int  # position of the first of them (tokens already in the cache)
+    block_ids: Sequence[Sequence[int]]  # per group, as the allocator holds them
+    replay_start: int = 0  # bounded replay: windows start here
+    cache_write_from: int = 0  # bounded replay: no compressed/index writes below this position
+    req_id: str = ""
+
+
+def bucket(n: int, sizes: Sequence[int]) -> int:
+    """The smallest bucket size >= n."""
+    for s in sorted(sizes):
+        if s >= n:
+            return s
+    raise ValueError(f"{n} exceeds the largest bucket {max(sizes)} (buckets: {sorted(sizes)})")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def build_batch(
+    requests: Sequence[StepRequest],
+    config: KVCacheConfig,
+    *,
+    max_model_len: int,
+    token_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024, 2048),
+    request_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    debug: bool = False,
+) -> dict:
+    """The step's arrays for ``requests`` (see the module docstring)."""
+    groups = group_infos(config)
+    n_tok = sum(len(r.token_ids) for r in requests)
+    if not requests or n_tok == 0:
+        raise ValueError("a step needs at least one request with at least one token")
+    t_pad = bucket(n_tok, token_buckets)
+    # one extra row for padding tokens, so real rows never see them
+    r_pad = bucket(len(requests) + 1, request_buckets)
+    token_ids = np.zeros(t_pad, np.int32)
+    positions = np.full(t_pad, -1, np.int32)
+    token_req = np.full(t_pad, r_pad - 1, np.int32)
+    qsl = np.zeros(r_pad + 1, np.int32)
+    seq_lens = np.zeros(r_pad, np.int32)
+    logits_idx = np.zeros(r_pad, np.int32)
+    replay = np.zeros(r_pad, np.int32)
+    tables: dict[int, np.ndarray] = {}
+    slots: dict[str, np.ndarray] = {}
+    for g in groups:
+        width = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
+        tables[g.index] = np.zeros((r_pad, width), np.int32)
+        if g.kind == "window":
+            slots[f"g{g.index}"] = np.full(t_pad, -1, np.int32)
+        elif g.kind == "compressed":
+            for r in g.ratios:
+                slots[f"g{g.index}r{r}"] = np.full(t_pad, -1, np.int32)
+        else:
+            slots[f"ring{g.index}"] = np.full(t_pad, -1, np.int32)
+
+    t = 0
+    for i, req in enumerate(requests):
+        n = len(req.token_ids)
+        if n == 0:
+            raise ValueError(f"request {i} ({req.req_id!r}) has no tokens scheduled")
+        if req.start < 0 or req.start + n > max_model_len:
+            raise ValueError(
+                f"request {i} ({req.req_id!r}): positions {req.start}..{req.start + n - 1} "
+                f"outside 0..{max_model_len - 1}"
+            )
+        if len(req.block_ids) != len(groups):
+            raise ValueError(
+                f"request {i} ({req.req_id!r}) has block ids for {len(req.block_ids)} groups, "
+                f"the layout has {len(groups)}"
+            )
+        pos = np.arange(req.start, req.start + n, dtype=np.int64)
+        sl = slice(t, t + n)
+        token_ids[sl] = np.asarray(req.token_ids, np.int32)
+        positions[sl] = pos
+        token_req[sl] = i
+        qsl[i] = t
+        qsl[i + 1] = t + n
+        seq_lens[i] = req.start + n
+        logits_idx[i] = t + n - 1
+        replay[i] = req.replay_start
+        for g in groups:
+            ids = np.asarray(req.block_ids[g.index], np.int64)
+            table = tables[g.index]
+            if g.kind == "ring":
+                if len(ids) > 1:
+                    raise ValueError(
+                        f"request {i} ({req.req_id!r}): ring group {g.index} holds "
+                        f"{len(ids)} blocks, expected at most 1"
+                    )
+                ring_block = int(ids[0]) if len(ids) else 0
+                table[i, 0] = ring_block
+                if ring_block:
+                    c = g.block_size
+                    last = pos[-min(n, c) :]
+                    slots[f"ring{g.index}"][t + n - len(last) : t + n] = ring_block * c + last % c
+                continue
+            if len(ids) > table.shape[1]:
+                raise ValueError(
+                    f"request {i} ({req.req_id!r}): group {g.index} holds {len(ids)} blocks, "
+                    f"more than max_model_len {max_model_len} needs ({table.shape[1]})"
+                )
+            table[i, : len(ids)] = ids
+            if g.kind == "window":
+                blk = pos // g.block_size
+                _need_blocks(ids, blk, i, req, g)
+                slots[f"g{g.index}"][sl] = ids[blk] * g.block_size + pos % g.block_size
+            else:
+                for r in g.ratios:
+                    e = g.block_size // r
+                    j = pos // r
+                    closes = ((pos + 1) % r == 0) & (pos >= req.cache_write_from)
+                    blk = j // e
+                    _need_blocks(ids, blk[closes], i, req, g)
+                    s = np.full(n, -1, np.int64)
+                    s[closes] = ids[blk[closes]] * e + j[closes] % e
+                    slots[f"g{g.index}r{r}"][sl] = s
+        t += n
+    qsl[len(requests) + 1 :] = t
+    batch = {
+        "token_ids": token_ids,
+        "positions": positions,
+        "token_req": token_req,
+        "query_start_loc": qsl,
+        "seq_lens": seq_lens,
+        "logits_indices": logits_idx,
+        "replay_start": replay,
+        "tables": tables,
+        "slots": slots,
+    }
+    if debug:
+        check_batch(batch, config)
+    return batch
+
+
+def _need_blocks(ids: np.ndarray, blk: np.ndarray, i: int, req: StepRequest, g: GroupInfo) -> None:
+    if len(blk) and blk.max() >= len(ids):
+        raise ValueError(
+            f"request {i} ({req.req_id!r}): group {g.index} needs block {int(blk.max())} for its "
+            f"new tokens but holds {len(ids)} blocks (allocate the slots first)"
+        )
+
+
+def check_batch(batch: dict, config: KVCacheConfig) -> None:
+    """Debug check: every block id in [0, num_blocks), every slot -1 or inside the pool, no
+    write into the null block. Raises ValueError naming the first bad value."""
+    groups = group_infos(config)
+    nb = config.num_blocks
+    for g in groups:
+        table = batch["tables"][g.index]
+        bad = np.argwhere((table < 0) | (table >= nb))
+        if len(bad):
+            row, col = bad[0]
+            raise ValueError(
+                f"block table of group {g.index}: request row {row}, entry {col} holds block id "
+                f"{int(table[row, col])}, outside the pool's 0..{nb - 1}"
+            )
+    for key, s in batch["slots"].items():
+        g = groups[int(key[4:] if key.startswith("ring") else key[1:].split("r")[0])]
+        if g.kind == "compressed":
+            per_block = g.block_size // int(key.split("r")[1])
+        else:
+            per_block = g.block_size
+        limit = nb * per_block
+        bad = np.argwhere((s < -1) | (s >= limit))
+        if len(bad):
+            t = int(bad[0][0])
+            raise ValueError(
+                f"slot mapping {key!r}: token {t} (position {int(batch['positions'][t])}) has "
+                f"slot {int(s[t])}, allowed -1 or 0..{limit - 1}"
+            )
+        null = np.argwhere((s >= 0) & (s < per_block))
+        if len(null):
+            t = int(null[0][0])
+            raise ValueError(
+                f"slot mapping {key!r}: token {t} (position {int(batch['positions'][t])}) would "
+                f"write slot {int(s[t])} in the null block 0"
+            )

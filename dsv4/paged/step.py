@@ -1,0 +1,246 @@
+"""The paged model step: one ragged batch over the paged caches (DESIGN.md section 5).
+
+`paged_step(params, cfg, layout, pools, batch)` runs the T scheduled tokens of R requests
+(chunked prefills and decodes mixed) through DeepSeek-V4.1. Per layer, in the order vLLM runs
+them:
+
+1. the window latent of every token is written at ``slot_mapping[swa group]`` (overwrite by
+   position: a rejected speculative token is simply rewritten later);
+2. kv sources compress: the pre-rope latent of every row that closes a group (ratio-2 pairs
+   straddling a chunk boundary are closed from the ring), its entry rotated at the group's first
+   position and its index key written at the compressed slot of their groups; the chunk's last
+   raw rows go to the ring;
+3. index sources score their kv source's index keys and select the top-k (candidate blocks at
+   the candidate source, masked at later index sources); reuse layers take the latest top-k;
+4. one softmax over the window (read through the window block table) and the selected
+   compressed entries (read through the compressed block table), with the per-head sink.
+
+Reads go through block tables, writes through slot mappings; the step never allocates and never
+clamps (a slot of -1 writes nothing; an out-of-range id is caught by the builder's debug check).
+Caches are whatever `dsv4.paged.pools` holds (aliased or separate pools of f32 / bf16 / fp8 /
+FP4 records); the attention math runs through `pallas_kernels` (the jnp references on CPU, the
+Pallas kernels on TPU and GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cache_name
+from dsv4 import layers as L
+from dsv4.config import ModelConfig, Role, rope_inv_freq
+from dsv4.paged import pools as P
+from dsv4.quant import fp8_qdq
+
+__all__ = ["paged_step", "paged_step_jit"]
+
+Batch = dict[str, Any]
+
+
+def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, shared, impl):
+    info = cfg.plan[layer]
+    a = f"layers.{layer}.attn."
+    t = x.shape[0]
+    r = info.ratio
+    pos = batch["positions"]
+    real = pos >= 0
+    safe_pos = jnp.where(real, pos, 0)
+    tok_req = batch["token_req"]
+    cos, sin = L.rope_tables(cfg, r, safe_pos)  # [T, rope/2]
+    qr = L.rms_norm(
+        L.linear(x, params, a + "wq_a.weight", cfg), params[a + "q_norm.weight"], cfg.norm_eps
+    )
+    q = L.linear(qr, params, a + "wq_b.weight", cfg).reshape(t, cfg.n_heads, cfg.head_dim)
+    q = L.apply_rope(q, cos[:, None, :], sin[:, None, :])
+    kv = L.rms_norm(
+        L.linear(x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
+    )
+    kv = L.apply_rope(kv, cos, sin)
+    if cfg.quant_sim and not layout.quantises("window"):
+        kv = fp8_qdq(kv, 32)
+
+    swa = swa_cache_name(layer)
+    g_swa = layout.group_of(swa)
+    pools = P.write_layer(layout, pools, swa, batch["slots"][f"g{g_swa}"], kv)
+    swa_pages = P.read_layer(layout, pools, swa).astype(q.dtype)
+    scale = cfg.head_dim**-0.5
+    sink = params[a + "attn_sink"]
+    win_kwargs = dict(
+        window=cfg.window_size,
+        scale=scale,
+        replay_start=batch.get("replay_start"),
+        impl=impl,
+    )
+    if not r:
+        o = pk.window_attention(
+            q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, **win_kwargs
+        )
+        return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
+
+    src = info.kv_source
+    comp_name, ikey_name = compressed_kv_name(src), indexer_k_name(src)
+    g_comp, g_ikey = layout.group_of(comp_name), layout.group_of(ikey_name)
+    e_comp = layout.states_per_page(comp_name)
+    e_ikey = layout.states_per_page(ikey_name)
+    if info.role is Role.FULL:
+        pools = _compress(x, params, a, layer, cfg, layout, pools, batch, impl)
+    visible = jnp.where(real, (safe_pos + 1) // r, 0)
+    if info.role in (Role.FULL, Role.REINDEX):
+        ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+        qi = L.linear(qr, params, a + "indexer.wq_b.weight", cfg).reshape(t, ih, ihd)
+        qi = L.apply_rope(qi, cos[:, None, :], sin[:, None, :])
+        if cfg.quant_sim:
+            from dsv4.quant import fp4_qdq_pow2
+
+            qi = fp4_qdq_pow2(qi, 32)
+        w = L.linear(x, params, a + "indexer.weights_proj.weight", cfg) * (ihd**-0.5 * ih**-0.5)
+        ikey_pages = P.read_layer(layout, pools, ikey_name).astype(jnp.float32)
+        kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, impl=impl)
+        if info.is_candidate_source:
+            kw.update(
+                candidate_block_size=cfg.candidate_block_size,
+                candidate_topk_blocks=cfg.candidate_topk_blocks,
+            )
+        elif info.uses_candidates:
+            kw.update(
+                candidate_block_size=cfg.candidate_block_size,
+                candidate_topk_blocks=cfg.candidate_topk_blocks,
+                candidates=shared["candidates"],
+            )
+        out = pk.indexer_topk(
+            qi.astype(jnp.float32),
+            w.astype(jnp.float32),
+            ikey_pages,
+            batch["tables"][g_ikey],
+            tok_req,
+            pos,
+            visible,
+            **kw,
+        )
+        if info.is_candidate_source:
+            shared["topk"], shared["candidates"] = out
+        else:
+            shared["topk"] = out
+    state = pk.window_attention(
+        q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, return_state=True, **win_kwargs
+    )
+    comp_pages = P.read_layer(layout, pools, comp_name).astype(q.dtype)
+    o = pk.sparse_attention(
+        q,
+        comp_pages,
+        batch["tables"][g_comp],
+        tok_req,
+        pos,
+        shared["topk"],
+        sink,
+        entries_per_block=e_comp,
+        scale=scale,
+        state=state,
+        impl=impl,
+    )
+    return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
+
+
+def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, batch, impl):
+    """Compressor of a kv source: compressed entries, index keys and (ratio 2) ring rows."""
+    from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2
+
+    r = cfg.plan[layer].ratio
+    pos = batch["positions"]
+    real = pos >= 0
+    tok_req = batch["token_req"]
+    comp_name, ikey_name = compressed_kv_name(layer), indexer_k_name(layer)
+    e = layout.states_per_page(comp_name)
+    inv_freq = jnp.asarray(np.asarray(rope_inv_freq(cfg, r), np.float32))
+    # the records are written here (through the pools), not by the kernel: give it no slots
+    no_slots = jnp.full(pos.shape, -1, jnp.int32)
+    dummy = jnp.zeros((1, e, cfg.head_dim), x.dtype)
+    if r == 1:
+        kv = L.linear(x, params, a + "compressor.wkv.weight", cfg)
+        latent, _, _ = pk.compressor(
+            kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
+            inv_freq, no_slots, None, dummy, None, ratio=1, eps=cfg.norm_eps, impl=impl,
+        )  # fmt: skip
+    else:
+        xf = x.astype(jnp.float32)
+        a_ = jnp.einsum("td,od->to", xf, params[a + "compressor.wkv.weight"].astype(jnp.float32))
+        s_ = jnp.einsum("td,od->to", xf, params[a + "compressor.wgate.weight"].astype(jnp.float32))
+        kv = jnp.concatenate([a_, s_], axis=-1)
+        rname = ring_name(layer)
+        g_ring = layout.group_of(rname)
+        ring_block = batch["tables"][g_ring][:, 0]
+        ring = P.read_ring(layout, pools, rname)
+        latent, _, _ = pk.compressor(
+            kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
+            inv_freq, no_slots, ring_block, dummy, ring, ratio=2, eps=cfg.norm_eps, impl=impl,
+        )  # fmt: skip
+        pools = P.write_ring(layout, pools, rname, batch["slots"][f"ring{g_ring}"], kv)
+    latent = latent.astype(x.dtype)
+    gpos = jnp.where(real, pos - pos % r, 0)
+    gcos, gsin = L.rope_tables(cfg, r, gpos)
+    k = L.rms_norm(
+        L.linear(latent, params, a + "indexer.wk.weight", cfg),
+        params[a + "indexer.k_norm.weight"],
+        cfg.norm_eps,
+    )
+    k = L.apply_rope(k, gcos, gsin)
+    c = L.apply_rope(latent, gcos, gsin)
+    if cfg.quant_sim and not layout.quantises("index"):
+        k = fp4_qdq_pow2(k, 32)
+    if cfg.quant_sim and not layout.quantises("compressed"):
+        c = fp4_qdq_e4m3(c, 16)
+    g_comp, g_ikey = layout.group_of(comp_name), layout.group_of(ikey_name)
+    pools = P.write_layer(layout, pools, comp_name, batch["slots"][f"g{g_comp}r{r}"], c)
+    pools = P.write_layer(layout, pools, ikey_name, batch["slots"][f"g{g_ikey}r{r}"], k)
+    return pools
+
+
+def paged_step(
+    params,
+    cfg: ModelConfig,
+    layout,
+    pools: dict[str, jax.Array],
+    batch: Batch,
+    *,
+    all_logits: bool = False,
+    impl: str | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One step: logits f32[R, vocab] at ``batch["logits_indices"]`` (or f32[T, vocab] for every
+    token with ``all_logits``) and the updated pools.
+
+    ``batch`` (built by `dsv4.paged.batch.build_batch`): ``token_ids``, ``positions`` (-1 =
+    padding), ``token_req`` i32[T]; ``query_start_loc`` i32[R + 1]; ``seq_lens`` i32[R];
+    ``tables`` {group: i32[R, nb]}; ``slots`` {"g{g}": token slots of a token-level group,
+    "g{g}r{r}": compressed-state slots of ratio r, "ring{g}": ring rows}; ``logits_indices``
+    i32[R]; optional ``replay_start`` i32[R] (bounded replay)."""
+    x = L.embed(params, batch["token_ids"], cfg)  # [T, hc, D]
+    pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
+    shared: dict[str, jax.Array] = {}
+    for layer in range(cfg.n_layers):
+        p = f"layers.{layer}."
+        a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
+        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
+        att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, impl)
+        x = L.hc_post(att, x, a_post, a_comb)
+        f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
+        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
+        x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
+        pre = f_pre
+    if not all_logits:
+        x = x[batch["logits_indices"]]
+        pre = pre[batch["logits_indices"]]
+    return L.head(params, x, pre, cfg), pools
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "layout", "all_logits", "impl"), donate_argnames=("pools",)
+)
+def paged_step_jit(params, pools, batch, *, cfg, layout, all_logits=False, impl=None):
+    """`paged_step` under jit; the pools are donated (updated in place on device)."""
+    return paged_step(params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl)

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The attention kernels on a real NVIDIA GPU (made for an H200), in one go, in under 10 minutes:
+#
+#   1. environment  .venv with '.[test,gpu]' (made if missing). Offline machine: WHEELHOUSE=<dir of
+#                   wheels> installs from there; failing that, a python3 that already has jax on the
+#                   GPU is used, with a loud note that it is not the pinned jax.
+#   2. kernel tests window/sparse attention tests with the GPU kernels compiled and run on the
+#                   chip (the TPU-interpreter and deviceless-compile tests skip themselves).
+#   3. benchmark    benchmarks/kernels.py timed on the chip: JSON + a table of time, bytes and % of
+#                   the HBM roofline per shape.
+#   4. other tests  the rest of tests/pallas_kernels, in whatever time is left.
+#
+# Usage: scripts/device_check.sh
+#   OUT_DIR (or $OUT)  where the JSON and logs go (default /tmp/device_check)
+#   PYTHON             use this interpreter as is (skips step 1's install)
+#   PLATFORM           JAX_PLATFORMS for steps 2-4 (default cuda; "cpu" dry-runs the script)
+# Exit status: 0 when every step passed, 1 when a step failed, 2 when no GPU Python was found.
+set -u -o pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+START=$(date +%s)
+BUDGET=${BUDGET_S:-570}
+OUT_DIR=${OUT_DIR:-${OUT:-/tmp/device_check}}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+declare -A RESULT
+
+section() { printf '\n==================== %s ====================\n' "$*"; }
+remaining() { echo $((BUDGET - ($(date +%s) - START))); }
+cap() { local r; r=$(remaining); if [ "$r" -lt "$1" ]; then echo "$r"; else echo "$1"; fi; }
+on_gpu() { "$1" -c 'import jax, sys; sys.exit(0 if jax.default_backend() == "gpu" else 1)' >/dev/null 2>&1; }
+
+section "1/4 environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "(nvidia-smi failed)"
+PY=""
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+elif [ -x .venv/bin/python ] && on_gpu .venv/bin/python; then
+    PY=.venv/bin/python
+else
+    P312=""
+    for p in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12 python3; do
+        if "$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then P312=$p; break; fi
+    done
+    if [ -n "$P312" ]; then
+        [ -x .venv/bin/python ] || "$P312" -m venv .venv
+        PIP=(.venv/bin/python -m pip install -q --retries 0 --timeout 10)
+        [ -n "${WHEELHOUSE:-}" ] && PIP+=(--no-index --find-links "$WHEELHOUSE")
+        echo "installing .[test,gpu] into .venv ($(cap 240) s at most)"
+        if timeout "$(cap 240)" "${PIP[@]}" -e '.[test,gpu]' && on_gpu .venv/bin/python; then
+            PY=.venv/bin/python
+        else
+            echo "could not install .[test,gpu] into .venv (offline? set WHEELHOUSE)"
+        fi
+    fi
+    if [ -z "$PY" ]; then
+        for p in python3 /opt/torch/.venv/bin/python3; do
+            if on_gpu "$p" && "$p" -c 'import pytest, numpy' >/dev/null 2>&1; then PY=$p; break; fi
+        done
+        if [ -n "$PY" ]; then
+            export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+            echo "!!! FALLBACK: using $PY with its own jax, NOT the pinned jax==0.12.0.1 !!!"
+        fi
+    fi
+fi
+if [ -z "$PY" ]; then
+    echo "FATAL: no Python with jax on a GPU (jax.default_backend() != 'gpu')"
+    exit 2
+fi
+"$PY" -c 'import jax, sys; print("python", sys.version.split()[0], "| jax", jax.__version__, "|", jax.devices())'
+export JAX_PLATFORMS=${PLATFORM:-cuda}
+
+section "2/4 window + sparse attention kernels, compiled on the GPU"
+timeout "$(cap 300)" "$PY" -m pytest -o addopts="" -q -p no:cacheprovider -rs \
+    tests/pallas_kernels/test_window_attention.py tests/pallas_kernels/test_sparse_attention.py \
+    -k "not compiles and not lowers" 2>&1 | tee "$OUT_DIR/kernel_tests.log"
+RESULT[tests]=$?
+
+section "3/4 kernel benchmark, timed on the GPU"
+timeout "$(cap 240)" "$PY" -m benchmarks.kernels --repeats 20 >"$OUT_DIR/kernels_bench.json" \
+    2>"$OUT_DIR/kernels_bench.err"
+RESULT[benchmark]=$?
+tail -n 5 "$OUT_DIR/kernels_bench.err"
+"$PY" - "$OUT_DIR/kernels_bench.json" <<'EOF' || RESULT[benchmark]=1
+import json, sys
+
+text = open(sys.argv[1]).read().strip()
+if not text:
+    sys.exit("no benchmark output")
+out = json.loads(text.splitlines()[-1])
+print(f"device {out['device']} | impl {out['impl']} | {out['dtype']} | jax {out['jax']} | "
+      f"peak HBM {out['peak_hbm_bytes_per_s']} B/s")
+head = f"{'kernel':17} {'phase':7} {'batch':>5} {'context':>8} {'tokens':>6} {'MB':>9} {'us':>10} {'GB/s':>8} {'%HBM':>6} {'TFLOP/s':>8}"
+print(head)
+bad = 0
+for name, rows in out["results"].items():
+    for r in rows:
+        if r.get("error") or (out["timed"] and r["time_s"] is None):
+            bad += 1
+            print(f"{name:17} {r['phase']:7} {r['batch']:>5} {r['context']:>8} ERROR {r.get('error')}")
+            continue
+        if not out["timed"]:
+            print(f"{name:17} {r['phase']:7} {r['batch']:>5} {r['context']:>8} {r['tokens']:>6} "
+                  f"{r['bytes'] / 1e6:>9.2f} (untimed: cost model only)")
+            continue
+        pct = r["hbm_roofline_pct"]
+        print(f"{name:17} {r['phase']:7} {r['batch']:>5} {r['context']:>8} {r['tokens']:>6} "
+              f"{r['bytes'] / 1e6:>9.2f} {r['time_s'] * 1e6:>10.1f} {r['bytes_per_s'] / 1e9:>8.1f} "
+              f"{'-' if pct is None else f'{pct:.1f}':>6} {r['tflops']:>8.2f}")
+sys.exit(1 if bad else 0)
+EOF
+
+section "4/4 the other kernel tests in tests/pallas_kernels"
+mapfile -t OTHERS < <(ls tests/pallas_kernels/test_*.py | grep -v -e test_window_attention -e test_sparse_attention)
+if [ "${#OTHERS[@]}" -eq 0 ]; then
+    echo "(none)"
+    RESULT[other_tests]=0
+elif [ "$(remaining)" -lt 30 ]; then
+    echo "(skipped: out of time)"
+    RESULT[other_tests]=124
+else
+    timeout "$(cap 600)" "$PY" -m pytest -o addopts="" -q -p no:cacheprovider -rs "${OTHERS[@]}" \
+        -k "not compiles and not lowers" 2>&1 | tee "$OUT_DIR/other_tests.log"
+    RESULT[other_tests]=$?
+fi
+
+section "summary ($(($(date +%s) - START)) s)"
+status=0
+for step in tests benchmark other_tests; do
+    code=${RESULT[$step]:-1}
+    case $code in
+        0) word=PASS ;;
+        124) word="TIMEOUT (the time box ran out)" ;;
+        *) word="FAIL (exit $code)" ;;
+    esac
+    printf '%-12s %s\n' "$step" "$word"
+    [ "$code" -eq 0 ] || status=1
+done
+echo "logs and JSON: $OUT_DIR"
+exit $status
