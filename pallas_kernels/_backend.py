@@ -94,28 +94,36 @@ def window_pages(window: int, page_size: int) -> int:
     return cdiv(window - 1, page_size) + 1
 
 
-def _raise_bad_tables(tables: np.ndarray, num_pages: int, name: str) -> None:
-    tables = np.asarray(tables)
-    bad = np.argwhere((tables < 0) | (tables >= num_pages))
+def _raise_out_of_range(values: np.ndarray, lo: int, hi: int, name: str, what: str) -> None:
+    values = np.asarray(values)
+    bad = np.argwhere((values < lo) | (values >= hi))
     if bad.size:
         where = tuple(int(i) for i in bad[0])
         raise ValueError(
-            f"{name}{list(where)} = {int(tables[where])} is not a block id in [0, {num_pages}) "
-            f"({len(bad)} bad entries; block 0 is the null block, nothing is clamped)"
+            f"{name}{list(where)} = {int(values[where])} is not {what} in [{lo}, {hi}) "
+            f"({len(bad)} bad entries; nothing is clamped)"
         )
 
 
+def check_range(values: jax.Array, lo: int, hi: int, name: str, what: str) -> None:
+    """Raise (at run time, also under `jit`) if an entry of `values` is outside [lo, hi).
+
+    Under `jit` the error surfaces as a `JaxRuntimeError` carrying the message, which names the
+    first bad entry and its value.
+    """
+    if isinstance(values, jax.core.Tracer):
+        jax.debug.callback(_raise_out_of_range, values, lo, hi, name, what)
+    else:
+        _raise_out_of_range(np.asarray(values), lo, hi, name, what)
+
+
 def check_block_tables(tables: jax.Array, num_pages: int, name: str) -> None:
-    """Raise (at run time, also under `jit`) if any entry of `tables` is outside [0, num_pages).
+    """Raise at run time if a block id of `tables` is outside [0, num_pages).
 
     The kernels never clamp a block id: the TPU checking interpreter raises on the bad DMA, and
-    this check raises on every implementation. Under `jit` the error surfaces as a
-    `JaxRuntimeError` carrying this message.
+    this check raises on every implementation (block 0 is the null block).
     """
-    if isinstance(tables, jax.core.Tracer):
-        jax.debug.callback(_raise_bad_tables, tables, num_pages, name)
-    else:
-        _raise_bad_tables(np.asarray(tables), num_pages, name)
+    check_range(tables, 0, num_pages, name, "a block id")
 
 
 def check_shapes(**arrays: tuple[jax.Array, tuple[Any, ...]]) -> None:

@@ -54,7 +54,8 @@ def sparse_attention(
         `window_attention(..., return_state=True)`, or None for an empty window.
       impl: None (by backend), "reference", "tpu" or "gpu".
       interpret: kernels only: False, True, or (TPU) `pltpu.InterpretParams(...)`.
-      debug: check at run time that every block id is in [0, P) (raises otherwise).
+      debug: check at run time that every block id is in [0, P), every request row and
+        entry id is covered by the table (raises otherwise, naming the first bad entry).
       tokens_per_tile: TPU kernel: tokens per grid step (default 1). With > 1, tokens of one request in
         a tile fetch the union of their picks once (speculative decode: 1 + draft tokens).
         Ignored elsewhere.
@@ -86,6 +87,9 @@ def sparse_attention(
     impl = _backend.resolve_impl(impl)
     if debug:
         _backend.check_block_tables(comp_tables, comp_pages.shape[0], "comp_tables")
+        span = comp_tables.shape[1] * entries_per_block
+        _backend.check_range(topk, -1, span, "topk", "an entry id the table covers")
+        _backend.check_range(token_req, 0, comp_tables.shape[0], "token_req", "a request row")
     args = (q, comp_pages, comp_tables, token_req, positions, topk, sink)
     kwargs = dict(entries_per_block=entries_per_block, scale=scale, state=state)
     if impl == "reference":

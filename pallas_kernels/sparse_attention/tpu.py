@@ -36,6 +36,7 @@ from pallas_kernels.sparse_attention.cost import sparse_cost
 
 CHUNK = 128  # slab rows per softmax step (one lane tile of logits)
 TOKENS_PER_TILE = 1  # > 1 shares fetched rows between tokens of a request (sorts in XLA)
+MAX_TOKENS_PER_CALL = 8192  # bounds the scalar-prefetched metadata (SMEM is 1 MiB)
 _ID_BITS = 28  # entry ids below 2^28 (1M-token contexts need 2^20); 3 bits of request slot
 
 
@@ -253,6 +254,26 @@ def sparse_attention(
 ):
     """The TPU kernel behind `pallas_kernels.sparse_attention` (same arguments and results)."""
     num_tokens, heads, dim = q.shape
+    if num_tokens > MAX_TOKENS_PER_CALL:  # one kernel call per slice of tokens
+        cut = lambda x, i: None if x is None else x[i : i + MAX_TOKENS_PER_CALL]  # noqa: E731
+        parts = [
+            sparse_attention(
+                cut(q, i),
+                comp_pages,
+                comp_tables,
+                cut(token_req, i),
+                cut(positions, i),
+                cut(topk, i),
+                sink,
+                entries_per_block=entries_per_block,
+                scale=scale,
+                state=None if state is None else tuple(cut(x, i) for x in state),
+                interpret=interpret,
+                tokens_per_tile=tokens_per_tile,
+            )
+            for i in range(0, num_tokens, MAX_TOKENS_PER_CALL)
+        ]
+        return jnp.concatenate(parts)
     k = topk.shape[1]
     packed = comp_pages.dtype == jnp.bfloat16
     if not packed and _backend.itemsize(comp_pages.dtype) != 4:

@@ -55,7 +55,8 @@ def window_attention(
         for `sparse_attention(state=...)`.
       impl: None (by backend), "reference", "tpu" or "gpu".
       interpret: kernels only: False, True, or (TPU) `pltpu.InterpretParams(...)`.
-      debug: check at run time that every block id is in [0, P) (raises otherwise).
+      debug: check at run time that every block id is in [0, P), every request row and
+        position is covered by the table (raises otherwise, naming the first bad entry).
       tokens_per_tile: TPU kernel: tokens per grid step (default 8); a tile's tokens of one request share
         fetched pages. Ignored elsewhere.
 
@@ -77,6 +78,9 @@ def window_attention(
     impl = _backend.resolve_impl(impl)
     if debug:
         _backend.check_block_tables(swa_tables, swa_pages.shape[0], "swa_tables")
+        span = swa_tables.shape[1] * swa_pages.shape[1]
+        _backend.check_range(positions, -1, span, "positions", "a position the table covers")
+        _backend.check_range(token_req, 0, swa_tables.shape[0], "token_req", "a request row")
     kwargs = dict(window=window, scale=scale, replay_start=replay_start, return_state=return_state)
     args = (q, swa_pages, swa_tables, token_req, positions, sink)
     if impl == "reference":

@@ -35,6 +35,7 @@ from pallas_kernels._backend import MASK_VALUE
 from pallas_kernels.window_attention.cost import window_cost
 
 TOKENS_PER_TILE = 8  # tokens per grid step (largest power of two <= this that divides T)
+MAX_TOKENS_PER_CALL = 8192  # bounds the scalar-prefetched metadata (SMEM is 1 MiB)
 
 
 def _kernel(
@@ -176,6 +177,25 @@ def window_attention(
 ):
     """The TPU kernel behind `pallas_kernels.window_attention` (same arguments and results)."""
     num_tokens, heads, dim = q.shape
+    if num_tokens > MAX_TOKENS_PER_CALL:  # one kernel call per slice of tokens
+        parts = [
+            window_attention(
+                q[i : i + MAX_TOKENS_PER_CALL],
+                swa_pages,
+                swa_tables,
+                token_req[i : i + MAX_TOKENS_PER_CALL],
+                positions[i : i + MAX_TOKENS_PER_CALL],
+                sink,
+                window=window,
+                scale=scale,
+                replay_start=replay_start,
+                return_state=return_state,
+                interpret=interpret,
+                tokens_per_tile=tokens_per_tile,
+            )
+            for i in range(0, num_tokens, MAX_TOKENS_PER_CALL)
+        ]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
     _, page, _ = swa_pages.shape
     nb = swa_tables.shape[1]
     nw = _backend.window_pages(window, page)

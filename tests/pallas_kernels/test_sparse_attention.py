@@ -128,6 +128,14 @@ def test_debug_check_names_the_bad_block():
         jax.block_until_ready(fn(*args))
 
 
+def test_debug_check_names_entries_past_the_table():
+    step, sel = _case("decode")
+    sel.topk[2, 5] = sel.comp.tables.shape[1] * E
+    args, static = _args(step, sel, np.float32)
+    with pytest.raises(ValueError, match=r"topk\[2, 5\] = .* not an entry id the table covers"):
+        sparse_attention(*args, **static, debug=True)
+
+
 def test_bad_arguments_are_named():
     step, sel = _case("decode")
     args, static = _args(step, sel, np.float32)
@@ -190,6 +198,18 @@ def test_tpu_kernels_chain_window_state_into_sparse():
         args[6], window=W, scale=step.scale, return_state=True, impl="tpu", interpret=True,
     )  # fmt: skip
     out = sparse_attention(*args, **static, state=state, impl="tpu", interpret=True)
+    _check(out, step, sel, np.float32, with_window=True)
+
+
+def test_tpu_kernel_splits_long_batches(monkeypatch):
+    """Batches past the SMEM budget run as several kernel calls (here: 8 + 4 tokens)."""
+    cpu_only()
+    monkeypatch.setattr(tpu, "MAX_TOKENS_PER_CALL", 8)
+    step, sel = _case("mixed", padding=3)
+    args, static = _args(step, sel, np.float32)
+    out = sparse_attention(
+        *args, **static, state=_window_state(step, np.float32), impl="tpu", interpret=True
+    )
     _check(out, step, sel, np.float32, with_window=True)
 
 

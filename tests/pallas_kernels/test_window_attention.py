@@ -121,6 +121,13 @@ def test_debug_check_names_the_bad_block():
         jax.block_until_ready(fn(*args))
 
 
+def test_debug_check_names_positions_past_the_table():
+    step = _step("decode")
+    step.positions[3] = step.swa.tables.shape[1] * S  # one past the last covered position
+    with pytest.raises(ValueError, match=r"positions\[3\] = .* not a position the table covers"):
+        _run(step, np.float32, impl="reference", debug=True)
+
+
 def test_bad_arguments_are_named():
     step = _step("decode")
     with pytest.raises(ValueError, match="sink has shape"):
@@ -165,6 +172,18 @@ def test_tpu_kernel_in_the_fast_interpreter_and_unordered_tiles():
     cpu_only()
     step = _step("prefill", padding=2, shuffle=True)
     _check_out(_run(step, np.float32, impl="tpu", interpret=True), step, np.float32)
+
+
+def test_tpu_kernel_splits_long_batches(monkeypatch):
+    """Batches past the SMEM budget run as several kernel calls (here: 16 + 16 + 8 tokens)."""
+    cpu_only()
+    from pallas_kernels.window_attention import tpu
+
+    monkeypatch.setattr(tpu, "MAX_TOKENS_PER_CALL", 16)
+    step = _step("prefill", padding=2)
+    _check_out(_run(step, np.float32, impl="tpu", interpret=True), step, np.float32)
+    _check_state(_run(step, np.float32, impl="tpu", interpret=True, return_state=True), step,
+                 np.float32)  # fmt: skip
 
 
 def test_tpu_checking_interpreter_raises_on_a_bad_block():
