@@ -31,16 +31,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as pk
 from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cache_name
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role, rope_inv_freq
 from dsv4.paged import pools as P
 from dsv4.quant import fp8_qdq
+from pallas_kernels.compressor import compressor
+from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.window_attention import window_attention
 
 __all__ = ["paged_step", "paged_step_jit"]
 
 Batch = dict[str, Any]
+
+
+def _quantised(layout, kind: str) -> bool:
+    """Whether the cache records of this kind already quantise (so the step must not QDQ)."""
+    return layout.formats.record(kind) not in ("f32", "bf16")
 
 
 def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, shared, impl):
@@ -62,7 +70,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         L.linear(x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
     )
     kv = L.apply_rope(kv, cos, sin)
-    if cfg.quant_sim and not layout.quantises("window"):
+    if cfg.quant_sim and not _quantised(layout, "swa"):
         kv = fp8_qdq(kv, 32)
 
     swa = swa_cache_name(layer)
@@ -78,16 +86,14 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         impl=impl,
     )
     if not r:
-        o = pk.window_attention(
-            q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, **win_kwargs
-        )
+        o = window_attention(q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, **win_kwargs)
         return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
     src = info.kv_source
     comp_name, ikey_name = compressed_kv_name(src), indexer_k_name(src)
     g_comp, g_ikey = layout.group_of(comp_name), layout.group_of(ikey_name)
-    e_comp = layout.states_per_page(comp_name)
-    e_ikey = layout.states_per_page(ikey_name)
+    e_comp = layout.layer(comp_name).states
+    e_ikey = layout.layer(ikey_name).states
     if info.role is Role.FULL:
         pools = _compress(x, params, a, layer, cfg, layout, pools, batch, impl)
     visible = jnp.where(real, (safe_pos + 1) // r, 0)
@@ -113,7 +119,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
                 candidate_topk_blocks=cfg.candidate_topk_blocks,
                 candidates=shared["candidates"],
             )
-        out = pk.indexer_topk(
+        out = indexer_topk(
             qi.astype(jnp.float32),
             w.astype(jnp.float32),
             ikey_pages,
@@ -127,11 +133,11 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
             shared["topk"], shared["candidates"] = out
         else:
             shared["topk"] = out
-    state = pk.window_attention(
+    state = window_attention(
         q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, return_state=True, **win_kwargs
     )
     comp_pages = P.read_layer(layout, pools, comp_name).astype(q.dtype)
-    o = pk.sparse_attention(
+    o = sparse_attention(
         q,
         comp_pages,
         batch["tables"][g_comp],
@@ -156,14 +162,14 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
     real = pos >= 0
     tok_req = batch["token_req"]
     comp_name, ikey_name = compressed_kv_name(layer), indexer_k_name(layer)
-    e = layout.states_per_page(comp_name)
+    e = layout.layer(comp_name).states
     inv_freq = jnp.asarray(np.asarray(rope_inv_freq(cfg, r), np.float32))
     # the records are written here (through the pools), not by the kernel: give it no slots
     no_slots = jnp.full(pos.shape, -1, jnp.int32)
     dummy = jnp.zeros((1, e, cfg.head_dim), x.dtype)
     if r == 1:
         kv = L.linear(x, params, a + "compressor.wkv.weight", cfg)
-        latent, _, _ = pk.compressor(
+        latent, _, _ = compressor(
             kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
             inv_freq, no_slots, None, dummy, None, ratio=1, eps=cfg.norm_eps, impl=impl,
         )  # fmt: skip
@@ -176,7 +182,7 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         g_ring = layout.group_of(rname)
         ring_block = batch["tables"][g_ring][:, 0]
         ring = P.read_ring(layout, pools, rname)
-        latent, _, _ = pk.compressor(
+        latent, _, _ = compressor(
             kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
             inv_freq, no_slots, ring_block, dummy, ring, ratio=2, eps=cfg.norm_eps, impl=impl,
         )  # fmt: skip
@@ -191,9 +197,9 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
     )
     k = L.apply_rope(k, gcos, gsin)
     c = L.apply_rope(latent, gcos, gsin)
-    if cfg.quant_sim and not layout.quantises("index"):
+    if cfg.quant_sim and not _quantised(layout, "index"):
         k = fp4_qdq_pow2(k, 32)
-    if cfg.quant_sim and not layout.quantises("compressed"):
+    if cfg.quant_sim and not _quantised(layout, "compressed"):
         c = fp4_qdq_e4m3(c, 16)
     g_comp, g_ikey = layout.group_of(comp_name), layout.group_of(ikey_name)
     pools = P.write_layer(layout, pools, comp_name, batch["slots"][f"g{g_comp}r{r}"], c)
