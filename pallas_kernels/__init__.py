@@ -8,7 +8,9 @@ Note: the names below are the entry *functions*; their folders are reached as mo
 `from pallas_kernels.window_attention import reference`.
 """
 
+from pallas_kernels.compressor import compressor
+from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.window_attention import window_attention
 
-__all__ = ["sparse_attention", "window_attention"]
+__all__ = ["compressor", "indexer_topk", "sparse_attention", "window_attention"]
