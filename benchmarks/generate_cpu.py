@@ -57,12 +57,12 @@ def measure_batch(
     generate: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
     """Timings of ``generate`` for one batch size (see the module docstring for each field).
-    ``generate`` defaults to `dsv4.generate.generate` (tests pass a stand-in)."""
+    ``generate`` defaults to `dsv4.generation.generate` (tests pass a stand-in)."""
     import jax
     import jax.numpy as jnp
 
     if generate is None:
-        from dsv4.generate import generate
+        from dsv4.generation import generate
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 to time decode steps")
     if repeats < 1:

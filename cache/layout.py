@@ -956,14 +956,14 @@ def _latest_at_most(ids: tuple[int, ...], layer: int) -> int | None:
 def v41_flash_desc(**overrides: Any) -> ModelCacheDesc:
     """DeepSeek-V4.1-Flash (40 backbone + 3 DSpark layers) on SM90, H200 record sizes.
 
-    Layers 0-1 SWA only, 2-19 r=2, 20-39 r=1. Sources are inferred (not in vLLM's tree):
-    layers 2, 8, 14, 20, 24, 28, 32, 36 own a compressor and an indexer.
+    Layers 0-1 SWA only, 2-19 r=2, 20-39 r=1. The released config.json (model_v41.md section
+    1.1): layers 2, 8, 14, 20 own a compressor, a compressed cache and index keys (kv sources);
+    24, 28, 32, 36 are index sources only (reindex: they score layer 20's keys).
     """
-    sources = (2, 8, 14, 20, 24, 28, 32, 36)
     fields_ = {
         "compress_ratios": (0, 0) + (2,) * 18 + (1,) * 20 + (0,) * 3,
-        "kv_source_layer_ids": sources,
-        "index_source_layer_ids": sources,
+        "kv_source_layer_ids": (2, 8, 14, 20),
+        "index_source_layer_ids": (2, 8, 14, 20, 24, 28, 32, 36),
         "num_hidden_layers": 40,
         "num_draft_layers": 3,
         "sliding_window": 128,

@@ -12,7 +12,7 @@
 from dsv4 import reference
 from dsv4.checkpoint import load_pretrained, restore_params, save_params, save_pretrained
 from dsv4.config import LayerPlan, ModelConfig, Role, tiny_v41, v41_flash
-from dsv4.generate import generate
+from dsv4.generation import generate
 from dsv4.params import abstract_params, init_params, param_specs
 from dsv4.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 

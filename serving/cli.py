@@ -189,7 +189,7 @@ def _demo(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from dsv4.config import ModelConfig, tiny_v41
-    from dsv4.generate import generate
+    from dsv4.generation import generate
     from dsv4.params import init_params
     from dsv4.tokenizer import load_tokenizer, pad_batch
 

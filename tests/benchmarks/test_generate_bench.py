@@ -28,11 +28,11 @@ def fake_generate(params, cfg, prompt, max_new_tokens):
 
 @pytest.fixture
 def fake_model(monkeypatch):
-    import dsv4.generate
+    import dsv4.generation
     import dsv4.params
 
     monkeypatch.setattr(dsv4.params, "init_params", lambda cfg, key: {})
-    monkeypatch.setattr(dsv4.generate, "generate", fake_generate)
+    monkeypatch.setattr(dsv4.generation, "generate", fake_generate)
 
 
 def test_json_line(fake_model, capsys):

@@ -313,32 +313,31 @@ def _kinds(config):
 
 def test_v41_flash_layout_buckets():
     config = for_model(v41_flash_desc(), num_gpu_blocks_override=1000)
-    assert _kinds(config) == [
-        ("SlidingWindowMLASpec", 15),
-        ("SlidingWindowMLASpec", 14),
-        ("SlidingWindowMLASpec", 14),
-        ("MLAAttentionSpec", 16),
+    # 43 SWA caches in groups of at most 6 (a block holds 6 SWA pages of 19008 B next to the
+    # MLA slab), the compressed KV + index keys of the 4 kv sources, 3 rings (r=2 sources)
+    assert _kinds(config) == [("SlidingWindowMLASpec", n) for n in (6, 6, 6, 5, 5, 5, 5, 5)] + [
+        ("MLAAttentionSpec", 8),
         ("CircularBufferSpec", 3),
     ]
-    mla = config.kv_cache_groups[3].kv_cache_spec
-    # 3 r=2 compressed + 5 r=1 compressed + 3 r=2 index + 5 r=1 index pages in one slab.
-    assert mla.page_size_bytes == 3 * 19008 + 5 * 37440 + 3 * 4608 + 5 * 8640 == 301248
+    mla = config.kv_cache_groups[8].kv_cache_spec
+    # 3 r=2 compressed + 1 r=1 compressed + 3 r=2 index + 1 r=1 index pages in one slab.
+    assert mla.page_size_bytes == 3 * 19008 + 37440 + 3 * 4608 + 8640 == 116928
     strides = {t.block_stride for t in config.kv_cache_tensors}
-    assert strides == {301248}
-    assert {t.size for t in config.kv_cache_tensors} == {301248 * 1000}
+    assert strides == {116928}
+    assert {t.size for t in config.kv_cache_tensors} == {116928 * 1000}
     assert resolve_kv_cache_block_sizes(config) == (64, 32)
     assert config.needs_kv_cache_zeroing  # fp32 rings next to uint8 records
 
 
 def test_v41_flash_memory_budget_and_concurrency():
-    config = for_model(v41_flash_desc(), available_memory_bytes=301248 * 5000 + 7)
+    config = for_model(v41_flash_desc(), available_memory_bytes=116928 * 5000 + 7)
     assert config.num_blocks == 5000
-    # one 1M-token request: 16384 MLA blocks + 3 x 261 SWA blocks + 3 rings
-    assert max_concurrency(config, 1 << 20, 8192) == 5000 / (16384 + 3 * 261 + 1)
+    # one 1M-token request: 16384 MLA blocks + 8 x 261 SWA blocks + 1 ring block
+    assert max_concurrency(config, 1 << 20, 8192) == 5000 / (16384 + 8 * 261 + 1)
     report = memory_report(config, 1 << 20, 8192, packed_layout=True)
-    assert report.pool_bytes_per_block == 301248
-    assert report.groups[3].bytes_per_token == 301248 / 64
-    assert report.groups[4].fixed_bytes_per_request == 301248
+    assert report.pool_bytes_per_block == 116928
+    assert report.groups[8].bytes_per_token == 116928 / 64
+    assert report.groups[9].fixed_bytes_per_request == 116928
     assert "per request" in str(report) and "MLAAttentionSpec" in str(report)
 
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4 import model, reference
-from dsv4.generate import generate, sample_logits
+from dsv4.generation import generate, sample_logits
 
 SEQ = 72  # r=2 sources see 36 entries (> top-k 16); r=1 see 72 (> 8 candidate blocks of 4)
 BUCKET = 16
