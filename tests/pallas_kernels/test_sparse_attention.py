@@ -318,3 +318,18 @@ def test_tpu_kernel_with_row_sharing_compiles():
 def test_gpu_kernel_compiles_for_h100(case):
     t, r, dtype, e, state = RELEASED_CASES[case]
     compile_for_h100(_entry("gpu", e), *_released(t, r, dtype, e, state))
+
+
+@requires_libtpu
+@requires_cuda_plugin
+def test_kernels_compile_for_awkward_sizes():
+    """Nothing needs powers of two or aligned counts: 100 tokens, top-300, 999 pages, 77-wide
+    tables (Triton shapes are padded inside the kernel entry)."""
+    sds = jax.ShapeDtypeStruct
+    i32, bf16 = jnp.int32, jnp.bfloat16
+    args = (
+        sds((100, 64, 512), bf16), sds((999, 64, 512), bf16), sds((3, 77), i32),
+        sds((100,), i32), sds((100,), i32), sds((100, 300), i32), sds((64,), jnp.float32),
+    )  # fmt: skip
+    compile_for_h100(_entry("gpu", 64), *args)
+    compile_for_tpu(_entry("tpu", 64), *args, topology="v6e:1x1")
