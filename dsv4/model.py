@@ -86,6 +86,7 @@ class _Step:
         self.ring_slot = jnp.where(write, p % w, w)  # w = out of range -> dropped
         self.rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
         self.new_win_pos = old_pos.at[self.rows, self.ring_slot].set(p, mode="drop")
+        self.cache_write = jnp.ones((b, t), bool)
 
 
 def _write_ring(ring: jax.Array, kv: jax.Array, st: _Step) -> jax.Array:
@@ -175,7 +176,8 @@ def _attention(
                 k = fp4_qdq_pow2(k, 32)
                 c = fp4_qdq_e4m3(c, 16)
             comp, ikey = cache[f"comp.{layer}"], cache[f"ikey.{layer}"]
-            row = jnp.where(closes, st.pos // r, comp.shape[1])  # out of range -> dropped
+            write = closes & st.cache_write
+            row = jnp.where(write, st.pos // r, comp.shape[1])  # out of range -> dropped
             new[f"comp.{layer}"] = comp.at[st.rows, row].set(c.astype(comp.dtype), mode="drop")
             new[f"ikey.{layer}"] = ikey.at[st.rows, row].set(k.astype(ikey.dtype), mode="drop")
         comp = new[f"comp.{src}"]
@@ -210,16 +212,26 @@ def _attention(
 
 
 def forward_step(
-    params, cfg: ModelConfig, cache: Cache, tokens: jax.Array, start: jax.Array, lengths: jax.Array
+    params,
+    cfg: ModelConfig,
+    cache: Cache,
+    tokens: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+    write_from: jax.Array | None = None,
 ) -> tuple[jax.Array, Cache]:
     """One chunk for every row: logits float32[B, T, vocab] and the updated cache.
 
     tokens int32[B, T]; start int32[B] (position of each row's first token); lengths int32[B]
-    (real tokens per row, 0..T). Rows must continue exactly where their cache ends."""
+    (real tokens per row, 0..T). Rows must continue exactly where their cache ends.
+    ``write_from`` int32[B] (bounded replay, `v41_in_vllm.md` 4.5): tokens below it recompute
+    their window latents but leave the compressed entries and index keys already cached."""
     b, t = tokens.shape
     start = jnp.asarray(start, jnp.int32).reshape(b)
     lengths = jnp.asarray(lengths, jnp.int32).reshape(b)
     st = _Step(cfg, cache, start, lengths, t)
+    if write_from is not None:
+        st.cache_write = st.pos >= jnp.asarray(write_from, jnp.int32).reshape(b)[:, None]
     new: Cache = dict(cache)
     new["win_pos"] = st.new_win_pos
     shared: dict[str, jax.Array] = {}

@@ -156,3 +156,69 @@ def test_debug_check_catches_bad_block_ids(tiny_params, tiny_cfg):
         short = [[9] if g.kind == "ring" else [1] for g in groups]
         build_batch([StepRequest(token_ids=list(range(3, 12)), start=0, block_ids=short)],
                     h.config, max_model_len=96)  # fmt: skip
+
+
+def test_no_compilation_after_warm_up(tiny_params, tiny_cfg):
+    """Every step of a schedule uses the same bucket shapes: after the first step compiled the
+    jitted step, a whole further schedule compiles nothing (the pools are donated each step)."""
+    from dsv4.paged.step import paged_step_jit
+
+    rng = np.random.default_rng(11)
+    seqs = make_seqs(tiny_cfg, rng, 4, shared_prefix=16)
+    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT)
+    random_schedule(h, seqs[:1], rng)
+    warm = paged_step_jit._cache_size()
+    steps = h.steps
+    random_schedule(h, seqs[1:], rng, spec_k=2, preempt_p=0.1)
+    assert h.steps > steps + 10
+    assert paged_step_jit._cache_size() == warm
+
+
+def test_bounded_replay_follows_its_definition(tiny_params, tiny_cfg):
+    """With SWA bounded replay a request that hits H cached tokens recomputes only the last
+    `window` of them: replayed rows see windows clipped at the replay start and leave the cached
+    compressed entries and index keys alone. The oracle is the dense-cache path run the same way
+    (prefix prefilled normally, window ring emptied, the rest from the replay start with
+    `write_from=H`), which differs from a full recompute."""
+    from dsv4 import model
+
+    rng = np.random.default_rng(21)
+    prefix = rng.integers(3, tiny_cfg.vocab_size, 52)
+    a = Seq(
+        0, np.concatenate([prefix, rng.integers(3, tiny_cfg.vocab_size, 6)]).astype(np.int32), 58
+    )
+    b = Seq(
+        1, np.concatenate([prefix, rng.integers(3, tiny_cfg.vocab_size, 10)]).astype(np.int32), 62
+    )
+    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, bounded_replay=True)
+    random_schedule(h, [a], rng)
+    hits = []
+    orig = h.mgr.get_computed_blocks
+
+    def spy(req):
+        out = orig(req)
+        hits.append(out[1])
+        return out
+
+    h.mgr.get_computed_blocks = spy
+    random_schedule(h, [b], rng)
+    hit = hits[0]
+    assert hit == 48, hits
+    start = hit - tiny_cfg.window_size
+    assert min(p for sid, p in h.logits if sid == 1) == start
+
+    step = jax.jit(model.forward_step, static_argnums=1)
+    cache = model.init_cache(tiny_cfg, 1, WIDTH, fill=np.nan)
+    toks = jnp.asarray(b.tokens)[None]
+    _, cache = step(tiny_params, tiny_cfg, cache, toks[:, :hit], jnp.array([0]), jnp.array([hit]))
+    cache = dict(cache, win_pos=jnp.full_like(cache["win_pos"], -1))
+    n = len(b.tokens) - start
+    want, _ = model.forward_step(
+        tiny_params, tiny_cfg, cache, toks[:, start:], jnp.array([start]), jnp.array([n]),
+        write_from=jnp.array([hit]),
+    )  # fmt: skip
+    want = np.asarray(want)[0]
+    got = np.stack([h.logits[(1, p)] for p in range(start, len(b.tokens))])
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    full = reference_logits(tiny_params, tiny_cfg, [b])[0, start : len(b.tokens)]
+    assert np.abs(got - full).max() > 1e-3  # the replay approximation is visible
