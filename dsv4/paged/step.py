@@ -51,7 +51,7 @@ def _quantised(layout, kind: str) -> bool:
     return layout.formats.record(kind) not in ("f32", "bf16")
 
 
-def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, shared, impl):
+def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, shared, kern):
     info = cfg.plan[layer]
     a = f"layers.{layer}.attn."
     t = x.shape[0]
@@ -83,7 +83,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         window=cfg.window_size,
         scale=scale,
         replay_start=batch.get("replay_start"),
-        impl=impl,
+        **kern,
     )
     if not r:
         o = window_attention(q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, **win_kwargs)
@@ -95,7 +95,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
     e_comp = layout.layer(comp_name).states
     e_ikey = layout.layer(ikey_name).states
     if info.role is Role.FULL:
-        pools = _compress(x, params, a, layer, cfg, layout, pools, batch, impl)
+        pools = _compress(x, params, a, layer, cfg, layout, pools, batch, kern)
     visible = jnp.where(real, (safe_pos + 1) // r, 0)
     if info.role in (Role.FULL, Role.REINDEX):
         ih, ihd = cfg.index_n_heads, cfg.index_head_dim
@@ -107,7 +107,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
             qi = fp4_qdq_pow2(qi, 32)
         w = L.linear(x, params, a + "indexer.weights_proj.weight", cfg) * (ihd**-0.5 * ih**-0.5)
         ikey_pages = P.read_layer(layout, pools, ikey_name).astype(jnp.float32)
-        kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, impl=impl)
+        kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, **kern)
         if info.is_candidate_source:
             kw.update(
                 candidate_block_size=cfg.candidate_block_size,
@@ -148,12 +148,12 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         entries_per_block=e_comp,
         scale=scale,
         state=state,
-        impl=impl,
+        **kern,
     )
     return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
 
-def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, batch, impl):
+def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, batch, kern):
     """Compressor of a kv source: compressed entries, index keys and (ratio 2) ring rows."""
     from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2
 
@@ -171,7 +171,7 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         kv = L.linear(x, params, a + "compressor.wkv.weight", cfg)
         latent, _, _ = compressor(
             kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
-            inv_freq, no_slots, None, dummy, None, ratio=1, eps=cfg.norm_eps, impl=impl,
+            inv_freq, no_slots, None, dummy, None, ratio=1, eps=cfg.norm_eps, **kern,
         )  # fmt: skip
     else:
         xf = x.astype(jnp.float32)
@@ -184,7 +184,7 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         ring = P.read_ring(layout, pools, rname)
         latent, _, _ = compressor(
             kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
-            inv_freq, no_slots, ring_block, dummy, ring, ratio=2, eps=cfg.norm_eps, impl=impl,
+            inv_freq, no_slots, ring_block, dummy, ring, ratio=2, eps=cfg.norm_eps, **kern,
         )  # fmt: skip
         pools = P.write_ring(layout, pools, rname, batch["slots"][f"ring{g_ring}"], kv)
     latent = latent.astype(x.dtype)
@@ -216,6 +216,7 @@ def paged_step(
     *,
     all_logits: bool = False,
     impl: str | None = None,
+    interpret: Any = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One step: logits f32[R, vocab] at ``batch["logits_indices"]`` (or f32[T, vocab] for every
     token with ``all_logits``) and the updated pools.
@@ -224,7 +225,11 @@ def paged_step(
     padding), ``token_req`` i32[T]; ``query_start_loc`` i32[R + 1]; ``seq_lens`` i32[R];
     ``tables`` {group: i32[R, nb]}; ``slots`` {"g{g}": token slots of a token-level group,
     "g{g}r{r}": compressed-state slots of ratio r, "ring{g}": ring rows}; ``logits_indices``
-    i32[R]; optional ``replay_start`` i32[R] (bounded replay)."""
+    i32[R]; optional ``replay_start`` i32[R] (bounded replay).
+
+    ``impl`` / ``interpret`` choose the attention kernels (`pallas_kernels` dispatch: None picks
+    by backend — the jnp references on CPU, the Pallas kernels on TPU and GPU)."""
+    kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
     x = L.embed(params, batch["token_ids"], cfg)  # [T, hc, D]
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     shared: dict[str, jax.Array] = {}
@@ -232,7 +237,7 @@ def paged_step(
         p = f"layers.{layer}."
         a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
         h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
-        att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, impl)
+        att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, kern)
         x = L.hc_post(att, x, a_post, a_comb)
         f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
         h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
@@ -245,8 +250,14 @@ def paged_step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "all_logits", "impl"), donate_argnames=("pools",)
+    jax.jit,
+    static_argnames=("cfg", "layout", "all_logits", "impl", "interpret"),
+    donate_argnames=("pools",),
 )
-def paged_step_jit(params, pools, batch, *, cfg, layout, all_logits=False, impl=None):
+def paged_step_jit(
+    params, pools, batch, *, cfg, layout, all_logits=False, impl=None, interpret=False
+):
     """`paged_step` under jit; the pools are donated (updated in place on device)."""
-    return paged_step(params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl)
+    return paged_step(
+        params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl, interpret=interpret
+    )

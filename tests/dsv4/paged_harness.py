@@ -49,6 +49,8 @@ class Harness:
         bounded_replay=False,
         token_buckets=(32,),
         request_buckets=(8,),
+        impl=None,
+        interpret=False,
     ):
         self.cfg, self.params = cfg, params
         desc = P.cache_desc(
@@ -72,6 +74,7 @@ class Harness:
             use_eagle=False,
         )
         self.max_model_len = max_model_len
+        self.impl, self.interpret = impl, interpret
         self.bounded_replay = bounded_replay
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
         self.logits: dict[tuple[int, int], np.ndarray] = {}
@@ -101,7 +104,14 @@ class Harness:
         )
         batch = jax.tree.map(jnp.asarray, batch)
         logits, self.pools = paged_step_jit(
-            self.params, self.pools, batch, cfg=self.cfg, layout=self.layout, all_logits=True
+            self.params,
+            self.pools,
+            batch,
+            cfg=self.cfg,
+            layout=self.layout,
+            all_logits=True,
+            impl=self.impl,
+            interpret=self.interpret,
         )
         logits = np.asarray(logits)
         t = 0
