@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, SingleDeviceSharding, use_abstract_mesh
+from jax.sharding import SingleDeviceSharding
 
 TPU_TOPOLOGIES = ("v5e:1x1", "v6e:1x1")
 TPU_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
@@ -42,6 +42,8 @@ requires_cuda_plugin = pytest.mark.skipif(
 @contextlib.contextmanager
 def abstract_device(platform: str, device_kind: str, num_cores: int | None = None):
     """Make Pallas believe the default device is `device_kind` while lowering."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
     dev = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform)
     with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
         yield
