@@ -182,7 +182,8 @@ def _attention(
             new[f"ikey.{layer}"] = ikey.at[st.rows, row].set(k.astype(ikey.dtype), mode="drop")
         comp = new[f"comp.{src}"]
         n = comp.shape[1]
-        visible = (st.pos + 1) // r  # [B, T]
+        # padding rows see nothing (their keys would be rows nobody wrote)
+        visible = jnp.where(st.valid, (st.pos + 1) // r, 0)  # [B, T]
         if info.role in (Role.FULL, Role.REINDEX):
             ih, ihd = cfg.index_n_heads, cfg.index_head_dim
             qi = L.linear(qr, params, a + "indexer.wq_b.weight", cfg).reshape(b, t, ih, ihd)
