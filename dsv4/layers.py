@@ -17,7 +17,7 @@ import numpy as np
 
 from dsv4.config import ModelConfig, rope_inv_freq
 from dsv4.params import quantised_weights
-from dsv4.quant import fp8_qdq
+from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2, fp8_qdq
 
 Params = dict[str, jax.Array]
 
@@ -242,3 +242,60 @@ def moe(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig) -> jax.Arra
     sy = linear(_swiglu(sg, su, cfg.swiglu_limit).astype(dt), params, s + "w2.weight", cfg)
     y = y + sy.astype(jnp.float32)
     return y.astype(dt).reshape(shape)
+
+
+# -- attention projections shared by every path ----------------------------------------------
+
+
+def query_and_latent(
+    x: jax.Array, params: Params, a: str, cfg: ModelConfig, cos, sin, *, qdq_latent: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(c_q, q [.., H, head_dim], window latent [.., head_dim]) of normed inputs x [.., dim]:
+    the query path (no per-head q norm in V4.1) and the K = V window latent, both rotated at the
+    token positions of ``cos``/``sin`` [.., rope/2]; the latent fp8-QDQ'd when ``qdq_latent``."""
+    lead = x.shape[:-1]
+    qr = rms_norm(
+        linear(x, params, a + "wq_a.weight", cfg), params[a + "q_norm.weight"], cfg.norm_eps
+    )
+    q = linear(qr, params, a + "wq_b.weight", cfg).reshape(*lead, cfg.n_heads, cfg.head_dim)
+    q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+    kv = rms_norm(
+        linear(x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
+    )
+    kv = apply_rope(kv, cos, sin)
+    if qdq_latent:
+        kv = fp8_qdq(kv, 32)
+    return qr, q, kv
+
+
+def index_query(x, qr, params: Params, a: str, cfg: ModelConfig, cos, sin):
+    """(index queries [.., IH, index_head_dim], head weights [.., IH]) of an index source: the
+    queries rotated at the token positions (FP4-QDQ'd under quant_sim), the weights with the
+    1/sqrt(head_dim * heads) scale folded in."""
+    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+    qi = linear(qr, params, a + "indexer.wq_b.weight", cfg).reshape(*qr.shape[:-1], ih, ihd)
+    qi = apply_rope(qi, cos[..., None, :], sin[..., None, :])
+    if cfg.quant_sim:
+        qi = fp4_qdq_pow2(qi, 32)
+    w = linear(x, params, a + "indexer.weights_proj.weight", cfg) * (ihd**-0.5 * ih**-0.5)
+    return qi, w
+
+
+def key_and_entry(latent, params: Params, a: str, cfg: ModelConfig, gcos, gsin, *, qdq_key: bool,
+                  qdq_entry: bool):  # fmt: skip
+    """(index key, compressed entry) of pre-rope compressor latents, both rotated at their
+    group's first position (``gcos``/``gsin``): the key ``k_norm(wk latent)``, FP4-QDQ'd per 32
+    with power-of-two scales when ``qdq_key``; the entry the latent itself, FP4-QDQ'd per 16
+    with e4m3 scales when ``qdq_entry``."""
+    k = rms_norm(
+        linear(latent, params, a + "indexer.wk.weight", cfg),
+        params[a + "indexer.k_norm.weight"],
+        cfg.norm_eps,
+    )
+    k = apply_rope(k, gcos, gsin)
+    c = apply_rope(latent, gcos, gsin)
+    if qdq_key:
+        k = fp4_qdq_pow2(k, 32)
+    if qdq_entry:
+        c = fp4_qdq_e4m3(c, 16)
+    return k, c

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role
-from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2, fp8_qdq
 from dsv4.reference import (
     NEG_INF,
     index_scores,
@@ -143,17 +142,7 @@ def _attention(
     b, t, _ = x.shape
     r = info.ratio
     cos, sin = L.rope_tables(cfg, r, st.pos)  # [B, T, rope/2]
-    qr = L.rms_norm(
-        L.linear(x, params, a + "wq_a.weight", cfg), params[a + "q_norm.weight"], cfg.norm_eps
-    )
-    q = L.linear(qr, params, a + "wq_b.weight", cfg).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    q = L.apply_rope(q, cos[:, :, None, :], sin[:, :, None, :])
-    kv = L.rms_norm(
-        L.linear(x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
-    )
-    kv = L.apply_rope(kv, cos, sin)
-    if cfg.quant_sim:
-        kv = fp8_qdq(kv, 32)
+    qr, q, kv = L.query_and_latent(x, params, a, cfg, cos, sin, qdq_latent=cfg.quant_sim)
     ring = cache[f"win.{layer}"]
     keys = [ring.astype(kv.dtype), kv]
     masks = [st.win_mask]
@@ -165,16 +154,9 @@ def _attention(
             z, closes, state = _compressor(x, params, a, layer, r, cfg, cache, st)
             new.update(state)
             gcos, gsin = L.rope_tables(cfg, r, st.pos - (r - 1))  # group's first position
-            k = L.rms_norm(
-                L.linear(z, params, a + "indexer.wk.weight", cfg),
-                params[a + "indexer.k_norm.weight"],
-                cfg.norm_eps,
+            k, c = L.key_and_entry(
+                z, params, a, cfg, gcos, gsin, qdq_key=cfg.quant_sim, qdq_entry=cfg.quant_sim
             )
-            k = L.apply_rope(k, gcos, gsin)
-            c = L.apply_rope(z, gcos, gsin)
-            if cfg.quant_sim:
-                k = fp4_qdq_pow2(k, 32)
-                c = fp4_qdq_e4m3(c, 16)
             comp, ikey = cache[f"comp.{layer}"], cache[f"ikey.{layer}"]
             write = closes & st.cache_write
             row = jnp.where(write, st.pos // r, comp.shape[1])  # out of range -> dropped
@@ -185,12 +167,7 @@ def _attention(
         # padding rows see nothing (their keys would be rows nobody wrote)
         visible = jnp.where(st.valid, (st.pos + 1) // r, 0)  # [B, T]
         if info.role in (Role.FULL, Role.REINDEX):
-            ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-            qi = L.linear(qr, params, a + "indexer.wq_b.weight", cfg).reshape(b, t, ih, ihd)
-            qi = L.apply_rope(qi, cos[:, :, None, :], sin[:, :, None, :])
-            if cfg.quant_sim:
-                qi = fp4_qdq_pow2(qi, 32)
-            w = L.linear(x, params, a + "indexer.weights_proj.weight", cfg) * (ihd**-0.5 * ih**-0.5)
+            qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
             scores = index_scores(qi, w, new[f"ikey.{src}"].astype(qi.dtype), visible)
             if info.is_candidate_source:
                 shared["candidates"] = select_candidate_blocks(

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role
-from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2, fp8_qdq
 
 __all__ = ["forward", "select_candidate_blocks", "topk_indices"]
 
@@ -127,18 +126,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, shared: _Shared) -> jax.
     pos = jnp.arange(t)
     cos, sin = L.rope_tables(cfg, r, pos)  # [T, rope/2]
 
-    qr = L.rms_norm(
-        L.linear(x, params, a + "wq_a.weight", cfg), params[a + "q_norm.weight"], cfg.norm_eps
-    )
-    q = L.linear(qr, params, a + "wq_b.weight", cfg).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    q = L.apply_rope(q, cos[:, None, :], sin[:, None, :])
-
-    kv = L.rms_norm(
-        L.linear(x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
-    )
-    kv = L.apply_rope(kv, cos, sin)
-    if cfg.quant_sim:
-        kv = fp8_qdq(kv, 32)
+    qr, q, kv = L.query_and_latent(x, params, a, cfg, cos, sin, qdq_latent=cfg.quant_sim)
     # window: query t sees positions max(0, t - w + 1) .. t
     win_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - cfg.window_size)
     win_mask = jnp.broadcast_to(win_mask, (b, t, t))
@@ -150,27 +138,13 @@ def _attention(x, params, layer: int, cfg: ModelConfig, shared: _Shared) -> jax.
             z = _compress(x, params, a, r, cfg)  # [B, n, hd], pre-rope
             gpos = jnp.arange(n) * r
             gcos, gsin = L.rope_tables(cfg, r, gpos)
-            k = L.rms_norm(
-                L.linear(z, params, a + "indexer.wk.weight", cfg),
-                params[a + "indexer.k_norm.weight"],
-                cfg.norm_eps,
+            k, c = L.key_and_entry(
+                z, params, a, cfg, gcos, gsin, qdq_key=cfg.quant_sim, qdq_entry=cfg.quant_sim
             )
-            k = L.apply_rope(k, gcos, gsin)
-            if cfg.quant_sim:
-                k = fp4_qdq_pow2(k, 32)
-            c = L.apply_rope(z, gcos, gsin)
-            if cfg.quant_sim:
-                c = fp4_qdq_e4m3(c, 16)
             shared.index_keys[layer] = k
             shared.compressed[layer] = c
         if info.role in (Role.FULL, Role.REINDEX):
-            ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-            qi = L.linear(qr, params, a + "indexer.wq_b.weight", cfg).reshape(b, t, ih, ihd)
-            qi = L.apply_rope(qi, cos[:, None, :], sin[:, None, :])
-            if cfg.quant_sim:
-                qi = fp4_qdq_pow2(qi, 32)
-            w = L.linear(x, params, a + "indexer.weights_proj.weight", cfg)
-            w = w * (ihd**-0.5 * ih**-0.5)
+            qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
             scores = index_scores(qi, w, shared.index_keys[info.kv_source], visible)
             if info.is_candidate_source:
                 shared.candidates = select_candidate_blocks(

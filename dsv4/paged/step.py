@@ -35,7 +35,6 @@ from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cach
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role, rope_inv_freq
 from dsv4.paged import pools as P
-from dsv4.quant import fp8_qdq
 from pallas_kernels.compressor import compressor
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_attention
@@ -54,25 +53,15 @@ def _quantised(layout, kind: str) -> bool:
 def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, shared, kern):
     info = cfg.plan[layer]
     a = f"layers.{layer}.attn."
-    t = x.shape[0]
     r = info.ratio
     pos = batch["positions"]
     real = pos >= 0
     safe_pos = jnp.where(real, pos, 0)
     tok_req = batch["token_req"]
     cos, sin = L.rope_tables(cfg, r, safe_pos)  # [T, rope/2]
-    qr = L.rms_norm(
-        L.linear(x, params, a + "wq_a.weight", cfg), params[a + "q_norm.weight"], cfg.norm_eps
+    qr, q, kv = L.query_and_latent(
+        x, params, a, cfg, cos, sin, qdq_latent=cfg.quant_sim and not _quantised(layout, "swa")
     )
-    q = L.linear(qr, params, a + "wq_b.weight", cfg).reshape(t, cfg.n_heads, cfg.head_dim)
-    q = L.apply_rope(q, cos[:, None, :], sin[:, None, :])
-    kv = L.rms_norm(
-        L.linear(x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
-    )
-    kv = L.apply_rope(kv, cos, sin)
-    if cfg.quant_sim and not _quantised(layout, "swa"):
-        kv = fp8_qdq(kv, 32)
-
     swa = swa_cache_name(layer)
     g_swa = layout.group_of(swa)
     pools = P.write_layer(layout, pools, swa, batch["slots"][f"g{g_swa}"], kv)
@@ -98,14 +87,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         pools = _compress(x, params, a, layer, cfg, layout, pools, batch, kern)
     visible = jnp.where(real, (safe_pos + 1) // r, 0)
     if info.role in (Role.FULL, Role.REINDEX):
-        ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-        qi = L.linear(qr, params, a + "indexer.wq_b.weight", cfg).reshape(t, ih, ihd)
-        qi = L.apply_rope(qi, cos[:, None, :], sin[:, None, :])
-        if cfg.quant_sim:
-            from dsv4.quant import fp4_qdq_pow2
-
-            qi = fp4_qdq_pow2(qi, 32)
-        w = L.linear(x, params, a + "indexer.weights_proj.weight", cfg) * (ihd**-0.5 * ih**-0.5)
+        qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
         ikey_pages = P.read_layer(layout, pools, ikey_name).astype(jnp.float32)
         kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, **kern)
         if info.is_candidate_source:
@@ -155,8 +137,6 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
 
 def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, batch, kern):
     """Compressor of a kv source: compressed entries, index keys and (ratio 2) ring rows."""
-    from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2
-
     r = cfg.plan[layer].ratio
     pos = batch["positions"]
     real = pos >= 0
@@ -190,17 +170,16 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
     latent = latent.astype(x.dtype)
     gpos = jnp.where(real, pos - pos % r, 0)
     gcos, gsin = L.rope_tables(cfg, r, gpos)
-    k = L.rms_norm(
-        L.linear(latent, params, a + "indexer.wk.weight", cfg),
-        params[a + "indexer.k_norm.weight"],
-        cfg.norm_eps,
+    k, c = L.key_and_entry(
+        latent,
+        params,
+        a,
+        cfg,
+        gcos,
+        gsin,
+        qdq_key=cfg.quant_sim and not _quantised(layout, "index"),
+        qdq_entry=cfg.quant_sim and not _quantised(layout, "compressed"),
     )
-    k = L.apply_rope(k, gcos, gsin)
-    c = L.apply_rope(latent, gcos, gsin)
-    if cfg.quant_sim and not _quantised(layout, "index"):
-        k = fp4_qdq_pow2(k, 32)
-    if cfg.quant_sim and not _quantised(layout, "compressed"):
-        c = fp4_qdq_e4m3(c, 16)
     g_comp, g_ikey = layout.group_of(comp_name), layout.group_of(ikey_name)
     pools = P.write_layer(layout, pools, comp_name, batch["slots"][f"g{g_comp}r{r}"], c)
     pools = P.write_layer(layout, pools, ikey_name, batch["slots"][f"g{g_ikey}r{r}"], k)
