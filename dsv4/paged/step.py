@@ -88,7 +88,9 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
     visible = jnp.where(real, (safe_pos + 1) // r, 0)
     if info.role in (Role.FULL, Role.REINDEX):
         qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
-        ikey_pages = P.read_layer(layout, pools, ikey_name).astype(jnp.float32)
+        # keys and queries in the activation dtype (bf16 when serving): half the bytes the
+        # indexer streams; its scores accumulate in f32 either way
+        ikey_pages = P.read_layer(layout, pools, ikey_name, dtype=x.dtype)
         kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, **kern)
         if info.is_candidate_source:
             kw.update(
@@ -102,7 +104,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
                 candidates=shared["candidates"],
             )
         out = indexer_topk(
-            qi.astype(jnp.float32),
+            qi.astype(x.dtype),
             w.astype(jnp.float32),
             ikey_pages,
             batch["tables"][g_ikey],
