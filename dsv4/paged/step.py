@@ -65,7 +65,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
     swa = swa_cache_name(layer)
     g_swa = layout.group_of(swa)
     pools = P.write_layer(layout, pools, swa, batch["slots"][f"g{g_swa}"], kv)
-    swa_pages = P.read_layer(layout, pools, swa).astype(q.dtype)
+    swa_pages = P.read_layer(layout, pools, swa, dtype=q.dtype)
     scale = cfg.head_dim**-0.5
     sink = params[a + "attn_sink"]
     win_kwargs = dict(
@@ -120,7 +120,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
     state = window_attention(
         q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, return_state=True, **win_kwargs
     )
-    comp_pages = P.read_layer(layout, pools, comp_name).astype(q.dtype)
+    comp_pages = P.read_layer(layout, pools, comp_name, dtype=q.dtype)
     o = sparse_attention(
         q,
         comp_pages,
