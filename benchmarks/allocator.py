@@ -21,7 +21,7 @@ Layouts (pool sizes chosen so that the chat workload preempts a few requests):
 * ``swa_full``: full attention (block 16) + sliding window 1024 (block 16), 12000 blocks;
 * ``v41``: ``cache.layout.for_model(v41_flash_desc())`` (8 SWA groups of block 32 / window 128,
   compressed KV + indexer keys of the 4 kv sources in one block-64 group, the 3 compressor
-  rings), 8000 blocks (at least 800 when scaled down: a request's admission bound alone is
+  rings), 4000 blocks (at least 800 when scaled down: a request's admission bound alone is
   8 x 69 SWA blocks at a 2048-token budget);
 * ``v41_replay`` (only with ``--layouts``): the same with SWA bounded replay (vLLM 0.32's
   model-runner-V2 default).
@@ -114,7 +114,7 @@ def make_layout(name: str, *, scale: float = 1.0) -> Any:
         )
     if name in ("v41", "v41_replay"):
         desc = L.v41_flash_desc(swa_bounded_replay=name == "v41_replay")
-        return L.for_model(desc, num_gpu_blocks_override=max(800, int(8000 * scale)))
+        return L.for_model(desc, num_gpu_blocks_override=max(800, int(4000 * scale)))
     raise ValueError(f"unknown layout {name!r}; choose from {ALL_LAYOUTS}")
 
 
