@@ -201,15 +201,47 @@ def _spread(rng: np.random.Generator, rows: int, n: int, count: int) -> np.ndarr
     return ((rng.integers(0, n, (rows, 1)) + np.arange(count) * stride) % n).astype(np.int32)
 
 
-def _indexer_cost(visible: np.ndarray, *, k: int, per_block: int, cand_out: int, cap: int | None):
+def indexer_tile(impl: str | None) -> int:
+    """Tokens per program of the indexer kernel that `impl` runs (the TPU kernel's when the
+    reference runs: CPU rows print the kernels' cost model)."""
+    from pallas_kernels.indexer import gpu as gpu_indexer
+    from pallas_kernels.indexer import tpu as tpu_indexer
+
+    if _backend.resolve_impl(impl) == "gpu":
+        return getattr(gpu_indexer, "TOKENS_PER_TILE", 1)
+    return tpu_indexer.TOKENS_PER_TILE
+
+
+def _indexer_cost(
+    visible: np.ndarray,
+    *,
+    k: int,
+    per_block: int,
+    cand_out: int,
+    cap: int | None,
+    token_req: np.ndarray | None = None,
+    tile: int = 1,
+):
     """The indexer cost model summed over tokens (each scores its own visible entries, at most
-    `cap` for a consumer)."""
+    `cap` for a consumer). Key bytes: with `token_req` and `tile` > 1 (not for a consumer), the
+    tokens of one request within a tile of `tile` consecutive tokens read the keys once, up to
+    the largest visible count among them (the TPU kernel's segments); otherwise once per token."""
+    visible = np.asarray(visible)
+    reader = np.ones(len(visible), bool)  # the token charged with its segment's key stream
+    if token_req is not None and tile > 1 and cap is None:
+        reader[:] = False
+        for t0 in range(0, len(visible), tile):
+            reqs = token_req[t0 : t0 + tile]
+            for r in np.unique(reqs):
+                idx = t0 + np.flatnonzero(reqs == r)
+                reader[idx[np.argmax(visible[idx])]] = True
     flops = bytes_ = 0
-    values, counts = np.unique(visible, return_counts=True)
-    for v, n in zip(values.tolist(), counts.tolist()):
+    for v in np.unique(visible).tolist():
+        at = visible == v
         c = indexer_cost(
-            n, INDEX_HEADS, INDEX_DIM, v if cap is None else min(v, cap), k=k, key_dtype=DTYPE,
-            q_dtype=DTYPE, candidate_topk_blocks=cand_out, entries_per_block=per_block,
+            int(at.sum()), INDEX_HEADS, INDEX_DIM, v if cap is None else min(v, cap), k=k,
+            key_dtype=DTYPE, q_dtype=DTYPE, candidate_topk_blocks=cand_out,
+            entries_per_block=per_block, key_reads=int((at & reader).sum()),
         )  # fmt: skip
         flops, bytes_ = flops + c["flops"], bytes_ + c["bytes"]
     return _backend.Cost(bytes_accessed=bytes_, flops=flops)
@@ -253,9 +285,12 @@ def indexer_bench(
     per_block, nb, num_pages, visible = _indexer_inputs(shape, ratio, pool_bytes)
     entries = shape.context // ratio
     cap = CAND_BLOCKS * CAND_BLOCK if mode == "consumer" else None
+    tile = indexer_tile(impl)
+    req = np.repeat(np.arange(shape.batch, dtype=np.int32), shape.tokens // shape.batch)
     cost = _indexer_cost(
-        visible, k=TOPK, per_block=per_block, cand_out=CAND_BLOCKS * (mode == "source"), cap=cap
-    )
+        visible, k=TOPK, per_block=per_block, cand_out=CAND_BLOCKS * (mode == "source"), cap=cap,
+        token_req=req, tile=tile,
+    )  # fmt: skip
     kw: dict[str, Any] = dict(entries_per_block=per_block, k=TOPK)
     if mode != "plain":
         kw |= dict(candidate_block_size=CAND_BLOCK, candidate_topk_blocks=CAND_BLOCKS)
@@ -278,7 +313,8 @@ def indexer_bench(
         return indexer_topk(*args, **kw, impl=impl)
 
     scored = entries if cap is None else min(entries, cap)
-    return Bench(cost, make_args, run, info=dict(mode=mode, ratio=ratio, entries_scored=scored))
+    info = dict(mode=mode, ratio=ratio, entries_scored=scored, tokens_per_tile=tile)
+    return Bench(cost, make_args, run, info=info)
 
 
 def jnp_scores(qi, weights, ikey_pages, tables, token_req, visible, *, entries_per_block, group):

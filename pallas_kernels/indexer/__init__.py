@@ -33,6 +33,7 @@ def indexer_topk(
     candidate_block_size: int = 0,
     candidate_topk_blocks: int = 0,
     candidates: jax.Array | None = None,  # i32[T, CB]
+    tokens_per_tile: int | None = None,
     impl: str | None = None,
     interpret: Any = False,
     debug: bool = False,
@@ -44,6 +45,10 @@ def indexer_topk(
     ``candidates``), ``blocks`` i32[T, candidate_topk_blocks] (-1 = none). A padding token
     (position -1) gets -1 everywhere. ``debug=True`` checks at run time that every block id of
     ``comp_tables`` is in ``[0, P)`` (raises otherwise; nothing is clamped).
+
+    ``tokens_per_tile`` (kernels only; None = the kernel's default): tokens per program; the
+    tokens of one request within a tile (a prefill chunk, speculative rows) read the request's
+    index keys from HBM once instead of once each.
     """
     impl = resolve_impl(impl)
     if debug:
@@ -58,6 +63,8 @@ def indexer_topk(
     args = (qi, weights, ikey_pages, comp_tables, token_req, positions, visible)
     if impl == "reference":
         return reference.indexer_topk(*args, **kwargs)
+    if tokens_per_tile is not None:
+        kwargs["tokens_per_tile"] = tokens_per_tile
     if impl == "tpu":
         from pallas_kernels.indexer import tpu
 

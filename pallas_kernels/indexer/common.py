@@ -82,9 +82,14 @@ def cost(
     q_dtype=jnp.bfloat16,
     candidate_topk_blocks: int = 0,
     entries_per_block: int = 64,
+    key_reads: int | None = None,
 ) -> dict[str, int]:
     """Bytes moved and FLOPs of one indexer call in which each of ``num_tokens`` tokens scores
-    ``entries`` visible index keys (the kernels read each visible key page once per token).
+    ``entries`` visible index keys.
+
+    ``key_reads``: how many times the key stream is read from HBM (default ``num_tokens``: every
+    token reads its own; the TPU kernel reads it once per run of a request's tokens within a tile,
+    e.g. ``num_tokens / tokens_per_tile`` for a prefill chunk of one request).
 
     FLOPs count the q.k products (2 * IH * Di per entry) and the weighted ReLU sum (3 * IH per
     entry); the selection is a few compare passes per entry and is not counted as FLOPs.
@@ -92,11 +97,14 @@ def cost(
     kb = np.dtype(key_dtype).itemsize
     qb = np.dtype(q_dtype).itemsize
     pages = math.ceil(entries / entries_per_block)
+    reads = num_tokens if key_reads is None else key_reads
+    if not 0 <= reads <= num_tokens:
+        raise ValueError(f"key_reads={key_reads} must be in [0, num_tokens={num_tokens}]")
     flops = num_tokens * entries * (2 * index_heads * index_head_dim + 3 * index_heads)
     bytes_ = (
-        num_tokens * entries * index_head_dim * kb
+        reads * entries * index_head_dim * kb
         + num_tokens * index_heads * (index_head_dim * qb + 4)
-        + num_tokens * pages * 4
+        + reads * pages * 4
         + num_tokens * (k + candidate_topk_blocks) * 4
         + num_tokens * 12
     )

@@ -1,26 +1,35 @@
-"""Mosaic TPU indexer: one grid step per token, every score on chip, selection without a sort.
+"""Mosaic TPU indexer: one grid step per tile of tokens, every score on chip, selection
+without a sort.
 
-Per token ``t`` of request ``r`` with ``n = visible[t]`` entries:
+A grid step takes ``tq`` consecutive tokens of the ragged batch (``tokens_per_tile``, capped so
+their score rows fit VMEM; the batch is padded to whole tiles with tokens that see nothing).
+The tile is cut into *segments*, runs of tokens of one request (tokens of a request are
+contiguous): a prefill chunk or a request's speculative rows form one segment per tile, a
+decode batch one segment per token. Per segment of request ``r``:
 
-1. **Scoring.** The key pages of entries ``< n`` are DMA'd from HBM (``pl.ANY``) in chunks of
-   ``CE`` entries (double-buffered: chunk ``c + 1`` is in flight while chunk ``c`` is scored),
-   page ids read from the request's block-table row (an SMEM block). Each 128-entry slice gives
-   ``s = sum_h w_h relu(q_h . k)`` ([IH, Di] x [128, Di] on the MXU, f32) and becomes one row of
-   a VMEM score array ``[N / 128, 128]``; entries ``>= n`` are -inf. Scores never reach HBM.
+1. **Scoring.** ``r``'s block-table row is DMA'd into SMEM; the key pages of entries below the
+   segment's largest visible count are DMA'd from HBM (``pl.ANY``) in chunks of ``CE``
+   entries (double-buffered: chunk ``c + 1`` is in flight while chunk ``c`` is scored), **once
+   for the whole segment**. Each token of the segment that sees the chunk scores it: per
+   128-entry slice ``s = sum_h w_h relu(q_h . k)`` ([IH, Di] x [128, Di] on the MXU, f32)
+   becomes one row of that token's VMEM score array ``[N / 128, 128]``; entries ``>= n`` are
+   -inf. Scores never reach HBM.
 2. **Candidate blocks** (source): block maxima of ``candidate_block_size`` lanes by lane rolls,
    kept on each block's first lane; the newest block is pinned to +inf.
-   **Consumer** (`_consumer`): only the listed blocks' keys are read (one DMA per block, 128
-   entries per matmul) into a compact score array with an id per lane; no other key is read.
-3. **Exact top-k by threshold counting** (`_select`): scores are mapped to order-preserving
-   int32 keys; the k-th largest key is built bit by bit from the top (32 counting passes over
-   the score rows), then the lowest index among the ties is found the same way over the index
-   bits. The selected set is exactly "the k highest, ties to the lower index".
+   **Consumer** (`_consumer`, token by token: each token has its own blocks): only the listed
+   blocks' keys are read (one DMA per block, 128 entries per matmul) into a compact score
+   array with an id per lane; no other key is read.
+3. **Exact top-k by threshold counting** (`_select`), per token: scores are mapped to
+   order-preserving int32 keys; the k-th largest key is built bit by bit from the top (32
+   counting passes over the score rows), then the lowest index among the ties is found the same
+   way over the index bits. The selected set is exactly "the k highest, ties to the lower index".
 4. **Compaction**: row by row, the selected lanes are ranked with a triangular matmul and moved
    to the front of the row with a one-hot matmul (exact, f32 HIGHEST), then appended to the
    output at a running offset with one dynamic lane rotation. Rows without picks cost one sum.
 
-The work per token is one pass over its visible keys (HBM roofline) plus ~(32 + log2 N)
-compare passes over its scores in VMEM; nothing is sorted and no score is written to HBM.
+HBM traffic is one pass over the visible keys per segment (a prefill chunk of one request reads
+its keys ``T / tq`` times instead of ``T`` times); the VMEM work per token is its scoring plus
+~(32 + log2 N) compare passes over its scores; nothing is sorted and no score is written to HBM.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ __all__ = ["indexer_topk"]
 
 LANES = 128
 CHUNK_ENTRIES = 512  # entries per key DMA chunk (rounded to a multiple of lcm(E, 128))
+TOKENS_PER_TILE = 8  # tokens per grid step (a request's tokens in a tile share the key stream)
+SCORE_VMEM_BUDGET = 40 << 20  # bytes of f32 score rows a tile may keep in VMEM
 INT_MIN = -(2**31)
 
 
@@ -148,14 +159,24 @@ def _compact(vals_ref, nrows, tau, cut, out_ref, id_shift, ids_ref=None):
     jax.lax.fori_loop(0, nrows, body, jnp.int32(0))
 
 
+def _segment_end(req_ref, t0, s, tq):
+    """First tile row after ``s`` whose token belongs to another request than row ``s``'s
+    (tokens of one request are contiguous in the ragged batch)."""
+    r = req_ref[t0 + s]
+    end = s + 1
+    for i in range(1, tq):
+        end = jnp.where((end == i) & (req_ref[t0 + i] == r), i + 1, end)
+    return end
+
+
 def _kernel(
-    req_ref,  # SMEM i32[T]
-    vis_ref,  # SMEM i32[T] (0 for padding tokens)
-    q_ref,  # VMEM [IH, Di]
-    w_ref,  # VMEM f32[IH, 1]
-    tab_ref,  # SMEM i32[1, nbp]: the block-table row of this token's request
+    req_ref,  # SMEM i32[Tp]
+    vis_ref,  # SMEM i32[Tp] (0 for padding tokens)
+    q_ref,  # VMEM [tq, IH, Di]
+    w_ref,  # VMEM f32[tq, IH, 1]
     *rest,
     mode,
+    tq,
     e,
     ce,
     k,
@@ -163,35 +184,104 @@ def _kernel(
     cb,
     index_bits,
 ):
+    rest = list(rest)
+    cand_ref = rest.pop(0) if mode == "consumer" else None  # SMEM i32[tq, 1, cbw]
+    tab_hbm, keys_hbm, out_ref = rest[:3]  # tables i32[R, 1, nbp] and keys stay in HBM
+    rest = rest[3:]
+    blk_ref = rest.pop(0) if mode == "source" else None
     if mode == "consumer":
-        cand_ref, keys_hbm, out_ref, sc_ref, ids_ref, kbuf, sems = rest
-        _consumer(
-            cand_ref,
-            tab_ref,
-            keys_hbm,
-            q_ref,
-            w_ref,
-            vis_ref,
-            out_ref,
-            sc_ref,
-            ids_ref,
-            kbuf,
-            sems,
-            e=e,
-            cbs=cbs,
-            k=k,
-            index_bits=index_bits,
-        )
-        return
-    elif mode == "source":
-        keys_hbm, out_ref, blk_ref, sc_ref, aux_ref, kbuf, sems = rest
+        sc_ref, ids_ref, kbuf, sems, tab_ref, tab_sem = rest
     else:
-        keys_hbm, out_ref, sc_ref, kbuf, sems = rest
-    t = pl.program_id(0)
-    n = vis_ref[t]
+        sc_ref, aux_ref, kbuf, sems, tab_ref, tab_sem = (
+            rest if mode == "source" else (rest[0], None, *rest[1:])
+        )
+    t0 = pl.program_id(0) * tq
+
+    def load_table(r):
+        copy = pltpu.make_async_copy(tab_hbm.at[r], tab_ref, tab_sem.at[0])
+        copy.start()
+        copy.wait()
+
+    def segment(s):
+        """Tile rows ``s .. end - 1`` (one request): its table row, then the key stream read
+        once for all of them; returns ``end``."""
+        end = _segment_end(req_ref, t0, s, tq)
+        load_table(req_ref[t0 + s])
+        if mode == "consumer":
+
+            def one(i, carry):
+                _consumer(
+                    cand_ref.at[i],
+                    tab_ref,
+                    keys_hbm,
+                    q_ref.at[i],
+                    w_ref.at[i],
+                    vis_ref[t0 + i],
+                    out_ref.at[i],
+                    sc_ref,
+                    ids_ref,
+                    kbuf,
+                    sems,
+                    e=e,
+                    cbs=cbs,
+                    k=k,
+                    index_bits=index_bits,
+                )
+                return carry
+
+            jax.lax.fori_loop(s, end, one, 0)
+        else:
+            _score_segment(
+                vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref, kbuf, sems, tq, e, ce
+            )
+        return end
+
+    jax.lax.while_loop(lambda s: s < tq, segment, jnp.int32(0))
+    if mode == "consumer":
+        return
+
+    def select(i, carry):
+        n = vis_ref[t0 + i]
+        nrows = cdiv_dyn(n, ce) * (ce // LANES)
+        vals = sc_ref.at[i]
+        if mode == "source":
+            newest = jnp.where(n > 0, ((n - 1) // cbs) * cbs, -1)
+
+            def block_max(j, c):
+                rows = pl.ds(pl.multiple_of(j * 8, 8), 8)
+                x = vals[rows, :]
+                m = x
+                sh = 1
+                while sh < cbs:
+                    m = jnp.maximum(m, pltpu.roll(m, LANES - sh, 1))  # lane l sees l + sh
+                    sh *= 2
+                row = j * 8 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+                idx = row * LANES + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+                m = jnp.where(idx == newest, jnp.inf, m)
+                aux_ref[rows, :] = jnp.where(idx % cbs == 0, m, -jnp.inf)
+                return c
+
+            jax.lax.fori_loop(0, cdiv_dyn(nrows, 8), block_max, 0)
+            tau, cut = _select(aux_ref, nrows, cb, index_bits)
+            _compact(aux_ref, nrows, tau, cut, blk_ref.at[i], int(math.log2(cbs)))
+        tau, cut = _select(vals, nrows, k, index_bits)
+        _compact(vals, nrows, tau, cut, out_ref.at[i], 0)
+        return carry
+
+    jax.lax.fori_loop(0, tq, select, 0)
+
+
+def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref, kbuf, sems, tq,
+                   e, ce):  # fmt: skip
+    """Stream the keys of the segment's request once, in double-buffered chunks of ``ce``
+    entries up to the segment's largest visible count, and score every row of the segment
+    against each chunk it can see (row ``i``'s scores go to ``sc_ref[i]``)."""
+    n_max = jnp.int32(0)
+    for i in range(tq):
+        in_seg = (i >= s) & (i < end)
+        n_max = jnp.maximum(n_max, jnp.where(in_seg, vis_ref[t0 + i], 0))
     pages_per_chunk = ce // e
-    nchunks = cdiv_dyn(n, ce)
-    nrows = nchunks * (ce // LANES)
+    nchunks = cdiv_dyn(n_max, ce)
 
     def page_copy(c, i, slot):
         page = tab_ref[0, c * pages_per_chunk + i]
@@ -202,7 +292,7 @@ def _kernel(
     def for_pages(c, slot, fn):
         for i in range(pages_per_chunk):
 
-            @pl.when((c * pages_per_chunk + i) * e < n)
+            @pl.when((c * pages_per_chunk + i) * e < n_max)
             def _(i=i):
                 fn(page_copy(c, i, slot))
 
@@ -210,8 +300,6 @@ def _kernel(
     def _first():
         for_pages(0, 0, lambda cp: cp.start())
 
-    q = q_ref[...]
-    w = w_ref[...].astype(jnp.float32)
     lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
 
     def chunk(c, carry):
@@ -222,42 +310,26 @@ def _kernel(
             for_pages(c + 1, 1 - slot, lambda cp: cp.start())
 
         for_pages(c, slot, lambda cp: cp.wait())
-        for sb in range(ce // LANES):
-            keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
-            dots = jax.lax.dot_general(
-                q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            s = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
-            idx = c * ce + sb * LANES + lane
-            s = jnp.where(idx < n, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
-            sc_ref[pl.ds(c * (ce // LANES) + sb, 1), :] = s
+        for i in range(tq):
+            n = vis_ref[t0 + i]
+
+            @pl.when((i >= s) & (i < end) & (c * ce < n))
+            def _row(i=i, n=n):
+                q = q_ref[i]
+                w = w_ref[i].astype(jnp.float32)
+                for sb in range(ce // LANES):
+                    keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
+                    dots = jax.lax.dot_general(
+                        q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                    )
+                    sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
+                    idx = c * ce + sb * LANES + lane
+                    sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
+                    sc_ref[i, pl.ds(c * (ce // LANES) + sb, 1), :] = sc
+
         return carry
 
     jax.lax.fori_loop(0, nchunks, chunk, 0)
-
-    if mode == "source":
-        newest = jnp.where(n > 0, ((n - 1) // cbs) * cbs, -1)
-
-        def block_max(i, carry):
-            rows = pl.ds(pl.multiple_of(i * 8, 8), 8)
-            x = sc_ref[rows, :]
-            m = x
-            sh = 1
-            while sh < cbs:
-                m = jnp.maximum(m, pltpu.roll(m, LANES - sh, 1))  # lane l sees l + sh
-                sh *= 2
-            row = i * 8 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-            idx = row * LANES + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-            m = jnp.where(idx == newest, jnp.inf, m)
-            aux_ref[rows, :] = jnp.where(idx % cbs == 0, m, -jnp.inf)
-            return carry
-
-        jax.lax.fori_loop(0, cdiv_dyn(nrows, 8), block_max, 0)
-        tau, cut = _select(aux_ref, nrows, cb, index_bits)
-        _compact(aux_ref, nrows, tau, cut, blk_ref, int(math.log2(cbs)))
-
-    tau, cut = _select(sc_ref, nrows, k, index_bits)
-    _compact(sc_ref, nrows, tau, cut, out_ref, 0)
 
 
 def _consumer(
@@ -266,7 +338,7 @@ def _consumer(
     keys_hbm,
     q_ref,
     w_ref,
-    vis_ref,
+    n,
     out_ref,
     sc_ref,
     ids_ref,
@@ -282,7 +354,6 @@ def _consumer(
     ``128 / cbs`` blocks are DMA'd (one copy per block, double-buffered) into a 128-row key
     buffer and scored with one matmul into one row of ``sc_ref``; ``ids_ref`` holds each lane's
     entry id (-1: none). The keys of other blocks are never read."""
-    n = vis_ref[pl.program_id(0)]
     per = LANES // cbs
     ngroups = cand_ref.shape[1] // per
     lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
@@ -341,6 +412,12 @@ def _round_up(x, m):
     return cdiv(x, m) * m
 
 
+def tile_size(tokens_per_tile: int, score_row_bytes: int, budget: int = SCORE_VMEM_BUDGET) -> int:
+    """Tokens per grid step: ``tokens_per_tile`` capped so the tile's score rows fit the VMEM
+    budget (a token's scores take ``score_row_bytes``)."""
+    return max(1, min(tokens_per_tile, budget // max(score_row_bytes, 1)))
+
+
 def indexer_topk(
     qi,
     weights,
@@ -355,9 +432,13 @@ def indexer_topk(
     candidate_block_size: int = 0,
     candidate_topk_blocks: int = 0,
     candidates=None,
+    tokens_per_tile: int = TOKENS_PER_TILE,
     interpret=False,
 ):
-    """Mosaic TPU indexer; same arguments and results as `reference.indexer_topk`."""
+    """Mosaic TPU indexer; same arguments and results as `reference.indexer_topk`.
+
+    ``tokens_per_tile``: tokens per grid step (capped by the VMEM their scores need); the
+    tokens of one request within a tile read the key stream once."""
     mode = check_indexer_args(
         qi,
         weights,
@@ -372,6 +453,8 @@ def indexer_topk(
         candidate_topk_blocks=candidate_topk_blocks,
         candidates=candidates,
     )
+    if not isinstance(tokens_per_tile, int) or tokens_per_tile < 1:
+        raise ValueError(f"indexer_topk (tpu): tokens_per_tile={tokens_per_tile!r} must be >= 1")
     t, ih, di = qi.shape
     e = entries_per_block
     _, nb = comp_tables.shape
@@ -397,48 +480,56 @@ def indexer_topk(
     index_bits = max(1, (nr * LANES - 1).bit_length())
     kp = _round_up(k, LANES)
     cb = candidate_topk_blocks
+    per = LANES // max(cbs, 1)
+    cbw = _round_up(candidates.shape[1], per) if mode == "consumer" else 0
+    groups = _round_up(max(cbw // per, 1), 8)
+    # a consumer scores one token at a time into one scratch: any tile size fits
+    tq = tokens_per_tile if mode == "consumer" else tile_size(tokens_per_tile, nr * LANES * 4)
+    tp = _round_up(t, tq)
+    pad = tp - t
 
-    tables = jnp.pad(comp_tables, ((0, 0), (0, nbp - nb)))
+    tables = jnp.pad(comp_tables, ((0, 0), (0, nbp - nb)))[:, None, :]
     vis = jnp.where(positions >= 0, jnp.clip(visible, 0, nb * e), 0).astype(jnp.int32)
-    per_token = lambda i, *_: (i, 0, 0)  # noqa: E731
-    in_specs = [
-        pl.BlockSpec((None, ih, di), per_token),
-        pl.BlockSpec((None, ih, 1), per_token),
-    ]
-    # only the token's own table row sits in SMEM (the pipeline fetches the next token's row)
-    in_specs.append(
-        pl.BlockSpec((None, 1, nbp), lambda i, req, _: (req[i], 0, 0), memory_space=pltpu.SMEM)
-    )
-    operands = [qi, weights.astype(jnp.float32)[:, :, None], tables[:, None, :]]
+    vis = jnp.pad(vis, (0, pad))  # padding tokens see nothing
+    req = jnp.pad(token_req, (0, pad), mode="edge")  # ... and join the last request's segment
+    qp = jnp.pad(qi, ((0, pad), (0, 0), (0, 0)))
+    wp = jnp.pad(weights.astype(jnp.float32), ((0, pad), (0, 0)))[:, :, None]
+    per_tile = lambda i, *_: (i, 0, 0)  # noqa: E731
+    in_specs = [pl.BlockSpec((tq, ih, di), per_tile), pl.BlockSpec((tq, ih, 1), per_tile)]
+    operands = [qp, wp]
     if mode == "consumer":
-        per = LANES // cbs
-        cbw = _round_up(candidates.shape[1], per)
-        in_specs.append(pl.BlockSpec((None, 1, cbw), per_token, memory_space=pltpu.SMEM))
-        padded = jnp.pad(candidates, ((0, 0), (0, cbw - candidates.shape[1])), constant_values=-1)
+        padded = jnp.pad(candidates, ((0, pad), (0, cbw - candidates.shape[1])), constant_values=-1)
+        in_specs.append(pl.BlockSpec((tq, 1, cbw), per_tile, memory_space=pltpu.SMEM))
         operands.append(padded[:, None, :])
-    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    operands.append(ikey_pages)
-    out_specs = [pl.BlockSpec((None, kp // LANES, LANES), per_token)]
-    out_shape = [jax.ShapeDtypeStruct((t, kp // LANES, LANES), jnp.int32)]
+    in_specs += [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    operands += [tables, ikey_pages]
+    out_specs = [pl.BlockSpec((tq, kp // LANES, LANES), per_tile)]
+    out_shape = [jax.ShapeDtypeStruct((tp, kp // LANES, LANES), jnp.int32)]
     cbp = _round_up(max(cb, 1), LANES)
     if mode == "source":
-        out_specs.append(pl.BlockSpec((None, cbp // LANES, LANES), per_token))
-        out_shape.append(jax.ShapeDtypeStruct((t, cbp // LANES, LANES), jnp.int32))
+        out_specs.append(pl.BlockSpec((tq, cbp // LANES, LANES), per_tile))
+        out_shape.append(jax.ShapeDtypeStruct((tp, cbp // LANES, LANES), jnp.int32))
+    kbytes = ikey_pages.dtype.itemsize
     if mode == "consumer":
-        groups = _round_up(cbw // per, 8)
         scratch = [
             pltpu.VMEM((groups, LANES), jnp.float32),
             pltpu.VMEM((groups, LANES), jnp.int32),
             pltpu.VMEM((2, LANES, di), ikey_pages.dtype),
         ]
-        vmem = groups * LANES * 8 + 2 * LANES * di * ikey_pages.dtype.itemsize
+        vmem = groups * LANES * 8 + 2 * LANES * di * kbytes
     else:
-        scratch = [pltpu.VMEM((nr, LANES), jnp.float32)]
+        scratch = [pltpu.VMEM((tq, nr, LANES), jnp.float32)]
         if mode == "source":
             scratch.append(pltpu.VMEM((nr, LANES), jnp.float32))
         scratch.append(pltpu.VMEM((2, ce, di), ikey_pages.dtype))
-        vmem = (nr * LANES * 4) * len(scratch) + 2 * ce * di * ikey_pages.dtype.itemsize
-    scratch.append(pltpu.SemaphoreType.DMA((2,)))
+        vmem = nr * LANES * 4 * (tq + (mode == "source")) + 2 * ce * di * kbytes
+    scratch += [
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SMEM((1, nbp), jnp.int32),
+        pltpu.SemaphoreType.DMA((1,)),
+    ]
+    # the CostEstimate assumes the worst case of one key stream per token (decode); a prefill
+    # chunk of one request reads it once per tile
     c = cost(
         t,
         ih,
@@ -452,11 +543,19 @@ def indexer_topk(
     )
     outs = pl.pallas_call(
         functools.partial(
-            _kernel, mode=mode, e=e, ce=ce, k=k, cbs=max(cbs, 1), cb=cb, index_bits=index_bits
+            _kernel,
+            mode=mode,
+            tq=tq,
+            e=e,
+            ce=ce,
+            k=k,
+            cbs=max(cbs, 1),
+            cb=cb,
+            index_bits=index_bits,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(t,),
+            grid=(tp // tq,),
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=scratch,
@@ -468,8 +567,8 @@ def indexer_topk(
         ),
         cost_estimate=cost_estimate(c["flops"], c["bytes"]),
         interpret=tpu_interpret(interpret),
-    )(token_req, vis, *operands)
-    topk = outs[0].reshape(t, kp)[:, :k]
+    )(req, vis, *operands)
+    topk = outs[0].reshape(tp, kp)[:t, :k]
     if mode == "source":
-        return topk, outs[1].reshape(t, cbp)[:, :cb]
+        return topk, outs[1].reshape(tp, cbp)[:t, :cb]
     return topk

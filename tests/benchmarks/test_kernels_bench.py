@@ -148,3 +148,17 @@ def test_inputs_lower_for_tpu_and_gpu_kernels(name):
         bench = kernels.BENCHES[name](shape, impl, 1e6)
         args = bench.make_args(np.random.default_rng(0))
         assert marker in lower(bench.run, *args), (name, impl)
+
+
+def test_indexer_cost_counts_shared_key_streams():
+    """Tokens of one request in a tile read the keys once (up to the tile's largest visible
+    count); a decode batch (one token per request) reads them once per token."""
+    vis = np.arange(1000, 1064)
+    one_req = np.zeros(64, np.int32)
+    kw = dict(k=512, per_block=64, cand_out=0, cap=None)
+    alone = kernels._indexer_cost(vis, **kw, token_req=one_req, tile=1).bytes_accessed
+    shared = kernels._indexer_cost(vis, **kw, token_req=one_req, tile=8).bytes_accessed
+    key_row = kernels.INDEX_DIM * 2  # bf16 keys
+    assert alone - shared == pytest.approx((vis.sum() - vis[7::8].sum()) * key_row, rel=0.01)
+    decode = np.arange(64, dtype=np.int32)
+    assert kernels._indexer_cost(vis, **kw, token_req=decode, tile=8).bytes_accessed == alone
