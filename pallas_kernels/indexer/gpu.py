@@ -1,18 +1,31 @@
 """Triton (Pallas GPU) indexer: block maxima, exact block pre-selection, rescoring, exact top-k.
 
 A Triton program cannot keep a long context's scores on chip, so the GPU path splits the work
-into three small kernels (one program per token each) and only ever writes *block maxima*
-(1/BS of the score matrix) and the scores of the few candidate blocks to HBM:
+into three small kernels and only ever writes *block maxima* (1/BS of the score matrix) and the
+scores of the few candidate blocks to HBM:
 
-1. `_blocks_kernel`: stream the visible keys (gathered through the block table, 128 entries a
-   step), score them on the tensor cores, write the max of each block of ``BS`` entries.
-2. `_select_kernel` on the block maxima: the top ``min(k, blocks)`` blocks (ties: lower block)
-   contain the true top-k (each block holding a top-k entry scores at least the k-th score, and
-   ties resolve to the lower index at both levels). A candidate source runs it a second time
-   with the newest block pinned to +inf for its ``candidate_topk_blocks`` output.
-3. `_rescore_kernel`: score just the entries of the selected blocks (or of a consumer's
-   candidate blocks: a consumer never touches other keys), then `_select_kernel` picks the
-   exact top-k among them.
+1. `_blocks_kernel`, one program per *tile* of ``tokens_per_tile`` consecutive tokens (T is
+   padded to whole tiles with padding tokens: visible 0, the last token's request; their rows
+   are dropped): stream the keys, 128 entries a step up to the tile's largest visible count,
+   score them on the tensor cores, write each token's own row of block maxima (max of each
+   block of ``BS`` entries). Shared: a step's keys are gathered through the block table once,
+   for the request of the tile's first token, and scored by every token of the tile in that
+   request (a prefill chunk's keys are read once per tile instead of once per token). When the
+   whole tile is one request and its size is a power of two (Triton shapes), its queries are
+   stacked into one matmul ([tile * IH_pad, Di] x [Di, 128]); otherwise each token runs its own
+   matmul on the shared keys. Not shared: a token of another request (a tile straddling
+   requests) gathers its own keys; queries, weights and visible counts are per token (entries
+   at or past a token's own count score -inf; token by token, a step wholly past it is
+   skipped).
+2. `_select_kernel` on the block maxima, one program per token: the top ``min(k, blocks)``
+   blocks (ties: lower block) contain the true top-k (each block holding a top-k entry scores at
+   least the k-th score, and ties resolve to the lower index at both levels). A candidate source
+   runs it a second time with the newest block pinned to +inf for its ``candidate_topk_blocks``
+   output.
+3. `_rescore_kernel`, one program per token, not tiled: score just the entries of the token's
+   selected blocks (or of a consumer's candidate blocks: a consumer never touches other keys),
+   then `_select_kernel` picks the exact top-k among them. The selected blocks differ from token
+   to token, so tiles would share little there; each token gathers its own ``k`` entries.
 
 `_select_kernel` is sort-free: order-preserving int32 keys, the k-th largest built bit by bit
 with counting passes, the tie cut over the id bits, then compaction with a prefix sum and a
@@ -35,6 +48,7 @@ __all__ = ["indexer_topk"]
 
 CHUNK = 128  # entries scored per step
 SELECT_CHUNK = 1024  # values per counting step
+TOKENS_PER_TILE = 4  # consecutive tokens sharing one key stream in `_blocks_kernel`
 INT_MIN = -(2**31)
 
 
@@ -46,16 +60,28 @@ def _params():
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
-def _score(q, w, keys):
-    """sum_h w_h relu(q_h . k) for keys [C, Di] -> [C] (f32)."""
-    dots = jax.lax.dot_general(
+def _dots(q, keys):
+    """q [M, Di] . keys [C, Di] -> [M, C] in f32 on the tensor cores."""
+    return jax.lax.dot_general(
         q,
         keys.astype(q.dtype),
         (((1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32,
         precision=jax.lax.Precision.HIGHEST,
     )
-    s = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None], axis=0)
+
+
+def _score(q, w, keys):
+    """sum_h w_h relu(q_h . k) for keys [C, Di] -> [C] (f32)."""
+    s = jnp.sum(jnp.maximum(_dots(q, keys), 0.0) * w[:, None], axis=0)
+    return jnp.where(s == 0.0, 0.0, s)
+
+
+def _score_stacked(q, w, keys, tokens):
+    """`_score` of ``tokens`` stacked tokens in one matmul: q [tokens * H, Di], w [tokens * H],
+    keys [C, Di] -> [tokens, C] (f32)."""
+    terms = jnp.maximum(_dots(q, keys), 0.0) * w[:, None]
+    s = jnp.sum(terms.reshape(tokens, q.shape[0] // tokens, keys.shape[0]), axis=1)
     return jnp.where(s == 0.0, 0.0, s)
 
 
@@ -66,24 +92,68 @@ def _gather_keys(tab_ref, keys_ref, r, nb, e, entry):
     return keys_ref[page * e + entry % e]
 
 
-def _blocks_kernel(req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, bm_ref, *, nb, e, bs):
-    t = pl.program_id(0)
-    r, n = req_ref[t], vis_ref[t]
-    q, w = q_ref[...], w_ref[...]
+def _blocks_kernel(
+    req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, bm_ref, *, nb, e, bs, tq, ihp
+):
+    """Block maxima of the ``tq`` tokens of one tile: q [tq * ihp, Di], w [tq * ihp] and the
+    output rows [tq, blocks] are the tile's; req / vis (padded to whole tiles) are whole."""
+    t0 = pl.program_id(0) * tq
+    r0 = req_ref[t0]
+    reqs = [req_ref[t0 + i] for i in range(tq)]
+    vis = [vis_ref[t0 + i] for i in range(tq)]
+    n_max = functools.reduce(jnp.maximum, vis)
+    # one matmul for the whole tile when it is one request (Triton shapes: powers of two only)
+    stackable = tq > 1 and tq & (tq - 1) == 0
+    same = functools.reduce(jnp.logical_and, [r == r0 for r in reqs[1:]], jnp.bool_(True))
     per = CHUNK // bs
+    minus_inf = jnp.full((CHUNK,), -jnp.inf, jnp.float32)
 
     def step(c, carry):
+        cols = pl.ds(c * per, per)
         entry = c * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32)
 
         def scored():
-            s = _score(q, w, _gather_keys(tab_ref, keys_ref, r, nb, e, entry))
-            return jnp.where(entry < n, s, -jnp.inf)
+            keys0 = _gather_keys(tab_ref, keys_ref, r0, nb, e, entry)  # shared by the tile
 
-        s = jax.lax.cond(c * CHUNK < n, scored, lambda: jnp.full((CHUNK,), -jnp.inf))
-        bm_ref[pl.ds(c * per, per)] = jnp.max(s.reshape(per, bs), axis=1)
+            def stacked():
+                s = _score_stacked(q_ref[...], w_ref[...], keys0, tq)
+                n = vis_ref[pl.ds(t0, tq)]
+                s = jnp.where(entry[None, :] < n[:, None], s, -jnp.inf)
+                bm_ref[:, cols] = jnp.max(s.reshape(tq, per, bs), axis=2)
+
+            def token_by_token():
+                for i in range(tq):
+                    rows = pl.ds(i * ihp, ihp)
+
+                    def shared(rows=rows):
+                        return _score(q_ref[rows, :], w_ref[rows], keys0)
+
+                    def own(i=i, rows=rows):
+                        keys = _gather_keys(tab_ref, keys_ref, reqs[i], nb, e, entry)
+                        return _score(q_ref[rows, :], w_ref[rows], keys)
+
+                    def visible(i=i, shared=shared, own=own):
+                        if i == 0:  # the tile's first token: its request's keys are keys0
+                            return shared()
+                        return jax.lax.cond(reqs[i] == r0, shared, own)
+
+                    s = jax.lax.cond(c * CHUNK < vis[i], visible, lambda: minus_inf)
+                    s = jnp.where(entry < vis[i], s, -jnp.inf)
+                    bm_ref[i, cols] = jnp.max(s.reshape(per, bs), axis=1)
+
+            if stackable:
+                jax.lax.cond(same, stacked, token_by_token)
+            else:
+                token_by_token()
+
+        def unseen():
+            for i in range(tq):
+                bm_ref[i, cols] = jnp.full((per,), -jnp.inf, jnp.float32)
+
+        jax.lax.cond(c * CHUNK < n_max, scored, unseen)
         return carry
 
-    jax.lax.fori_loop(0, bm_ref.shape[0] // per, step, 0)
+    jax.lax.fori_loop(0, bm_ref.shape[1] // per, step, 0)
 
 
 def _order_key(x):
@@ -191,6 +261,36 @@ def _select(vals, ids, pin, k, id_bits, interpret):
     return out[:, :k]
 
 
+def _block_maxima(token_req, vis, tab, q, w, keys, *, nb, e, bs, nblocks, tq, estimate, interpret):
+    """`_blocks_kernel` over tiles of ``tq`` tokens: f32[T, nblocks]."""
+    t, ihp, di = q.shape
+    tiles = cdiv(t, tq)
+    pad = tiles * tq - t
+    if pad:  # padding tokens: nothing visible, the last token's request (shares its tile)
+        token_req = jnp.pad(token_req, (0, pad), mode="edge")
+        vis = jnp.pad(vis, (0, pad))
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+        w = jnp.pad(w, ((0, pad), (0, 0)))
+    bm = pl.pallas_call(
+        functools.partial(_blocks_kernel, nb=nb, e=e, bs=bs, tq=tq, ihp=ihp),
+        grid=(tiles,),
+        in_specs=[
+            _whole(token_req),
+            _whole(vis),
+            _whole(tab),
+            pl.BlockSpec((tq * ihp, di), lambda j: (j, 0)),
+            pl.BlockSpec((tq * ihp,), lambda j: (j,)),
+            _whole(keys),
+        ],
+        out_specs=pl.BlockSpec((tq, nblocks), lambda j: (j, 0)),
+        out_shape=jax.ShapeDtypeStruct((tiles * tq, nblocks), jnp.float32),
+        compiler_params=_params(),
+        cost_estimate=estimate,
+        interpret=interpret,
+    )(token_req, vis, tab, q.reshape(-1, di), w.reshape(-1), keys)
+    return bm[:t]
+
+
 def indexer_topk(
     qi,
     weights,
@@ -205,9 +305,14 @@ def indexer_topk(
     candidate_block_size: int = 0,
     candidate_topk_blocks: int = 0,
     candidates=None,
+    tokens_per_tile: int = TOKENS_PER_TILE,
     interpret=False,
 ):
-    """Triton indexer; same arguments and results as `reference.indexer_topk`."""
+    """Triton indexer; same arguments and results as `reference.indexer_topk`.
+
+    ``tokens_per_tile`` consecutive tokens share one program of `_blocks_kernel` and the keys it
+    gathers (see the module docstring); the results do not depend on it.
+    """
     mode = check_indexer_args(
         qi,
         weights,
@@ -223,6 +328,9 @@ def indexer_topk(
         candidates=candidates,
     )
     interpret = gpu_interpret(interpret)
+    tq = tokens_per_tile
+    if isinstance(tq, bool) or not isinstance(tq, int) or tq < 1:
+        raise ValueError(f"indexer_topk (gpu): tokens_per_tile={tq!r} must be an int >= 1")
     t, ih, di = qi.shape
     e = entries_per_block
     p = ikey_pages.shape[0]
@@ -243,7 +351,18 @@ def indexer_topk(
     scalars = (token_req, vis, tab)
     common_specs = [_whole(token_req), _whole(vis), _whole(tab), _per_token(ihp, di)]
     common_specs += [_per_token(ihp), _whole(keys)]
-    c = cost(t, ih, di, n_entries, k=k, key_dtype=ikey_pages.dtype, q_dtype=qi.dtype)
+    # the key stream is read once per tile (plus once per token of a tile straddling requests
+    # that is not in the tile's first request: data-dependent, not counted)
+    c = cost(
+        t,
+        ih,
+        di,
+        n_entries,
+        k=k,
+        key_dtype=ikey_pages.dtype,
+        q_dtype=qi.dtype,
+        key_reads=cdiv(t, tq),
+    )
 
     blocks_out = None
     if mode == "consumer":
@@ -251,16 +370,21 @@ def indexer_topk(
         blocks = jnp.pad(candidates, ((0, 0), (0, cbp - candidates.shape[1])), constant_values=-1)
     else:
         nblocks = _pow2(max(cdiv(n_entries, bs), CHUNK // bs))
-        bm = pl.pallas_call(
-            functools.partial(_blocks_kernel, nb=nb, e=e, bs=bs),
-            grid=(t,),
-            in_specs=common_specs,
-            out_specs=_per_token(nblocks),
-            out_shape=jax.ShapeDtypeStruct((t, nblocks), jnp.float32),
-            compiler_params=_params(),
-            cost_estimate=cost_estimate(c["flops"], c["bytes"]),
+        bm = _block_maxima(
+            token_req,
+            vis,
+            tab,
+            q,
+            w,
+            keys,
+            nb=nb,
+            e=e,
+            bs=bs,
+            nblocks=nblocks,
+            tq=tq,
+            estimate=cost_estimate(c["flops"], c["bytes"]),
             interpret=interpret,
-        )(*scalars, q, w, keys)
+        )
         block_ids = jnp.broadcast_to(jnp.arange(nblocks, dtype=jnp.int32), bm.shape)
         no_pin = jnp.full((t,), -1, jnp.int32)
         bits = max(1, nblocks.bit_length())
