@@ -50,6 +50,7 @@ __all__ = ["indexer_topk"]
 LANES = 128
 CHUNK_ENTRIES = 512  # entries per key DMA chunk (rounded to a multiple of lcm(E, 128))
 TOKENS_PER_TILE = 8  # tokens per grid step (a request's tokens in a tile share the key stream)
+STACK_HEADS = 16  # whole-tile matmuls need the heads to fill (bf16) sublane tiles
 SCORE_VMEM_BUDGET = 40 << 20  # bytes of f32 score rows a tile may keep in VMEM
 INT_MIN = -(2**31)
 
@@ -183,6 +184,7 @@ def _kernel(
     cbs,
     cb,
     index_bits,
+    stack,
 ):
     rest = list(rest)
     cand_ref = rest.pop(0) if mode == "consumer" else None  # SMEM i32[tq, 1, cbw]
@@ -232,8 +234,9 @@ def _kernel(
             jax.lax.fori_loop(s, end, one, 0)
         else:
             _score_segment(
-                vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref, kbuf, sems, tq, e, ce
-            )
+                vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref, kbuf, sems, tq, e, ce,
+                stack,
+            )  # fmt: skip
         return end
 
     jax.lax.while_loop(lambda s: s < tq, segment, jnp.int32(0))
@@ -272,10 +275,11 @@ def _kernel(
 
 
 def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref, kbuf, sems, tq,
-                   e, ce):  # fmt: skip
+                   e, ce, stack):  # fmt: skip
     """Stream the keys of the segment's request once, in double-buffered chunks of ``ce``
     entries up to the segment's largest visible count, and score every row of the segment
-    against each chunk it can see (row ``i``'s scores go to ``sc_ref[i]``)."""
+    against each chunk it can see (row ``i``'s scores go to ``sc_ref[i]``). With ``stack``, a
+    segment that is the whole tile scores all its tokens with one matmul per 128 entries."""
     n_max = jnp.int32(0)
     for i in range(tq):
         in_seg = (i >= s) & (i < end)
@@ -310,22 +314,53 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
             for_pages(c + 1, 1 - slot, lambda cp: cp.start())
 
         for_pages(c, slot, lambda cp: cp.wait())
-        for i in range(tq):
-            n = vis_ref[t0 + i]
 
-            @pl.when((i >= s) & (i < end) & (c * ce < n))
-            def _row(i=i, n=n):
-                q = q_ref[i]
-                w = w_ref[i].astype(jnp.float32)
-                for sb in range(ce // LANES):
-                    keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
-                    dots = jax.lax.dot_general(
-                        q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                    )
-                    sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
-                    idx = c * ce + sb * LANES + lane
-                    sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
-                    sc_ref[i, pl.ds(c * (ce // LANES) + sb, 1), :] = sc
+        def per_token():
+            for i in range(tq):
+                n = vis_ref[t0 + i]
+
+                @pl.when((i >= s) & (i < end) & (c * ce < n))
+                def _row(i=i, n=n):
+                    q = q_ref[i]
+                    w = w_ref[i].astype(jnp.float32)
+                    for sb in range(ce // LANES):
+                        keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
+                        dots = jax.lax.dot_general(
+                            q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                        )
+                        sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
+                        idx = c * ce + sb * LANES + lane
+                        sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
+                        sc_ref[i, pl.ds(c * (ce // LANES) + sb, 1), :] = sc
+
+        if not stack:
+            per_token()
+            return carry
+        whole = (s == 0) & (end == tq)
+        pl.when(jnp.logical_not(whole))(per_token)
+
+        @pl.when(whole)
+        def _stacked():
+            # the tile is one request: one [tq * IH, Di] x [Di, 128] matmul per slice feeds the
+            # MXU tq times more rows per pushed key tile; rows past a token's own count are
+            # -inf (rows of chunks it cannot see lie past its selection's rows)
+            q = q_ref[...]
+            tq_, ih, di = q.shape
+            q = q.reshape(tq_ * ih, di)
+            w = w_ref[...].astype(jnp.float32)  # [tq, IH, 1]
+            tok = jax.lax.broadcasted_iota(jnp.int32, (tq, LANES), 0)
+            nvec = jnp.zeros((tq, LANES), jnp.int32)
+            for i in range(tq):
+                nvec = jnp.where(tok == i, vis_ref[t0 + i], nvec)
+            for sb in range(ce // LANES):
+                keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
+                dots = jax.lax.dot_general(
+                    q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                ).reshape(tq_, ih, LANES)
+                sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=1)  # [tq, 128]
+                idx = c * ce + sb * LANES + lane
+                sc = jnp.where(idx < nvec, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
+                sc_ref[:, pl.ds(c * (ce // LANES) + sb, 1), :] = sc[:, None, :]
 
         return carry
 
@@ -552,6 +587,7 @@ def indexer_topk(
             cbs=max(cbs, 1),
             cb=cb,
             index_bits=index_bits,
+            stack=tq > 1 and ih % STACK_HEADS == 0,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,

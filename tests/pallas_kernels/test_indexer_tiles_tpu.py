@@ -107,3 +107,20 @@ def test_prefill_tile_compiles_at_released_shapes():
     fn = _released_fn("source-r1", "tpu")
     args = _released("source-r1", tokens=64)
     compile_for_tpu(fn, *args, topology="v6e:1x1")
+
+
+@pytest.mark.parametrize("integer", [True, False])
+def test_stacked_matmul_of_whole_request_tiles(integer):
+    """16 index heads: tiles that hold one request score all their tokens with one matmul
+    (`STACK_HEADS`); the straddling last tile takes the per-token path."""
+    assert 16 % tpu_indexer.STACK_HEADS == 0
+    dtype = jnp.float32 if integer else jnp.bfloat16
+    case = make_case(*PREFILL_BATCH, e=8, ih=16, integer=integer, dtype=dtype, seed=25)
+    for mode, kw, want in _modes(case)[:2]:
+        got = indexer_topk(*args_of(case), **kw, impl="tpu", interpret=True)
+        if integer:
+            _check(mode, got, want)
+        else:
+            scores, _ = oracle_scores(case)
+            got, want = (got[0], want[0]) if mode == "source" else (got, want)
+            check_close(got, want, scores, FLOAT_TOL[dtype])
