@@ -27,7 +27,14 @@ description into device buffers and gives every cache layer a typed view of its 
   `write_ring`) — decode pages to ``f32[blocks, states, dim]`` (what the kernels take:
   ``swa_pages``, ``comp_pages``, ``ikey_pages``, ``ring_pages`` of ``pallas_kernels``), and
   encode + scatter rows through a slot mapping (``slot = block · states + row``, -1 = no
-  write). Pure jnp, jit-able.
+  write). Pure jnp, jit-able. `read_layer` decodes every page of the pool (O(num_blocks));
+  `read_blocks` decodes only the given ids.
+* `read_for_table` / `read_ring_for_table` — what the paged step uses: decode only the pages
+  a step's block tables reference (compressed entries and index keys: every entry of the
+  table; window: the columns the batch's windows cover, `window_page_bound` of them at most;
+  ring: one page per request), plus a copy of the null block, and return a remapped table into
+  those pages. A static choice by shapes: when that page count is not smaller than the pool,
+  the whole pool (`read_layer`) and the original table.
 * `check_slots` / `check_block_ids` — host-side (numpy) debug checks: a bad id or slot raises a
   ValueError naming the layer or group, the value, where it is and the allowed range. The
   device functions never clamp: an out-of-range slot is dropped and an out-of-range block id
@@ -81,8 +88,11 @@ __all__ = [
     "init_pools",
     "layer_kinds",
     "read_blocks",
+    "read_for_table",
     "read_layer",
     "read_ring",
+    "read_ring_for_table",
+    "window_page_bound",
     "write_layer",
     "write_ring",
 ]
@@ -546,9 +556,21 @@ def _read_core(lp: LayerPool, buf: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _read_blocks_core(lp: LayerPool, num_blocks: int, buf: jax.Array, ids: jax.Array):
-    ids = jnp.where((ids >= 0) & (ids < num_blocks), ids, num_blocks)  # never clamp
-    rows = buf[:, lp.offset : lp.offset + lp.used_bytes]
-    rows = rows.at[ids.reshape(-1)].get(mode="fill", fill_value=NAN_BYTE)
+    flat = ids.reshape(-1)
+    flat = jnp.where((flat >= 0) & (flat < num_blocks), flat, num_blocks)  # never clamp
+    # one gather of the layer's used bytes of each row: only the K pages are touched (no
+    # slice of the whole buffer first); row num_blocks is out of bounds, so it reads 0xFF = NaN
+    starts = jnp.stack([flat, jnp.full_like(flat, lp.offset)], axis=-1)
+    rows = jax.lax.gather(
+        buf,
+        starts,
+        jax.lax.GatherDimensionNumbers(
+            offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+        ),
+        slice_sizes=(1, lp.used_bytes),
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+        fill_value=NAN_BYTE,
+    )
     return _decode_pages(lp, rows).reshape(*ids.shape, lp.states, lp.dim)
 
 
@@ -648,6 +670,164 @@ def write_ring(
     p % capacity``, -1 = none); see `write_layer`."""
     _ring(layout, name)
     return write_layer(layout, pools, name, slots, rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reads of only the pages a step's block tables reference
+# ---------------------------------------------------------------------------------------------
+
+
+def window_page_bound(num_tokens: int, num_requests: int, window: int, page: int) -> int:
+    """Most window-table columns ``T`` tokens of ``R`` requests can read (``page`` = S tokens
+    per page), given that each request's positions in the batch are contiguous.
+
+    A request with ``n`` tokens from ``p0`` reads columns ``(p0 - W + 1) // S .. (p0 + n - 1) // S``
+    (the low end clipped at 0). With ``a = p0 - W + 1 = q·S + s`` (``0 <= s < S``) that is
+    ``(s + n + W - 2) // S + 1 <= (n + W + S - 3) // S + 1 <= n // S + (W + 2S - 4) // S + 1``
+    columns (split ``n = m·S + u``, ``u <= S - 1``). Summed over requests, ``sum(n // S) <=
+    T // S``, so at most ``T // S + R · ((W + 2S - 4) // S + 1)`` columns."""
+    if min(num_tokens, num_requests) < 0 or min(window, page) < 1:
+        raise ValueError(
+            f"need num_tokens, num_requests >= 0 and window, page >= 1, got {num_tokens}, "
+            f"{num_requests}, {window}, {page}"
+        )
+    return num_tokens // page + num_requests * ((window + 2 * page - 4) // page + 1)
+
+
+def _int_array(what: str, x, ndim: int) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.ndim != ndim or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(
+            f"{what} must be an integer array of {ndim} dims, got {x.dtype}{list(x.shape)}"
+        )
+    return x.astype(jnp.int32)
+
+
+def _gathered_table(table: jax.Array) -> jax.Array:
+    """``1 + arange`` in the table's shape: entry ``[r, j]`` -> gathered page ``1 + r·nb + j``."""
+    return 1 + jnp.arange(table.size, dtype=jnp.int32).reshape(table.shape)
+
+
+def _window_pages(table, positions, token_req, *, window: int, page: int, capacity: int):
+    """Block ids to decode ``i32[capacity + 2]`` and the remapped table ``i32[R, nb]`` for the
+    window columns of every request (see `read_for_table`): id 0 (the null block) first, then
+    the needed columns request after request, then id -1 (a NaN page for any column past the
+    capacity, which contiguous positions never need)."""
+    num_req, nb = table.shape
+    real = positions >= 0
+    big = jnp.iinfo(jnp.int32).max
+    first = jax.ops.segment_min(jnp.where(real, positions, big), token_req, num_req)
+    last = jax.ops.segment_max(jnp.where(real, positions, -1), token_req, num_req)
+    active = last >= 0  # requests without tokens (and padding rows) need nothing
+    lo = jnp.maximum(first - window + 1, 0) // page
+    hi = jnp.minimum(last // page, nb - 1)  # the table has no column past nb - 1
+    count = jnp.where(active & (hi >= lo), hi - lo + 1, 0)
+    end = 1 + jnp.cumsum(count)  # packed pages of request r: [end[r] - count[r], end[r])
+    start = end - count
+    # packed page k (1 <= k <= capacity) -> request, column, block id
+    k = jnp.arange(1, capacity + 1, dtype=jnp.int32)
+    r_of_k = jnp.searchsorted(end, k, side="right").astype(jnp.int32)
+    used = k < end[-1]
+    r_safe = jnp.where(used, r_of_k, 0)
+    col = jnp.where(used, lo[r_safe] + k - start[r_safe], 0)
+    ids = jnp.where(used, table[r_safe, col], 0)
+    ids = jnp.concatenate([jnp.zeros(1, jnp.int32), ids, jnp.full(1, -1, jnp.int32)])
+    j = jnp.arange(nb, dtype=jnp.int32)[None, :]
+    need = active[:, None] & (j >= lo[:, None]) & (j <= hi[:, None])
+    slot = start[:, None] + j - lo[:, None]
+    slot = jnp.where(slot <= capacity, slot, capacity + 1)  # overflow: the NaN page, not 0
+    return ids, jnp.where(need, slot, 0)
+
+
+def read_for_table(
+    layout: PoolLayout,
+    pools: Mapping[str, jax.Array],
+    name: str,
+    table: jax.Array,
+    *,
+    dtype=jnp.float32,
+    positions: jax.Array | None = None,
+    token_req: jax.Array | None = None,
+    window: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Decode only the pages of layer ``name`` that block table ``table i32[R, nb]`` lets a
+    kernel read: ``(pages dtype[P', states, dim], table2 i32[R, nb])`` such that for every
+    such entry ``pages[table2[r, j]]`` is the decoded page ``table[r, j]`` (what
+    ``read_layer(...)[table[r, j]]`` gives). Hand ``pages`` and ``table2`` to the kernel in
+    place of the whole pool and ``table``.
+
+    * Compressed-entry / index-key layers: every column may be read. When ``R·nb + 1 <
+      num_blocks`` the pages are ``[block 0] + table.ravel()`` and ``table2 = 1 + arange``;
+      otherwise the whole pool and ``table`` itself.
+    * Window (SWA) layers need ``positions`` (-1 = padding), ``token_req`` (both ``i32[T]``)
+      and ``window``: a token at ``p`` reads columns ``(p - window + 1) // S .. p // S`` (low
+      end clipped at 0). Each request's columns, from its first position in the batch to its
+      last, are packed after a copy of block 0; every other column of ``table2`` points at that
+      copy (column 0 of a padding row, say). The packed size is static,
+      ``window_page_bound(T, R, window, S)`` capped at ``R·nb``, plus the null copy and one
+      NaN page that any column past the capacity points at (only reachable if a request's
+      positions in the batch are not contiguous: `build_batch` never makes such a batch). When
+      that is not smaller than ``num_blocks``: the whole pool and ``table``.
+    * Rings: use `read_ring_for_table`.
+
+    Like `read_blocks`, ids outside ``[0, num_blocks)`` are never clamped: their pages read NaN.
+    The choice of path is static (shapes only), so one jit serves every batch of a bucket.
+
+    Raises:
+        ValueError: a ring layer; a table that is not 2-D integer; for a window layer, missing
+            ``positions`` / ``token_req`` / ``window``, a window below 1, or arrays of other
+            shapes than ``i32[T]``.
+    """
+    lp = layout.layer(name)
+    table = _int_array(f"read_for_table({name!r}): table", table, 2)
+    num_req, nb = table.shape
+    if lp.kind == "ring":
+        raise ValueError(f"{name!r} is a compressor ring: use read_ring_for_table")
+    if lp.kind != "swa":
+        if num_req * nb + 1 >= layout.num_blocks:
+            return read_layer(layout, pools, name, dtype=dtype), table
+        ids = jnp.concatenate([jnp.zeros(1, jnp.int32), table.reshape(-1)])
+        return read_blocks(layout, pools, name, ids, dtype=dtype), _gathered_table(table)
+    if positions is None or token_req is None or window is None:
+        raise ValueError(
+            f"read_for_table({name!r}): a window layer needs positions, token_req and window"
+        )
+    if window < 1:
+        raise ValueError(f"read_for_table({name!r}): window must be >= 1, got {window}")
+    positions = _int_array(f"read_for_table({name!r}): positions", positions, 1)
+    token_req = _int_array(f"read_for_table({name!r}): token_req", token_req, 1)
+    if token_req.shape != positions.shape:
+        raise ValueError(
+            f"read_for_table({name!r}): positions {list(positions.shape)} and token_req "
+            f"{list(token_req.shape)} must both be [T]"
+        )
+    page = lp.states  # one token per state
+    bound = window_page_bound(positions.shape[0], num_req, window, page)
+    capacity = min(bound, num_req * nb)
+    if capacity + 2 >= layout.num_blocks:
+        return read_layer(layout, pools, name, dtype=dtype), table
+    ids, table2 = _window_pages(
+        table, positions, token_req, window=window, page=page, capacity=capacity
+    )
+    return read_blocks(layout, pools, name, ids, dtype=dtype), table2
+
+
+def read_ring_for_table(
+    layout: PoolLayout, pools: Mapping[str, jax.Array], name: str, ring_block: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Only the ring pages of ``ring_block i32[R]`` (0 = no ring): ``(f32[R + 1, capacity,
+    2 · head_dim], ring_block2 i32[R])`` with page 0 = block 0 and ``ring_block2[r] = 1 + r``
+    where ``ring_block[r] != 0`` (else 0, so "no ring" stays 0) — or, when ``R + 1 >=
+    num_blocks``, `read_ring` and ``ring_block`` itself. Writes (`write_ring`) still go to the
+    pool; ids outside ``[0, num_blocks)`` read NaN, never clamped."""
+    _ring(layout, name)
+    ring_block = _int_array(f"read_ring_for_table({name!r}): ring_block", ring_block, 1)
+    num_req = ring_block.shape[0]
+    if num_req + 1 >= layout.num_blocks:
+        return read_ring(layout, pools, name), ring_block
+    ids = jnp.concatenate([jnp.zeros(1, jnp.int32), ring_block])
+    ring_block2 = jnp.where(ring_block != 0, jnp.arange(1, num_req + 1, dtype=jnp.int32), 0)
+    return read_blocks(layout, pools, name, ids), ring_block2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,16 @@ them:
 4. one softmax over the window (read through the window block table) and the selected
    compressed entries (read through the compressed block table), with the per-head sink.
 
-Reads go through block tables, writes through slot mappings; the step never allocates and never
-clamps (a slot of -1 writes nothing; an out-of-range id is caught by the builder's debug check).
+Writes go through slot mappings, straight into the pools. Reads go through block tables, but the
+step decodes only the pages its tables reference (`pools.read_for_table` /
+`pools.read_ring_for_table`): every entry of the compressed and index-key tables, the columns of
+the window table that the batch's windows cover, one ring page per request — plus a copy of the
+null block — and hands the kernels those pages with a table remapped into them. Each read comes
+after the layer's writes (a window includes its own token; an entry closed in this step is
+visible). Where the page count bound is not smaller than the pool (a static choice by shapes), the
+whole pool is decoded and the original table used. The step never allocates and never clamps (a
+slot of -1 writes nothing; an out-of-range id reads NaN, and the builder's debug check catches
+it).
 Caches are whatever `dsv4.paged.pools` holds (aliased or separate pools of f32 / bf16 / fp8 /
 FP4 records); the attention math runs through `pallas_kernels` (the jnp references on CPU, the
 Pallas kernels on TPU and GPU).
@@ -65,7 +73,17 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
     swa = swa_cache_name(layer)
     g_swa = layout.group_of(swa)
     pools = P.write_layer(layout, pools, swa, batch["slots"][f"g{g_swa}"], kv)
-    swa_pages = P.read_layer(layout, pools, swa, dtype=q.dtype)
+    # read after the write: the window of token p includes p itself
+    swa_pages, swa_table = P.read_for_table(
+        layout,
+        pools,
+        swa,
+        batch["tables"][g_swa],
+        dtype=q.dtype,
+        positions=pos,
+        token_req=tok_req,
+        window=cfg.window_size,
+    )
     scale = cfg.head_dim**-0.5
     sink = params[a + "attn_sink"]
     win_kwargs = dict(
@@ -75,7 +93,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         **kern,
     )
     if not r:
-        o = window_attention(q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, **win_kwargs)
+        o = window_attention(q, swa_pages, swa_table, tok_req, pos, sink, **win_kwargs)
         return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
     src = info.kv_source
@@ -90,7 +108,9 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
         # keys and queries in the activation dtype (bf16 when serving): half the bytes the
         # indexer streams; its scores accumulate in f32 either way
-        ikey_pages = P.read_layer(layout, pools, ikey_name, dtype=x.dtype)
+        ikey_pages, ikey_table = P.read_for_table(
+            layout, pools, ikey_name, batch["tables"][g_ikey], dtype=x.dtype
+        )
         kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, **kern)
         if info.is_candidate_source:
             kw.update(
@@ -107,7 +127,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
             qi.astype(x.dtype),
             w.astype(jnp.float32),
             ikey_pages,
-            batch["tables"][g_ikey],
+            ikey_table,
             tok_req,
             pos,
             visible,
@@ -118,13 +138,16 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         else:
             shared["topk"] = out
     state = window_attention(
-        q, swa_pages, batch["tables"][g_swa], tok_req, pos, sink, return_state=True, **win_kwargs
+        q, swa_pages, swa_table, tok_req, pos, sink, return_state=True, **win_kwargs
     )
-    comp_pages = P.read_layer(layout, pools, comp_name, dtype=q.dtype)
+    # entries closed in this step were written by _compress above, so they are visible here
+    comp_pages, comp_table = P.read_for_table(
+        layout, pools, comp_name, batch["tables"][g_comp], dtype=q.dtype
+    )
     o = sparse_attention(
         q,
         comp_pages,
-        batch["tables"][g_comp],
+        comp_table,
         tok_req,
         pos,
         shared["topk"],
@@ -162,8 +185,10 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         kv = jnp.concatenate([a_, s_], axis=-1)
         rname = ring_name(layer)
         g_ring = layout.group_of(rname)
-        ring_block = batch["tables"][g_ring][:, 0]
-        ring = P.read_ring(layout, pools, rname)
+        # only the batch's ring pages, read before this chunk's rows are written to the pool
+        ring, ring_block = P.read_ring_for_table(
+            layout, pools, rname, batch["tables"][g_ring][:, 0]
+        )
         latent, _, _ = compressor(
             kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
             inv_freq, no_slots, ring_block, dummy, ring, ratio=2, eps=cfg.norm_eps, **kern,

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from paged_harness import Harness, Seq, random_schedule
 
+from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cache_name
 from dsv4 import reference
+from dsv4.paged import pools as P
 from dsv4.paged import records as R
 from dsv4.paged.batch import StepRequest, build_batch, group_infos
 
@@ -65,12 +67,51 @@ def compare(h: Harness, ref, seqs, atol):
     return worst
 
 
-@pytest.mark.parametrize("layout_kind", ["aliased", "separate"])
-def test_random_schedules_fp32_records(tiny_params, tiny_cfg, layout_kind):
-    rng = np.random.default_rng(0 if layout_kind == "aliased" else 1)
+def read_paths(h: Harness) -> dict[str, bool]:
+    """Per cache kind, whether the step's reads gather pages by table (True) or decode the whole
+    pool (False) at the harness's bucket shapes (a static choice: shapes only)."""
+    layout, cfg = h.layout, h.cfg
+    vec = jax.ShapeDtypeStruct((h.token_buckets[-1],), jnp.int32)
+    width = {g.index: 1 if g.kind == "ring" else -(-h.max_model_len // g.block_size)
+             for g in group_infos(h.config)}  # fmt: skip
+    src = cfg.kv_source_layers[0]  # ratio 2: it has a ring
+    names = {"swa": swa_cache_name(src), "compressed": compressed_kv_name(src),
+             "index": indexer_k_name(src), "ring": ring_name(src)}  # fmt: skip
+
+    def read(kind, table, positions, token_req):
+        if kind == "ring":
+            return P.read_ring_for_table(layout, h.pools, names[kind], table[:, 0])
+        kw = {}
+        if kind == "swa":
+            kw = dict(positions=positions, token_req=token_req, window=cfg.window_size)
+        return P.read_for_table(layout, h.pools, names[kind], table, **kw)
+
+    out = {}
+    for kind, name in names.items():
+        table = jax.ShapeDtypeStruct(
+            (h.request_buckets[-1], width[layout.group_of(name)]), jnp.int32
+        )
+        pages, _ = jax.eval_shape(functools.partial(read, kind), table, vec, vec)
+        out[kind] = pages.shape[0] < layout.num_blocks
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout_kind,pool",
+    [("aliased", "large"), ("separate", "large"), ("aliased", "small")],
+)
+def test_random_schedules_fp32_records(tiny_params, tiny_cfg, layout_kind, pool):
+    """The default harness pool (160 blocks, 8 request rows) makes every read gather its pages
+    by table; the small pool (64 blocks, 64 request rows) makes every read decode the whole
+    pool."""
+    rng = np.random.default_rng({"aliased": 0, "separate": 1}[layout_kind] + 2 * (pool == "small"))
     seqs = make_seqs(tiny_cfg, rng, 6, shared_prefix=32)
     ref = reference_logits(tiny_params, tiny_cfg, seqs)
-    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, layout_kind, num_speculative_tokens=3)
+    kw = dict(num_blocks=64, request_buckets=(64,)) if pool == "small" else {}
+    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, layout_kind,
+                num_speculative_tokens=3, **kw)  # fmt: skip
+    gathered = pool == "large"
+    assert read_paths(h) == dict.fromkeys(("swa", "compressed", "index", "ring"), gathered)
     random_schedule(h, seqs, rng, spec_k=3, preempt_p=0.05)
     compare(h, ref, seqs, 1e-4)
 

@@ -4,6 +4,7 @@ reads and writes through both layouts, isolation of pages within a group, debug 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -472,3 +473,211 @@ def test_fill_blocks_resets_whole_blocks(tiny, alias):
     assert not np.asarray(P.read_ring(layout, pools, name))[[1, 2]].any()
     with pytest.raises(ValueError, match="fill"):
         P.fill_blocks(layout, pools, jnp.asarray([1]), fill="x")
+
+
+# --- reads of only the pages a block table references ----------------------------------------
+
+
+def _written_pools(layout, seed, names):
+    """NaN-filled pools with random records in about half of the slots of layers ``names``."""
+    rng = np.random.default_rng(seed)
+    pools = P.init_pools(layout, fill="nan")
+    for i, name in enumerate(names):
+        lp = layout.layer(name)
+        n = layout.num_blocks * lp.states
+        slots = np.sort(rng.choice(np.arange(lp.states, n), size=n // 2, replace=False))
+        vals = _values(jax.random.PRNGKey(seed * 100 + i), (len(slots), lp.dim))
+        pools = P.write_layer(layout, pools, lp.name, jnp.asarray(slots, jnp.int32), vals)
+    return pools
+
+
+def _same_pages(got, want):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # NaN == NaN here
+
+
+@functools.cache
+def _jit_read_for_table(layout, name, window=None):
+    def run(pools, table, positions=None, token_req=None):
+        kw = {} if window is None else dict(positions=positions, token_req=token_req, window=window)
+        return P.read_for_table(layout, pools, name, table, **kw), P.read_layer(layout, pools, name)
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("preset", ["EXACT", "RELEASED"])
+@pytest.mark.parametrize("which", ["compressed", "index"])
+def test_read_for_table_gathers_every_table_entry(tiny, preset, which):
+    formats = R.PRESETS[preset]
+    layout = P.PoolLayout.build(tiny, _config(tiny, formats, 40), formats)
+    name = (compressed_kv_name if which == "compressed" else indexer_k_name)(1)
+    pools = _written_pools(layout, 3, [name, swa_cache_name(1)])  # groups overlap in a row
+    rng = np.random.default_rng(4)
+    run = _jit_read_for_table(layout, name)
+    for _ in range(3):
+        table = rng.integers(0, 40, (4, 6)).astype(np.int32)  # 4 * 6 + 1 < 40: gathered
+        table[:, 4:] = 0
+        (pages, table2), full = run(pools, jnp.asarray(table))
+        assert pages.shape == (25, *full.shape[1:]) and full.shape[0] == 40
+        np.testing.assert_array_equal(np.asarray(table2), 1 + np.arange(24).reshape(4, 6))
+        _same_pages(np.asarray(pages)[np.asarray(table2)], np.asarray(full)[table])
+        _same_pages(pages[0], full[0])
+    # an id outside the pool reads NaN, never another block (zero-filled pool: no NaN elsewhere)
+    zeros = P.init_pools(layout)
+    (pages, table2), _ = run(zeros, jnp.asarray([[3, 40, -1, 0, 0, 0]] * 4, jnp.int32))
+    got = np.asarray(pages)[np.asarray(table2)[0]]
+    assert np.isnan(got[1:3]).all() and not got[[0, 3, 4, 5]].any()
+
+
+def test_read_for_table_falls_back_to_the_whole_pool(tiny):
+    layout = P.PoolLayout.build(tiny, _config(tiny, R.RELEASED, 40), R.RELEASED)
+    name, swa = indexer_k_name(3), swa_cache_name(2)
+    pools = _written_pools(layout, 5, [name, swa])
+    table = np.random.default_rng(6).integers(0, 40, (8, 5)).astype(np.int32)  # 41 >= 40
+    (pages, table2), full = _jit_read_for_table(layout, name)(pools, jnp.asarray(table))
+    assert pages.shape == full.shape
+    _same_pages(pages, full)
+    np.testing.assert_array_equal(np.asarray(table2), table)
+    # the window path: capacity + null copy + NaN page >= 40 (R = 16, T = 32: bound 72)
+    assert P.window_page_bound(32, 16, 8, 4) == 72
+    table = np.random.default_rng(7).integers(0, 40, (16, 24)).astype(np.int32)
+    pos = np.arange(32, dtype=np.int32)
+    req = np.zeros(32, np.int32)
+    run = _jit_read_for_table(layout, swa, 8)
+    (pages, table2), full = run(pools, jnp.asarray(table), jnp.asarray(pos), jnp.asarray(req))
+    assert pages.shape == full.shape
+    _same_pages(pages, full)
+    np.testing.assert_array_equal(np.asarray(table2), table)
+
+
+def _window_batch(rng, num_req, num_tok, nb, page, num_blocks):
+    """Random contiguous chunks of the first requests (some rows get nothing), padding tokens
+    (position -1, the last row) and full-width tables whose early columns may be 0."""
+    table = rng.integers(1, num_blocks, (num_req, nb)).astype(np.int32)
+    positions = np.full(num_tok, -1, np.int32)
+    token_req = np.full(num_tok, num_req - 1, np.int32)
+    t = 0
+    for r in range(num_req - 1):
+        n = int(rng.integers(0, 9))
+        if rng.random() < 0.3 or t + n > num_tok:
+            continue
+        start = int(rng.integers(0, nb * page - n + 1))
+        positions[t : t + n] = np.arange(start, start + n)
+        token_req[t : t + n] = r
+        table[r, : int(rng.integers(0, max(start // page - 1, 0) + 1))] = 0  # SWA: early nulls
+        t += n
+    table[num_req - 1] = 0
+    return table, positions, token_req
+
+
+@pytest.mark.parametrize("preset", ["EXACT", "RELEASED"])
+def test_read_for_table_window_columns(tiny, preset):
+    """Every column a window reads maps to the same decoded page; every other column to a
+    NaN page; the gathered pages are far fewer than the pool."""
+    formats = R.PRESETS[preset]
+    window, page, nb, num_req, num_tok = 8, 4, 24, 8, 32
+    layout = P.PoolLayout.build(tiny, _config(tiny, formats, 160), formats)
+    name = swa_cache_name(2)
+    assert layout.layer(name).states == page
+    pools = _written_pools(layout, 8, [name, compressed_kv_name(3)])
+    rng = np.random.default_rng(9)
+    run = _jit_read_for_table(layout, name, window)
+    capacity = P.window_page_bound(num_tok, num_req, window, page)
+    assert capacity == 8 + 8 * 4
+    for _ in range(6):
+        table, pos, req = _window_batch(rng, num_req, num_tok, nb, page, 160)
+        (pages, table2), full = run(pools, *map(jnp.asarray, (table, pos, req)))
+        pages, table2, full = np.asarray(pages), np.asarray(table2), np.asarray(full)
+        assert pages.shape == (capacity + 2, *full.shape[1:]) and full.shape[0] == 160
+        assert (table2 >= 0).all() and (table2 <= capacity).all()  # nothing overflowed
+        _same_pages(pages[0], full[0])
+        needed = np.zeros(table.shape, bool)
+        for p, r in zip(pos, req):
+            if p >= 0:
+                needed[r, max(p - window + 1, 0) // page : p // page + 1] = True
+        rows, cols = np.nonzero(needed)
+        _same_pages(pages[table2[rows, cols]], full[table[rows, cols]])
+        assert (table2[~needed] == 0).all()  # the copy of the null block: NaN here
+        assert np.isnan(pages[table2[~needed]]).all()
+        assert len(np.unique(table2[needed])) == needed.sum()  # one packed page per column
+
+
+def test_window_page_bound_is_a_bound():
+    """Brute force over contiguous chunks: the columns one request reads never exceed its share
+    ``n // S + (W + 2S - 4) // S + 1`` of `window_page_bound`, and the share is reached."""
+    for window, page in itertools.product(range(1, 10), range(1, 6)):
+        for n in range(1, 13):
+            share = n // page + (window + 2 * page - 4) // page + 1
+            most = max(
+                (p0 + n - 1) // page - max(p0 - window + 1, 0) // page + 1 for p0 in range(40)
+            )
+            assert most <= share, (window, page, n, most, share)
+            if n % page == page - 1 or page == 1:
+                assert most == share, (window, page, n, most, share)
+    assert P.window_page_bound(2048, 256, 128, 32) == 64 + 256 * 6
+    with pytest.raises(ValueError, match="window, page >= 1"):
+        P.window_page_bound(32, 8, 0, 4)
+
+
+def test_read_for_table_window_overflow_reads_nan(tiny):
+    """A request whose positions are not contiguous can need more columns than the static
+    capacity: those columns read a NaN page (also from a zero-filled pool), never clamped."""
+    layout = P.PoolLayout.build(tiny, _config(tiny, R.EXACT, 160), R.EXACT)
+    name = swa_cache_name(0)
+    pools = P.init_pools(layout)
+    table = np.zeros((2, 24), np.int32)
+    table[0] = np.arange(1, 25)
+    pos, req = np.array([0, 90], np.int32), np.array([0, 0], np.int32)
+    capacity = P.window_page_bound(2, 2, 8, 4)  # 8: columns 0..22 do not fit
+    (pages, table2), _ = _jit_read_for_table(layout, name, 8)(
+        pools, *map(jnp.asarray, (table, pos, req))
+    )
+    pages, table2 = np.asarray(pages), np.asarray(table2)
+    assert pages.shape[0] == capacity + 2
+    np.testing.assert_array_equal(table2[0, :capacity], np.arange(1, capacity + 1))
+    assert (table2[0, capacity:23] == capacity + 1).all() and table2[0, 23] == 0
+    assert np.isnan(pages[capacity + 1]).all() and not np.isnan(pages[: capacity + 1]).any()
+
+
+def test_read_ring_for_table(tiny):
+    config, lay = _layouts(tiny, R.BF16, 12, num_speculative_tokens=3)
+    for layout in lay.values():
+        name = ring_name(1)
+        pools = _written_pools(layout, 10, [name])
+        full = np.asarray(P.read_ring(layout, pools, name))
+        ring_block = np.array([3, 0, 11, 7, 0], np.int32)  # 5 + 1 < 12: gathered
+        pages, rb2 = P.read_ring_for_table(layout, pools, name, jnp.asarray(ring_block))
+        pages, rb2 = np.asarray(pages), np.asarray(rb2)
+        assert pages.shape == (6, *full.shape[1:])
+        np.testing.assert_array_equal(rb2, [1, 0, 3, 4, 0])
+        _same_pages(pages[rb2], full[ring_block])
+        bad = P.read_ring_for_table(layout, pools, name, jnp.asarray([12, -1], jnp.int32))
+        assert np.isnan(np.asarray(bad[0])[np.asarray(bad[1])]).all()  # never clamped
+        big = np.resize(ring_block, 11)  # 11 + 1 >= 12: the whole ring
+        pages, rb2 = P.read_ring_for_table(layout, pools, name, jnp.asarray(big))
+        _same_pages(pages, full)
+        np.testing.assert_array_equal(np.asarray(rb2), big)
+
+
+def test_read_for_table_errors(tiny):
+    layout = P.PoolLayout.build(tiny, _config(tiny, R.BF16, 40), R.BF16)
+    pools = P.init_pools(layout)
+    table = jnp.zeros((2, 6), jnp.int32)
+    with pytest.raises(ValueError, match="read_ring_for_table"):
+        P.read_for_table(layout, pools, ring_name(1), table)
+    with pytest.raises(ValueError, match="needs positions, token_req and window"):
+        P.read_for_table(layout, pools, swa_cache_name(0), table)
+    pos = jnp.zeros(4, jnp.int32)
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        P.read_for_table(layout, pools, swa_cache_name(0), table, positions=pos, token_req=pos,
+                         window=0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"token_req \[3\] must both be \[T\]"):
+        P.read_for_table(layout, pools, swa_cache_name(0), table, positions=pos,
+                         token_req=pos[:3], window=8)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"table must be an integer array of 2 dims, got int32\[6\]"
+    ):
+        P.read_for_table(layout, pools, compressed_kv_name(1), table[0])
+    with pytest.raises(ValueError, match=r"ring_block must be an integer array of 1 dims"):
+        P.read_ring_for_table(layout, pools, ring_name(1), jnp.zeros((2, 1), jnp.float32))
+    with pytest.raises(ValueError, match="not a compressor ring"):
+        P.read_ring_for_table(layout, pools, compressed_kv_name(1), table[:, 0])
