@@ -64,6 +64,27 @@ def gpu_interpret(interpret: Any) -> bool:
     )
 
 
+def tpu_num_cores() -> int:
+    """TensorCores one TPU device drives (2 on megacore chips: v4, v5p; 1 on v5e / v6e): the
+    device of the abstract mesh when lowering deviceless, else the default device. 1 when the
+    device does not say (CPU, interpret mode)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None) or jax.devices()[0]
+    if getattr(device, "platform", "tpu") != "tpu":
+        return 1
+    return max(1, int(getattr(device, "num_cores", 1) or 1))
+
+
+def core_split(num_tiles: int, num_cores: int | None) -> tuple[int, int]:
+    """(cores, tiles per core) for a sequential tile loop split over ``num_cores`` TensorCores
+    (None: `tpu_num_cores()`); ``cores * tiles_per_core >= num_tiles`` (the caller pads)."""
+    cores = tpu_num_cores() if num_cores is None else num_cores
+    if not isinstance(cores, int) or isinstance(cores, bool) or cores < 1:
+        raise ValueError(f"num_cores={num_cores!r} must be a positive int or None")
+    cores = max(1, min(cores, num_tiles))
+    return cores, cdiv(num_tiles, cores)
+
+
 def cost_estimate(flops: float, bytes_accessed: float, transcendentals: float = 0) -> Any:
     """A `pl.CostEstimate` from a kernel's cost model (rounded to ints, as XLA wants)."""
     return pl.CostEstimate(

@@ -10,7 +10,9 @@ Layout of the work:
 * Rows are DMA'd one by one from the paged cache straight into a VMEM slab (no gathered copy in
   HBM). Row addresses (`block * E + offset`, from the block table) are computed outside the kernel
   and DMA'd per tile into SMEM, two tiles ahead, so SMEM stays small at any batch size. Slabs are
-  double-buffered: tile i+1's rows are in flight while tile i is computed ("arbitrary" grid).
+  double-buffered: tile i+1's rows are in flight while tile i is computed, so tiles run in order.
+  The grid is (core, tile): on megacore chips (v4, v5p) each TensorCore takes a contiguous run
+  of tiles ("parallel") with its own pipeline ("arbitrary").
 * Softmax continues the window's f32 state (m, l, acc) chunk by chunk (online softmax over
   `CHUNK`-row slices), then adds the sink and normalises. Rows a token did not select (other
   tokens' picks, empty slots, stale slab contents) are masked in the logits and zeroed before the
@@ -66,9 +68,10 @@ def _kernel(
     # the word row holding the entry (rows 2j, 2j+1 -> low, high halves) and unpack by parity.
     words = kv_hbm.bitcast(jnp.uint32) if bitcast_in_kernel else kv_hbm
     row_of = (lambda off: off // 2) if packed else (lambda off: off)
-    tile = pl.program_id(0)
-    num_tiles = pl.num_programs(0)
-    buf = tile % 2
+    # grid (core, tile of the core): each TensorCore walks its own run of tiles in order
+    step, per_core = pl.program_id(1), pl.num_programs(1)
+    tile = pl.program_id(0) * per_core + step
+    buf = step % 2
     slots = slab.shape[1]
 
     def list_copy(which, slot):
@@ -92,23 +95,23 @@ def _kernel(
 
         n_fetch[b] = lax.fori_loop(0, slots, row, jnp.int32(0))
 
-    @pl.when(tile == 0)
+    @pl.when(step == 0)
     def _():
-        first = list_copy(0, 0)
+        first = list_copy(tile, 0)
         first.start()
         first.wait()
         issue(0)
 
-        @pl.when(num_tiles > 1)
+        @pl.when(per_core > 1)
         def _():
-            list_copy(1, 1).start()
+            list_copy(tile + 1, 1).start()
 
-    @pl.when(tile + 1 < num_tiles)
+    @pl.when(step + 1 < per_core)
     def _():
         list_copy(tile + 1, 1 - buf).wait()
         issue(1 - buf)
 
-        @pl.when(tile + 2 < num_tiles)
+        @pl.when(step + 2 < per_core)
         def _():
             list_copy(tile + 2, buf).start()
 
@@ -251,8 +254,12 @@ def sparse_attention(
     state=None,
     interpret=False,
     tokens_per_tile: int = TOKENS_PER_TILE,
+    num_cores: int | None = None,
 ):
-    """The TPU kernel behind `pallas_kernels.sparse_attention` (same arguments and results)."""
+    """The TPU kernel behind `pallas_kernels.sparse_attention` (same arguments and results).
+
+    ``num_cores``: TensorCores to split the tiles over (None: the device's, 2 on megacore
+    chips); each core walks a contiguous run of tiles with its own prefetch pipeline."""
     num_tokens, heads, dim = q.shape
     if num_tokens > MAX_TOKENS_PER_CALL:  # one kernel call per slice of tokens
         cut = lambda x, i: None if x is None else x[i : i + MAX_TOKENS_PER_CALL]  # noqa: E731
@@ -270,10 +277,31 @@ def sparse_attention(
                 state=None if state is None else tuple(cut(x, i) for x in state),
                 interpret=interpret,
                 tokens_per_tile=tokens_per_tile,
+                num_cores=num_cores,
             )
             for i in range(0, num_tokens, MAX_TOKENS_PER_CALL)
         ]
         return jnp.concatenate(parts)
+    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
+    cores, per_core = _backend.core_split(num_tokens // tq, num_cores)
+    pad = cores * per_core * tq - num_tokens
+    if pad:  # whole tiles per core: padding tokens (position -1) read nothing, output zeros
+        padded = lambda x, v=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=v)  # noqa: E731
+        return sparse_attention(
+            padded(q),
+            comp_pages,
+            comp_tables,
+            padded(token_req),
+            padded(positions, -1),
+            padded(topk, -1),
+            sink,
+            entries_per_block=entries_per_block,
+            scale=scale,
+            state=None if state is None else tuple(padded(x) for x in state),
+            interpret=interpret,
+            tokens_per_tile=tq,
+            num_cores=cores,
+        )[:num_tokens]
     k = topk.shape[1]
     packed = comp_pages.dtype == jnp.bfloat16
     if not packed and _backend.itemsize(comp_pages.dtype) != 4:
@@ -286,7 +314,6 @@ def sparse_attention(
     slab_dtype = jnp.uint32 if packed else comp_pages.dtype
     kp = _backend.cdiv(k, CHUNK) * CHUNK
     topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
-    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
     if tq > 8 or comp_tables.shape[1] * entries_per_block > 2**_ID_BITS:
         raise ValueError(
             f"row sharing needs tokens_per_tile <= 8 and < 2^{_ID_BITS} entries per request, got "
@@ -299,11 +326,11 @@ def sparse_attention(
     ids = ids.reshape(tiles, slots)
 
     with_state = state is not None
-    tok_block = lambda i, *_: (i, 0, 0)  # noqa: E731
+    tok_block = lambda c, j, *_: (c * per_core + j, 0, 0)  # noqa: E731
     in_specs = [
         pl.BlockSpec(memory_space=pl.ANY),
         pl.BlockSpec((tq, heads, dim), tok_block),
-        pl.BlockSpec((heads, 1), lambda i, *_: (0, 0)),
+        pl.BlockSpec((heads, 1), lambda c, j, *_: (0, 0)),
         pl.BlockSpec((None, slots, 1), tok_block),
         pl.BlockSpec((None, 1, slots), tok_block),
     ]
@@ -357,7 +384,7 @@ def sparse_attention(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(tiles,),
+            grid=(cores, per_core),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((tq, heads, dim), tok_block),
             scratch_shapes=[
@@ -370,7 +397,7 @@ def sparse_attention(
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",),
+            dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=int(min(max(32 << 20, 2 * vmem), 100 << 20)),
         ),
         cost_estimate=_backend.cost_estimate(**cost.as_estimate()),

@@ -10,8 +10,10 @@ Layout of the work:
   same request whose windows overlap form a *segment*: its pages sit in the slab in logical order
   and are fetched once (a prefill chunk of `tq` tokens reads ~(tq + window) / S pages instead of
   tq * window / S). Any token order is correct; sharing just needs the usual grouping.
-* Slabs are double-buffered: while tile i is computed, tile i+1's pages are in flight. The grid
-  is therefore sequential ("arbitrary"), which is what v5e/v6e (one TensorCore) do anyway.
+* Slabs are double-buffered: while tile i is computed, tile i+1's pages are in flight, so the
+  tiles run in order. The grid is (core, tile): on megacore chips (v4, v5p) each TensorCore
+  takes a contiguous run of tiles ("parallel") with its own pipeline ("arbitrary"); v5e / v6e
+  have one core and one run.
 * Every token's window is a contiguous run of `NW * S` slab rows starting at its first page, so
   one [H, D] x [D, NW * S] matmul gives all its logits. Rows outside the token's window (later
   pages of its segment, other segments, never-written slots) are masked in the logits and zeroed
@@ -57,9 +59,10 @@ def _kernel(
     return_state: bool,
 ):
     outs, (slab, sem, tok_slot, n_fetch) = refs[:-4], refs[-4:]
-    tile = pl.program_id(0)
-    num_tiles = pl.num_programs(0)
-    buf = tile % 2
+    # grid (core, tile of the core): each TensorCore walks its own run of tiles in order
+    step, per_core = pl.program_id(1), pl.num_programs(1)
+    tile = pl.program_id(0) * per_core + step
+    buf = step % 2
 
     def page_copy(phys, b, slot):
         return pltpu.make_async_copy(
@@ -98,11 +101,11 @@ def _kernel(
         init = tuple(jnp.int32(v) for v in (-1, 0, -2, 0, 0, 0))
         n_fetch[b] = lax.fori_loop(0, tq, token, init)[-1]
 
-    @pl.when(tile == 0)
+    @pl.when(step == 0)
     def _():
-        issue(0, 0)
+        issue(tile * tq, 0)
 
-    @pl.when(tile + 1 < num_tiles)
+    @pl.when(step + 1 < per_core)
     def _():
         issue((tile + 1) * tq, 1 - buf)
 
@@ -174,8 +177,12 @@ def window_attention(
     return_state: bool = False,
     interpret=False,
     tokens_per_tile: int = TOKENS_PER_TILE,
+    num_cores: int | None = None,
 ):
-    """The TPU kernel behind `pallas_kernels.window_attention` (same arguments and results)."""
+    """The TPU kernel behind `pallas_kernels.window_attention` (same arguments and results).
+
+    ``num_cores``: TensorCores to split the tiles over (None: the device's, 2 on megacore
+    chips); each core walks a contiguous run of tiles with its own prefetch pipeline."""
     num_tokens, heads, dim = q.shape
     if num_tokens > MAX_TOKENS_PER_CALL:  # one kernel call per slice of tokens
         parts = [
@@ -192,14 +199,34 @@ def window_attention(
                 return_state=return_state,
                 interpret=interpret,
                 tokens_per_tile=tokens_per_tile,
+                num_cores=num_cores,
             )
             for i in range(0, num_tokens, MAX_TOKENS_PER_CALL)
         ]
         return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
+    cores, per_core = _backend.core_split(num_tokens // tq, num_cores)
+    pad = cores * per_core * tq - num_tokens
+    if pad:  # whole tiles per core: padding tokens (position -1) read nothing, output zeros
+        out = window_attention(
+            jnp.pad(q, ((0, pad), (0, 0), (0, 0))),
+            swa_pages,
+            swa_tables,
+            jnp.pad(token_req, (0, pad)),
+            jnp.pad(positions, (0, pad), constant_values=-1),
+            sink,
+            window=window,
+            scale=scale,
+            replay_start=replay_start,
+            return_state=return_state,
+            interpret=interpret,
+            tokens_per_tile=tq,
+            num_cores=cores,
+        )
+        return jax.tree.map(lambda x: x[:num_tokens], out)
     _, page, _ = swa_pages.shape
     nb = swa_tables.shape[1]
     nw = _backend.window_pages(window, page)
-    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
 
     lo = jnp.maximum(positions - window + 1, 0)
     if replay_start is not None:
@@ -208,6 +235,7 @@ def window_attention(
     tok_pages = swa_tables[token_req[:, None], jnp.clip(logical, 0, nb - 1)]  # [T, NW]
 
     itemsize = _backend.itemsize
+    tile_block = lambda c, j, *_: (c * per_core + j, 0, 0)  # noqa: E731
     if return_state:
         out_shape = (
             jax.ShapeDtypeStruct((num_tokens, heads, 1), jnp.float32),
@@ -215,14 +243,14 @@ def window_attention(
             jax.ShapeDtypeStruct((num_tokens, heads, dim), jnp.float32),
         )
         out_specs = (
-            pl.BlockSpec((tq, heads, 1), lambda i, *_: (i, 0, 0)),
-            pl.BlockSpec((tq, heads, 1), lambda i, *_: (i, 0, 0)),
-            pl.BlockSpec((tq, heads, dim), lambda i, *_: (i, 0, 0)),
+            pl.BlockSpec((tq, heads, 1), tile_block),
+            pl.BlockSpec((tq, heads, 1), tile_block),
+            pl.BlockSpec((tq, heads, dim), tile_block),
         )
         out_bytes = num_tokens * heads * (dim + 2) * 4
     else:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-        out_specs = pl.BlockSpec((tq, heads, dim), lambda i, *_: (i, 0, 0))
+        out_specs = pl.BlockSpec((tq, heads, dim), tile_block)
         out_bytes = q.size * itemsize(q.dtype)
 
     cost = window_cost(
@@ -250,10 +278,10 @@ def window_attention(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
-            grid=(num_tokens // tq,),
+            grid=(cores, per_core),
             in_specs=[
-                pl.BlockSpec((tq, heads, dim), lambda i, *_: (i, 0, 0)),
-                pl.BlockSpec((heads, 1), lambda i, *_: (0, 0)),
+                pl.BlockSpec((tq, heads, dim), tile_block),
+                pl.BlockSpec((heads, 1), lambda c, j, *_: (0, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
             out_specs=out_specs,
@@ -266,7 +294,7 @@ def window_attention(
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",),
+            dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=int(min(max(32 << 20, 2 * vmem), 100 << 20)),
         ),
         cost_estimate=_backend.cost_estimate(**cost.as_estimate()),

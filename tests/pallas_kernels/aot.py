@@ -26,6 +26,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 TPU_TOPOLOGIES = ("v5e:1x1", "v6e:1x1")
+MEGACORE_TOPOLOGY = "v5p:1x1x1"  # one chip, two TensorCores driven as one device
 TPU_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
 H100_KIND = "NVIDIA H100"
 
@@ -80,7 +81,7 @@ def tpu_device(topology: str = "v6e:1x1"):
 def compile_for_tpu(fn, *args, topology: str = "v6e:1x1"):
     """Compile `fn(*args)` for a TPU chip without one (libtpu's compile-only topology)."""
     dev = tpu_device(topology)
-    with abstract_device("tpu", dev.device_kind, 1):
+    with abstract_device("tpu", dev.device_kind, getattr(dev, "num_cores", 1) or 1):
         lowered = jax.jit(fn).trace(*_abstract(args, SingleDeviceSharding(dev))).lower()
     return lowered.compile()
 
