@@ -64,6 +64,14 @@ def gpu_interpret(interpret: Any) -> bool:
     )
 
 
+def mxu_precision(dtype: Any) -> Any:
+    """`precision=` for a kernel matmul with operands of ``dtype``: DEFAULT for 16-bit operands
+    (their products are exact in the f32 accumulator, and Mosaic rejects an fp32 contract
+    precision on them, which `jax.default_matmul_precision("highest")` would otherwise ask
+    for); None (the configured precision) for f32 operands."""
+    return jax.lax.Precision.DEFAULT if np.dtype(dtype).itemsize < 4 else None
+
+
 def tpu_num_cores() -> int:
     """TensorCores one TPU device drives (2 on megacore chips: v4, v5p; 1 on v5e / v6e): the
     device of the abstract mesh when lowering deviceless, else the default device. 1 when the

@@ -167,16 +167,15 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
     real = pos >= 0
     tok_req = batch["token_req"]
     comp_name, ikey_name = compressed_kv_name(layer), indexer_k_name(layer)
-    e = layout.layer(comp_name).states
     inv_freq = jnp.asarray(np.asarray(rope_inv_freq(cfg, r), np.float32))
-    # the records are written here (through the pools), not by the kernel: give it no slots
-    no_slots = jnp.full(pos.shape, -1, jnp.int32)
-    dummy = jnp.zeros((1, e, cfg.head_dim), x.dtype)
+    # records are written below through the pools (any record format), not by the kernel: it
+    # gets no slots and no pages, and gives the latents in the activation dtype
     if r == 1:
         kv = L.linear(x, params, a + "compressor.wkv.weight", cfg)
         latent, _, _ = compressor(
             kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
-            inv_freq, no_slots, None, dummy, None, ratio=1, eps=cfg.norm_eps, **kern,
+            inv_freq, None, None, None, None, ratio=1, eps=cfg.norm_eps, latent_dtype=x.dtype,
+            **kern,
         )  # fmt: skip
     else:
         xf = x.astype(jnp.float32)
@@ -191,7 +190,8 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         )
         latent, _, _ = compressor(
             kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
-            inv_freq, no_slots, ring_block, dummy, ring, ratio=2, eps=cfg.norm_eps, **kern,
+            inv_freq, None, ring_block, None, ring, ratio=2, eps=cfg.norm_eps,
+            latent_dtype=x.dtype, **kern,
         )  # fmt: skip
         pools = P.write_ring(layout, pools, rname, batch["slots"][f"ring{g_ring}"], kv)
     latent = latent.astype(x.dtype)

@@ -27,13 +27,14 @@ def compressor(
     query_start_loc: jax.Array,  # i32[R + 1]
     norm_weight: jax.Array,  # [D]
     inv_freq: jax.Array,  # f32[rope / 2]
-    comp_slot: jax.Array,  # i32[T], -1 = no write
+    comp_slot: jax.Array | None,  # i32[T], -1 = no write; None (with comp_pages): no records
     ring_block: jax.Array | None,  # i32[R], 0 = none (ratio 2 only)
-    comp_pages: jax.Array,  # [P, E, D]
+    comp_pages: jax.Array | None,  # [P, E, D]; None: latents (and ring) only
     ring_pages: jax.Array | None,  # f32[Pr, C, 2D] (ratio 2 only)
     *,
     ratio: int,
     eps: float,
+    latent_dtype: Any = None,
     impl: str | None = None,
     interpret: Any = False,
     debug: bool = False,
@@ -42,16 +43,24 @@ def compressor(
 
     Returns ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latent rows (zeros where
     no group closes), the updated record pages, and the updated ring (``None`` for ratio 1).
+
+    ``comp_slot=None, comp_pages=None``: no records are written (the caller stores them, e.g.
+    the paged step through its pools, in any record format) and ``None`` comes back for the
+    pages. ``latent_dtype``: the latents' dtype (default ``kv.dtype`` for ratio 1, the record
+    dtype for ratio 2, where the pooled row is rounded to it before the norm; required for
+    ratio 2 without pages).
+
     Under `jit`, donate ``comp_pages`` / ``ring_pages`` so the kernels update them in place.
     ``debug=True`` checks at run time that every written slot's block and every ring block is
     a block id in range (raises otherwise; nothing is clamped).
     """
     impl = resolve_impl(impl)
     if debug:
-        e = comp_pages.shape[1]
-        blocks = jnp.where(comp_slot >= 0, comp_slot // e, 0)
-        check_block_tables(blocks, comp_pages.shape[0], "comp_slot // entries_per_block")
-        if ring_block is not None:
+        if comp_pages is not None and comp_slot is not None:
+            e = comp_pages.shape[1]
+            blocks = jnp.where(comp_slot >= 0, comp_slot // e, 0)
+            check_block_tables(blocks, comp_pages.shape[0], "comp_slot // entries_per_block")
+        if ring_block is not None and ring_pages is not None:
             check_block_tables(ring_block, ring_pages.shape[0], "ring_block")
     args = (
         kv,
@@ -65,12 +74,13 @@ def compressor(
         comp_pages,
         ring_pages,
     )
+    kw = dict(ratio=ratio, eps=eps, latent_dtype=latent_dtype)
     if impl == "reference":
-        return reference.compressor(*args, ratio=ratio, eps=eps)
+        return reference.compressor(*args, **kw)
     if impl == "tpu":
         from pallas_kernels.compressor import tpu
 
-        return tpu.compressor(*args, ratio=ratio, eps=eps, interpret=interpret)
+        return tpu.compressor(*args, **kw, interpret=interpret)
     from pallas_kernels.compressor import gpu
 
-    return gpu.compressor(*args, ratio=ratio, eps=eps, interpret=interpret)
+    return gpu.compressor(*args, **kw, interpret=interpret)

@@ -44,6 +44,35 @@ def _fail(msg: str):
     raise ValueError(f"compressor: {msg}")
 
 
+def records_or_placeholder(kv, comp_slot, comp_pages, latent_dtype, ratio):
+    """``(comp_slot, comp_pages, latent_dtype, records)`` for an implementation.
+
+    ``comp_pages=None`` (with ``comp_slot=None``) asks for the latents and ring only, no records
+    (the paged step writes records through its pools): the implementations then run on a
+    one-block f32 placeholder that no slot points at, and return ``None`` for the pages. The
+    latent dtype is ``latent_dtype`` when given, else ``kv.dtype`` (ratio 1) or the record
+    dtype (ratio 2: the pooled row is rounded to it before the norm)."""
+    records = comp_pages is not None
+    if records != (comp_slot is not None):
+        _fail(
+            "comp_slot and comp_pages go together: give both (write records) or neither "
+            f"(latents only), got comp_slot={'None' if comp_slot is None else 'an array'} and "
+            f"comp_pages={'None' if comp_pages is None else 'an array'}"
+        )
+    if not records:
+        if kv.ndim != 2:
+            _fail(f"kv must be [T, D] (ratio 1) or [T, 2D] (ratio 2), got {kv.shape}")
+        if ratio == 2 and latent_dtype is None:
+            _fail("ratio 2 without comp_pages needs latent_dtype (the dtype the pooled row is "
+                  "rounded to)")  # fmt: skip
+        d = kv.shape[1] // (2 if ratio == 2 else 1)
+        comp_slot = jnp.full((kv.shape[0],), -1, jnp.int32)
+        comp_pages = jnp.zeros((1, 8, d), jnp.float32)
+    if latent_dtype is None:
+        latent_dtype = kv.dtype if ratio == 1 else comp_pages.dtype
+    return comp_slot, comp_pages, jnp.dtype(latent_dtype), records
+
+
 def check_compressor_args(
     kv,
     token_req,

@@ -23,7 +23,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._backend import cost_estimate, gpu_interpret
-from pallas_kernels.compressor.common import check_compressor_args, cost, pair_pool
+from pallas_kernels.compressor.common import (
+    check_compressor_args,
+    cost,
+    pair_pool,
+    records_or_placeholder,
+)
 from pallas_kernels.compressor.tpu import CLOSES, FROM_RING, token_metadata
 
 __all__ = ["compressor"]
@@ -128,9 +133,13 @@ def compressor(
     *,
     ratio: int,
     eps: float,
+    latent_dtype=None,
     interpret=False,
 ):
     """Triton compressor; same arguments and results as `reference.compressor`."""
+    comp_slot, comp_pages, latent_dtype, records = records_or_placeholder(
+        kv, comp_slot, comp_pages, latent_dtype, ratio
+    )
     d = check_compressor_args(
         kv,
         token_req,
@@ -151,7 +160,6 @@ def compressor(
             raise ValueError(f"compressor (gpu): {name}={n} must be a power of two (Triton)")
     p, e, _ = comp_pages.shape
     cap = ring_pages.shape[1] if ratio == 2 else 1
-    latent_dtype = kv.dtype if ratio == 1 else comp_pages.dtype
     slot, src, dst, flags, gpos = token_metadata(
         token_req, positions, query_start_loc, comp_slot, ring_block, ratio=ratio, cap=cap
     )
@@ -184,4 +192,4 @@ def compressor(
     if ratio == 2:
         rows = jnp.where(dst >= 0, dst, ring_flat.shape[0])
         ring = ring_flat.at[rows].set(kv, mode="drop").reshape(ring_pages.shape)
-    return latent, pages_flat.reshape(comp_pages.shape), ring
+    return latent, pages_flat.reshape(comp_pages.shape) if records else None, ring

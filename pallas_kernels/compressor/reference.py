@@ -5,7 +5,7 @@ Semantics (pallas_kernels/README.md, kernel 4; model_v41.md 2.3; v41_in_vllm.md 
 * ratio 1: ``latent[t] = RMSNorm(kv[t])`` for every real token, in kv's dtype.
 * ratio 2: ``kv[t] = [a | s]`` (f32). A token at an odd position ``p`` closes the group
   ``(p - 1, p)``: per channel, a softmax over the pair's ``s`` weights their ``a``; the pooled
-  row is rounded to the record dtype (``comp_pages.dtype``) and RMS-normed. The first member is
+  row is rounded to the record dtype (``comp_pages.dtype``, or ``latent_dtype``) and RMS-normed. The first member is
   the previous token of the chunk, or, for a chunk starting at an odd position, ring row
   ``(p - 1) % C`` of the request's ring block (read before this call writes the ring). A request
   without a ring block (``ring_block[r] == 0``) cannot close such a group: its latent row stays
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels.compressor.common import (
     check_compressor_args,
     pair_pool,
+    records_or_placeholder,
     rms_norm,
     rope_rows,
 )
@@ -64,19 +65,24 @@ def compressor(
     query_start_loc: jax.Array,  # i32[R + 1]
     norm_weight: jax.Array,  # [D]
     inv_freq: jax.Array,  # f32[rope / 2]
-    comp_slot: jax.Array,  # i32[T], -1 = no write
+    comp_slot: jax.Array | None,  # i32[T], -1 = no write; None: no records
     ring_block: jax.Array | None,  # i32[R], 0 = none (ratio 2)
-    comp_pages: jax.Array,  # [P, E, D]
+    comp_pages: jax.Array | None,  # [P, E, D]; None: no records
     ring_pages: jax.Array | None,  # f32[Pr, C, 2D] (ratio 2)
     *,
     ratio: int,
     eps: float,
+    latent_dtype=None,
 ):
     """Compress a ragged batch into paged cache records (reference).
 
     Returns ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latents (zeros where no
-    group closes), the pages with the new records, and the ring (unchanged / None for ratio 1).
+    group closes), the pages with the new records (None without pages), and the ring (unchanged /
+    None for ratio 1).
     """
+    comp_slot, comp_pages, ldt, records = records_or_placeholder(
+        kv, comp_slot, comp_pages, latent_dtype, ratio
+    )
     d = check_compressor_args(
         kv,
         token_req,
@@ -92,11 +98,9 @@ def compressor(
     )
     valid = positions >= 0
     if ratio == 1:
-        ldt = kv.dtype
         z = rms_norm(kv, norm_weight, eps, ldt)
         closes = valid
     else:
-        ldt = comp_pages.dtype
         member0, closes = _closing_pairs(
             kv, token_req, positions, query_start_loc, ring_block, ring_pages
         )
@@ -112,4 +116,4 @@ def compressor(
     pages = comp_pages.reshape(p * e, d).at[slot].set(entry, mode="drop").reshape(comp_pages.shape)
     if ratio == 2:
         ring_pages = _store_ring(kv, token_req, positions, query_start_loc, ring_block, ring_pages)
-    return latent, pages, ring_pages
+    return latent, pages if records else None, ring_pages

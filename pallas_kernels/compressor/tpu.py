@@ -29,7 +29,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._backend import cdiv, cost_estimate, tpu_interpret
-from pallas_kernels.compressor.common import check_compressor_args, cost, pair_pool, rms_norm
+from pallas_kernels.compressor.common import (
+    check_compressor_args,
+    cost,
+    pair_pool,
+    records_or_placeholder,
+    rms_norm,
+)
 
 __all__ = ["compressor", "token_metadata"]
 
@@ -204,9 +210,13 @@ def compressor(
     *,
     ratio: int,
     eps: float,
+    latent_dtype=None,
     interpret=False,
 ):
     """Mosaic TPU compressor; same arguments and results as `reference.compressor`."""
+    comp_slot, comp_pages, latent_dtype, records = records_or_placeholder(
+        kv, comp_slot, comp_pages, latent_dtype, ratio
+    )
     d = check_compressor_args(
         kv,
         token_req,
@@ -230,7 +240,6 @@ def compressor(
     t, width = kv.shape
     p, e, _ = comp_pages.shape
     cap = ring_pages.shape[1] if ratio == 2 else 1
-    latent_dtype = kv.dtype if ratio == 1 else comp_pages.dtype
     slot, src, dst, flags, gpos = token_metadata(
         token_req, positions, query_start_loc, comp_slot, ring_block, ratio=ratio, cap=cap
     )
@@ -296,4 +305,4 @@ def compressor(
     latent = outs[0][:t]
     pages = outs[1].reshape(comp_pages.shape)
     ring = outs[2].reshape(ring_pages.shape) if ratio == 2 else None
-    return latent, pages, ring
+    return latent, pages if records else None, ring

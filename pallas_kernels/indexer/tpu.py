@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._backend import cdiv, cost_estimate, tpu_interpret
+from pallas_kernels._backend import cdiv, cost_estimate, mxu_precision, tpu_interpret
 from pallas_kernels.indexer.common import check_indexer_args, cost
 
 __all__ = ["indexer_topk"]
@@ -326,7 +326,11 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
                     for sb in range(ce // LANES):
                         keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
                         dots = jax.lax.dot_general(
-                            q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                            q,
+                            keys,
+                            (((1,), (1,)), ((), ())),
+                            precision=mxu_precision(q.dtype),
+                            preferred_element_type=jnp.float32,
                         )
                         sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
                         idx = c * ce + sb * LANES + lane
@@ -355,7 +359,11 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
             for sb in range(ce // LANES):
                 keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
                 dots = jax.lax.dot_general(
-                    q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                    q,
+                    keys,
+                    (((1,), (1,)), ((), ())),
+                    precision=mxu_precision(q.dtype),
+                    preferred_element_type=jnp.float32,
                 ).reshape(tq_, ih, LANES)
                 sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=1)  # [tq, 128]
                 idx = c * ce + sb * LANES + lane
@@ -430,7 +438,11 @@ def _consumer(
             ids = jnp.where(ok, entry, ids)
         keys = kbuf[slot].astype(q.dtype)
         dots = jax.lax.dot_general(
-            q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q,
+            keys,
+            (((1,), (1,)), ((), ())),
+            precision=mxu_precision(q.dtype),
+            preferred_element_type=jnp.float32,
         )
         s = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
         s = jnp.where(ids >= 0, jnp.where(s == 0.0, 0.0, s), -jnp.inf)

@@ -168,15 +168,19 @@ def _kernel(
                 qq, kk = q, rows
                 if qq.dtype != kk.dtype:
                     qq, kk = qq.astype(jnp.float32), kk.astype(jnp.float32)
+                prec = _backend.mxu_precision(kk.dtype)
                 z = lax.dot_general(
-                    qq, kk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )  # [H, C]
+                    qq, kk, (((1,), (1,)), ((), ())), precision=prec,
+                    preferred_element_type=jnp.float32,
+                )  # fmt: skip  # [H, C]
                 z = jnp.where(keep_row, z * scale, MASK_VALUE)
                 m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
                 alpha = jnp.exp(m - m_new)
                 e = jnp.where(keep_row, jnp.exp(z - m_new), 0.0)
                 kk = jnp.where(keep_col, kk, jnp.zeros_like(kk))
-                pv = jnp.dot(e.astype(kk.dtype), kk, preferred_element_type=jnp.float32)
+                pv = jnp.dot(
+                    e.astype(kk.dtype), kk, precision=prec, preferred_element_type=jnp.float32
+                )
                 return m_new, alpha * denom + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv
 
             m, denom, acc = lax.fori_loop(lo // CHUNK, (hi + CHUNK - 1) // CHUNK, chunk, init)

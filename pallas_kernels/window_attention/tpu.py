@@ -57,6 +57,7 @@ def _kernel(
     page: int,
     scale: float,
     return_state: bool,
+    align: int,
 ):
     outs, (slab, sem, tok_slot, n_fetch) = refs[:-4], refs[-4:]
     # grid (core, tile of the core): each TensorCore walks its own run of tiles in order
@@ -132,23 +133,33 @@ def _kernel(
         @pl.when(start >= 0)
         def _():
             p, lo = pos_ref[t], lo_ref[t]
-            base = (lo // page) * page  # position of the first slab row read
-            kv = slab[buf, pl.ds(pl.multiple_of(start * page, page), rows), :]  # [rows, D]
+            first = start * page  # slab row of the token's first page
+            if align == 1:
+                kv = slab[buf, pl.ds(pl.multiple_of(first, page), rows), :]  # [rows, D]
+                base = (lo // page) * page  # position of the first slab row read
+            else:  # packed rows: read from the sublane tile boundary at or before `first`
+                from_row = (first // align) * align
+                kv = slab[buf, pl.ds(pl.multiple_of(from_row, align), rows + align), :]
+                base = (lo // page) * page - (first - from_row)
             q = q_ref[i]  # [H, D]
             if q.dtype != kv.dtype:
                 q, kv = q.astype(jnp.float32), kv.astype(jnp.float32)
+            prec = _backend.mxu_precision(kv.dtype)
             z = lax.dot_general(
-                q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                q, kv, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
             )  # [H, rows]
-            col = base + lax.broadcasted_iota(jnp.int32, (1, rows), 1)
+            n = kv.shape[0]
+            col = base + lax.broadcasted_iota(jnp.int32, (1, n), 1)
             seen = (col >= lo) & (col <= p)
             z = jnp.where(seen, z * scale, MASK_VALUE)
             m = jnp.max(z, axis=1, keepdims=True)  # [H, 1], finite: position p is visible
             e = jnp.where(seen, jnp.exp(z - m), 0.0)
             denom = jnp.sum(e, axis=1, keepdims=True)
-            row = base + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+            row = base + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
             kv = jnp.where((row >= lo) & (row <= p), kv, jnp.zeros_like(kv))
-            acc = jnp.dot(e.astype(kv.dtype), kv, preferred_element_type=jnp.float32)  # [H, D]
+            acc = jnp.dot(
+                e.astype(kv.dtype), kv, precision=prec, preferred_element_type=jnp.float32
+            )  # [H, D]
             if return_state:
                 outs[0][i] = m
                 outs[1][i] = denom
@@ -264,7 +275,12 @@ def window_attention(
         kv_bytes=itemsize(swa_pages.dtype),
         out_bytes_total=out_bytes,
     )
-    slab_rows = (tq + 1) * nw * page
+    # packed (16-bit) rows live in sublane tiles of 16: a token's rows are read from the tile
+    # boundary before its first page when pages do not fill whole tiles (the extra rows are
+    # masked like any other row outside the window)
+    packing = 4 // max(1, min(4, itemsize(swa_pages.dtype)))
+    align = 8 * packing if packing > 1 and page % (8 * packing) else 1
+    slab_rows = (tq + 1) * nw * page + (align if align > 1 else 0)
     vmem = (
         2 * slab_rows * dim * itemsize(swa_pages.dtype)
         + 4 * tq * heads * dim * 4  # q and output blocks, double-buffered (f32 bound)
@@ -272,7 +288,7 @@ def window_attention(
         + 8 * nw * page * max(dim, 128) * 4  # matmul temporaries
     )
     kernel = functools.partial(
-        _kernel, tq=tq, nw=nw, page=page, scale=scale, return_state=return_state
+        _kernel, tq=tq, nw=nw, page=page, scale=scale, return_state=return_state, align=align
     )
     result = pl.pallas_call(
         kernel,

@@ -319,3 +319,34 @@ def test_debug_check_raises_on_bad_block(what):
         match = "ring_block"
     with pytest.raises(Exception, match=match):
         compressor(**args, ratio=2, eps=EPS, impl="reference", debug=True)
+
+
+# -- latents only (no records: the paged step writes them through its pools) ---------------------
+
+
+@pytest.mark.parametrize("impl", ["reference", "tpu", "gpu"])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_latents_only_without_pages(ratio, impl):
+    """comp_slot = comp_pages = None: the same latents and ring as with records, no pages back;
+    bf16 latents on every backend (the TPU kernel's 32-bit-record limit does not apply)."""
+    dtype = jnp.bfloat16
+    args, hist = make_step(SCENARIOS["mixed"], ratio=ratio, dtype=dtype, seed=9)
+    want = oracle(args, hist, SCENARIOS["mixed"], ratio=ratio)
+    args = dict(args, comp_slot=None, comp_pages=None)
+    interpret = impl != "reference"
+    latent, pages, ring = compressor(
+        **args, ratio=ratio, eps=EPS, latent_dtype=dtype, impl=impl, interpret=interpret
+    )
+    assert pages is None and latent.dtype == dtype
+    assert_close_nan(latent, want[0], TOL[dtype], "latent")
+    if ratio == 2:
+        assert_close_nan(ring, want[2], 0.0, "ring_pages")
+
+
+def test_latents_only_argument_errors():
+    args, _ = make_step(SCENARIOS["decode"], ratio=2)
+    with pytest.raises(ValueError, match="comp_slot and comp_pages go together"):
+        compressor(**dict(args, comp_pages=None), ratio=2, eps=EPS, impl="reference")
+    with pytest.raises(ValueError, match="needs latent_dtype"):
+        compressor(**dict(args, comp_slot=None, comp_pages=None), ratio=2, eps=EPS,
+                   impl="reference")  # fmt: skip
