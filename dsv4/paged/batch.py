@@ -9,7 +9,7 @@ compiles a bounded number of times:
 * ``query_start_loc`` i32[R + 1], ``seq_lens`` i32[R], ``logits_indices`` i32[R],
   ``replay_start`` i32[R];
 * ``tables[g]`` — i32[R, blocks_g]: the physical block ids of group g (0 = null block), wide
-  enough for ``max_model_len``;
+  enough for ``max_model_len`` (or, with ``table_buckets``, for the step's longest request);
 * ``slots`` — where each token's new state goes (-1 = nothing):
   ``"g{g}"`` token slots of a sliding-window group (``table[p // S] * S + p % S``),
   ``"g{g}r{r}"`` compressed-state slots of ratio r in a full group (state ``j = p // r``
@@ -102,13 +102,22 @@ def build_batch(
     max_model_len: int,
     token_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024, 2048),
     request_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    table_buckets: Sequence[int] | None = None,
     debug: bool = False,
 ) -> dict:
-    """The step's arrays for ``requests`` (see the module docstring)."""
+    """The step's arrays for ``requests`` (see the module docstring).
+
+    ``table_buckets``: None gives every block table the width ``max_model_len`` needs. With
+    sizes (in blocks, e.g. powers of two), a table is only as wide as the longest request of
+    this step needs (``ceil(seq_len / block_size)`` columns, rounded up to a bucket, at most the
+    full width): the step decodes and the kernels address only those columns, at the price of
+    one compilation per width bucket. Block ids a request holds beyond them (lookahead) are
+    not needed by this step: slots are computed from the ids themselves."""
     groups = group_infos(config)
     n_tok = sum(len(r.token_ids) for r in requests)
     if not requests or n_tok == 0:
         raise ValueError("a step needs at least one request with at least one token")
+    longest = max(r.start + len(r.token_ids) for r in requests)
     t_pad = bucket(n_tok, token_buckets)
     # one extra row for padding tokens, so real rows never see them
     r_pad = bucket(len(requests) + 1, request_buckets)
@@ -123,6 +132,9 @@ def build_batch(
     slots: dict[str, np.ndarray] = {}
     for g in groups:
         width = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
+        if table_buckets is not None and g.kind != "ring":
+            need = _cdiv(min(longest, max_model_len), g.block_size)
+            width = min(width, bucket(need, [*table_buckets, width]))
         tables[g.index] = np.zeros((r_pad, width), np.int32)
         if g.kind == "window":
             slots[f"g{g.index}"] = np.full(t_pad, -1, np.int32)
@@ -173,12 +185,14 @@ def build_batch(
                     last = pos[-min(n, c) :]
                     slots[f"ring{g.index}"][t + n - len(last) : t + n] = ring_block * c + last % c
                 continue
-            if len(ids) > table.shape[1]:
+            full = _cdiv(max_model_len, g.block_size)
+            if len(ids) > full:
                 raise ValueError(
                     f"request {i} ({req.req_id!r}): group {g.index} holds {len(ids)} blocks, "
-                    f"more than max_model_len {max_model_len} needs ({table.shape[1]})"
+                    f"more than max_model_len {max_model_len} needs ({full})"
                 )
-            table[i, : len(ids)] = ids
+            kept = min(len(ids), table.shape[1])  # a trimmed table keeps what the step reads
+            table[i, :kept] = ids[:kept]
             if g.kind == "window":
                 blk = pos // g.block_size
                 _need_blocks(ids, blk, i, req, g)

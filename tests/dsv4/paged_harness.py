@@ -49,6 +49,7 @@ class Harness:
         bounded_replay=False,
         token_buckets=(32,),
         request_buckets=(8,),
+        table_buckets=None,
         impl=None,
         interpret=False,
     ):
@@ -77,6 +78,8 @@ class Harness:
         self.impl, self.interpret = impl, interpret
         self.bounded_replay = bounded_replay
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
+        self.table_buckets = table_buckets
+        self.table_widths: set[tuple[int, ...]] = set()  # widths of the tables each step used
         self.logits: dict[tuple[int, int], np.ndarray] = {}
         self.steps = 0
 
@@ -100,8 +103,10 @@ class Harness:
             max_model_len=self.max_model_len,
             token_buckets=self.token_buckets,
             request_buckets=self.request_buckets,
+            table_buckets=self.table_buckets,
             debug=True,
         )
+        self.table_widths.add(tuple(t.shape[1] for t in batch["tables"].values()))
         batch = jax.tree.map(jnp.asarray, batch)
         logits, self.pools = paged_step_jit(
             self.params,

@@ -116,6 +116,22 @@ def test_random_schedules_fp32_records(tiny_params, tiny_cfg, layout_kind, pool)
     compare(h, ref, seqs, 1e-4)
 
 
+def test_tables_trimmed_to_the_longest_request(tiny_params, tiny_cfg):
+    """`table_buckets`: each step's tables are only as wide as its longest request needs (in
+    power-of-two buckets), so early steps decode and address fewer pages; same logits."""
+    rng = np.random.default_rng(9)
+    seqs = make_seqs(tiny_cfg, rng, 5, shared_prefix=16)
+    ref = reference_logits(tiny_params, tiny_cfg, seqs)
+    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, num_speculative_tokens=2,
+                table_buckets=(1, 2, 4, 8, 16))  # fmt: skip
+    random_schedule(h, seqs, rng, spec_k=2, preempt_p=0.05)
+    compare(h, ref, seqs, 1e-4)
+    full = tuple(1 if g.kind == "ring" else -(-h.max_model_len // g.block_size)
+                 for g in group_infos(h.config))  # fmt: skip
+    assert len(h.table_widths) >= 3 and full not in h.table_widths, h.table_widths
+    assert all(w <= f for ws in h.table_widths for w, f in zip(ws, full))
+
+
 def test_prefix_hits_and_preemption_are_exercised(tiny_params, tiny_cfg):
     """The schedule really shares cached blocks and recomputes preempted requests."""
     rng = np.random.default_rng(5)
