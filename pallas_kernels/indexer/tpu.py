@@ -81,6 +81,17 @@ def _count(vals_ref, nrows, pred, ids_ref=None):
     return jnp.sum(acc)
 
 
+def _qk(q, keys):
+    """q [M, Di] . keys [C, Di] -> f32 [M, C] on the MXU."""
+    return jax.lax.dot_general(
+        q,
+        keys.astype(q.dtype),
+        (((1,), (1,)), ((), ())),
+        precision=mxu_precision(q.dtype),
+        preferred_element_type=jnp.float32,
+    )
+
+
 def cdiv_dyn(a, b):
     return (a + b - 1) // b
 
@@ -325,13 +336,7 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
                     w = w_ref[i].astype(jnp.float32)
                     for sb in range(ce // LANES):
                         keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
-                        dots = jax.lax.dot_general(
-                            q,
-                            keys,
-                            (((1,), (1,)), ((), ())),
-                            precision=mxu_precision(q.dtype),
-                            preferred_element_type=jnp.float32,
-                        )
+                        dots = _qk(q, keys)
                         sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
                         idx = c * ce + sb * LANES + lane
                         sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
@@ -358,13 +363,7 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
                 nvec = jnp.where(tok == i, vis_ref[t0 + i], nvec)
             for sb in range(ce // LANES):
                 keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
-                dots = jax.lax.dot_general(
-                    q,
-                    keys,
-                    (((1,), (1,)), ((), ())),
-                    precision=mxu_precision(q.dtype),
-                    preferred_element_type=jnp.float32,
-                ).reshape(tq_, ih, LANES)
+                dots = _qk(q, keys).reshape(tq_, ih, LANES)
                 sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=1)  # [tq, 128]
                 idx = c * ce + sb * LANES + lane
                 sc = jnp.where(idx < nvec, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
@@ -437,13 +436,7 @@ def _consumer(
             ok = (b >= 0) & (entry < n) & (lane // cbs == i)
             ids = jnp.where(ok, entry, ids)
         keys = kbuf[slot].astype(q.dtype)
-        dots = jax.lax.dot_general(
-            q,
-            keys,
-            (((1,), (1,)), ((), ())),
-            precision=mxu_precision(q.dtype),
-            preferred_element_type=jnp.float32,
-        )
+        dots = _qk(q, keys)
         s = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
         s = jnp.where(ids >= 0, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
         sc_ref[pl.ds(g, 1), :] = s
