@@ -221,11 +221,13 @@ def _indexer_cost(
     cap: int | None,
     token_req: np.ndarray | None = None,
     tile: int = 1,
+    fp8: bool = False,
 ):
     """The indexer cost model summed over tokens (each scores its own visible entries, at most
     `cap` for a consumer). Key bytes: with `token_req` and `tile` > 1 (not for a consumer), the
     tokens of one request within a tile of `tile` consecutive tokens read the keys once, up to
-    the largest visible count among them (the TPU kernel's segments); otherwise once per token."""
+    the largest visible count among them (the TPU kernel's segments); otherwise once per token.
+    `fp8`: e4m3 keys plus one f32 scale each (the fp8_132 record) instead of bf16 keys."""
     visible = np.asarray(visible)
     reader = np.ones(len(visible), bool)  # the token charged with its segment's key stream
     if token_req is not None and tile > 1 and cap is None:
@@ -240,8 +242,9 @@ def _indexer_cost(
         at = visible == v
         c = indexer_cost(
             int(at.sum()), INDEX_HEADS, INDEX_DIM, v if cap is None else min(v, cap), k=k,
-            key_dtype=DTYPE, q_dtype=DTYPE, candidate_topk_blocks=cand_out,
-            entries_per_block=per_block, key_reads=int((at & reader).sum()),
+            key_dtype=jnp.float8_e4m3fn if fp8 else DTYPE, q_dtype=DTYPE,
+            candidate_topk_blocks=cand_out, entries_per_block=per_block,
+            key_reads=int((at & reader).sum()), key_scale_bytes=4 if fp8 else 0,
         )  # fmt: skip
         flops, bytes_ = flops + c["flops"], bytes_ + c["bytes"]
     return _backend.Cost(bytes_accessed=bytes_, flops=flops)
@@ -277,9 +280,11 @@ def indexer_bench(
     pool_bytes: float = POOL_BYTES,
     ratio: int = 1,
     mode: str = "source",
+    fp8: bool = False,
 ) -> Bench:
     """Indexer top-512 over `context // ratio` paged index keys (one layer); `mode` "source"
-    also returns the top 2048 candidate blocks of 8, "consumer" scores only 2048 given blocks."""
+    also returns the top 2048 candidate blocks of 8, "consumer" scores only 2048 given blocks.
+    `fp8`: the keys are e4m3 rows with an f32 scale each (`key_scales`, the fp8_132 record)."""
     if mode not in INDEXER_MODES:
         raise ValueError(f"mode={mode!r} is not one of {INDEXER_MODES}")
     per_block, nb, num_pages, visible = _indexer_inputs(shape, ratio, pool_bytes)
@@ -289,7 +294,7 @@ def indexer_bench(
     req = np.repeat(np.arange(shape.batch, dtype=np.int32), shape.tokens // shape.batch)
     cost = _indexer_cost(
         visible, k=TOPK, per_block=per_block, cand_out=CAND_BLOCKS * (mode == "source"), cap=cap,
-        token_req=req, tile=tile,
+        token_req=req, tile=tile, fp8=fp8,
     )  # fmt: skip
     kw: dict[str, Any] = dict(entries_per_block=per_block, k=TOPK)
     if mode != "plain":
@@ -298,6 +303,11 @@ def indexer_bench(
 
     def make_args(rng: np.random.Generator):
         args = base(rng)
+        if fp8:  # the same keys as e4m3 rows with power-of-two scales
+            keys = args[2]
+            scales = jnp.exp2(jnp.round(jnp.log2(jnp.max(jnp.abs(keys), -1) / 448.0) + 0.5))
+            rows = (keys / scales[..., None].astype(keys.dtype)).astype(jnp.float8_e4m3fn)
+            args = (*args[:2], rows, *args[3:], scales.astype(jnp.float32))
         if mode != "consumer":
             return args
         nblocks = -(-entries // CAND_BLOCK)
@@ -307,13 +317,16 @@ def indexer_bench(
         return (*args, jnp.asarray(cand))
 
     def run(*args):
+        extra = {}
         if mode == "consumer":
-            *args, cand = args
-            return indexer_topk(*args, candidates=cand, **kw, impl=impl)
-        return indexer_topk(*args, **kw, impl=impl)
+            *args, extra["candidates"] = args
+        if fp8:
+            *args, extra["key_scales"] = args
+        return indexer_topk(*args, **extra, **kw, impl=impl)
 
     scored = entries if cap is None else min(entries, cap)
-    info = dict(mode=mode, ratio=ratio, entries_scored=scored, tokens_per_tile=tile)
+    info = dict(mode=mode, ratio=ratio, entries_scored=scored, tokens_per_tile=tile,
+                keys="fp8_132" if fp8 else "bf16")  # fmt: skip
     return Bench(cost, make_args, run, info=info)
 
 
@@ -429,6 +442,7 @@ BENCHES: dict[str, Callable[[Shape, str | None, float], Bench]] = {
     "indexer_r1": functools.partial(indexer_bench, ratio=1, mode="source"),
     "indexer_r2": functools.partial(indexer_bench, ratio=2, mode="plain"),
     "indexer_r1_consumer": functools.partial(indexer_bench, ratio=1, mode="consumer"),
+    "indexer_r1_fp8": functools.partial(indexer_bench, ratio=1, mode="source", fp8=True),
     "indexer_r1_scoring_jnp": functools.partial(indexer_scoring_bench, ratio=1),
     "compressor_r1": functools.partial(compressor_bench, ratio=1),
     "compressor_r2": functools.partial(compressor_bench, ratio=2),

@@ -52,7 +52,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -529,6 +529,27 @@ def _decode_pages(lp: LayerPool, pages: jax.Array) -> jax.Array:
     return get_record(lp.record).decode(records, lp.dim)
 
 
+SCALED_RECORDS = ("fp8_132",)  # records a kernel can read as (values, one scale per record)
+
+
+def _split_pages(lp: LayerPool, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``uint8[k, >= used_bytes]`` pages of ``fp8_132`` records -> (e4m3 values
+    ``[k, states, dim]``, f32 scales ``[k, states]``), bytes reinterpreted, nothing rounded."""
+    n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
+    k = pages.shape[0]
+    values = jax.lax.bitcast_convert_type(pages[:, : n * db].reshape(k, n, db), jnp.float8_e4m3fn)
+    scale_bytes = pages[:, n * db : n * (db + sb)].reshape(k, n, sb)
+    return values, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+
+
+def _check_scaled(lp: LayerPool) -> None:
+    if lp.record not in SCALED_RECORDS:
+        raise ValueError(
+            f"scaled=True reads records of {SCALED_RECORDS}; layer {lp.name!r} holds "
+            f"{lp.record!r} records"
+        )
+
+
 def _buffer(layout: PoolLayout, pools: Mapping[str, jax.Array], lp: LayerPool) -> jax.Array:
     """The buffer holding ``lp``'s pages, shape-checked against the layout."""
     try:
@@ -549,13 +570,16 @@ def _buffer(layout: PoolLayout, pools: Mapping[str, jax.Array], lp: LayerPool) -
 
 # Jitted cores over one buffer (the layer is static): one fused computation per layer when
 # called eagerly, inlined under the caller's jit (which should donate the pools).
-@functools.partial(jax.jit, static_argnums=0)
-def _read_core(lp: LayerPool, buf: jax.Array) -> jax.Array:
-    return _decode_pages(lp, buf[:, lp.offset : lp.offset + lp.used_bytes])
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _read_core(lp: LayerPool, buf: jax.Array, scaled: bool = False):
+    pages = buf[:, lp.offset : lp.offset + lp.used_bytes]
+    return _split_pages(lp, pages) if scaled else _decode_pages(lp, pages)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _read_blocks_core(lp: LayerPool, num_blocks: int, buf: jax.Array, ids: jax.Array):
+@functools.partial(jax.jit, static_argnums=(0, 1, 4))
+def _read_blocks_core(
+    lp: LayerPool, num_blocks: int, buf: jax.Array, ids: jax.Array, scaled: bool = False
+):
     flat = ids.reshape(-1)
     flat = jnp.where((flat >= 0) & (flat < num_blocks), flat, num_blocks)  # never clamp
     # one gather of the layer's used bytes of each row: only the K pages are touched (no
@@ -571,6 +595,9 @@ def _read_blocks_core(lp: LayerPool, num_blocks: int, buf: jax.Array, ids: jax.A
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
         fill_value=NAN_BYTE,
     )
+    if scaled:
+        values, scales = _split_pages(lp, rows)
+        return values.reshape(*ids.shape, lp.states, lp.dim), scales.reshape(*ids.shape, lp.states)
     return _decode_pages(lp, rows).reshape(*ids.shape, lp.states, lp.dim)
 
 
@@ -590,13 +617,25 @@ def _write_core(
 
 
 def read_layer(
-    layout: PoolLayout, pools: Mapping[str, jax.Array], name: str, *, dtype=jnp.float32
-) -> jax.Array:
+    layout: PoolLayout,
+    pools: Mapping[str, jax.Array],
+    name: str,
+    *,
+    dtype=jnp.float32,
+    scaled: bool = False,
+):
     """Every page of layer ``name`` decoded: ``dtype[num_blocks, states, dim]`` (f32 default).
 
     For SWA / compressed / index-key / ring layers this is the ``swa_pages`` / ``comp_pages`` /
-    ``ikey_pages`` / ``ring_pages`` array of the kernels (block 0 = the null block)."""
+    ``ikey_pages`` / ``ring_pages`` array of the kernels (block 0 = the null block).
+
+    ``scaled=True`` (``fp8_132`` records only): the records as they are, ``(values e4m3[...,
+    states, dim], scales f32[..., states])`` (the indexer's ``ikey_pages`` and ``key_scales``),
+    instead of decoded pages; ``dtype`` is then unused."""
     lp = layout.layer(name)
+    if scaled:
+        _check_scaled(lp)
+        return _read_core(lp, _buffer(layout, pools, lp), True)
     return _read_core(lp, _buffer(layout, pools, lp)).astype(dtype)
 
 
@@ -607,14 +646,20 @@ def read_blocks(
     block_ids: jax.Array,
     *,
     dtype=jnp.float32,
-) -> jax.Array:
-    """Pages ``block_ids i32[...]`` of layer ``name`` decoded: ``dtype[..., states, dim]``.
+    scaled: bool = False,
+):
+    """Pages ``block_ids i32[...]`` of layer ``name`` decoded: ``dtype[..., states, dim]``
+    (``scaled=True``: the ``fp8_132`` records as ``(values, scales)``, see `read_layer`).
 
     An id outside ``[0, num_blocks)`` is never clamped: its page reads as NaN (run
     `check_block_ids` in debug mode to get an error instead)."""
     lp = layout.layer(name)
     ids = jnp.asarray(block_ids, jnp.int32)
-    return _read_blocks_core(lp, layout.num_blocks, _buffer(layout, pools, lp), ids).astype(dtype)
+    buf = _buffer(layout, pools, lp)
+    if scaled:
+        _check_scaled(lp)
+        return _read_blocks_core(lp, layout.num_blocks, buf, ids, True)
+    return _read_blocks_core(lp, layout.num_blocks, buf, ids).astype(dtype)
 
 
 def write_layer(
@@ -749,7 +794,8 @@ def read_for_table(
     positions: jax.Array | None = None,
     token_req: jax.Array | None = None,
     window: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    scaled: bool = False,
+) -> tuple[Any, jax.Array]:
     """Decode only the pages of layer ``name`` that block table ``table i32[R, nb]`` lets a
     kernel read: ``(pages dtype[P', states, dim], table2 i32[R, nb])`` such that for every
     such entry ``pages[table2[r, j]]`` is the decoded page ``table[r, j]`` (what
@@ -769,6 +815,8 @@ def read_for_table(
       positions in the batch are not contiguous: `build_batch` never makes such a batch). When
       that is not smaller than ``num_blocks``: the whole pool and ``table``.
     * Rings: use `read_ring_for_table`.
+    * ``scaled=True`` (``fp8_132`` records: the index keys of RELEASED_FP8 / SM90): the pages
+      come as ``(values, scales)`` without decoding (see `read_layer`).
 
     Like `read_blocks`, ids outside ``[0, num_blocks)`` are never clamped: their pages read NaN.
     The choice of path is static (shapes only), so one jit serves every batch of a bucket.
@@ -785,9 +833,10 @@ def read_for_table(
         raise ValueError(f"{name!r} is a compressor ring: use read_ring_for_table")
     if lp.kind != "swa":
         if num_req * nb + 1 >= layout.num_blocks:
-            return read_layer(layout, pools, name, dtype=dtype), table
+            return read_layer(layout, pools, name, dtype=dtype, scaled=scaled), table
         ids = jnp.concatenate([jnp.zeros(1, jnp.int32), table.reshape(-1)])
-        return read_blocks(layout, pools, name, ids, dtype=dtype), _gathered_table(table)
+        pages = read_blocks(layout, pools, name, ids, dtype=dtype, scaled=scaled)
+        return pages, _gathered_table(table)
     if positions is None or token_req is None or window is None:
         raise ValueError(
             f"read_for_table({name!r}): a window layer needs positions, token_req and window"
@@ -805,11 +854,11 @@ def read_for_table(
     bound = window_page_bound(positions.shape[0], num_req, window, page)
     capacity = min(bound, num_req * nb)
     if capacity + 2 >= layout.num_blocks:
-        return read_layer(layout, pools, name, dtype=dtype), table
+        return read_layer(layout, pools, name, dtype=dtype, scaled=scaled), table
     ids, table2 = _window_pages(
         table, positions, token_req, window=window, page=page, capacity=capacity
     )
-    return read_blocks(layout, pools, name, ids, dtype=dtype), table2
+    return read_blocks(layout, pools, name, ids, dtype=dtype, scaled=scaled), table2
 
 
 def read_ring_for_table(

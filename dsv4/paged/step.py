@@ -43,6 +43,7 @@ from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cach
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role, rope_inv_freq
 from dsv4.paged import pools as P
+from pallas_kernels._backend import resolve_impl
 from pallas_kernels.compressor import compressor
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_attention
@@ -56,6 +57,20 @@ Batch = dict[str, Any]
 def _quantised(layout, kind: str) -> bool:
     """Whether the cache records of this kind already quantise (so the step must not QDQ)."""
     return layout.formats.record(kind) not in ("f32", "bf16")
+
+
+SCALED_INDEX_KEYS = True  # read fp8 index-key records undecoded where the indexer can
+
+
+def _scaled_index_keys(layout, kern) -> bool:
+    """Whether the indexer gets fp8 index-key records undecoded (``key_scales``): the records
+    are ``fp8_132`` and the indexer is the reference or the GPU kernel (the TPU kernel decodes
+    them itself, so the step hands it decoded pages)."""
+    return (
+        SCALED_INDEX_KEYS
+        and layout.formats.record("index") in P.SCALED_RECORDS
+        and resolve_impl(kern.get("impl")) != "tpu"
+    )
 
 
 def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, shared, kern):
@@ -107,11 +122,15 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
     if info.role in (Role.FULL, Role.REINDEX):
         qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
         # keys and queries in the activation dtype (bf16 when serving): half the bytes the
-        # indexer streams; its scores accumulate in f32 either way
+        # indexer streams; its scores accumulate in f32 either way. fp8 index-key records go
+        # to the kernel as they are (e4m3 rows + scales: half the bytes again), except on TPU
+        scaled = _scaled_index_keys(layout, kern)
         ikey_pages, ikey_table = P.read_for_table(
-            layout, pools, ikey_name, batch["tables"][g_ikey], dtype=x.dtype
+            layout, pools, ikey_name, batch["tables"][g_ikey], dtype=x.dtype, scaled=scaled
         )
         kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, **kern)
+        if scaled:
+            ikey_pages, kw["key_scales"] = ikey_pages
         if info.is_candidate_source:
             kw.update(
                 candidate_block_size=cfg.candidate_block_size,

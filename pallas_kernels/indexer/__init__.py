@@ -33,6 +33,7 @@ def indexer_topk(
     candidate_block_size: int = 0,
     candidate_topk_blocks: int = 0,
     candidates: jax.Array | None = None,  # i32[T, CB]
+    key_scales: jax.Array | None = None,  # f32[P, E]
     tokens_per_tile: int | None = None,
     impl: str | None = None,
     interpret: Any = False,
@@ -45,6 +46,11 @@ def indexer_topk(
     ``candidates``), ``blocks`` i32[T, candidate_topk_blocks] (-1 = none). A padding token
     (position -1) gets -1 everywhere. ``debug=True`` checks at run time that every block id of
     ``comp_tables`` is in ``[0, P)`` (raises otherwise; nothing is clamped).
+
+    ``key_scales``: a scale per index key (e.g. ``ikey_pages`` holding the e4m3 values of fp8
+    index-key records and ``key_scales`` their power-of-two f32 scales): the key is the row
+    times its scale; the GPU kernel reads the 8-bit rows as they are (half the bytes of bf16
+    keys) and scales each score.
 
     ``tokens_per_tile`` (kernels only; None = the kernel's default): tokens per program; the
     tokens of one request within a tile (a prefill chunk, speculative rows) read the request's
@@ -59,6 +65,7 @@ def indexer_topk(
         candidate_block_size=candidate_block_size,
         candidate_topk_blocks=candidate_topk_blocks,
         candidates=candidates,
+        key_scales=key_scales,
     )
     args = (qi, weights, ikey_pages, comp_tables, token_req, positions, visible)
     if impl == "reference":

@@ -28,6 +28,7 @@ def check_indexer_args(
     candidate_block_size,
     candidate_topk_blocks,
     candidates,
+    key_scales=None,
 ) -> str:
     """Static (shape / dtype / option) checks; returns the mode: "plain", "source" or
     "consumer". Values (block ids, positions) are not inspected: shapes only."""
@@ -48,6 +49,13 @@ def check_indexer_args(
     for name, a in (("token_req", token_req), ("positions", positions), ("visible", visible)):
         if a.shape != (t,) or a.dtype != jnp.int32:
             _fail(f"{name} must be i32[T={t}], got {a.dtype}{list(a.shape)}")
+    if key_scales is not None and (
+        key_scales.shape != ikey_pages.shape[:2] or key_scales.dtype != jnp.float32
+    ):
+        _fail(
+            f"key_scales must be f32[P, E] = f32{list(ikey_pages.shape[:2])}, got "
+            f"{key_scales.dtype}{list(key_scales.shape)}"
+        )
     if k <= 0:
         _fail(f"k must be positive, got {k}")
     if candidate_topk_blocks < 0 or candidate_block_size < 0:
@@ -83,6 +91,7 @@ def cost(
     candidate_topk_blocks: int = 0,
     entries_per_block: int = 64,
     key_reads: int | None = None,
+    key_scale_bytes: int = 0,
 ) -> dict[str, int]:
     """Bytes moved and FLOPs of one indexer call in which each of ``num_tokens`` tokens scores
     ``entries`` visible index keys.
@@ -90,6 +99,7 @@ def cost(
     ``key_reads``: how many times the key stream is read from HBM (default ``num_tokens``: every
     token reads its own; the TPU kernel reads it once per run of a request's tokens within a tile,
     e.g. ``num_tokens / tokens_per_tile`` for a prefill chunk of one request).
+    ``key_scale_bytes``: bytes of each key's scale (4 for fp8 keys with an f32 scale).
 
     FLOPs count the q.k products (2 * IH * Di per entry) and the weighted ReLU sum (3 * IH per
     entry); the selection is a few compare passes per entry and is not counted as FLOPs.
@@ -102,7 +112,7 @@ def cost(
         raise ValueError(f"key_reads={key_reads} must be in [0, num_tokens={num_tokens}]")
     flops = num_tokens * entries * (2 * index_heads * index_head_dim + 3 * index_heads)
     bytes_ = (
-        reads * entries * index_head_dim * kb
+        reads * entries * (index_head_dim * kb + key_scale_bytes)
         + num_tokens * index_heads * (index_head_dim * qb + 4)
         + reads * pages * 4
         + num_tokens * (k + candidate_topk_blocks) * 4

@@ -72,31 +72,40 @@ def _dots(q, keys):
 
 
 def _score(q, w, keys):
-    """sum_h w_h relu(q_h . k) for keys [C, Di] -> [C] (f32)."""
-    s = jnp.sum(jnp.maximum(_dots(q, keys), 0.0) * w[:, None], axis=0)
+    """sum_h w_h relu(q_h . k) for ``keys = (rows [C, Di], scales [C] or None)`` -> [C] (f32).
+    A key's scale (a power of two) multiplies its score: exactly the score of the scaled key."""
+    rows, scale = keys
+    s = jnp.sum(jnp.maximum(_dots(q, rows), 0.0) * w[:, None], axis=0)
+    if scale is not None:
+        s = s * scale
     return jnp.where(s == 0.0, 0.0, s)
 
 
 def _score_stacked(q, w, keys, tokens):
     """`_score` of ``tokens`` stacked tokens in one matmul: q [tokens * H, Di], w [tokens * H],
-    keys [C, Di] -> [tokens, C] (f32)."""
-    terms = jnp.maximum(_dots(q, keys), 0.0) * w[:, None]
-    s = jnp.sum(terms.reshape(tokens, q.shape[0] // tokens, keys.shape[0]), axis=1)
+    keys ([C, Di], [C] or None) -> [tokens, C] (f32)."""
+    rows, scale = keys
+    terms = jnp.maximum(_dots(q, rows), 0.0) * w[:, None]
+    s = jnp.sum(terms.reshape(tokens, q.shape[0] // tokens, rows.shape[0]), axis=1)
+    if scale is not None:
+        s = s * scale[None, :]
     return jnp.where(s == 0.0, 0.0, s)
 
 
-def _gather_keys(tab_ref, keys_ref, r, nb, e, entry):
-    """Key rows [C, Di] of request-local entries ``entry`` [C] (clamped into the table)."""
+def _gather_keys(tab_ref, keys_ref, scales_ref, r, nb, e, entry):
+    """(key rows [C, Di], their scales [C] or None) of request-local entries ``entry`` [C]
+    (clamped into the table)."""
     entry = jnp.clip(entry, 0, nb * e - 1)
-    page = tab_ref[r * nb + entry // e]
-    return keys_ref[page * e + entry % e]
+    row = tab_ref[r * nb + entry // e] * e + entry % e
+    return keys_ref[row], None if scales_ref is None else scales_ref[row]
 
 
 def _blocks_kernel(
-    req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, bm_ref, *, nb, e, bs, tq, ihp
+    req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, *rest, nb, e, bs, tq, ihp, scaled
 ):
     """Block maxima of the ``tq`` tokens of one tile: q [tq * ihp, Di], w [tq * ihp] and the
     output rows [tq, blocks] are the tile's; req / vis (padded to whole tiles) are whole."""
+    scales_ref, bm_ref = rest if scaled else (None, *rest)
     t0 = pl.program_id(0) * tq
     r0 = req_ref[t0]
     reqs = [req_ref[t0 + i] for i in range(tq)]
@@ -113,7 +122,7 @@ def _blocks_kernel(
         entry = c * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32)
 
         def scored():
-            keys0 = _gather_keys(tab_ref, keys_ref, r0, nb, e, entry)  # shared by the tile
+            keys0 = _gather_keys(tab_ref, keys_ref, scales_ref, r0, nb, e, entry)  # the tile's
 
             def stacked():
                 s = _score_stacked(q_ref[...], w_ref[...], keys0, tq)
@@ -129,7 +138,7 @@ def _blocks_kernel(
                         return _score(q_ref[rows, :], w_ref[rows], keys0)
 
                     def own(i=i, rows=rows):
-                        keys = _gather_keys(tab_ref, keys_ref, reqs[i], nb, e, entry)
+                        keys = _gather_keys(tab_ref, keys_ref, scales_ref, reqs[i], nb, e, entry)
                         return _score(q_ref[rows, :], w_ref[rows], keys)
 
                     def visible(i=i, shared=shared, own=own):
@@ -218,9 +227,8 @@ def _select_kernel(pin_ref, vals_ref, ids_ref, out_ref, *, k, id_bits):
     jax.lax.fori_loop(0, m // ch, compact, jnp.int32(0))
 
 
-def _rescore_kernel(
-    req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, blocks_ref, vals_ref, ids_ref, *, nb, e, bs
-):
+def _rescore_kernel(req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, *rest, nb, e, bs, scaled):
+    scales_ref, blocks_ref, vals_ref, ids_ref = rest if scaled else (None, *rest)
     t = pl.program_id(0)
     r, n = req_ref[t], vis_ref[t]
     q, w = q_ref[...], w_ref[...]
@@ -230,7 +238,7 @@ def _rescore_kernel(
         blk = blocks_ref[pl.ds(c * per, per)]
         entry = (blk[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :]).reshape(CHUNK)
         ok = (jnp.repeat(blk, bs) >= 0) & (entry < n)
-        s = _score(q, w, _gather_keys(tab_ref, keys_ref, r, nb, e, entry))
+        s = _score(q, w, _gather_keys(tab_ref, keys_ref, scales_ref, r, nb, e, entry))
         vals_ref[pl.ds(c * CHUNK, CHUNK)] = jnp.where(ok, s, -jnp.inf)
         ids_ref[pl.ds(c * CHUNK, CHUNK)] = jnp.where(ok, entry, -1)
         return carry
@@ -261,7 +269,9 @@ def _select(vals, ids, pin, k, id_bits, interpret):
     return out[:, :k]
 
 
-def _block_maxima(token_req, vis, tab, q, w, keys, *, nb, e, bs, nblocks, tq, estimate, interpret):
+def _block_maxima(
+    token_req, vis, tab, q, w, keys, scales, *, nb, e, bs, nblocks, tq, estimate, interpret
+):
     """`_blocks_kernel` over tiles of ``tq`` tokens: f32[T, nblocks]."""
     t, ihp, di = q.shape
     tiles = cdiv(t, tq)
@@ -272,7 +282,9 @@ def _block_maxima(token_req, vis, tab, q, w, keys, *, nb, e, bs, nblocks, tq, es
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
         w = jnp.pad(w, ((0, pad), (0, 0)))
     bm = pl.pallas_call(
-        functools.partial(_blocks_kernel, nb=nb, e=e, bs=bs, tq=tq, ihp=ihp),
+        functools.partial(
+            _blocks_kernel, nb=nb, e=e, bs=bs, tq=tq, ihp=ihp, scaled=scales is not None
+        ),
         grid=(tiles,),
         in_specs=[
             _whole(token_req),
@@ -281,13 +293,22 @@ def _block_maxima(token_req, vis, tab, q, w, keys, *, nb, e, bs, nblocks, tq, es
             pl.BlockSpec((tq * ihp, di), lambda j: (j, 0)),
             pl.BlockSpec((tq * ihp,), lambda j: (j,)),
             _whole(keys),
+            *([] if scales is None else [_whole(scales)]),
         ],
         out_specs=pl.BlockSpec((tq, nblocks), lambda j: (j, 0)),
         out_shape=jax.ShapeDtypeStruct((tiles * tq, nblocks), jnp.float32),
         compiler_params=_params(),
         cost_estimate=estimate,
         interpret=interpret,
-    )(token_req, vis, tab, q.reshape(-1, di), w.reshape(-1), keys)
+    )(
+        token_req,
+        vis,
+        tab,
+        q.reshape(-1, di),
+        w.reshape(-1),
+        keys,
+        *([] if scales is None else [scales]),
+    )
     return bm[:t]
 
 
@@ -305,6 +326,7 @@ def indexer_topk(
     candidate_block_size: int = 0,
     candidate_topk_blocks: int = 0,
     candidates=None,
+    key_scales=None,
     tokens_per_tile: int = TOKENS_PER_TILE,
     interpret=False,
 ):
@@ -326,6 +348,7 @@ def indexer_topk(
         candidate_block_size=candidate_block_size,
         candidate_topk_blocks=candidate_topk_blocks,
         candidates=candidates,
+        key_scales=key_scales,
     )
     interpret = gpu_interpret(interpret)
     tq = tokens_per_tile
@@ -345,12 +368,14 @@ def indexer_topk(
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, ihp - ih)))  # padded heads weigh 0
     n_entries = nb * e
     vis = jnp.where(positions >= 0, jnp.clip(visible, 0, n_entries), 0).astype(jnp.int32)
-    keys = ikey_pages.reshape(p * e, di)
+    keys = ikey_pages.reshape(p * e, di)  # fp8 keys are converted to q's dtype in registers
+    scales = None if key_scales is None else key_scales.reshape(p * e).astype(jnp.float32)
+    extra = () if scales is None else (scales,)
     tab = comp_tables.reshape(-1)
     id_bits = max(1, n_entries.bit_length())
     scalars = (token_req, vis, tab)
     common_specs = [_whole(token_req), _whole(vis), _whole(tab), _per_token(ihp, di)]
-    common_specs += [_per_token(ihp), _whole(keys)]
+    common_specs += [_per_token(ihp), _whole(keys), *(_whole(x) for x in extra)]
     # the key stream is read once per tile (plus once per token of a tile straddling requests
     # that is not in the tile's first request: data-dependent, not counted)
     c = cost(
@@ -362,6 +387,7 @@ def indexer_topk(
         key_dtype=ikey_pages.dtype,
         q_dtype=qi.dtype,
         key_reads=cdiv(t, tq),
+        key_scale_bytes=0 if scales is None else 4,
     )
 
     blocks_out = None
@@ -377,6 +403,7 @@ def indexer_topk(
             q,
             w,
             keys,
+            scales,
             nb=nb,
             e=e,
             bs=bs,
@@ -398,7 +425,7 @@ def indexer_topk(
         )
     m = blocks.shape[1] * bs
     vals, ids = pl.pallas_call(
-        functools.partial(_rescore_kernel, nb=nb, e=e, bs=bs),
+        functools.partial(_rescore_kernel, nb=nb, e=e, bs=bs, scaled=scales is not None),
         grid=(t,),
         in_specs=[*common_specs, _per_token(blocks.shape[1])],
         out_specs=[_per_token(m), _per_token(m)],
@@ -408,6 +435,6 @@ def indexer_topk(
         ],
         compiler_params=_params(),
         interpret=interpret,
-    )(*scalars, q, w, keys, blocks)
+    )(*scalars, q, w, keys, *extra, blocks)
     topk = _select(vals, ids, jnp.full((t,), -1, jnp.int32), k, id_bits, interpret)
     return topk if blocks_out is None else (topk, blocks_out)

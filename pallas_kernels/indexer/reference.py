@@ -15,6 +15,10 @@ Semantics (pallas_kernels/README.md, kernel 3; model_v41.md 2.4):
   returned, -1 for blocks scoring -inf and for padding columns.
 * Consumer (``candidates`` given): scores outside the listed blocks are -inf.
 * Top-k: the ``k`` highest scores (ties: lower index); picks that are -inf are -1.
+* ``key_scales`` (f32[P, E], e.g. with fp8 ``ikey_pages``): the key of an entry is its row
+  times its scale. The kernels multiply the entry's score by the scale instead (the scale
+  stays out of the matmul), which is exactly the same for power-of-two scales (those of fp8
+  index-key records).
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ def indexer_topk(
     candidate_block_size: int = 0,
     candidate_topk_blocks: int = 0,
     candidates: jax.Array | None = None,  # i32[T, CB] block ids, -1 = none
+    key_scales: jax.Array | None = None,  # f32[P, E]
 ):
     """Top-k index entries per token over paged index keys (reference).
 
@@ -104,8 +109,11 @@ def indexer_topk(
         candidate_block_size=candidate_block_size,
         candidate_topk_blocks=candidate_topk_blocks,
         candidates=candidates,
+        key_scales=key_scales,
     )
     n = comp_tables.shape[1] * entries_per_block
+    if key_scales is not None:  # the keys the records stand for: values x scale
+        ikey_pages = ikey_pages.astype(jnp.float32) * key_scales[..., None]
     vis = jnp.where(positions >= 0, jnp.clip(visible, 0, n), 0)
     keys = _dense_keys(ikey_pages, comp_tables, token_req)
     scores = _scores(qi, weights, keys, vis)

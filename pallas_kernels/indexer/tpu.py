@@ -472,6 +472,7 @@ def indexer_topk(
     candidate_block_size: int = 0,
     candidate_topk_blocks: int = 0,
     candidates=None,
+    key_scales=None,
     tokens_per_tile: int = TOKENS_PER_TILE,
     interpret=False,
 ):
@@ -492,7 +493,12 @@ def indexer_topk(
         candidate_block_size=candidate_block_size,
         candidate_topk_blocks=candidate_topk_blocks,
         candidates=candidates,
+        key_scales=key_scales,
     )
+    if key_scales is not None:
+        # scaled (fp8) keys are decoded to q's dtype here, one XLA pass over the pages: the
+        # Mosaic kernel streams 16/32-bit rows (in-kernel fp8 is a next step on TPU)
+        ikey_pages = (ikey_pages.astype(jnp.float32) * key_scales[..., None]).astype(qi.dtype)
     if not isinstance(tokens_per_tile, int) or tokens_per_tile < 1:
         raise ValueError(f"indexer_topk (tpu): tokens_per_tile={tokens_per_tile!r} must be >= 1")
     t, ih, di = qi.shape

@@ -20,6 +20,7 @@ KERNELS = {
     "indexer_r1",
     "indexer_r2",
     "indexer_r1_consumer",
+    "indexer_r1_fp8",
     "indexer_r1_scoring_jnp",
     "compressor_r1",
     "compressor_r2",
@@ -58,6 +59,9 @@ def test_released_decode_costs():
         assert bench.info["entries_scored"] == entries
         keys = 128 * entries * key_row
         assert keys <= bench.cost.bytes_accessed < 1.05 * keys, name
+    fp8 = kernels.BENCHES["indexer_r1_fp8"](shape, None, kernels.POOL_BYTES)
+    keys = 128 * 131072 * (128 + 4)  # e4m3 rows + f32 scales
+    assert keys <= fp8.cost.bytes_accessed < 1.05 * keys
     r1 = kernels.BENCHES["compressor_r1"](shape, None, kernels.POOL_BYTES)
     r2 = kernels.BENCHES["compressor_r2"](shape, None, kernels.POOL_BYTES)
     assert r1.info["records"] == 128 and r2.info["records"] == 64  # half the pairs close

@@ -172,6 +172,39 @@ def test_bf16_records(tiny_params, tiny_cfg):
     assert np.median(d) < 0.05 and d.mean() < 0.25, (np.median(d), d.mean())
 
 
+def test_fp8_index_keys_reach_the_indexer_undecoded(tiny_params, tiny_cfg, monkeypatch):
+    """RELEASED_FP8 index keys (fp8_132) go to the indexer as e4m3 rows + scales: the same
+    logits, bit for bit, as decoding them to pages first, over one schedule."""
+    from dsv4.paged import step as S
+
+    seen = []  # at trace time: did the indexer get key_scales (and fp8 rows)?
+    indexer = S.indexer_topk
+
+    def spy(qi, w, ikey_pages, *args, **kw):
+        seen.append((kw.get("key_scales") is not None, str(ikey_pages.dtype)))
+        return indexer(qi, w, ikey_pages, *args, **kw)
+
+    monkeypatch.setattr(S, "indexer_topk", spy)
+
+    def run(scaled):
+        monkeypatch.setattr(S, "SCALED_INDEX_KEYS", scaled)
+        S.paged_step_jit.clear_cache()  # the flag is read at trace time
+        seen.clear()
+        rng = np.random.default_rng(12)
+        seqs = make_seqs(tiny_cfg, rng, 3, shared_prefix=16)
+        h = Harness(tiny_cfg, tiny_params, R.CacheFormats.RELEASED_FP8, num_speculative_tokens=2)
+        assert S._scaled_index_keys(h.layout, {"impl": None}) == scaled
+        random_schedule(h, seqs, rng, spec_k=2)
+        want = (True, "float8_e4m3fn") if scaled else (False, "float32")
+        assert seen and all(x == want for x in seen), seen
+        return h.logits
+
+    scaled, decoded = run(True), run(False)
+    assert scaled.keys() == decoded.keys() and len(scaled) > 50
+    for key, v in scaled.items():
+        np.testing.assert_array_equal(v, decoded[key], err_msg=str(key))
+
+
 def test_released_records_match_quant_sim(tiny_params, tiny_cfg):
     """The released records (mxfp8 window latent, NVFP4 compressed entries, MXFP4 index keys)
     store exactly the reference's quantise-dequantise, so with quant_sim the paged step follows

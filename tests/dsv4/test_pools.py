@@ -681,3 +681,27 @@ def test_read_for_table_errors(tiny):
         P.read_ring_for_table(layout, pools, ring_name(1), jnp.zeros((2, 1), jnp.float32))
     with pytest.raises(ValueError, match="not a compressor ring"):
         P.read_ring_for_table(layout, pools, compressed_kv_name(1), table[:, 0])
+
+
+@pytest.mark.parametrize("num_blocks", [40, 20])  # gathered (4 x 6 + 1 < 40), whole pool
+def test_scaled_reads_of_fp8_index_keys(tiny, num_blocks):
+    """``scaled=True`` hands fp8_132 records over undecoded: values x scale is the decoded page
+    bit for bit (power-of-two scales), NaN pages stay NaN, other records are refused."""
+    formats = R.RELEASED_FP8
+    layout = P.PoolLayout.build(tiny, _config(tiny, formats, num_blocks), formats)
+    name = indexer_k_name(1)
+    pools = _written_pools(layout, 8, [name])
+    table = np.random.default_rng(9).integers(0, num_blocks, (4, 6)).astype(np.int32)
+    (values, scales), table2 = P.read_for_table(
+        layout, pools, name, jnp.asarray(table), scaled=True
+    )
+    pages, table3 = P.read_for_table(layout, pools, name, jnp.asarray(table))
+    assert values.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
+    assert values.shape == pages.shape and scales.shape == pages.shape[:2]
+    np.testing.assert_array_equal(np.asarray(table2), np.asarray(table3))
+    e = np.asarray(scales)
+    assert np.all(np.isnan(e) | (np.log2(e) == np.round(np.log2(e))))  # powers of two
+    _same_pages(values.astype(jnp.float32) * scales[..., None], pages)
+    assert np.isnan(np.asarray(values.astype(jnp.float32))[0]).all()  # the NaN null block
+    with pytest.raises(ValueError, match="fp8_132"):
+        P.read_for_table(layout, pools, compressed_kv_name(1), jnp.asarray(table), scaled=True)
