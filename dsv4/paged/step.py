@@ -43,7 +43,6 @@ from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cach
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role, rope_inv_freq
 from dsv4.paged import pools as P
-from pallas_kernels._backend import resolve_impl
 from pallas_kernels.compressor import compressor
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_attention
@@ -59,18 +58,14 @@ def _quantised(layout, kind: str) -> bool:
     return layout.formats.record(kind) not in ("f32", "bf16")
 
 
-SCALED_INDEX_KEYS = True  # read fp8 index-key records undecoded where the indexer can
+SCALED_INDEX_KEYS = True  # hand fp8 index-key records to the indexer undecoded
 
 
-def _scaled_index_keys(layout, kern) -> bool:
-    """Whether the indexer gets fp8 index-key records undecoded (``key_scales``): the records
-    are ``fp8_132`` and the indexer is the reference or the GPU kernel (the TPU kernel decodes
-    them itself, so the step hands it decoded pages)."""
-    return (
-        SCALED_INDEX_KEYS
-        and layout.formats.record("index") in P.SCALED_RECORDS
-        and resolve_impl(kern.get("impl")) != "tpu"
-    )
+def _scaled_index_keys(layout) -> bool:
+    """Whether the indexer gets the index-key records undecoded (e4m3 rows + ``key_scales``):
+    they are ``fp8_132`` records (every implementation takes them; the kernels stream the
+    8-bit rows)."""
+    return SCALED_INDEX_KEYS and layout.formats.record("index") in P.SCALED_RECORDS
 
 
 def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, shared, kern):
@@ -123,8 +118,8 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
         # keys and queries in the activation dtype (bf16 when serving): half the bytes the
         # indexer streams; its scores accumulate in f32 either way. fp8 index-key records go
-        # to the kernel as they are (e4m3 rows + scales: half the bytes again), except on TPU
-        scaled = _scaled_index_keys(layout, kern)
+        # to the indexer as they are (e4m3 rows + scales: half the bytes again)
+        scaled = _scaled_index_keys(layout)
         ikey_pages, ikey_table = P.read_for_table(
             layout, pools, ikey_name, batch["tables"][g_ikey], dtype=x.dtype, scaled=scaled
         )

@@ -49,8 +49,8 @@ def indexer_topk(
 
     ``key_scales``: a scale per index key (e.g. ``ikey_pages`` holding the e4m3 values of fp8
     index-key records and ``key_scales`` their power-of-two f32 scales): the key is the row
-    times its scale; the GPU kernel reads the 8-bit rows as they are (half the bytes of bf16
-    keys) and scales each score.
+    times its scale; the kernels stream the 8-bit rows as they are (half the bytes of bf16 keys):
+    the GPU kernel scales each score, the TPU kernel decodes each chunk in VMEM.
 
     ``tokens_per_tile`` (kernels only; None = the kernel's default): tokens per program; the
     tokens of one request within a tile (a prefill chunk, speculative rows) read the request's

@@ -196,11 +196,18 @@ def _kernel(
     cb,
     index_bits,
     stack,
+    scaled,
 ):
     rest = list(rest)
     cand_ref = rest.pop(0) if mode == "consumer" else None  # SMEM i32[tq, 1, cbw]
-    tab_hbm, keys_hbm, out_ref = rest[:3]  # tables i32[R, 1, nbp] and keys stay in HBM
-    rest = rest[3:]
+    tab_hbm, keys_hbm = rest[:2]  # tables i32[R, 1, nbp] and keys stay in HBM
+    rest = rest[2:]
+    scales_hbm = rest.pop(0) if scaled else None  # f32[P, E, 1] (HBM)
+    out_ref = rest.pop(0)
+    # scaled keys: per chunk, the scales' DMA buffer and semaphores, and the decoded keys
+    scaled_bufs = tuple(rest[-3:]) if scaled else None
+    if scaled:
+        rest = rest[:-3]
     blk_ref = rest.pop(0) if mode == "source" else None
     if mode == "consumer":
         sc_ref, ids_ref, kbuf, sems, tab_ref, tab_sem = rest
@@ -246,7 +253,7 @@ def _kernel(
         else:
             _score_segment(
                 vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref, kbuf, sems, tq, e, ce,
-                stack,
+                stack, None if scales_hbm is None else (scales_hbm, *scaled_bufs),
             )  # fmt: skip
         return end
 
@@ -286,11 +293,14 @@ def _kernel(
 
 
 def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref, kbuf, sems, tq,
-                   e, ce, stack):  # fmt: skip
+                   e, ce, stack, scaled=None):  # fmt: skip
     """Stream the keys of the segment's request once, in double-buffered chunks of ``ce``
     entries up to the segment's largest visible count, and score every row of the segment
     against each chunk it can see (row ``i``'s scores go to ``sc_ref[i]``). With ``stack``, a
-    segment that is the whole tile scores all its tokens with one matmul per 128 entries."""
+    segment that is the whole tile scores all its tokens with one matmul per 128 entries.
+    ``scaled = (scales_hbm, sbuf, ssems, dbuf)``: the keys are stored rows (fp8) with a scale
+    each; every chunk is decoded once in VMEM (row x scale, exact for power-of-two scales) into
+    ``dbuf`` before its tokens score it."""
     n_max = jnp.int32(0)
     for i in range(tq):
         in_seg = (i >= s) & (i < end)
@@ -304,12 +314,21 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
             keys_hbm.at[page], kbuf.at[slot, pl.ds(i * e, e)], sems.at[slot]
         )
 
+    def scale_copy(c, i, slot):
+        scales_hbm, sbuf, ssems, _ = scaled
+        page = tab_ref[0, c * pages_per_chunk + i]
+        return pltpu.make_async_copy(
+            scales_hbm.at[page], sbuf.at[slot, pl.ds(i * e, e)], ssems.at[slot]
+        )
+
     def for_pages(c, slot, fn):
         for i in range(pages_per_chunk):
 
             @pl.when((c * pages_per_chunk + i) * e < n_max)
             def _(i=i):
                 fn(page_copy(c, i, slot))
+                if scaled is not None:
+                    fn(scale_copy(c, i, slot))
 
     @pl.when(nchunks > 0)
     def _first():
@@ -325,6 +344,19 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
             for_pages(c + 1, 1 - slot, lambda cp: cp.start())
 
         for_pages(c, slot, lambda cp: cp.wait())
+        if scaled is None:
+
+            def keys_at(sb):
+                return kbuf[slot, pl.ds(sb * LANES, LANES), :]
+        else:
+            _, sbuf, _, dbuf = scaled
+            for sb in range(ce // LANES):
+                rows = pl.ds(sb * LANES, LANES)
+                decoded = kbuf[slot, rows, :].astype(jnp.float32) * sbuf[slot, rows, :]
+                dbuf[rows, :] = decoded.astype(dbuf.dtype)
+
+            def keys_at(sb):
+                return dbuf[pl.ds(sb * LANES, LANES), :]
 
         def per_token():
             for i in range(tq):
@@ -335,7 +367,7 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
                     q = q_ref[i]
                     w = w_ref[i].astype(jnp.float32)
                     for sb in range(ce // LANES):
-                        keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
+                        keys = keys_at(sb).astype(q.dtype)
                         dots = _qk(q, keys)
                         sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
                         idx = c * ce + sb * LANES + lane
@@ -362,7 +394,7 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
             for i in range(tq):
                 nvec = jnp.where(tok == i, vis_ref[t0 + i], nvec)
             for sb in range(ce // LANES):
-                keys = kbuf[slot, pl.ds(sb * LANES, LANES), :].astype(q.dtype)
+                keys = keys_at(sb).astype(q.dtype)
                 dots = _qk(q, keys).reshape(tq_, ih, LANES)
                 sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=1)  # [tq, 128]
                 idx = c * ce + sb * LANES + lane
@@ -495,10 +527,12 @@ def indexer_topk(
         candidates=candidates,
         key_scales=key_scales,
     )
-    if key_scales is not None:
-        # scaled (fp8) keys are decoded to q's dtype here, one XLA pass over the pages: the
-        # Mosaic kernel streams 16/32-bit rows (in-kernel fp8 is a next step on TPU)
+    if key_scales is not None and mode == "consumer":
+        # a consumer DMAs blocks of a few entries, below the 8-bit sublane tile: its scaled
+        # (fp8) keys are decoded to q's dtype here, one XLA pass over the pages
         ikey_pages = (ikey_pages.astype(jnp.float32) * key_scales[..., None]).astype(qi.dtype)
+        key_scales = None
+    scaled = key_scales is not None
     if not isinstance(tokens_per_tile, int) or tokens_per_tile < 1:
         raise ValueError(f"indexer_topk (tpu): tokens_per_tile={tokens_per_tile!r} must be >= 1")
     t, ih, di = qi.shape
@@ -549,6 +583,9 @@ def indexer_topk(
         operands.append(padded[:, None, :])
     in_specs += [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     operands += [tables, ikey_pages]
+    if scaled:  # one scale per key, DMA'd with its page (sublane-major: a column per chunk)
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        operands.append(key_scales.astype(jnp.float32)[..., None])
     out_specs = [pl.BlockSpec((tq, kp // LANES, LANES), per_tile)]
     out_shape = [jax.ShapeDtypeStruct((tp, kp // LANES, LANES), jnp.int32)]
     cbp = _round_up(max(cb, 1), LANES)
@@ -574,6 +611,13 @@ def indexer_topk(
         pltpu.SMEM((1, nbp), jnp.int32),
         pltpu.SemaphoreType.DMA((1,)),
     ]
+    if scaled:  # the chunk's scales, their semaphores, the chunk decoded to q's dtype
+        scratch += [
+            pltpu.VMEM((2, ce, 1), jnp.float32),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.VMEM((ce, di), qi.dtype),
+        ]
+        vmem += 2 * ce * LANES * 4 + ce * di * qi.dtype.itemsize
     # the CostEstimate assumes the worst case of one key stream per token (decode); a prefill
     # chunk of one request reads it once per tile
     c = cost(
@@ -586,6 +630,7 @@ def indexer_topk(
         q_dtype=qi.dtype,
         candidate_topk_blocks=cb,
         entries_per_block=e,
+        key_scale_bytes=4 if scaled else 0,
     )
     outs = pl.pallas_call(
         functools.partial(
@@ -599,6 +644,7 @@ def indexer_topk(
             cb=cb,
             index_bits=index_bits,
             stack=tq > 1 and ih % STACK_HEADS == 0,
+            scaled=scaled,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,

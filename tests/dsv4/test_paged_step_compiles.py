@@ -35,7 +35,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 CASES = {  # (record formats, parameter / activation dtype)
     "bf16-serving": (R.CacheFormats.BF16, jnp.bfloat16),
     "released": (R.CacheFormats.RELEASED, jnp.bfloat16),
-    "released-fp8": (R.CacheFormats.RELEASED_FP8, jnp.bfloat16),  # GPU: fp8 index keys undecoded
+    "released-fp8": (R.CacheFormats.RELEASED_FP8, jnp.bfloat16),  # fp8 index keys undecoded
     "fp32-exact": (R.CacheFormats.EXACT, jnp.float32),
 }
 

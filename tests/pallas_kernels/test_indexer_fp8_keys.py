@@ -1,6 +1,7 @@
 """fp8 index keys (``key_scales``): e4m3 rows with one power-of-two f32 scale per key, the
 fp8_132 index-key record. The reference scores the decoded keys (row x scale); the GPU kernel
-reads the 8-bit rows and scales each score, the TPU wrapper decodes first. All must select
+reads the 8-bit rows and scales each score, the TPU kernel DMAs rows and scales and decodes
+each chunk in VMEM (a consumer's wrapper decodes first). All must select
 exactly what the reference selects on the decoded keys (integer data: exact scores).
 Also: deviceless compiles with fp8 keys at the released shapes."""
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import compile_for_h100, requires_cuda_plugin
+from aot import compile_for_h100, compile_for_tpu, requires_cuda_plugin, requires_libtpu
 from test_indexer import (
     KERNEL_BATCH,
     RELEASED_MODES,
@@ -73,11 +74,7 @@ def test_key_scales_shape_is_checked():
 @requires_cuda_plugin
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_h100_compiles_with_fp8_keys(mode):
-    spec = RELEASED_MODES[mode]
-    e = spec["e"]
-    args = list(_released_args(8, (128 * 1024) // (2 if e == 32 else 1), e))
-    args[2] = jax.ShapeDtypeStruct(args[2].shape, jnp.float8_e4m3fn)
-    args.append(jax.ShapeDtypeStruct(args[2].shape[:2], jnp.float32))
+    spec, e, args = _released_fp8(mode)
     kw = dict(spec["kw"], entries_per_block=e, impl="gpu")
     if spec.get("candidates"):
         args.append(jax.ShapeDtypeStruct((8, 2048), jnp.int32))
@@ -85,3 +82,46 @@ def test_h100_compiles_with_fp8_keys(mode):
                          *args)  # fmt: skip
     else:
         compile_for_h100(lambda *a: indexer_topk(*a[:7], key_scales=a[7], **kw), *args)
+
+
+def test_tpu_fp8_keys_checking_interpreter():
+    """The TPU kernel DMAs the e4m3 rows and their scales page by page and decodes each chunk
+    once in VMEM (a prefill chunk's tiles share it): simulated DMAs, race detection, NaN
+    scratch."""
+    from test_indexer import checking_interpreter
+    from test_indexer_tiles_tpu import PREFILL_BATCH
+
+    case = make_case(*PREFILL_BATCH, e=8, seed=33)
+    p, e, _ = case["ikey_pages"].shape
+    values = case["ikey_pages"].astype(jnp.float8_e4m3fn)
+    scales = jnp.asarray(2.0 ** np.random.default_rng(33).integers(-3, 4, (p, e)), jnp.float32)
+    decoded = values.astype(jnp.float32) * scales[..., None]
+    for extra in ({}, {"candidate_block_size": 4, "candidate_topk_blocks": 2}):
+        kw = dict(entries_per_block=e, k=K, **extra)
+        want = indexer_topk(*_with_pages(case, decoded), **kw, impl="reference")
+        got = indexer_topk(*_with_pages(case, values), **kw, key_scales=scales, impl="tpu",
+                           interpret=checking_interpreter())  # fmt: skip
+        if extra:
+            check_exact(got[0], want[0], K)
+            check_exact(got[1], want[1], 2)
+        else:
+            check_exact(got, want, K)
+
+
+def _released_fp8(mode):
+    spec = RELEASED_MODES[mode]
+    e = spec["e"]
+    args = list(_released_args(8, (128 * 1024) // (2 if e == 32 else 1), e))
+    args[2] = jax.ShapeDtypeStruct(args[2].shape, jnp.float8_e4m3fn)
+    args.append(jax.ShapeDtypeStruct(args[2].shape[:2], jnp.float32))
+    return spec, e, args
+
+
+@requires_libtpu
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+@pytest.mark.parametrize("mode", ["plain-r2", "source-r1"])
+def test_tpu_compiles_with_fp8_keys(mode, topology):
+    spec, e, args = _released_fp8(mode)
+    kw = dict(spec["kw"], entries_per_block=e, impl="tpu")
+    compile_for_tpu(lambda *a: indexer_topk(*a[:7], key_scales=a[7], **kw), *args,
+                    topology=topology)  # fmt: skip
