@@ -132,13 +132,10 @@ def test_tables_trimmed_to_the_longest_request(tiny_params, tiny_cfg):
     assert all(w <= f for ws in h.table_widths for w, f in zip(ws, full))
 
 
-def test_prefix_hits_and_preemption_are_exercised(tiny_params, tiny_cfg):
-    """The schedule really shares cached blocks and recomputes preempted requests."""
-    rng = np.random.default_rng(5)
-    seqs = make_seqs(tiny_cfg, rng, 4, shared_prefix=40)
-    ref = reference_logits(tiny_params, tiny_cfg, seqs)
-    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT)
-    hits = []
+def record_prefix_hits(h: Harness) -> list[int]:
+    """From now on, the number of cached tokens each `get_computed_blocks` call of the
+    harness's allocator finds (appended to the returned list)."""
+    hits: list[int] = []
     orig = h.mgr.get_computed_blocks
 
     def spy(req):
@@ -147,6 +144,16 @@ def test_prefix_hits_and_preemption_are_exercised(tiny_params, tiny_cfg):
         return out
 
     h.mgr.get_computed_blocks = spy
+    return hits
+
+
+def test_prefix_hits_and_preemption_are_exercised(tiny_params, tiny_cfg):
+    """The schedule really shares cached blocks and recomputes preempted requests."""
+    rng = np.random.default_rng(5)
+    seqs = make_seqs(tiny_cfg, rng, 4, shared_prefix=40)
+    ref = reference_logits(tiny_params, tiny_cfg, seqs)
+    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT)
+    hits = record_prefix_hits(h)
     random_schedule(h, seqs, rng, preempt_p=0.1, max_running=2)
     compare(h, ref, seqs, 1e-4)
     assert max(hits) >= 32, hits
@@ -282,15 +289,7 @@ def test_bounded_replay_follows_its_definition(tiny_params, tiny_cfg):
     )
     h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, bounded_replay=True)
     random_schedule(h, [a], rng)
-    hits = []
-    orig = h.mgr.get_computed_blocks
-
-    def spy(req):
-        out = orig(req)
-        hits.append(out[1])
-        return out
-
-    h.mgr.get_computed_blocks = spy
+    hits = record_prefix_hits(h)
     random_schedule(h, [b], rng)
     hit = hits[0]
     assert hit == 48, hits
