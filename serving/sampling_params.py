@@ -105,6 +105,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._normalise()
         self._verify_args()
+        self._to_python_numbers()
         if self.temperature < SAMPLING_EPS:
             # Truncation cannot change an argmax; vLLM resets it so greedy rows look alike.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -132,6 +133,30 @@ class SamplingParams:
             self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         else:
             raise _fail("stop_token_ids", self.stop_token_ids, "a list of ints or None")
+
+    def _to_python_numbers(self) -> None:
+        # numpy scalars pass the checks; store plain Python numbers (hashing, JSON, printing).
+        for name in (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+        ):
+            setattr(self, name, float(getattr(self, name)))
+        for name in (
+            "n",
+            "top_k",
+            "min_tokens",
+            "max_tokens",
+            "logprobs",
+            "prompt_logprobs",
+            "seed",
+        ):
+            value = getattr(self, name)
+            setattr(self, name, None if value is None else int(value))
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     def _verify_args(self) -> None:
         _check_int("n", self.n, minimum=1)
