@@ -142,7 +142,16 @@ def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def head(params: Params, x: jax.Array, pre: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final collapse with the last FFN's pre-mix, norm, and the fp32 LM head."""
-    h = rms_norm(hc_pre(x, pre), params["norm.weight"], cfg.norm_eps)
+    return lm_head(params, final_hidden(params, x, pre, cfg))
+
+
+def final_hidden(params: Params, x: jax.Array, pre: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The LM head's input [.., dim]: the streams collapsed with the last pre-mix, normed."""
+    return rms_norm(hc_pre(x, pre), params["norm.weight"], cfg.norm_eps)
+
+
+def lm_head(params: Params, h: jax.Array) -> jax.Array:
+    """fp32 logits [.., vocab] of `final_hidden` states h [.., dim]."""
     return jnp.einsum(
         "...d,vd->...v",
         h.astype(jnp.float32),

@@ -2,20 +2,16 @@
 
 `build_batch` turns the requests scheduled for one step — their new tokens, where they start,
 and the block ids the allocator (`cache.KVCacheManager.get_block_ids`) holds for them in every
-KV-cache group — into the arrays of the step contract, padded to bucket sizes so the jitted step
-compiles a bounded number of times:
+KV-cache group — into a `StepBatch` (a registered dataclass pytree, the step contract of
+DESIGN.md section 5), padded to bucket sizes so the jitted step compiles a bounded number of
+times. Slot mappings say where each token's new state goes (-1 = nothing):
 
-* ``token_ids``, ``positions`` (-1 = padding), ``token_req`` — i32[T];
-* ``query_start_loc`` i32[R + 1], ``seq_lens`` i32[R], ``logits_indices`` i32[R],
-  ``replay_start`` i32[R];
-* ``tables[g]`` — i32[R, blocks_g]: the physical block ids of group g (0 = null block), wide
-  enough for ``max_model_len`` (or, with ``table_buckets``, for the step's longest request);
-* ``slots`` — where each token's new state goes (-1 = nothing):
-  ``"g{g}"`` token slots of a sliding-window group (``table[p // S] * S + p % S``),
-  ``"g{g}r{r}"`` compressed-state slots of ratio r in a full group (state ``j = p // r``
-  written by the group's last token only: ``table[j // E] * E + j % E`` with ``E = B / r``),
-  ``"ring{g}"`` ring rows of a circular-buffer group (the last ``min(len, C)`` tokens of each
-  request's chunk, row ``ring_block * C + p % C``).
+* ``window_slots[g]``: token slots of a sliding-window group g (``table[p // S] * S + p % S``);
+* ``state_slots[(g, r)]``: compressed-state slots of ratio r in a full group g (state
+  ``j = p // r`` written by the group's last token only: ``table[j // E] * E + j % E`` with
+  ``E = B / r``);
+* ``ring_slots[g]``: ring rows of a circular-buffer group g (the last ``min(len, C)`` tokens of
+  each request's chunk, row ``ring_block * C + p % C``).
 
 Bounded replay (`v41_in_vllm.md` 4.5): a request with ``replay_start > 0`` recomputes tokens
 whose compressed state and index keys are already cached: rows below ``cache_write_from`` get no
@@ -30,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+import jax
 import numpy as np
 
 from cache.spec import (
@@ -41,7 +39,44 @@ from cache.spec import (
     iter_layer_specs,
 )
 
-__all__ = ["GroupInfo", "StepRequest", "bucket", "build_batch", "group_infos"]
+__all__ = ["GroupInfo", "StepBatch", "StepRequest", "bucket", "build_batch", "group_infos"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's ragged batch of T tokens over R request rows (DESIGN.md section 5).
+
+    Every field is an int32 array (numpy on the host, jax on device; `jax.tree.map` converts
+    them). T and R are bucket sizes: padding tokens have position -1 and request row R - 1,
+    which no real request uses; padding rows have empty query ranges and zero block tables.
+    """
+
+    token_ids: Any  # i32[T] tokens of this step
+    positions: Any  # i32[T] absolute positions, -1 = padding
+    token_req: Any  # i32[T] request row of each token (padding: row R - 1)
+    query_start_loc: Any  # i32[R + 1] ragged offsets of each row's tokens
+    seq_lens: Any  # i32[R] tokens in the cache after this step
+    logits_indices: Any  # i32[R] token index sampled for each row (its last token)
+    replay_start: Any  # i32[R] bounded replay: first position a row's window may see
+    block_tables: tuple[Any, ...]  # per group g: i32[R, W_g] physical block ids, 0 = null
+    window_slots: dict[int, Any]  # window group g -> i32[T] token slots, -1 = none
+    state_slots: dict[tuple[int, int], Any]  # (full group g, ratio r) -> i32[T] state slots
+    ring_slots: dict[int, Any]  # ring group g -> i32[T] ring rows, -1 = none
+
+    @property
+    def num_tokens(self) -> int:
+        """T (the token bucket)."""
+        return self.token_ids.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        """R (the request bucket)."""
+        return self.seq_lens.shape[0]
+
+    def table_widths(self) -> tuple[int, ...]:
+        """W_g of every group's block table."""
+        return tuple(t.shape[1] for t in self.block_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +139,7 @@ def build_batch(
     request_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
     table_buckets: Sequence[int] | None = None,
     debug: bool = False,
-) -> dict:
+) -> StepBatch:
     """The step's arrays for ``requests`` (see the module docstring).
 
     ``table_buckets``: None gives every block table the width ``max_model_len`` needs. With
@@ -129,7 +164,9 @@ def build_batch(
     logits_idx = np.zeros(r_pad, np.int32)
     replay = np.zeros(r_pad, np.int32)
     tables: dict[int, np.ndarray] = {}
-    slots: dict[str, np.ndarray] = {}
+    window_slots: dict[int, np.ndarray] = {}
+    state_slots: dict[tuple[int, int], np.ndarray] = {}
+    ring_slots: dict[int, np.ndarray] = {}
     for g in groups:
         width = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
         if table_buckets is not None and g.kind != "ring":
@@ -137,12 +174,12 @@ def build_batch(
             width = min(width, bucket(need, [*table_buckets, width]))
         tables[g.index] = np.zeros((r_pad, width), np.int32)
         if g.kind == "window":
-            slots[f"g{g.index}"] = np.full(t_pad, -1, np.int32)
+            window_slots[g.index] = np.full(t_pad, -1, np.int32)
         elif g.kind == "compressed":
             for r in g.ratios:
-                slots[f"g{g.index}r{r}"] = np.full(t_pad, -1, np.int32)
+                state_slots[(g.index, r)] = np.full(t_pad, -1, np.int32)
         else:
-            slots[f"ring{g.index}"] = np.full(t_pad, -1, np.int32)
+            ring_slots[g.index] = np.full(t_pad, -1, np.int32)
 
     t = 0
     for i, req in enumerate(requests):
@@ -183,7 +220,7 @@ def build_batch(
                 if ring_block:
                     c = g.block_size
                     last = pos[-min(n, c) :]
-                    slots[f"ring{g.index}"][t + n - len(last) : t + n] = ring_block * c + last % c
+                    ring_slots[g.index][t + n - len(last) : t + n] = ring_block * c + last % c
                 continue
             full = _cdiv(max_model_len, g.block_size)
             if len(ids) > full:
@@ -196,7 +233,7 @@ def build_batch(
             if g.kind == "window":
                 blk = pos // g.block_size
                 _need_blocks(ids, blk, i, req, g)
-                slots[f"g{g.index}"][sl] = ids[blk] * g.block_size + pos % g.block_size
+                window_slots[g.index][sl] = ids[blk] * g.block_size + pos % g.block_size
             else:
                 for r in g.ratios:
                     e = g.block_size // r
@@ -206,20 +243,22 @@ def build_batch(
                     _need_blocks(ids, blk[closes], i, req, g)
                     s = np.full(n, -1, np.int64)
                     s[closes] = ids[blk[closes]] * e + j[closes] % e
-                    slots[f"g{g.index}r{r}"][sl] = s
+                    state_slots[(g.index, r)][sl] = s
         t += n
     qsl[len(requests) + 1 :] = t
-    batch = {
-        "token_ids": token_ids,
-        "positions": positions,
-        "token_req": token_req,
-        "query_start_loc": qsl,
-        "seq_lens": seq_lens,
-        "logits_indices": logits_idx,
-        "replay_start": replay,
-        "tables": tables,
-        "slots": slots,
-    }
+    batch = StepBatch(
+        token_ids=token_ids,
+        positions=positions,
+        token_req=token_req,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        logits_indices=logits_idx,
+        replay_start=replay,
+        block_tables=tuple(tables[g.index] for g in groups),
+        window_slots=window_slots,
+        state_slots=state_slots,
+        ring_slots=ring_slots,
+    )
     if debug:
         check_batch(batch, config)
     return batch
@@ -233,13 +272,13 @@ def _need_blocks(ids: np.ndarray, blk: np.ndarray, i: int, req: StepRequest, g: 
         )
 
 
-def check_batch(batch: dict, config: KVCacheConfig) -> None:
+def check_batch(batch: StepBatch, config: KVCacheConfig) -> None:
     """Debug check: every block id in [0, num_blocks), every slot -1 or inside the pool, no
     write into the null block. Raises ValueError naming the first bad value."""
     groups = group_infos(config)
     nb = config.num_blocks
     for g in groups:
-        table = batch["tables"][g.index]
+        table = np.asarray(batch.block_tables[g.index])
         bad = np.argwhere((table < 0) | (table >= nb))
         if len(bad):
             row, col = bad[0]
@@ -247,24 +286,25 @@ def check_batch(batch: dict, config: KVCacheConfig) -> None:
                 f"block table of group {g.index}: request row {row}, entry {col} holds block id "
                 f"{int(table[row, col])}, outside the pool's 0..{nb - 1}"
             )
-    for key, s in batch["slots"].items():
-        g = groups[int(key[4:] if key.startswith("ring") else key[1:].split("r")[0])]
-        if g.kind == "compressed":
-            per_block = g.block_size // int(key.split("r")[1])
-        else:
-            per_block = g.block_size
+    mappings = [(f"window_slots[{g}]", g, 1, s) for g, s in batch.window_slots.items()]
+    mappings += [(f"state_slots[{k}]", k[0], k[1], s) for k, s in batch.state_slots.items()]
+    mappings += [(f"ring_slots[{g}]", g, 1, s) for g, s in batch.ring_slots.items()]
+    positions = np.asarray(batch.positions)
+    for name, g, ratio, s in mappings:
+        s = np.asarray(s)
+        per_block = groups[g].block_size // ratio
         limit = nb * per_block
         bad = np.argwhere((s < -1) | (s >= limit))
         if len(bad):
             t = int(bad[0][0])
             raise ValueError(
-                f"slot mapping {key!r}: token {t} (position {int(batch['positions'][t])}) has "
+                f"slot mapping {name}: token {t} (position {int(positions[t])}) has "
                 f"slot {int(s[t])}, allowed -1 or 0..{limit - 1}"
             )
         null = np.argwhere((s >= 0) & (s < per_block))
         if len(null):
             t = int(null[0][0])
             raise ValueError(
-                f"slot mapping {key!r}: token {t} (position {int(batch['positions'][t])}) would "
+                f"slot mapping {name}: token {t} (position {int(positions[t])}) would "
                 f"write slot {int(s[t])} in the null block 0"
             )

@@ -43,14 +43,13 @@ from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cach
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role, rope_inv_freq
 from dsv4.paged import pools as P
+from dsv4.paged.batch import StepBatch
 from pallas_kernels.compressor import compressor
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.window_attention import window_attention
 
-__all__ = ["paged_step", "paged_step_jit"]
-
-Batch = dict[str, Any]
+__all__ = ["paged_forward", "paged_step", "paged_step_jit"]
 
 
 def _quantised(layout, kind: str) -> bool:
@@ -58,37 +57,29 @@ def _quantised(layout, kind: str) -> bool:
     return layout.formats.record(kind) not in ("f32", "bf16")
 
 
-SCALED_INDEX_KEYS = True  # hand fp8 index-key records to the indexer undecoded
-
-
-def _scaled_index_keys(layout) -> bool:
-    """Whether the indexer gets the index-key records undecoded (e4m3 rows + ``key_scales``):
-    they are ``fp8_132`` records (every implementation takes them; the kernels stream the
-    8-bit rows)."""
-    return SCALED_INDEX_KEYS and layout.formats.record("index") in P.SCALED_RECORDS
-
-
-def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, shared, kern):
+def _attention(
+    x, params, layer: int, cfg: ModelConfig, layout, pools, batch: StepBatch, shared, kern, scaled
+):
     info = cfg.plan[layer]
     a = f"layers.{layer}.attn."
     r = info.ratio
-    pos = batch["positions"]
+    pos = batch.positions
     real = pos >= 0
     safe_pos = jnp.where(real, pos, 0)
-    tok_req = batch["token_req"]
+    tok_req = batch.token_req
     cos, sin = L.rope_tables(cfg, r, safe_pos)  # [T, rope/2]
     qr, q, kv = L.query_and_latent(
         x, params, a, cfg, cos, sin, qdq_latent=cfg.quant_sim and not _quantised(layout, "swa")
     )
     swa = swa_cache_name(layer)
     g_swa = layout.group_of(swa)
-    pools = P.write_layer(layout, pools, swa, batch["slots"][f"g{g_swa}"], kv)
+    pools = P.write_layer(layout, pools, swa, batch.window_slots[g_swa], kv)
     # read after the write: the window of token p includes p itself
     swa_pages, swa_table = P.read_for_table(
         layout,
         pools,
         swa,
-        batch["tables"][g_swa],
+        batch.block_tables[g_swa],
         dtype=q.dtype,
         positions=pos,
         token_req=tok_req,
@@ -99,7 +90,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
     win_kwargs = dict(
         window=cfg.window_size,
         scale=scale,
-        replay_start=batch.get("replay_start"),
+        replay_start=batch.replay_start,
         **kern,
     )
     if not r:
@@ -119,9 +110,8 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
         # keys and queries in the activation dtype (bf16 when serving): half the bytes the
         # indexer streams; its scores accumulate in f32 either way. fp8 index-key records go
         # to the indexer as they are (e4m3 rows + scales: half the bytes again)
-        scaled = _scaled_index_keys(layout)
         ikey_pages, ikey_table = P.read_for_table(
-            layout, pools, ikey_name, batch["tables"][g_ikey], dtype=x.dtype, scaled=scaled
+            layout, pools, ikey_name, batch.block_tables[g_ikey], dtype=x.dtype, scaled=scaled
         )
         kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, **kern)
         if scaled:
@@ -156,7 +146,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
     )
     # entries closed in this step were written by _compress above, so they are visible here
     comp_pages, comp_table = P.read_for_table(
-        layout, pools, comp_name, batch["tables"][g_comp], dtype=q.dtype
+        layout, pools, comp_name, batch.block_tables[g_comp], dtype=q.dtype
     )
     o = sparse_attention(
         q,
@@ -177,9 +167,9 @@ def _attention(x, params, layer: int, cfg: ModelConfig, layout, pools, batch, sh
 def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, batch, kern):
     """Compressor of a kv source: compressed entries, index keys and (ratio 2) ring rows."""
     r = cfg.plan[layer].ratio
-    pos = batch["positions"]
+    pos = batch.positions
     real = pos >= 0
-    tok_req = batch["token_req"]
+    tok_req = batch.token_req
     comp_name, ikey_name = compressed_kv_name(layer), indexer_k_name(layer)
     inv_freq = jnp.asarray(np.asarray(rope_inv_freq(cfg, r), np.float32))
     # records are written below through the pools (any record format), not by the kernel: it
@@ -187,7 +177,7 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
     if r == 1:
         kv = L.linear(x, params, a + "compressor.wkv.weight", cfg)
         latent, _, _ = compressor(
-            kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
+            kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
             inv_freq, None, None, None, None, ratio=1, eps=cfg.norm_eps, latent_dtype=x.dtype,
             **kern,
         )  # fmt: skip
@@ -200,14 +190,14 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         g_ring = layout.group_of(rname)
         # only the batch's ring pages, read before this chunk's rows are written to the pool
         ring, ring_block = P.read_ring_for_table(
-            layout, pools, rname, batch["tables"][g_ring][:, 0]
+            layout, pools, rname, batch.block_tables[g_ring][:, 0]
         )
         latent, _, _ = compressor(
-            kv, tok_req, pos, batch["query_start_loc"], params[a + "compressor.norm.weight"],
+            kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
             inv_freq, None, ring_block, None, ring, ratio=2, eps=cfg.norm_eps,
             latent_dtype=x.dtype, **kern,
         )  # fmt: skip
-        pools = P.write_ring(layout, pools, rname, batch["slots"][f"ring{g_ring}"], kv)
+        pools = P.write_ring(layout, pools, rname, batch.ring_slots[g_ring], kv)
     latent = latent.astype(x.dtype)
     gpos = jnp.where(real, pos - pos % r, 0)
     gcos, gsin = L.rope_tables(cfg, r, gpos)
@@ -222,9 +212,45 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         qdq_entry=cfg.quant_sim and not _quantised(layout, "compressed"),
     )
     g_comp, g_ikey = layout.group_of(comp_name), layout.group_of(ikey_name)
-    pools = P.write_layer(layout, pools, comp_name, batch["slots"][f"g{g_comp}r{r}"], c)
-    pools = P.write_layer(layout, pools, ikey_name, batch["slots"][f"g{g_ikey}r{r}"], k)
+    pools = P.write_layer(layout, pools, comp_name, batch.state_slots[(g_comp, r)], c)
+    pools = P.write_layer(layout, pools, ikey_name, batch.state_slots[(g_ikey, r)], k)
     return pools
+
+
+def paged_forward(
+    params,
+    cfg: ModelConfig,
+    layout,
+    pools: dict[str, jax.Array],
+    batch: StepBatch,
+    *,
+    impl: str | None = None,
+    interpret: Any = False,
+    scaled_index_keys: bool = True,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The backbone over one step's batch: the LM head's input for every token, [T, dim] in the
+    activation dtype (`dsv4.layers.final_hidden`), and the updated pools.
+
+    ``impl`` / ``interpret`` choose the attention kernels (`pallas_kernels` dispatch: None picks
+    by backend — the jnp references on CPU, the Pallas kernels on TPU and GPU).
+    ``scaled_index_keys``: hand ``fp8_132`` index-key records to the indexer undecoded (e4m3
+    rows + per-key scales; bit-exact with decoding them first, half the bytes streamed)."""
+    kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
+    scaled = scaled_index_keys and layout.formats.record("index") in P.SCALED_RECORDS
+    x = L.embed(params, batch.token_ids, cfg)  # [T, hc, D]
+    pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
+    shared: dict[str, jax.Array] = {}
+    for layer in range(cfg.n_layers):
+        p = f"layers.{layer}."
+        a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
+        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
+        att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, kern, scaled)
+        x = L.hc_post(att, x, a_post, a_comb)
+        f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
+        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
+        x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
+        pre = f_pre
+    return L.final_hidden(params, x, pre, cfg), pools
 
 
 def paged_step(
@@ -232,52 +258,46 @@ def paged_step(
     cfg: ModelConfig,
     layout,
     pools: dict[str, jax.Array],
-    batch: Batch,
+    batch: StepBatch,
     *,
     all_logits: bool = False,
     impl: str | None = None,
     interpret: Any = False,
+    scaled_index_keys: bool = True,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One step: logits f32[R, vocab] at ``batch["logits_indices"]`` (or f32[T, vocab] for every
+    """One step: logits f32[R, vocab] at ``batch.logits_indices`` (or f32[T, vocab] for every
     token with ``all_logits``) and the updated pools.
 
-    ``batch`` (built by `dsv4.paged.batch.build_batch`): ``token_ids``, ``positions`` (-1 =
-    padding), ``token_req`` i32[T]; ``query_start_loc`` i32[R + 1]; ``seq_lens`` i32[R];
-    ``tables`` {group: i32[R, nb]}; ``slots`` {"g{g}": token slots of a token-level group,
-    "g{g}r{r}": compressed-state slots of ratio r, "ring{g}": ring rows}; ``logits_indices``
-    i32[R]; optional ``replay_start`` i32[R] (bounded replay).
-
-    ``impl`` / ``interpret`` choose the attention kernels (`pallas_kernels` dispatch: None picks
-    by backend — the jnp references on CPU, the Pallas kernels on TPU and GPU)."""
-    kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
-    x = L.embed(params, batch["token_ids"], cfg)  # [T, hc, D]
-    pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
-    shared: dict[str, jax.Array] = {}
-    for layer in range(cfg.n_layers):
-        p = f"layers.{layer}."
-        a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
-        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
-        att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, kern)
-        x = L.hc_post(att, x, a_post, a_comb)
-        f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
-        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
-        x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
-        pre = f_pre
+    ``batch`` is a `dsv4.paged.batch.StepBatch` (built by `build_batch`); the keywords are
+    those of `paged_forward`."""
+    h, pools = paged_forward(
+        params, cfg, layout, pools, batch, impl=impl, interpret=interpret,
+        scaled_index_keys=scaled_index_keys,
+    )  # fmt: skip
     if not all_logits:
-        x = x[batch["logits_indices"]]
-        pre = pre[batch["logits_indices"]]
-    return L.head(params, x, pre, cfg), pools
+        h = h[batch.logits_indices]
+    return L.lm_head(params, h), pools
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "all_logits", "impl", "interpret"),
+    static_argnames=("cfg", "layout", "all_logits", "impl", "interpret", "scaled_index_keys"),
     donate_argnames=("pools",),
 )
 def paged_step_jit(
-    params, pools, batch, *, cfg, layout, all_logits=False, impl=None, interpret=False
+    params,
+    pools,
+    batch,
+    *,
+    cfg,
+    layout,
+    all_logits=False,
+    impl=None,
+    interpret=False,
+    scaled_index_keys=True,
 ):
     """`paged_step` under jit; the pools are donated (updated in place on device)."""
     return paged_step(
-        params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl, interpret=interpret
-    )
+        params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl,
+        interpret=interpret, scaled_index_keys=scaled_index_keys,
+    )  # fmt: skip

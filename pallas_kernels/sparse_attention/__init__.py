@@ -34,6 +34,7 @@ def sparse_attention(
     interpret: Any = None,
     debug: bool = False,
     tokens_per_tile: int | None = None,
+    max_tokens_per_call: int | None = None,
 ) -> jax.Array:
     """Adds the selected compressed entries to the window state (or to an empty state), adds the
     sink and normalises: one softmax over window and selected entries, f32 accumulation.
@@ -59,6 +60,8 @@ def sparse_attention(
       tokens_per_tile: TPU kernel: tokens per grid step (default 1). With > 1, tokens of one request in
         a tile fetch the union of their picks once (speculative decode: 1 + draft tokens).
         Ignored elsewhere.
+      max_tokens_per_call: TPU kernel: longer batches run as several kernel calls (default
+        8192, bounded by SMEM). Ignored elsewhere.
 
     Returns:
       out [T, H, D] in q's dtype.
@@ -98,6 +101,8 @@ def sparse_attention(
         from pallas_kernels.sparse_attention import tpu
 
         tiling = {} if tokens_per_tile is None else {"tokens_per_tile": tokens_per_tile}
+        if max_tokens_per_call is not None:
+            tiling["max_tokens_per_call"] = max_tokens_per_call
         return tpu.sparse_attention(
             *args, **kwargs, **tiling, interpret=_backend.tpu_interpret(interpret)
         )

@@ -259,14 +259,17 @@ def sparse_attention(
     interpret=False,
     tokens_per_tile: int = TOKENS_PER_TILE,
     num_cores: int | None = None,
+    max_tokens_per_call: int = MAX_TOKENS_PER_CALL,
 ):
     """The TPU kernel behind `pallas_kernels.sparse_attention` (same arguments and results).
 
     ``num_cores``: TensorCores to split the tiles over (None: the device's, 2 on megacore
-    chips); each core walks a contiguous run of tiles with its own prefetch pipeline."""
+    chips); each core walks a contiguous run of tiles with its own prefetch pipeline.
+    ``max_tokens_per_call``: longer batches run as several kernel calls (their scalar-prefetched
+    metadata must fit in SMEM)."""
     num_tokens, heads, dim = q.shape
-    if num_tokens > MAX_TOKENS_PER_CALL:  # one kernel call per slice of tokens
-        cut = lambda x, i: None if x is None else x[i : i + MAX_TOKENS_PER_CALL]  # noqa: E731
+    if num_tokens > max_tokens_per_call:  # one kernel call per slice of tokens
+        cut = lambda x, i: None if x is None else x[i : i + max_tokens_per_call]  # noqa: E731
         parts = [
             sparse_attention(
                 cut(q, i),
@@ -283,7 +286,7 @@ def sparse_attention(
                 tokens_per_tile=tokens_per_tile,
                 num_cores=num_cores,
             )
-            for i in range(0, num_tokens, MAX_TOKENS_PER_CALL)
+            for i in range(0, num_tokens, max_tokens_per_call)
         ]
         return jnp.concatenate(parts)
     tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
@@ -305,6 +308,7 @@ def sparse_attention(
             interpret=interpret,
             tokens_per_tile=tq,
             num_cores=cores,
+            max_tokens_per_call=max_tokens_per_call,
         )[:num_tokens]
     k = topk.shape[1]
     packed = comp_pages.dtype == jnp.bfloat16

@@ -33,6 +33,7 @@ def window_attention(
     interpret: Any = None,
     debug: bool = False,
     tokens_per_tile: int | None = None,
+    max_tokens_per_call: int | None = None,
 ) -> jax.Array | State:
     """Each query attends to positions `max(0, p - window + 1, replay_start[r]) .. p` of its
     request in the paged window cache (K = V, one shared latent head), with the per-head `sink`
@@ -59,6 +60,8 @@ def window_attention(
         position is covered by the table (raises otherwise, naming the first bad entry).
       tokens_per_tile: TPU kernel: tokens per grid step (default 8); a tile's tokens of one request share
         fetched pages. Ignored elsewhere.
+      max_tokens_per_call: TPU kernel: longer batches run as several kernel calls (default
+        8192, bounded by SMEM). Ignored elsewhere.
 
     Returns:
       out [T, H, D] in q's dtype, or the state triple when `return_state`.
@@ -89,6 +92,8 @@ def window_attention(
         from pallas_kernels.window_attention import tpu
 
         tiling = {} if tokens_per_tile is None else {"tokens_per_tile": tokens_per_tile}
+        if max_tokens_per_call is not None:
+            tiling["max_tokens_per_call"] = max_tokens_per_call
         return tpu.window_attention(
             *args, **kwargs, **tiling, interpret=_backend.tpu_interpret(interpret)
         )

@@ -189,20 +189,23 @@ def window_attention(
     interpret=False,
     tokens_per_tile: int = TOKENS_PER_TILE,
     num_cores: int | None = None,
+    max_tokens_per_call: int = MAX_TOKENS_PER_CALL,
 ):
     """The TPU kernel behind `pallas_kernels.window_attention` (same arguments and results).
 
     ``num_cores``: TensorCores to split the tiles over (None: the device's, 2 on megacore
-    chips); each core walks a contiguous run of tiles with its own prefetch pipeline."""
+    chips); each core walks a contiguous run of tiles with its own prefetch pipeline.
+    ``max_tokens_per_call``: longer batches run as several kernel calls (their scalar-prefetched
+    metadata must fit in SMEM)."""
     num_tokens, heads, dim = q.shape
-    if num_tokens > MAX_TOKENS_PER_CALL:  # one kernel call per slice of tokens
+    if num_tokens > max_tokens_per_call:  # one kernel call per slice of tokens
         parts = [
             window_attention(
-                q[i : i + MAX_TOKENS_PER_CALL],
+                q[i : i + max_tokens_per_call],
                 swa_pages,
                 swa_tables,
-                token_req[i : i + MAX_TOKENS_PER_CALL],
-                positions[i : i + MAX_TOKENS_PER_CALL],
+                token_req[i : i + max_tokens_per_call],
+                positions[i : i + max_tokens_per_call],
                 sink,
                 window=window,
                 scale=scale,
@@ -212,7 +215,7 @@ def window_attention(
                 tokens_per_tile=tokens_per_tile,
                 num_cores=num_cores,
             )
-            for i in range(0, num_tokens, MAX_TOKENS_PER_CALL)
+            for i in range(0, num_tokens, max_tokens_per_call)
         ]
         return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
     tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
@@ -233,6 +236,7 @@ def window_attention(
             interpret=interpret,
             tokens_per_tile=tq,
             num_cores=cores,
+            max_tokens_per_call=max_tokens_per_call,
         )
         return jax.tree.map(lambda x: x[:num_tokens], out)
     _, page, _ = swa_pages.shape

@@ -52,6 +52,7 @@ class Harness:
         table_buckets=None,
         impl=None,
         interpret=False,
+        scaled_index_keys=True,
     ):
         self.cfg, self.params = cfg, params
         desc = P.cache_desc(
@@ -76,6 +77,7 @@ class Harness:
         )
         self.max_model_len = max_model_len
         self.impl, self.interpret = impl, interpret
+        self.scaled_index_keys = scaled_index_keys
         self.bounded_replay = bounded_replay
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
         self.table_buckets = table_buckets
@@ -106,7 +108,7 @@ class Harness:
             table_buckets=self.table_buckets,
             debug=True,
         )
-        self.table_widths.add(tuple(t.shape[1] for t in batch["tables"].values()))
+        self.table_widths.add(batch.table_widths())
         batch = jax.tree.map(jnp.asarray, batch)
         logits, self.pools = paged_step_jit(
             self.params,
@@ -117,6 +119,7 @@ class Harness:
             all_logits=True,
             impl=self.impl,
             interpret=self.interpret,
+            scaled_index_keys=self.scaled_index_keys,
         )
         logits = np.asarray(logits)
         t = 0

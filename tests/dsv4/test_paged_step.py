@@ -194,13 +194,12 @@ def test_fp8_index_keys_reach_the_indexer_undecoded(tiny_params, tiny_cfg, monke
     monkeypatch.setattr(S, "indexer_topk", spy)
 
     def run(scaled):
-        monkeypatch.setattr(S, "SCALED_INDEX_KEYS", scaled)
-        S.paged_step_jit.clear_cache()  # the flag is read at trace time
+        S.paged_step_jit.clear_cache()  # retrace, so that the spy sees the indexer's inputs
         seen.clear()
         rng = np.random.default_rng(12)
         seqs = make_seqs(tiny_cfg, rng, 3, shared_prefix=16)
-        h = Harness(tiny_cfg, tiny_params, R.CacheFormats.RELEASED_FP8, num_speculative_tokens=2)
-        assert S._scaled_index_keys(h.layout) == scaled
+        h = Harness(tiny_cfg, tiny_params, R.CacheFormats.RELEASED_FP8, num_speculative_tokens=2,
+                    scaled_index_keys=scaled)  # fmt: skip
         random_schedule(h, seqs, rng, spec_k=2)
         want = (True, "float8_e4m3fn") if scaled else (False, "float32")
         assert seen and all(x == want for x in seen), seen

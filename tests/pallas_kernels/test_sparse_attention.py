@@ -201,15 +201,15 @@ def test_tpu_kernels_chain_window_state_into_sparse():
     _check(out, step, sel, np.float32, with_window=True)
 
 
-def test_tpu_kernel_splits_long_batches(monkeypatch):
+def test_tpu_kernel_splits_long_batches():
     """Batches past the SMEM budget run as several kernel calls (here: 8 + 4 tokens)."""
     cpu_only()
-    monkeypatch.setattr(tpu, "MAX_TOKENS_PER_CALL", 8)
     step, sel = _case("mixed", padding=3)
     args, static = _args(step, sel, np.float32)
     out = sparse_attention(
-        *args, **static, state=_window_state(step, np.float32), impl="tpu", interpret=True
-    )
+        *args, **static, state=_window_state(step, np.float32), impl="tpu", interpret=True,
+        max_tokens_per_call=8,
+    )  # fmt: skip
     _check(out, step, sel, np.float32, with_window=True)
 
 

@@ -174,16 +174,13 @@ def test_tpu_kernel_in_the_fast_interpreter_and_unordered_tiles():
     _check_out(_run(step, np.float32, impl="tpu", interpret=True), step, np.float32)
 
 
-def test_tpu_kernel_splits_long_batches(monkeypatch):
+def test_tpu_kernel_splits_long_batches():
     """Batches past the SMEM budget run as several kernel calls (here: 16 + 16 + 8 tokens)."""
     cpu_only()
-    from pallas_kernels.window_attention import tpu
-
-    monkeypatch.setattr(tpu, "MAX_TOKENS_PER_CALL", 16)
+    kw = dict(impl="tpu", interpret=True, max_tokens_per_call=16)
     step = _step("prefill", padding=2)
-    _check_out(_run(step, np.float32, impl="tpu", interpret=True), step, np.float32)
-    _check_state(_run(step, np.float32, impl="tpu", interpret=True, return_state=True), step,
-                 np.float32)  # fmt: skip
+    _check_out(_run(step, np.float32, **kw), step, np.float32)
+    _check_state(_run(step, np.float32, **kw, return_state=True), step, np.float32)
 
 
 def test_tpu_checking_interpreter_raises_on_a_bad_block():
