@@ -1,15 +1,33 @@
 """Host-side scheduler: decides, each step, which requests run and how many tokens each gets.
 
-Mirrors vLLM v1's `Scheduler` (`vllm/v1/core/sched/scheduler.py`) in its synchronous form,
-over our `cache.KVCacheManager`. The algorithm is token-centric, as in vLLM: every request
+Mirrors vLLM v1's `Scheduler` (`vllm/v1/core/sched/scheduler.py`) and, with
+``async_scheduling=True``, its `AsyncScheduler` (`async_scheduler.py`), over our
+`cache.KVCacheManager`: one class, one state machine, so the synchronous and the asynchronous
+engines plan by the same rules. The algorithm is token-centric, as in vLLM: every request
 has `num_computed_tokens` and wants to reach `num_tokens_with_spec` (prompt + outputs +
 draft tokens); a step hands out at most `max_num_batched_tokens` tokens, first to the
 running requests in list order, then (only when nobody was preempted) to waiting requests
 in queue order while fewer than `max_num_seqs` run. Chunked prefill, prefix-cache hits,
 preemption by recompute and speculative-decoding reservation all fall out of that rule.
 
-Left out, compared with vLLM: async scheduling (output placeholders), KV connectors,
-encoder inputs, LoRA, structured output, pooling, streaming sessions, pause states.
+Asynchronous scheduling: the engine plans step N+1 before step N's tokens reach the host. A
+request whose step will sample gets an *output placeholder* at schedule time (vLLM
+``num_output_placeholders``), so the next plan already gives it its next decode token (whose id
+stays on the device); the placeholder is consumed when the token arrives. A request that is
+certain to be finished by its in-flight steps (``max_tokens``, ``max_model_len``) is not
+scheduled again. Deviation from vLLM, on purpose: a request preempted while one of its steps is
+in flight keeps the token that step samples (vLLM discards it, `discard_latest_async_tokens`,
+and samples it again after the recompute); the token was computed from intact state, and keeping
+it makes the asynchronous engine's tokens those of the synchronous one. A preempted request is
+re-admitted only once it has no token in flight.
+
+Stop rules per request (`StopCriteria`, vLLM `check_stop`): below ``min_tokens`` outputs
+nothing stops a request but ``max_model_len``; then EOS (unless ignored), a stop token id
+(its id becomes the stop reason), ``max_tokens`` / ``max_model_len``. Stop *strings* need the
+text: the engine checks them and calls `finish_requests(..., FINISHED_STOPPED)`.
+
+Left out, compared with vLLM: KV connectors, encoder inputs, LoRA, structured output, pooling,
+streaming sessions, pause states.
 
 Invariants kept here:
 * a request id is in exactly one of `running`, `waiting`, or neither (finished and freed);
@@ -17,7 +35,9 @@ Invariants kept here:
   (preemption frees everything: recompute, not swap);
 * `num_computed_tokens` is advanced at schedule time (so the next step can plan the next
   chunk before outputs arrive) and pulled back by the rejected draft tokens when outputs
-  arrive.
+  arrive;
+* a request's output placeholders count its sampling steps in flight (always 0 when
+  synchronous); a waiting request is admitted only with none.
 """
 
 from __future__ import annotations
@@ -49,6 +69,18 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopCriteria:
+    """When a request stops by its tokens (vLLM's `check_stop` inputs, from its SamplingParams).
+
+    ``eos_token_id`` is None when there is none or it is ignored (``ignore_eos``).
+    """
+
+    eos_token_id: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,6 +128,9 @@ class SchedulerOutput:
     num_common_prefix_blocks: list[int]  # per KV group, for cascade attention
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
+    # Requests whose scheduled tokens reach the end of their sequence (known tokens plus those
+    # in flight): each samples 1 + accepted drafts tokens; the others are mid-prefill.
+    sampling_req_ids: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -138,6 +173,7 @@ class UpdateResult:
 
     new_token_ids: dict[str, list[int]]  # tokens appended per request (cut at a stop)
     finished: dict[str, RequestStatus]  # requests that finished in this update, with why
+    stop_reasons: dict[str, int]  # finished by a stop token id: which one (vLLM stop_reason)
     spec_decoding_stats: SpecDecodingStats | None  # None when no draft was verified
     num_running_reqs: int
     num_waiting_reqs: int
@@ -178,9 +214,12 @@ class Scheduler:
         long_prefill_token_threshold: if > 0, most tokens one request gets in a step.
         enable_chunked_prefill: if False, a waiting request whose remaining prompt does not
             fit in the budget stops admission for this step instead of being chunked.
-        eos_token_id: token that stops a request (FINISHED_STOPPED); None: never.
+        eos_token_id: token that stops a request (FINISHED_STOPPED) unless `add_request`
+            gives it its own `StopCriteria`; None: never.
         reserve_full_isl: admit a waiting request only if its whole remaining sequence fits
             (vLLM 0.32's `scheduler_reserve_full_isl`, default on); False checks one chunk.
+        async_scheduling: plan the next step before this one's tokens are known (output
+            placeholders, see the module docstring).
 
     Raises:
         ValueError: a count is negative or zero where at least one is needed.
@@ -200,6 +239,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         eos_token_id: int | None = None,
         reserve_full_isl: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         _check_count("max_num_seqs", max_num_seqs, 1)
         _check_count("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -222,9 +262,13 @@ class Scheduler:
         # vLLM 0.32's `scheduler_reserve_full_isl`: admit a request only if its whole prompt
         # fits (window kinds at their admission cap), not just the first chunk.
         self.reserve_full_isl = reserve_full_isl
+        self.async_scheduling = async_scheduling
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.status: dict[str, RequestStatus] = {}  # same keys as `requests`
+        self.stop_criteria: dict[str, StopCriteria] = {}  # same keys as `requests`
+        # Sampling steps in flight per request (vLLM num_output_placeholders); async only.
+        self.num_output_placeholders: dict[str, int] = {}  # same keys as `requests`
         self.waiting = create_request_queue(policy)
         self.running: list[Request] = []  # admission order; FCFS preempts from the back
         # Finished since the last schedule(): reported once in the next SchedulerOutput.
@@ -234,12 +278,17 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests in and out
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, stop: StopCriteria | None = None) -> None:
         """Queue a new request as WAITING (vLLM `add_request`).
+
+        Args:
+            request: the allocator's request (prompt, hashes, max_tokens, priority).
+            stop: its stop rules; None: the scheduler's ``eos_token_id`` only.
 
         Raises:
             ValueError: the id is already known, the prompt is empty or not shorter than
-                `max_model_len`, or the request already has computed tokens.
+                `max_model_len`, the request already has computed tokens, or a stop rule is
+                invalid.
         """
         request_id = request.request_id
         if request_id in self.requests:
@@ -256,8 +305,16 @@ class Scheduler:
                 f"request {request_id!r} arrives with num_computed_tokens="
                 f"{request.num_computed_tokens}; a new request must have 0"
             )
+        if stop is None:
+            stop = StopCriteria(eos_token_id=self.eos_token_id)
+        _check_count("min_tokens", stop.min_tokens)
+        _check_token_ids(request_id, stop.stop_token_ids)
+        if stop.eos_token_id is not None:
+            _check_token_ids(request_id, [stop.eos_token_id])
         self.requests[request_id] = request
         self.status[request_id] = RequestStatus.WAITING
+        self.stop_criteria[request_id] = stop
+        self.num_output_placeholders[request_id] = 0
         self.waiting.add_request(request)
 
     def finish_requests(
@@ -379,14 +436,26 @@ class Scheduler:
             index += 1
 
     def _num_new_tokens_running(self, request: Request, token_budget: int) -> int:
-        """Tokens to close the gap to `num_tokens_with_spec`, capped as vLLM caps them."""
-        num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+        """Tokens to close the gap to `num_tokens_with_spec` (+ output placeholders), capped
+        as vLLM caps them; 0 for a request its in-flight steps will certainly finish."""
+        placeholders = self.num_output_placeholders[request.request_id]
+        if placeholders and self._finished_in_flight(request, placeholders):
+            return 0
+        num_new_tokens = request.num_tokens_with_spec + placeholders - request.num_computed_tokens
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
         num_new_tokens = min(num_new_tokens, token_budget)
         # Keep the input positions (and so the drafts' positions) inside the model length.
         room = self.max_model_len - 1 - request.num_computed_tokens
         return max(0, min(num_new_tokens, room))
+
+    def _finished_in_flight(self, request: Request, placeholders: int) -> bool:
+        """vLLM AsyncScheduler: the in-flight steps will reach max_tokens or max_model_len
+        (whatever they sample), so scheduling the request again would be wasted."""
+        max_tokens = request.max_tokens
+        if request.num_tokens + placeholders >= self.max_model_len:
+            return True
+        return max_tokens is not None and request.num_output_tokens + placeholders >= max_tokens
 
     def _preempt_for(self, plan: _StepPlan, index: int) -> tuple[Request, int]:
         """Preempt one running request to make room; return it and the adjusted index.
@@ -452,6 +521,9 @@ class Scheduler:
         out; the first request that does not fit stops admission (no head-of-line skipping)."""
         while plan.token_budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
+            if self.num_output_placeholders[request.request_id]:
+                # Preempted with a step in flight: its token arrives with that step's output.
+                return
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             else:
@@ -523,6 +595,12 @@ class Scheduler:
                 f"exceeds max_num_batched_tokens={self.max_num_batched_tokens} or "
                 f"max_num_seqs={self.max_num_seqs}"
             )
+        sampling = frozenset(
+            request_id
+            for request_id, n in plan.num_scheduled_tokens.items()
+            if self.requests[request_id].num_computed_tokens + n
+            >= self.requests[request_id].num_tokens + self.num_output_placeholders[request_id]
+        )
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -532,6 +610,7 @@ class Scheduler:
             num_common_prefix_blocks=list(num_common_prefix_blocks),
             preempted_req_ids={r.request_id for r in plan.preempted},
             finished_req_ids=self.finished_req_ids,
+            sampling_req_ids=sampling,
         )
         # A fresh set: the output keeps the old one (vLLM `_update_after_schedule`).
         self.finished_req_ids = set()
@@ -545,10 +624,12 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             # The manager keeps blocks an in-flight step may still write (vLLM 0.32).
             request.num_in_flight_tokens += num_tokens
-            if request.num_computed_tokens < request.num_tokens:
-                self._in_prefill.add(request_id)
-            else:
+            if request_id in output.sampling_req_ids:
                 self._in_prefill.discard(request_id)
+                if self.async_scheduling:
+                    self.num_output_placeholders[request_id] += 1
+            else:
+                self._in_prefill.add(request_id)
 
     # ---------------------------------------------------------------- outputs
 
@@ -562,15 +643,16 @@ class Scheduler:
         For a request that verified drafts, `len(sampled) - 1` drafts were accepted; the
         rejected ones are taken back from `num_computed_tokens` (their KV slots stay
         allocated and are overwritten next step). Each sampled token is appended and the
-        stop rules checked after each one (vLLM `check_stop`): `eos_token_id` gives
-        FINISHED_STOPPED; reaching `max_model_len` tokens or `max_tokens` outputs gives
-        FINISHED_LENGTH_CAPPED; tokens after the stop are dropped. A finished request's
-        blocks are freed at once.
+        stop rules checked after each one (`StopCriteria`, vLLM `check_stop`); tokens after
+        the stop are dropped. A finished request's blocks are freed at once. Under async
+        scheduling the step's output placeholders are consumed; a request preempted while
+        this step was in flight keeps its tokens (see the module docstring); requests that
+        finished since the step was planned are skipped.
 
         Args:
             scheduler_output: the plan this output belongs to.
             sampled_token_ids: request id -> tokens sampled this step: 1 + accepted drafts
-                for a request that reached the end of its tokens, none (or absent) for a
+                for a request in ``scheduler_output.sampling_req_ids``, none (or absent) for a
                 request in the middle of a prefill.
 
         Raises:
@@ -588,21 +670,28 @@ class Scheduler:
         work = []
         for request_id in scheduled:
             request = self.requests.get(request_id)
-            if request is None or self.status[request_id] is not RequestStatus.RUNNING:
-                continue  # aborted or preempted since it was scheduled; vLLM drops its output
+            if request is None:
+                continue  # finished (stopped or aborted) since it was scheduled
             sampled = list(sampled_token_ids.get(request_id, ()))
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, [])
-            self._check_sampled(request, sampled, drafts)
+            self._check_sampled(scheduler_output, request, sampled, drafts)
             work.append((request, sampled, drafts))
         for request_id, num_tokens in scheduled.items():
             request = self.requests.get(request_id)
             if request is not None:
                 request.num_in_flight_tokens -= num_tokens
+                if self.async_scheduling and request_id in scheduler_output.sampling_req_ids:
+                    self.num_output_placeholders[request_id] -= 1
         new_token_ids: dict[str, list[int]] = {}
         finished: dict[str, RequestStatus] = {}
+        stop_reasons: dict[str, int] = {}
         spec_stats: SpecDecodingStats | None = None
         for request, sampled, drafts in work:
-            if drafts and sampled:
+            request_id = request.request_id
+            running = self.status[request_id] is RequestStatus.RUNNING
+            if not running and not self.async_scheduling:
+                continue  # cannot happen synchronously; vLLM drops such outputs
+            if drafts and sampled and running:
                 num_accepted = len(sampled) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 if spec_stats is None:
@@ -610,29 +699,39 @@ class Scheduler:
                 spec_stats.observe_draft(len(drafts), num_accepted)
             if not sampled:
                 continue
-            appended, stop_status = self._append_and_check_stop(request, sampled)
-            new_token_ids[request.request_id] = appended
+            appended, stop_status, reason = self._append_and_check_stop(request, sampled)
+            new_token_ids[request_id] = appended
             if stop_status is not None:
-                finished[request.request_id] = stop_status
+                finished[request_id] = stop_status
+                if reason is not None:
+                    stop_reasons[request_id] = reason
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
+            self.waiting.remove_requests(
+                self.requests[i]
+                for i in finished
+                if self.status[i] is not RequestStatus.RUNNING  # preempted with a step in flight
+            )
             for request_id, stop_status in finished.items():
                 self._free_request(self.requests[request_id], stop_status)
         return UpdateResult(
             new_token_ids=new_token_ids,
             finished=finished,
+            stop_reasons=stop_reasons,
             spec_decoding_stats=spec_stats,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
         )
 
-    def _check_sampled(self, request: Request, sampled: list[int], drafts: list[int]) -> None:
+    def _check_sampled(
+        self, output: SchedulerOutput, request: Request, sampled: list[int], drafts: list[int]
+    ) -> None:
         request_id = request.request_id
-        if sampled and request_id in self._in_prefill:
+        if sampled and request_id not in output.sampling_req_ids:
             raise ValueError(
-                f"request {request_id!r} is mid-prefill ({request.num_computed_tokens} of "
-                f"{request.num_tokens} tokens computed) but got sampled tokens {sampled!r}"
+                f"request {request_id!r} was mid-prefill in this step but got sampled tokens "
+                f"{sampled!r}"
             )
         if len(sampled) > 1 + len(drafts):
             raise ValueError(
@@ -643,24 +742,34 @@ class Scheduler:
 
     def _append_and_check_stop(
         self, request: Request, sampled: list[int]
-    ) -> tuple[list[int], RequestStatus | None]:
+    ) -> tuple[list[int], RequestStatus | None, int | None]:
         for count, token_id in enumerate(sampled, 1):
             request.append_output_token_ids(token_id)
-            stop_status = self._check_stop(request)
+            stop_status, reason = self._check_stop(request)
             if stop_status is not None:
-                return sampled[:count], stop_status
-        return sampled, None
+                return sampled[:count], stop_status, reason
+        return sampled, None, None
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        """vLLM `check_stop` order: EOS first, then the length caps."""
-        if self.eos_token_id is not None and request.output_token_ids[-1] == self.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
+    def _check_stop(self, request: Request) -> tuple[RequestStatus | None, int | None]:
+        """vLLM `check_stop` order: nothing stops a request below ``min_tokens`` outputs
+        (except ``max_model_len``: it could not run further); then EOS, a stop token id
+        (returned as the stop reason), and the length caps."""
+        stop = self.stop_criteria[request.request_id]
+        if request.num_output_tokens < stop.min_tokens:
+            if request.num_tokens >= self.max_model_len:
+                return RequestStatus.FINISHED_LENGTH_CAPPED, None
+            return None, None
+        last = request.output_token_ids[-1]
+        if stop.eos_token_id is not None and last == stop.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED, None
+        if last in stop.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, last
         max_tokens = request.max_tokens
         if request.num_tokens >= self.max_model_len or (
             max_tokens is not None and request.num_output_tokens >= max_tokens
         ):
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None, None
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """Free a finished request's blocks and forget it (vLLM `_free_request`); the caller
@@ -669,6 +778,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request_id]
         del self.status[request_id]
+        del self.stop_criteria[request_id]
+        del self.num_output_placeholders[request_id]
         self._in_prefill.discard(request_id)
         request.spec_token_ids = []
         self.finished_req_ids.add(request_id)
