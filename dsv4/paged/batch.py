@@ -39,7 +39,15 @@ from cache.spec import (
     iter_layer_specs,
 )
 
-__all__ = ["GroupInfo", "StepBatch", "StepRequest", "bucket", "build_batch", "group_infos"]
+__all__ = [
+    "GroupInfo",
+    "StepBatch",
+    "StepRequest",
+    "bucket",
+    "build_batch",
+    "empty_batch",
+    "group_infos",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -156,30 +164,18 @@ def build_batch(
     t_pad = bucket(n_tok, token_buckets)
     # one extra row for padding tokens, so real rows never see them
     r_pad = bucket(len(requests) + 1, request_buckets)
-    token_ids = np.zeros(t_pad, np.int32)
-    positions = np.full(t_pad, -1, np.int32)
-    token_req = np.full(t_pad, r_pad - 1, np.int32)
-    qsl = np.zeros(r_pad + 1, np.int32)
-    seq_lens = np.zeros(r_pad, np.int32)
-    logits_idx = np.zeros(r_pad, np.int32)
-    replay = np.zeros(r_pad, np.int32)
-    tables: dict[int, np.ndarray] = {}
-    window_slots: dict[int, np.ndarray] = {}
-    state_slots: dict[tuple[int, int], np.ndarray] = {}
-    ring_slots: dict[int, np.ndarray] = {}
+    widths = []
     for g in groups:
         width = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
         if table_buckets is not None and g.kind != "ring":
             need = _cdiv(min(longest, max_model_len), g.block_size)
             width = min(width, bucket(need, [*table_buckets, width]))
-        tables[g.index] = np.zeros((r_pad, width), np.int32)
-        if g.kind == "window":
-            window_slots[g.index] = np.full(t_pad, -1, np.int32)
-        elif g.kind == "compressed":
-            for r in g.ratios:
-                state_slots[(g.index, r)] = np.full(t_pad, -1, np.int32)
-        else:
-            ring_slots[g.index] = np.full(t_pad, -1, np.int32)
+        widths.append(width)
+    batch = _padding(groups, t_pad, r_pad, widths)
+    token_ids, positions, token_req = batch.token_ids, batch.positions, batch.token_req
+    qsl, seq_lens, logits_idx = batch.query_start_loc, batch.seq_lens, batch.logits_indices
+    replay, tables = batch.replay_start, batch.block_tables
+    window_slots, state_slots, ring_slots = batch.window_slots, batch.state_slots, batch.ring_slots
 
     t = 0
     for i, req in enumerate(requests):
@@ -246,22 +242,50 @@ def build_batch(
                     state_slots[(g.index, r)][sl] = s
         t += n
     qsl[len(requests) + 1 :] = t
-    batch = StepBatch(
-        token_ids=token_ids,
-        positions=positions,
-        token_req=token_req,
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
-        logits_indices=logits_idx,
-        replay_start=replay,
-        block_tables=tuple(tables[g.index] for g in groups),
+    if debug:
+        check_batch(batch, config)
+    return batch
+
+
+def empty_batch(
+    config: KVCacheConfig, *, max_model_len: int, num_tokens: int, num_rows: int
+) -> StepBatch:
+    """A batch of padding only (``num_tokens`` tokens at position -1, ``num_rows`` empty
+    rows, full-width null tables): the step reads and writes nothing with it, so it compiles
+    (warms up) a bucket without touching any cache."""
+    groups = group_infos(config)
+    widths = [1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size) for g in groups]
+    return _padding(groups, num_tokens, num_rows, widths)
+
+
+def _padding(
+    groups: Sequence[GroupInfo], t_pad: int, r_pad: int, widths: Sequence[int]
+) -> StepBatch:
+    """The arrays of a batch of T = t_pad tokens and R = r_pad rows, all padding."""
+    window_slots: dict[int, np.ndarray] = {}
+    state_slots: dict[tuple[int, int], np.ndarray] = {}
+    ring_slots: dict[int, np.ndarray] = {}
+    for g in groups:
+        if g.kind == "window":
+            window_slots[g.index] = np.full(t_pad, -1, np.int32)
+        elif g.kind == "compressed":
+            for r in g.ratios:
+                state_slots[(g.index, r)] = np.full(t_pad, -1, np.int32)
+        else:
+            ring_slots[g.index] = np.full(t_pad, -1, np.int32)
+    return StepBatch(
+        token_ids=np.zeros(t_pad, np.int32),
+        positions=np.full(t_pad, -1, np.int32),
+        token_req=np.full(t_pad, r_pad - 1, np.int32),
+        query_start_loc=np.zeros(r_pad + 1, np.int32),
+        seq_lens=np.zeros(r_pad, np.int32),
+        logits_indices=np.zeros(r_pad, np.int32),
+        replay_start=np.zeros(r_pad, np.int32),
+        block_tables=tuple(np.zeros((r_pad, w), np.int32) for w in widths),
         window_slots=window_slots,
         state_slots=state_slots,
         ring_slots=ring_slots,
     )
-    if debug:
-        check_batch(batch, config)
-    return batch
 
 
 def _need_blocks(ids: np.ndarray, blk: np.ndarray, i: int, req: StepRequest, g: GroupInfo) -> None:

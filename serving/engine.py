@@ -1,0 +1,605 @@
+"""`Engine`: requests in, `RequestOutput`s out; the loop schedule -> execute -> update.
+
+One `Scheduler` plans every step (vLLM's rules, host side), one `ModelRunner` runs it (device
+side), and the engine turns sampled tokens into text, logprobs, stop decisions and metrics.
+
+Asynchronous scheduling (the default, vLLM's `AsyncScheduler`): `step` plans and dispatches step
+N+1 while step N is still running on the device, then waits for step N and applies its tokens.
+The tokens step N sampled never travel through the host to become step N+1's inputs (the runner
+reads them from the device); the host learns them one step later, which is when stop strings,
+EOS and outputs are seen. A request that stops on a token therefore costs one wasted row in the
+next step; a request that stops by length costs nothing (the scheduler knows it in advance).
+Synchronous scheduling waits for each step before planning the next. Both run the same
+scheduler, runner and sampler, and sample each token with a key fixed by the request and the
+token's position, so they produce the same tokens (the tests check it on random workloads).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+
+from cache import KVCacheManager
+from serving import sampler as S
+from serving.metrics import EngineStats, compilation_count
+from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from serving.runner import ModelRunner, StepHandle, StepOutput
+from serving.sampling_params import SamplingParams
+from serving.scheduler import RequestStatus, Scheduler, StopCriteria
+
+__all__ = ["Engine"]
+
+_CPU_KV_BYTES = 256 << 20  # pool size on a device that reports no memory (the CPU)
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
+
+
+@dataclasses.dataclass(slots=True)
+class _Sequence:
+    """One sampled sequence (a request, or one of the ``n`` children of a request)."""
+
+    request_id: str
+    parent_id: str  # the user's request id (== request_id when n == 1)
+    index: int
+    params: SamplingParams
+    num_prompt_tokens: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: dict[int, dict[int, Logprob]] = dataclasses.field(default_factory=dict)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    scheduled: bool = False
+    metrics: RequestMetrics | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    """A user's request: its prompt and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[str]
+    metrics: RequestMetrics
+    num_unfinished: int
+
+
+class Engine:
+    """vLLM's engine loop over our scheduler and model runner (see the module docstring).
+
+    Args:
+        runner: the device side (params, pools, sampler state).
+        scheduler: the host side (its `KVCacheManager` is the runner's allocator); its
+            ``async_scheduling`` decides the loop.
+        tokenizer: decodes outputs (text, stop strings, logprob tokens); None: token ids only.
+        eos_token_id: stops requests unless they ignore it.
+        seed: seeds requests that give none (their keys derive from it and their arrival
+            order, so a run is reproducible).
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer: Any | None = None,
+        *,
+        eos_token_id: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.seed = seed
+        self.vocab_size = runner.cfg.vocab_size
+        self.max_model_len = scheduler.max_model_len
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self._finished_ids: set[str] = set()
+        self._in_flight: collections.deque[StepHandle] = collections.deque()
+        self._ready: list[RequestOutput] = []  # outputs of aborted requests, for the next step
+        self._num_unseeded = 0
+        self._kv_event_subscribers: list[Callable[[list], None]] = []
+        self._compilations_at_warm_up: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        params,
+        cfg,
+        *,
+        tokenizer: Any | None = None,
+        formats=None,
+        max_model_len: int,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 256,
+        num_gpu_blocks_override: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        swa_bounded_replay: bool = False,
+        async_scheduling: bool = True,
+        seed: int = 0,
+        block_size: int = 16,
+        swa_block_size: int = 4,
+        pool_layout: str = "aliased",
+        token_buckets: Sequence[int] | None = None,
+        max_logprobs: int = 20,
+        enable_kv_cache_events: bool = False,
+        impl: str | None = None,
+        interpret: Any = False,
+        debug: bool = False,
+        fill: str = "zeros",
+    ) -> Engine:
+        """An engine over ``params``: the cache layout of ``formats`` records (default bf16)
+        with ``num_gpu_blocks_override`` blocks or as many as ``kv_cache_memory_bytes`` hold
+        (default: 90% of the device's free memory, or 256 MiB on a device without memory
+        statistics), its allocator, the scheduler and the model runner. `LLM` calls this;
+        the arguments are LLM's (see there)."""
+        from cache.layout import for_model
+        from dsv4.paged import pools as P
+        from dsv4.paged import records as R
+
+        formats = R.BF16 if formats is None else formats
+        desc = P.cache_desc(
+            cfg,
+            formats,
+            block_size=block_size,
+            swa_block_size=swa_block_size,
+            swa_bounded_replay=swa_bounded_replay,
+        )
+        if num_gpu_blocks_override is None and kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = _default_kv_bytes()
+        kv_config = for_model(
+            desc,
+            available_memory_bytes=kv_cache_memory_bytes,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+        )
+        manager = KVCacheManager(
+            kv_config,
+            max_model_len,
+            enable_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            swa_bounded_replay=swa_bounded_replay,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        eos = None if tokenizer is None else tokenizer.eos_id
+        scheduler = Scheduler(
+            manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            eos_token_id=eos,
+            async_scheduling=async_scheduling,
+        )
+        runner = ModelRunner(
+            params,
+            cfg,
+            kv_config,
+            formats=formats,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            pool_layout=pool_layout,
+            token_buckets=token_buckets,
+            max_logprobs=max_logprobs,
+            eos_token_id=eos,
+            impl=impl,
+            interpret=interpret,
+            debug=debug,
+            fill=fill,
+        )
+        return cls(runner, scheduler, tokenizer, eos_token_id=eos, seed=seed)
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.scheduler.kv_cache_manager
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduler.async_scheduling
+
+    # ---------------------------------------------------------------- start-up
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile every bucket of the runner now; returns the seconds it took."""
+        t0 = time.perf_counter()
+        before = compilation_count()
+        self.runner.warm_up(progress=progress)
+        self.stats.warm_up_s = time.perf_counter() - t0
+        self.stats.warm_up_compilations = compilation_count() - before
+        self._compilations_at_warm_up = compilation_count()
+        return self.stats.warm_up_s
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. With ``params.n > 1`` it runs as n sequences ``"{i}_{request_id}"``
+        (vLLM's child ids) whose outputs come back together under ``request_id``.
+
+        Raises:
+            ValueError: a duplicate or empty request id, an empty prompt, a prompt of
+                ``max_model_len`` tokens or more, a token id outside the vocabulary, sampling
+                parameters the engine cannot honour (logprobs above ``max_logprobs``, stop
+                strings without a tokenizer). Nothing is queued then.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+        prompt_ids = self._check_request(request_id, prompt_token_ids, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        clash = [i for i in ids[1:] if i in self._sequences or i in self._requests]
+        if clash:
+            raise ValueError(f"request id {clash[0]!r} (a child of {request_id!r}) is in use")
+        metrics = RequestMetrics(arrival_time=now)
+        self._requests[request_id] = _Request(
+            request_id, prompt, prompt_ids, params, ids, metrics, len(ids)
+        )
+        for index, child_id in enumerate(ids):
+            child_params = dataclasses.replace(params, n=1)
+            if params.seed is not None:
+                child_params.seed = params.seed + index  # vLLM's parallel-sampling seeds
+            self._add_sequence(child_id, request_id, index, prompt_ids, child_params, now, priority)
+
+    def _check_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests or request_id in self._sequences:
+            raise ValueError(f"duplicate request id {request_id!r}: it is still running")
+        try:
+            prompt_ids = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"request {request_id!r}: the prompt must be a list of token ids, got "
+                f"{type(prompt_token_ids).__name__}"
+            ) from None
+        if not prompt_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty (at least 1 token)")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt_ids)} tokens; allowed "
+                f"1..{self.max_model_len - 1} (max_model_len={self.max_model_len} leaves room for "
+                "one output token)"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: token ids {bad[:8]} outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        params.verify(self.vocab_size, self.runner.max_logprobs)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: stop strings {params.stop!r} need a tokenizer; "
+                "give stop_token_ids instead"
+            )
+        return prompt_ids
+
+    def _add_sequence(
+        self,
+        request_id: str,
+        parent_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int,
+    ) -> None:
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_ids)
+        request = self.kv_cache_manager.new_request(
+            request_id,
+            prompt_ids,
+            max_tokens=max_tokens,
+            priority=priority,
+            arrival_time=arrival_time,
+            skip_reading_prefix_cache=params.prompt_logprobs is not None,
+        )
+        stop = StopCriteria(
+            eos_token_id=None if params.ignore_eos else self.eos_token_id,
+            stop_token_ids=frozenset(params.stop_token_ids or ()),
+            min_tokens=params.min_tokens,
+        )
+        if params.seed is not None:
+            key_data = S.key_data_for_seed(params.seed)
+        else:
+            key_data = S.key_data_for_seed(_splitmix64(self.seed * 2**32 + self._num_unseeded))
+            self._num_unseeded += 1
+        self.scheduler.add_request(request, stop)
+        self.runner.register(request_id, params, key_data, len(prompt_ids))
+        seq = _Sequence(request_id, parent_id, index, params, len(prompt_ids))
+        if params.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        seq.metrics = RequestMetrics(arrival_time=arrival_time)
+        self._sequences[request_id] = seq
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (by the ids given to `add_request`), running or waiting; their final
+        output (finish_reason "abort") comes with the next `step`. Requests that finished
+        already are ignored, as in vLLM.
+
+        Raises:
+            ValueError: an id this engine has never seen (nothing is aborted then).
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        unknown = [i for i in ids if i not in self._requests and i not in self._finished_ids]
+        if unknown:
+            raise ValueError(f"cannot abort unknown request ids {unknown!r}")
+        for request_id in dict.fromkeys(ids):
+            req = self._requests.get(request_id)
+            if req is None:
+                continue
+            live = [c for c in req.children if self._sequences[c].finish_reason is None]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            for child_id in live:
+                self._finish(self._sequences[child_id], "abort", None)
+            out = self._output(req)
+            if out.finished:
+                self._ready.append(out)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def subscribe_kv_events(self, callback: Callable[[list], None]) -> None:
+        """Call ``callback(events)`` after every step with the allocator's KV events of that
+        step (`cache.events`: BlockStored / BlockRemoved / AllBlocksCleared, each with its
+        group id). Needs the manager built with ``enable_kv_cache_events=True``."""
+        if not self.kv_cache_manager.enable_kv_cache_events:
+            raise ValueError("KV events are off: build the engine with enable_kv_cache_events=True")
+        self._kv_event_subscribers.append(callback)
+
+    # ---------------------------------------------------------------- the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Plan and dispatch one step, and apply the oldest step in flight once the loop is
+        full (two steps asynchronously, one synchronously). Returns the outputs of the requests
+        that got new tokens or finished."""
+        t0 = time.perf_counter()
+        outputs, self._ready = self._ready, []
+        dispatched = False
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            self._note_scheduled(scheduler_output)
+            handle = self.runner.execute(scheduler_output)
+            if handle is not None:
+                self._in_flight.append(handle)
+                dispatched = True
+        depth = 2 if self.async_scheduling else 1
+        wait = 0.0
+        if self._in_flight and (len(self._in_flight) >= depth or not dispatched):
+            handle = self._in_flight.popleft()
+            t_wait = time.perf_counter()
+            step_output = handle.fetch()
+            wait = time.perf_counter() - t_wait
+            result = self.scheduler.update_from_output(
+                handle.scheduler_output, step_output.sampled_token_ids
+            )
+            outputs += self._apply(step_output, result)
+        self._publish_kv_events()
+        self._update_stats(time.perf_counter() - t0, wait)
+        return outputs
+
+    def _note_scheduled(self, output) -> None:
+        now = time.monotonic()
+        for new in output.scheduled_new_reqs:
+            seq = self._sequences.get(new.request_id)
+            if seq is None or seq.scheduled:
+                continue
+            seq.scheduled = True
+            seq.num_cached_tokens = new.num_computed_tokens
+            seq.metrics.first_scheduled_time = now
+            seq.metrics.num_cached_tokens = new.num_computed_tokens
+            req = self._requests[seq.parent_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.metrics.num_cached_tokens = new.num_computed_tokens
+            self.stats.num_prompt_tokens += seq.num_prompt_tokens
+            self.stats.prefix_cache_queries += seq.num_prompt_tokens
+            self.stats.prefix_cache_hits += new.num_computed_tokens
+        for request_id in output.preempted_req_ids:
+            self.stats.num_preemptions += 1
+            seq = self._sequences.get(request_id)
+            if seq is not None:
+                seq.metrics.num_preemptions += 1
+                self._requests[seq.parent_id].metrics.num_preemptions += 1
+
+    def _apply(self, step_output: StepOutput, result) -> list[RequestOutput]:
+        """Tokens into sequences (text, logprobs, stop strings); finished sequences out."""
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for request_id, tokens in result.new_token_ids.items():
+            seq = self._sequences[request_id]
+            self._append(seq, tokens, step_output.logprobs.get(request_id), now)
+            touched[seq.parent_id] = None
+        for request_id, entries in step_output.prompt_logprobs.items():
+            seq = self._sequences.get(request_id)
+            if seq is None:
+                continue
+            prompt = self._requests[seq.parent_id].prompt_token_ids
+            n = seq.params.prompt_logprobs
+            for position, entry in entries.items():
+                if position not in seq.prompt_logprobs:  # a recompute scores it again
+                    seq.prompt_logprobs[position] = self._logprob_dict(entry, prompt[position], n)
+        for request_id in result.new_token_ids:
+            seq = self._sequences[request_id]
+            stop = self._check_stop_strings(seq)
+            if stop is None:
+                continue
+            if request_id not in result.finished:  # vLLM aborts it in the engine core
+                self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED)
+            self._finish(seq, "stop", stop)  # also over a length cap on the same token
+        for request_id, status in result.finished.items():
+            seq = self._sequences[request_id]
+            if seq.finish_reason is None:
+                self._finish(seq, _FINISH_REASONS[status], result.stop_reasons.get(request_id))
+            touched[seq.parent_id] = None
+        return [self._output(self._requests[p]) for p in touched]
+
+    def _append(self, seq: _Sequence, tokens: list[int], logprob, now: float) -> None:
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            parent = self._requests[seq.parent_id].metrics
+            if parent.first_token_time is None:
+                parent.first_token_time = now
+        m.last_token_time = now
+        self._requests[seq.parent_id].metrics.last_token_time = now
+        m.num_generation_tokens += len(tokens)
+        self._requests[seq.parent_id].metrics.num_generation_tokens += len(tokens)
+        self.stats.num_generation_tokens += len(tokens)
+        seq.token_ids += tokens
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(self._logprob_dict(logprob, tokens[0], seq.params.logprobs))
+            seq.cumulative_logprob += logprob[0]
+        if seq.params.detokenize and self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.token_ids)
+
+    def _logprob_dict(self, entry, token_id: int, n: int) -> dict[int, Logprob]:
+        """vLLM's per-position dict: the chosen (or prompt) token first, then the top ``n``."""
+        lp, rank, top_ids, top_lps = entry
+        out = {token_id: Logprob(lp, rank, self._decode_token(token_id))}
+        for i, (tid, tlp) in enumerate(zip(top_ids[:n], top_lps[:n], strict=True)):
+            out.setdefault(tid, Logprob(tlp, i + 1, self._decode_token(tid)))
+        return out
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _check_stop_strings(self, seq: _Sequence) -> str | None:
+        """vLLM's stop-string check on the new text: the first stop string (in the order
+        given) found ends the sequence; the text is cut before it (or after it with
+        include_stop_str_in_output)."""
+        stops = seq.params.stop
+        if not stops or self.tokenizer is None:
+            return None
+        for stop in stops:
+            index = seq.text.find(stop)
+            if index < 0:
+                continue
+            end = index + len(stop) if seq.params.include_stop_str_in_output else index
+            seq.text = seq.text[:end]
+            return stop
+        return None
+
+    def _finish(self, seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.metrics.finished_time = time.monotonic()
+        self.runner.finish([seq.request_id])
+        req = self._requests[seq.parent_id]
+        req.num_unfinished -= 1
+        if req.num_unfinished == 0:
+            req.metrics.finished_time = seq.metrics.finished_time
+            self.stats.num_requests_finished += 1
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seqs = [self._sequences[c] for c in req.children]
+        finished = req.num_unfinished == 0
+        plp = None
+        if req.params.prompt_logprobs is not None:
+            first = seqs[0]
+            plp = [None] + [
+                first.prompt_logprobs.get(p) for p in range(1, len(req.prompt_token_ids))
+            ]
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            prompt_logprobs=plp,
+            outputs=[s.completion() for s in seqs],
+            finished=finished,
+            metrics=dataclasses.replace(req.metrics),
+            num_cached_tokens=req.metrics.num_cached_tokens,
+        )
+        if finished:
+            for child_id in req.children:
+                del self._sequences[child_id]
+                self._finished_ids.add(child_id)
+            del self._requests[req.request_id]
+            self._finished_ids.add(req.request_id)
+        return out
+
+    def _publish_kv_events(self) -> None:
+        if not self._kv_event_subscribers:
+            return
+        events = self.kv_cache_manager.take_events()
+        if events:
+            for callback in self._kv_event_subscribers:
+                callback(events)
+
+    def _update_stats(self, elapsed: float, wait: float) -> None:
+        st = self.stats
+        st.num_steps += 1
+        st.elapsed_s += elapsed
+        st.wait_s += wait
+        st.host_s += elapsed - wait
+        st.kv_cache_usage = self.kv_cache_manager.usage
+        if self._compilations_at_warm_up is not None:
+            st.compilations_after_warm_up = compilation_count() - self._compilations_at_warm_up
+
+    def kv_cache_usage_per_group(self) -> list[float]:
+        """Fraction of the pool's usable blocks each KV-cache group holds now."""
+        usable = max(self.kv_cache_manager.kv_cache_config.num_blocks - 1, 1)
+        out = []
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            held = sum(
+                sum(not b.is_null for b in blocks) for blocks in manager.req_to_blocks.values()
+            )
+            out.append(held / usable)
+        return out
+
+
+def _default_kv_bytes() -> int:
+    """vLLM's gpu_memory_utilization=0.9 of what the device has left, or 256 MiB without
+    memory statistics."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return _CPU_KV_BYTES
+    return int(0.9 * limit) - int(stats.get("bytes_in_use", 0))

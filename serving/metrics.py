@@ -1,0 +1,98 @@
+"""Engine-wide figures: compilations, throughput, prefix-cache hits, KV usage, preemptions.
+
+`compilation_count()` counts XLA backend compilations in this process (a `jax.monitoring`
+listener, installed once): the engine's tests read it before and after a workload to prove that
+nothing compiles after warm-up. Hits of JAX's persistent compilation cache are not compilations
+and are counted apart (`persistent_cache_hits()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+
+__all__ = ["EngineStats", "compilation_count", "persistent_cache_hits"]
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_lock = threading.Lock()
+_counts = {"compilations": 0, "cache_hits": 0}
+_installed = False
+
+
+def _on_duration(event: str, duration: float, **_: object) -> None:
+    if event == _COMPILE_EVENT:
+        with _lock:
+            _counts["compilations"] += 1
+
+
+def _on_event(event: str, **_: object) -> None:
+    if event == _CACHE_HIT_EVENT:
+        with _lock:
+            _counts["cache_hits"] += 1
+
+
+def _install() -> None:
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        jax.monitoring.register_event_listener(_on_event)
+        _installed = True
+
+
+def compilation_count() -> int:
+    """XLA compilations in this process since the engine module was first used."""
+    _install()
+    return _counts["compilations"]
+
+
+def persistent_cache_hits() -> int:
+    """Executables loaded from JAX's persistent compilation cache instead of compiled."""
+    _install()
+    return _counts["cache_hits"]
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    """Totals since the engine started (`Engine.stats`)."""
+
+    num_steps: int = 0
+    num_requests_finished: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, tokens found
+    kv_cache_usage: float = 0.0  # fraction of blocks in use after the last step
+    kv_cache_usage_per_group: list[float] = dataclasses.field(default_factory=list)
+    warm_up_s: float = 0.0
+    warm_up_compilations: int = 0
+    compilations_after_warm_up: int = 0
+    elapsed_s: float = 0.0  # wall time spent inside Engine.step
+    host_s: float = 0.0  # of it: scheduling, batch building, output processing
+    wait_s: float = 0.0  # of it: waiting for the device's results
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        return self.num_generation_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests_finished / self.elapsed_s if self.elapsed_s else 0.0
+
+    def as_dict(self) -> dict[str, float | int | list[float]]:
+        out = dataclasses.asdict(self)
+        out["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        out["generation_tokens_per_s"] = self.generation_tokens_per_s
+        out["requests_per_s"] = self.requests_per_s
+        return out

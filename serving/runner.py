@@ -1,0 +1,497 @@
+"""`ModelRunner`: the device side of the engine (DESIGN.md section 6).
+
+It owns the params, the page pools (built from the same `KVCacheConfig` the allocator hands out
+block ids of), the sampler's per-slot state and, for every running request, its device-side
+state: a persistent slot, the block ids of each KV-cache group, the tokens the host knows and how
+many of its sampled tokens are still on the device. `execute` turns one `SchedulerOutput` into a
+`StepBatch` padded to a token bucket, dispatches one jitted function — the paged step on donated
+pools, the LM head on the sampled rows, the sampler, and prompt logprobs when a row asks for
+them — and returns at once (JAX dispatches asynchronously); `StepHandle.fetch` waits for the
+tokens.
+
+Tokens stay on the device between steps: each slot's last sampled token is kept in
+``last_tokens`` (i32[S]), and a scheduled position whose token the host does not know yet (the
+asynchronous engine plans a step before the previous one's tokens arrive) is read from there
+inside the next step, never through the host.
+
+Buckets: one compilation per token bucket T; the request rows R follow from T
+(``min(T, max_num_seqs) + 1`` rounded up to a power of two: one row is always free for padding)
+and the block tables are as wide as ``max_model_len`` needs, so the step compiles exactly
+``len(token_buckets)`` times. `warm_up` compiles them all (and the few small helpers the loop
+uses); afterwards the loop compiles nothing (the engine's tests count compilations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4 import layers as L
+from dsv4.config import ModelConfig
+from dsv4.paged import pools as P
+from dsv4.paged.batch import StepBatch, StepRequest, build_batch, empty_batch
+from dsv4.paged.records import CacheFormats
+from dsv4.paged.step import paged_forward
+from serving import sampler as S
+from serving.sampling_params import SamplingParams
+from serving.scheduler import SchedulerOutput
+
+__all__ = ["ModelRunner", "StepHandle", "StepOutput", "default_token_buckets", "rows_for"]
+
+
+def default_token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to (and always including) the token budget."""
+    out, t = [], smallest
+    while t < max_num_batched_tokens:
+        out.append(t)
+        t *= 2
+    out.append(max_num_batched_tokens)
+    return tuple(out)
+
+
+def rows_for(num_tokens: int, max_num_seqs: int) -> int:
+    """Request rows R of the token bucket T: room for every request it can hold plus one
+    padding row, rounded up to a power of two."""
+    need = min(num_tokens, max_num_seqs) + 1
+    return 1 << (need - 1).bit_length()
+
+
+@dataclasses.dataclass(slots=True)
+class _RequestState:
+    """What the runner keeps of one running request."""
+
+    request_id: str
+    slot: int
+    params: SamplingParams
+    key_data: np.ndarray  # u32[2] its sampling key
+    num_prompt_tokens: int
+    tokens: list[int]  # prompt + outputs the host knows
+    block_ids: list[list[int]]  # per KV-cache group
+    num_pending: int = 0  # sampled tokens still only on the device (in flight)
+    replay_start: int = 0  # bounded replay: windows start here
+    write_from: int = 0  # bounded replay: compressed / index writes from here
+
+    @property
+    def num_tokens(self) -> int:
+        """Every token it has, known or in flight."""
+        return len(self.tokens) + self.num_pending
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Row:
+    """One request row of a dispatched step."""
+
+    request_id: str
+    samples: bool
+    start: int  # position of its first scheduled token
+    num_tokens: int
+    prompt_logprobs: bool  # some of its positions predict prompt tokens
+    num_prompt_tokens: int
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    """A step's results on the host."""
+
+    sampled_token_ids: dict[str, list[int]]  # sampling requests -> [token]
+    # request id -> (logprob, rank, top ids, top logprobs) of its sampled token
+    logprobs: dict[str, tuple[float, int, list[int], list[float]]]
+    # request id -> {position p: (logprob, rank, top ids, top logprobs) of prompt token p}
+    prompt_logprobs: dict[str, dict[int, tuple[float, int, list[int], list[float]]]]
+
+
+class StepHandle:
+    """A dispatched step: its device results, fetched on demand (`fetch` blocks)."""
+
+    def __init__(self, runner: ModelRunner, output: SchedulerOutput, rows, device_out) -> None:
+        self.scheduler_output = output
+        self._runner = runner
+        self._rows: list[_Row] = rows
+        self._device_out = device_out
+        self._host: StepOutput | None = None
+
+    def fetch(self) -> StepOutput:
+        """Wait for the step, copy its small results to the host and let the runner learn its
+        tokens (idempotent)."""
+        if self._host is None:
+            self._host = self._runner._collect(self._rows, jax.device_get(self._device_out))
+        return self._host
+
+
+class ModelRunner:
+    """Runs scheduled steps on the device (see the module docstring).
+
+    Args:
+        params: the model's params (checkpoint names).
+        cfg: the model config.
+        kv_cache_config: the allocator's layout (block counts, groups).
+        formats: the cache record formats.
+        max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
+        pool_layout: "aliased" (vLLM's one byte pool) or "separate".
+        token_buckets: step sizes to compile (ascending; the last must hold the budget).
+        max_logprobs: top logprobs computed per sampled token (vLLM's ``max_logprobs``).
+        eos_token_id: the tokenizer's EOS (min_tokens masks it).
+        impl, interpret: the attention kernels (`pallas_kernels` dispatch).
+        debug: check every batch's block ids and slots on the host (slow).
+        fill: initial pool bytes, "zeros" or "nan" (tests: a wrong read poisons the logits).
+    """
+
+    def __init__(
+        self,
+        params,
+        cfg: ModelConfig,
+        kv_cache_config,
+        *,
+        formats: CacheFormats,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        pool_layout: str = "aliased",
+        token_buckets: Sequence[int] | None = None,
+        max_logprobs: int = 20,
+        eos_token_id: int | None = None,
+        impl: str | None = None,
+        interpret: Any = False,
+        debug: bool = False,
+        fill: str = "zeros",
+    ) -> None:
+        buckets = tuple(token_buckets or default_token_buckets(max_num_batched_tokens))
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(f"token_buckets must be ascending positive ints, got {buckets}")
+        if buckets[-1] < max_num_batched_tokens:
+            raise ValueError(
+                f"the largest token bucket {buckets[-1]} is smaller than "
+                f"max_num_batched_tokens={max_num_batched_tokens}"
+            )
+        self.params, self.cfg = params, cfg
+        self.kv_cache_config = kv_cache_config
+        self.layout = P.PoolLayout.build(cfg, kv_cache_config, formats, pool_layout)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.token_buckets = buckets
+        self.max_logprobs = max_logprobs
+        self.eos_token_id = eos_token_id
+        self.debug = debug
+        self._static = dict(
+            cfg=cfg,
+            layout=self.layout,
+            num_logprobs=max_logprobs,
+            impl=impl,
+            interpret=interpret,
+        )
+        self.pools = P.init_pools(self.layout, fill=fill)
+        self.padding_slot = max_num_seqs
+        self.sampler_state = S.init_state(max_num_seqs + 1, cfg.vocab_size)
+        self.last_tokens = jnp.zeros((max_num_seqs + 1,), jnp.int32)
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
+        self.requests: dict[str, _RequestState] = {}
+        # what the engine registered for requests that may (re)enter the batch
+        self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
+
+    # ---------------------------------------------------------------- requests
+
+    def register(
+        self, request_id: str, params: SamplingParams, key_data: np.ndarray, num_prompt: int
+    ) -> None:
+        """Remember how a request samples, for whenever the scheduler admits it."""
+        self._registered[request_id] = (params, key_data, num_prompt)
+
+    def finish(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests and free their slots at once. A step still in flight may
+        write a freed slot's device state: it runs before any step that reuses the slot."""
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            self._registered.pop(request_id, None)
+        self._release(request_ids)
+
+    def _release(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self._free_slots.append(state.slot)
+
+    def _admit(self, new) -> None:
+        """A request (re)entering the batch: a slot, its block ids, its known tokens, and its
+        sampler rows when it needs them (penalties, min_tokens)."""
+        params, key_data, num_prompt = self._registered[new.request_id]
+        if not self._free_slots:
+            raise RuntimeError(f"no free slot for {new.request_id!r} (max_num_seqs exceeded)")
+        tokens = list(new.token_ids)
+        state = _RequestState(
+            request_id=new.request_id,
+            slot=self._free_slots.pop(),
+            params=params,
+            key_data=key_data,
+            num_prompt_tokens=num_prompt,
+            tokens=tokens,
+            block_ids=[list(ids) for ids in new.block_ids],
+        )
+        if new.num_replay_tokens:
+            state.replay_start = new.num_computed_tokens
+        state.write_from = new.num_computed_tokens + new.num_replay_tokens
+        self.requests[new.request_id] = state
+        if params.uses_penalties or params.min_tokens:
+            rows = S.slot_rows(
+                self.cfg.vocab_size,
+                params,
+                tokens[:num_prompt],
+                tokens[num_prompt:],
+                self.eos_token_id,
+            )
+            self.sampler_state = _write_slot(self.sampler_state, np.int32(state.slot), *rows)
+
+    # ---------------------------------------------------------------- one step
+
+    def execute(self, output: SchedulerOutput) -> StepHandle | None:
+        """Dispatch one scheduled step; returns before the device has finished it (None when
+        nothing was scheduled: then only finished and preempted requests are let go)."""
+        self._release(output.finished_req_ids)
+        self._release(output.preempted_req_ids)
+        if not output.total_num_scheduled_tokens:
+            return None
+        for new in output.scheduled_new_reqs:
+            self._release([new.request_id])  # a resumed request starts from scratch
+            self._admit(new)
+        for cached in output.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
+            for ids, more in zip(state.block_ids, cached.new_block_ids, strict=True):
+                ids.extend(more)
+        starts = {r.request_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
+        starts.update((r.request_id, r.num_computed_tokens) for r in output.scheduled_cached_reqs)
+        rows: list[_Row] = []
+        step_requests: list[StepRequest] = []
+        from_slot: list[int] = []
+        targets: list[int] = []
+        for request_id, n in output.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            start = starts[request_id]  # tokens in its cache before this step
+            tokens, device = self._inputs(state, start, n)
+            from_slot += device
+            samples = request_id in output.sampling_req_ids
+            plp = state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1
+            targets += self._prompt_targets(state, start, n) if plp else [-1] * n
+            rows.append(_Row(request_id, samples, start, n, plp, state.num_prompt_tokens))
+            step_requests.append(
+                StepRequest(
+                    token_ids=tokens,
+                    start=start,
+                    block_ids=state.block_ids,
+                    replay_start=state.replay_start,
+                    cache_write_from=state.write_from,
+                    req_id=request_id,
+                )
+            )
+        batch = build_batch(
+            step_requests,
+            self.kv_cache_config,
+            max_model_len=self.max_model_len,
+            token_buckets=self.token_buckets,
+            request_buckets=[rows_for(t, self.max_num_seqs) for t in self.token_buckets],
+            debug=self.debug,
+        )
+        if batch.num_rows != rows_for(batch.num_tokens, self.max_num_seqs):
+            raise RuntimeError(
+                f"{len(rows)} requests in a step of {batch.num_tokens} tokens exceed its "
+                f"{rows_for(batch.num_tokens, self.max_num_seqs)} rows"
+            )
+        sampling = self._sampling_batch(rows, batch.num_rows)
+        t = batch.num_tokens
+        feed = np.full(t, -1, np.int32)
+        feed[: len(from_slot)] = from_slot
+        plp_targets = np.full(t, -1, np.int32)
+        plp_targets[: len(targets)] = targets
+        for row in rows:
+            if row.samples:
+                self.requests[row.request_id].num_pending += 1
+        out, self.pools, self.sampler_state, self.last_tokens = _engine_step(
+            self.params,
+            self.pools,
+            self.sampler_state,
+            self.last_tokens,
+            batch,
+            feed,
+            sampling,
+            plp_targets,
+            **self._static,
+        )
+        return StepHandle(self, output, rows, out)
+
+    def _inputs(self, state: _RequestState, start: int, n: int) -> tuple[list[int], list[int]]:
+        """The tokens of positions start..start+n-1, and for each the slot to read it from on
+        the device (-1: the host has it)."""
+        known = len(state.tokens)
+        if start + n > state.num_tokens:
+            raise RuntimeError(
+                f"{state.request_id!r}: positions {start}..{start + n - 1} scheduled, but it has "
+                f"{state.num_tokens} tokens"
+            )
+        tokens = state.tokens[start : start + n]
+        device = [-1] * len(tokens)
+        missing = start + n - known
+        if missing > 0:
+            if missing > 1 or state.num_pending < 1:
+                raise RuntimeError(
+                    f"{state.request_id!r}: {missing} scheduled tokens are neither known nor "
+                    "the last sampled one"
+                )
+            tokens.append(0)  # the device puts the slot's last sampled token here
+            device.append(state.slot)
+        return tokens, device
+
+    @staticmethod
+    def _prompt_targets(state: _RequestState, start: int, n: int) -> list[int]:
+        """For each scheduled position p: the prompt token p + 1 it predicts, or -1."""
+        last = state.num_prompt_tokens - 1
+        return [state.tokens[p + 1] if p < last else -1 for p in range(start, start + n)]
+
+    def _sampling_batch(self, rows: Sequence[_Row], num_rows: int) -> S.SamplingBatch:
+        sampling_rows = []
+        for row in rows:
+            state = self.requests[row.request_id]
+            num_outputs = state.num_tokens - state.num_prompt_tokens
+            sampling_rows.append(
+                S.RowSampling(
+                    params=state.params,
+                    key_data=state.key_data,
+                    counter=row.start + row.num_tokens,  # the position of the sampled token
+                    slot=state.slot,
+                    suppress_stop=num_outputs < state.params.min_tokens,
+                    samples=row.samples,
+                )
+            )
+        return S.build_sampling_batch(sampling_rows, num_rows, self.padding_slot)
+
+    def _collect(self, rows: Sequence[_Row], host) -> StepOutput:
+        """Host copies of a fetched step -> per-request results; the runner learns the sampled
+        tokens of requests it still runs."""
+        sample, plp = host
+        sampled: dict[str, list[int]] = {}
+        logprobs = {}
+        prompt_logprobs: dict[str, dict] = {}
+        t = 0
+        for i, row in enumerate(rows):
+            if row.samples:
+                token = int(sample.token_ids[i])
+                sampled[row.request_id] = [token]
+                logprobs[row.request_id] = (
+                    float(sample.logprob[i]),
+                    int(sample.rank[i]),
+                    sample.top_ids[i].tolist(),
+                    sample.top_logprobs[i].tolist(),
+                )
+                state = self.requests.get(row.request_id)
+                if state is not None and state.num_pending:
+                    state.tokens.append(token)
+                    state.num_pending -= 1
+            if row.prompt_logprobs:
+                lp, rank, top_ids, top_lps = plp
+                entries = {}
+                for k in range(row.num_tokens):
+                    p = row.start + k
+                    if p < row.num_prompt_tokens - 1:  # p's logits score prompt token p + 1
+                        entries[p + 1] = (
+                            float(lp[t + k]),
+                            int(rank[t + k]),
+                            top_ids[t + k].tolist(),
+                            top_lps[t + k].tolist(),
+                        )
+                prompt_logprobs[row.request_id] = entries
+            t += row.num_tokens
+        return StepOutput(sampled, logprobs, prompt_logprobs)
+
+    # ---------------------------------------------------------------- warm-up
+
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile every token bucket (and the sampler's slot writer) now, with batches of
+        padding that read and write nothing."""
+        from tqdm.auto import tqdm
+
+        v = self.cfg.vocab_size
+        slot = np.int32(self.padding_slot)
+        rows = (np.zeros(v, np.int32), np.zeros(v, bool), np.zeros(v, bool))
+        self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
+        bar = tqdm(self.token_buckets, desc="warm-up (compiling buckets)", disable=not progress)
+        for t in bar:
+            r = rows_for(t, self.max_num_seqs)
+            batch = empty_batch(
+                self.kv_cache_config, max_model_len=self.max_model_len, num_tokens=t, num_rows=r
+            )
+            sampling = S.build_sampling_batch([], r, self.padding_slot)
+            none = np.full(t, -1, np.int32)
+            out, self.pools, self.sampler_state, self.last_tokens = _engine_step(
+                self.params,
+                self.pools,
+                self.sampler_state,
+                self.last_tokens,
+                batch,
+                none,
+                sampling,
+                none,
+                **self._static,
+            )
+            jax.block_until_ready(out)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_slot(state: S.SamplerState, slot, counts, prompt_mask, stop_mask) -> S.SamplerState:
+    """One slot's sampler rows (the runner writes them when a request enters)."""
+    return S.write_slots(state, slot[None], counts[None], prompt_mask[None], stop_mask[None])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "layout", "num_logprobs", "impl", "interpret"),
+    donate_argnames=("pools", "sampler_state", "last_tokens"),
+)
+def _engine_step(
+    params,
+    pools,
+    sampler_state: S.SamplerState,
+    last_tokens: jax.Array,  # i32[S] each slot's last sampled token
+    batch: StepBatch,
+    feed: jax.Array,  # i32[T] slot whose last token is this token's id, -1 = batch.token_ids
+    sampling: S.SamplingBatch,
+    plp_targets: jax.Array,  # i32[T] prompt token each position predicts, -1 = none
+    *,
+    cfg: ModelConfig,
+    layout,
+    num_logprobs: int,
+    impl,
+    interpret,
+):
+    """One engine step on the device: inputs (device-fed tokens), the paged step, the head on
+    the sampled rows, the sampler, and prompt logprobs when some position asks for them."""
+    fed = last_tokens[jnp.maximum(feed, 0)]
+    batch = dataclasses.replace(batch, token_ids=jnp.where(feed >= 0, fed, batch.token_ids))
+    h, pools = paged_forward(params, cfg, layout, pools, batch, impl=impl, interpret=interpret)
+    logits = L.lm_head(params, h[batch.logits_indices])
+    out, sampler_state = S.sample(logits, sampling, sampler_state, num_logprobs=num_logprobs)
+    keep = last_tokens[sampling.slot]
+    last_tokens = last_tokens.at[sampling.slot].set(
+        jnp.where(sampling.samples, out.token_ids, keep)
+    )
+
+    def prompt_logprobs():
+        return S.logprobs_of(L.lm_head(params, h), jnp.maximum(plp_targets, 0), num_logprobs)
+
+    def nothing():
+        t = plp_targets.shape[0]
+        return (
+            jnp.zeros((t,), jnp.float32),
+            jnp.zeros((t,), jnp.int32),
+            jnp.zeros((t, num_logprobs), jnp.int32),
+            jnp.zeros((t, num_logprobs), jnp.float32),
+        )
+
+    plp = jax.lax.cond(jnp.any(plp_targets >= 0), prompt_logprobs, nothing)
+    return (out, plp), pools, sampler_state, last_tokens

@@ -1,0 +1,148 @@
+"""The engine end to end against `dsv4.generate` (greedy, fp32, exact records), and the
+asynchronous engine against the synchronous one.
+
+Workloads: ragged prompts arriving at random steps, shared prefixes (real prefix-cache hits),
+chunked prefill under small token budgets, a pool too small for the batch (preemption and
+recompute), both pool layouts. Every test also checks that the pool is whole at the end and
+that nothing compiled after warm-up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_testing import (
+    Arrival,
+    assert_pool_is_whole,
+    drive,
+    make_engine,
+    reference_tokens,
+    workload,
+)
+
+from serving.metrics import compilation_count
+from serving.sampling_params import SamplingParams
+
+
+def _tokens(finals):
+    return {r: o.outputs[0].token_ids for r, o in finals.items()}
+
+
+# (budget, seed) pairs whose workloads both hit the prefix cache and preempt in the 24-block
+# pool (the 4-token budget never runs two long requests at once: no preemption there)
+@pytest.mark.parametrize(
+    ("async_scheduling", "pool_layout", "budget", "seed"),
+    [
+        (True, "aliased", 32, 2),
+        (False, "aliased", 13, 4),
+        (True, "aliased", 9, 1),
+        (True, "aliased", 4, 1),
+        (False, "separate", 13, 4),
+    ],
+)
+def test_greedy_equals_dsv4_generate(
+    tiny_params, tiny_cfg, async_scheduling, pool_layout, budget, seed
+):
+    engine = make_engine(
+        tiny_params,
+        tiny_cfg,
+        async_scheduling=async_scheduling,
+        pool_layout=pool_layout,
+        max_num_batched_tokens=budget,
+    )
+    arrivals = workload(tiny_cfg, seed)
+    before = compilation_count()
+    finals, _ = drive(engine, arrivals)
+    assert compilation_count() == before, "the engine compiled after warm-up"
+    want = reference_tokens(tiny_params, tiny_cfg, arrivals)
+    assert _tokens(finals) == want
+    for out in finals.values():
+        assert out.outputs[0].finish_reason == "length"
+    hits = sum(o.num_cached_tokens for o in finals.values())
+    assert hits >= 16, "the workload should hit the prefix cache"
+    assert engine.stats.num_preemptions > 0 or budget == 4, "the pool should be too small"
+    assert_pool_is_whole(engine)
+
+
+def _mixed_workload(cfg, seed: int):
+    """Sampling of every kind, stop tokens, logprobs: async must equal sync exactly."""
+    rng = np.random.default_rng(seed)
+    arrivals = workload(cfg, seed, num_requests=9, spread=20)
+    out = []
+    for i, a in enumerate(arrivals):
+        kw = dict(
+            temperature=float(rng.choice([0.0, 0.7, 1.3])),
+            top_p=float(rng.choice([1.0, 0.8])),
+            top_k=int(rng.choice([0, 20])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            presence_penalty=float(rng.choice([0.0, 0.5])),
+            repetition_penalty=float(rng.choice([1.0, 1.2])),
+            max_tokens=a.params.max_tokens + 4,
+            stop_token_ids=rng.integers(3, cfg.vocab_size, 40).tolist(),
+            min_tokens=int(rng.integers(0, 3)),
+            logprobs=int(rng.integers(0, 4)),
+            seed=int(rng.integers(0, 2**31)) if i % 3 else None,
+            ignore_eos=True,
+        )
+        out.append(Arrival(a.step, a.request_id, a.prompt, SamplingParams(**kw)))
+    return out
+
+
+def _completion(out):
+    c = out.outputs[0]
+    return (c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob, repr(c.logprobs))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_async_equals_sync_sampling_stops_aborts(tiny_params, tiny_cfg, seed):
+    """Tokens, logprobs (bit for bit), finish and stop reasons; an abort lands while the
+    aborted request has a step in flight; the batch drains to 0, 1 and 3 requests."""
+    arrivals = _mixed_workload(tiny_cfg, seed)
+    late = [
+        Arrival(60, "late0", arrivals[0].prompt, arrivals[0].params),
+        Arrival(61, "late1", arrivals[1].prompt, arrivals[1].params),
+        Arrival(61, "late2", arrivals[2].prompt, arrivals[2].params),
+    ]
+    early = [a for a in arrivals if a.step <= 6][:2]
+    aborts = {a.step + 3 + i: a.request_id for i, a in enumerate(early)}
+    results = []
+    for async_scheduling in (False, True):
+        engine = make_engine(
+            tiny_params, tiny_cfg, async_scheduling=async_scheduling, max_num_batched_tokens=16
+        )
+        before = compilation_count()
+        finals, running = drive(engine, arrivals + late, aborts=aborts)
+        assert compilation_count() == before
+        assert_pool_is_whole(engine)
+        results.append(({r: _completion(o) for r, o in finals.items()}, running))
+    (sync, sync_running), (asyn, async_running) = results
+    assert sync.keys() == asyn.keys()
+    for request_id in sync.keys() - aborts.values():
+        assert asyn[request_id] == sync[request_id], request_id
+    for request_id in aborts.values():
+        # an abort cuts a request where the host has seen it: asynchronously one step less
+        (s_tokens, s_reason, *_), (a_tokens, a_reason, *_) = sync[request_id], asyn[request_id]
+        assert s_reason == a_reason == "abort"
+        assert s_tokens[: len(a_tokens)] == a_tokens and len(s_tokens) - len(a_tokens) <= 1
+    assert {"stop", "length"} <= {v[1] for v in sync.values()}
+    for running in (sync_running, async_running):
+        assert 0 in running[20:] and 1 in running and 3 in running
+
+
+def test_seeded_request_gives_the_same_tokens_whatever_else_runs(tiny_params, tiny_cfg):
+    engine = make_engine(tiny_params, tiny_cfg)
+    prompt = list(range(10, 40))
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone, _ = drive(engine, [Arrival(0, "alone", tuple(prompt), sp)])
+    crowd = [Arrival(0, "seeded", tuple(prompt), sp)] + workload(tiny_cfg, 5, spread=3)
+    crowd = [
+        Arrival(a.step, a.request_id, a.prompt, SamplingParams(temperature=1.0, max_tokens=8))
+        if a.request_id != "seeded"
+        else a
+        for a in crowd
+    ]
+    together, _ = drive(engine, crowd)
+    assert together["seeded"].outputs[0].token_ids == alone["alone"].outputs[0].token_ids
+    again, _ = drive(engine, [Arrival(0, "again", tuple(prompt), sp)])
+    assert again["again"].outputs[0].token_ids == alone["alone"].outputs[0].token_ids
+    assert_pool_is_whole(engine)
