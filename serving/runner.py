@@ -35,10 +35,11 @@ import numpy as np
 from dsv4 import layers as L
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
-from dsv4.paged.batch import StepBatch, StepRequest, build_batch, empty_batch
+from dsv4.paged.batch import StepBatch, bucket, build_batch, empty_batch
 from dsv4.paged.records import CacheFormats
 from dsv4.paged.step import paged_forward
 from serving import sampler as S
+from serving.input_batch import InputBatch, RequestState
 from serving.sampling_params import SamplingParams
 from serving.scheduler import SchedulerOutput
 
@@ -60,27 +61,6 @@ def rows_for(num_tokens: int, max_num_seqs: int) -> int:
     padding row, rounded up to a power of two."""
     need = min(num_tokens, max_num_seqs) + 1
     return 1 << (need - 1).bit_length()
-
-
-@dataclasses.dataclass(slots=True)
-class _RequestState:
-    """What the runner keeps of one running request."""
-
-    request_id: str
-    slot: int
-    params: SamplingParams
-    key_data: np.ndarray  # u32[2] its sampling key
-    num_prompt_tokens: int
-    tokens: list[int]  # prompt + outputs the host knows
-    block_ids: list[list[int]]  # per KV-cache group
-    num_pending: int = 0  # sampled tokens still only on the device (in flight)
-    replay_start: int = 0  # bounded replay: windows start here
-    write_from: int = 0  # bounded replay: compressed / index writes from here
-
-    @property
-    def num_tokens(self) -> int:
-        """Every token it has, known or in flight."""
-        return len(self.tokens) + self.num_pending
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,8 +169,7 @@ class ModelRunner:
         self.padding_slot = max_num_seqs
         self.sampler_state = S.init_state(max_num_seqs + 1, cfg.vocab_size)
         self.last_tokens = jnp.zeros((max_num_seqs + 1,), jnp.int32)
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
-        self.requests: dict[str, _RequestState] = {}
+        self.inputs = InputBatch(max_num_seqs)
         # what the engine registered for requests that may (re)enter the batch
         self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
 
@@ -208,35 +187,21 @@ class ModelRunner:
         request_ids = list(request_ids)
         for request_id in request_ids:
             self._registered.pop(request_id, None)
-        self._release(request_ids)
+        self.inputs.release(request_ids)
 
-    def _release(self, request_ids: Iterable[str]) -> None:
-        for request_id in request_ids:
-            state = self.requests.pop(request_id, None)
-            if state is not None:
-                self._free_slots.append(state.slot)
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The running requests' host state, by id."""
+        return self.inputs.requests
 
     def _admit(self, new) -> None:
-        """A request (re)entering the batch: a slot, its block ids, its known tokens, and its
-        sampler rows when it needs them (penalties, min_tokens)."""
+        """A request (re)entering the batch, and its sampler rows when it needs them
+        (penalties, min_tokens)."""
         params, key_data, num_prompt = self._registered[new.request_id]
-        if not self._free_slots:
-            raise RuntimeError(f"no free slot for {new.request_id!r} (max_num_seqs exceeded)")
-        tokens = list(new.token_ids)
-        state = _RequestState(
-            request_id=new.request_id,
-            slot=self._free_slots.pop(),
-            params=params,
-            key_data=key_data,
-            num_prompt_tokens=num_prompt,
-            tokens=tokens,
-            block_ids=[list(ids) for ids in new.block_ids],
-        )
-        if new.num_replay_tokens:
-            state.replay_start = new.num_computed_tokens
-        state.write_from = new.num_computed_tokens + new.num_replay_tokens
-        self.requests[new.request_id] = state
+        state = self.inputs.admit(new, num_prompt)
+        state.extra = (params, key_data)
         if params.uses_penalties or params.min_tokens:
+            tokens = state.tokens
             rows = S.slot_rows(
                 self.cfg.vocab_size,
                 params,
@@ -251,64 +216,39 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepHandle | None:
         """Dispatch one scheduled step; returns before the device has finished it (None when
         nothing was scheduled: then only finished and preempted requests are let go)."""
-        self._release(output.finished_req_ids)
-        self._release(output.preempted_req_ids)
+        self.inputs.update(output)
         if not output.total_num_scheduled_tokens:
             return None
         for new in output.scheduled_new_reqs:
-            self._release([new.request_id])  # a resumed request starts from scratch
             self._admit(new)
-        for cached in output.scheduled_cached_reqs:
-            state = self.requests[cached.request_id]
-            for ids, more in zip(state.block_ids, cached.new_block_ids, strict=True):
-                ids.extend(more)
-        starts = {r.request_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
-        starts.update((r.request_id, r.num_computed_tokens) for r in output.scheduled_cached_reqs)
+        scheduled, step_requests = self.inputs.schedule(output)
         rows: list[_Row] = []
-        step_requests: list[StepRequest] = []
-        from_slot: list[int] = []
         targets: list[int] = []
-        for request_id, n in output.num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            start = starts[request_id]  # tokens in its cache before this step
-            tokens, device = self._inputs(state, start, n)
-            from_slot += device
-            samples = request_id in output.sampling_req_ids
-            plp = state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1
-            targets += self._prompt_targets(state, start, n) if plp else [-1] * n
-            rows.append(_Row(request_id, samples, start, n, plp, state.num_prompt_tokens))
-            step_requests.append(
-                StepRequest(
-                    token_ids=tokens,
-                    start=start,
-                    block_ids=state.block_ids,
-                    replay_start=state.replay_start,
-                    cache_write_from=state.write_from,
-                    req_id=request_id,
-                )
+        for row in scheduled:
+            state = self.requests[row.request_id]
+            params = state.extra[0]
+            plp = params.prompt_logprobs is not None and row.start < state.num_prompt_tokens - 1
+            n = row.num_tokens
+            targets += self._prompt_targets(state, row.start, n) if plp else [-1] * n
+            rows.append(
+                _Row(row.request_id, row.samples, row.start, n, plp, state.num_prompt_tokens)
             )
+        t = bucket(output.total_num_scheduled_tokens, self.token_buckets)
+        r = rows_for(t, self.max_num_seqs)
         batch = build_batch(
             step_requests,
             self.kv_cache_config,
             max_model_len=self.max_model_len,
-            token_buckets=self.token_buckets,
-            request_buckets=[rows_for(t, self.max_num_seqs) for t in self.token_buckets],
+            token_buckets=(t,),
+            request_buckets=(r,),
             debug=self.debug,
         )
-        if batch.num_rows != rows_for(batch.num_tokens, self.max_num_seqs):
-            raise RuntimeError(
-                f"{len(rows)} requests in a step of {batch.num_tokens} tokens exceed its "
-                f"{rows_for(batch.num_tokens, self.max_num_seqs)} rows"
-            )
-        sampling = self._sampling_batch(rows, batch.num_rows)
-        t = batch.num_tokens
+        sampling = self._sampling_batch(rows, r)
         feed = np.full(t, -1, np.int32)
-        feed[: len(from_slot)] = from_slot
+        devices = [slot for row in scheduled for slot in row.device_slots]
+        feed[: len(devices)] = devices
         plp_targets = np.full(t, -1, np.int32)
         plp_targets[: len(targets)] = targets
-        for row in rows:
-            if row.samples:
-                self.requests[row.request_id].num_pending += 1
         out, self.pools, self.sampler_state, self.last_tokens = _engine_step(
             self.params,
             self.pools,
@@ -322,30 +262,8 @@ class ModelRunner:
         )
         return StepHandle(self, output, rows, out)
 
-    def _inputs(self, state: _RequestState, start: int, n: int) -> tuple[list[int], list[int]]:
-        """The tokens of positions start..start+n-1, and for each the slot to read it from on
-        the device (-1: the host has it)."""
-        known = len(state.tokens)
-        if start + n > state.num_tokens:
-            raise RuntimeError(
-                f"{state.request_id!r}: positions {start}..{start + n - 1} scheduled, but it has "
-                f"{state.num_tokens} tokens"
-            )
-        tokens = state.tokens[start : start + n]
-        device = [-1] * len(tokens)
-        missing = start + n - known
-        if missing > 0:
-            if missing > 1 or state.num_pending < 1:
-                raise RuntimeError(
-                    f"{state.request_id!r}: {missing} scheduled tokens are neither known nor "
-                    "the last sampled one"
-                )
-            tokens.append(0)  # the device puts the slot's last sampled token here
-            device.append(state.slot)
-        return tokens, device
-
     @staticmethod
-    def _prompt_targets(state: _RequestState, start: int, n: int) -> list[int]:
+    def _prompt_targets(state: RequestState, start: int, n: int) -> list[int]:
         """For each scheduled position p: the prompt token p + 1 it predicts, or -1."""
         last = state.num_prompt_tokens - 1
         return [state.tokens[p + 1] if p < last else -1 for p in range(start, start + n)]
@@ -354,14 +272,16 @@ class ModelRunner:
         sampling_rows = []
         for row in rows:
             state = self.requests[row.request_id]
-            num_outputs = state.num_tokens - state.num_prompt_tokens
+            params, key_data = state.extra
+            # outputs before this step's token (the row was counted in flight already)
+            num_outputs = state.num_tokens - state.num_prompt_tokens - row.samples
             sampling_rows.append(
                 S.RowSampling(
-                    params=state.params,
-                    key_data=state.key_data,
+                    params=params,
+                    key_data=key_data,
                     counter=row.start + row.num_tokens,  # the position of the sampled token
                     slot=state.slot,
-                    suppress_stop=num_outputs < state.params.min_tokens,
+                    suppress_stop=num_outputs < params.min_tokens,
                     samples=row.samples,
                 )
             )
@@ -385,10 +305,7 @@ class ModelRunner:
                     sample.top_ids[i].tolist(),
                     sample.top_logprobs[i].tolist(),
                 )
-                state = self.requests.get(row.request_id)
-                if state is not None and state.num_pending:
-                    state.tokens.append(token)
-                    state.num_pending -= 1
+                self.inputs.learn(row.request_id, [token])
             if row.prompt_logprobs:
                 lp, rank, top_ids, top_lps = plp
                 entries = {}
@@ -439,7 +356,7 @@ class ModelRunner:
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return self.inputs.num_free_slots
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
