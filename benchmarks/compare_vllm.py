@@ -1,6 +1,7 @@
-"""Randomised decision-equality search: ours vs vLLM 0.32 on small random chat workloads, pools,
-budgets and loop rules. Prints one line per differing case (layout, pool scale, workload seed,
-loop config, first differing decision-log entry) and a final count.
+"""Randomised decision-equality search: the same ``serving.scheduler.Scheduler`` over ours and over
+vLLM 0.32's manager, on small random chat workloads, pools, budgets and Scheduler arguments.
+Prints one line per differing case (layout, pool scale, workload seed, loop config, first
+differing decision-log entry) and a final count.
 
     PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python -m benchmarks.compare_vllm --seed 1 --seconds 300
 """
@@ -12,7 +13,7 @@ import random
 import time
 
 from benchmarks import allocator
-from benchmarks.adapters import OursAdapter, VllmAdapter
+from benchmarks.adapters import MANAGER_KINDS, make_manager
 from benchmarks.workload import LoopConfig, first_difference, make_chat_workload, run_loop
 
 
@@ -52,15 +53,16 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=rng.choice([64, 256, 2048]),
             max_num_seqs=rng.choice([4, 16, 64]),
             num_lookahead_tokens=rng.choice([0, 3]),
-            first_alloc_lookahead=rng.random() < 0.5,
             full_sequence_must_fit=rng.random() < 0.7,
         )
         kv = _layout(name, scale)
         logs = []
         try:
-            for cls in (OursAdapter, VllmAdapter):
-                ad = cls(kv, cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens)
-                logs.append(run_loop(wl, ad, cfg, record_log=True).log)
+            for kind in MANAGER_KINDS:
+                manager = make_manager(
+                    kind, kv, cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens
+                )
+                logs.append(run_loop(wl, manager, cfg, name=kind, record_log=True).log)
         except RuntimeError as e:
             if "too small" in str(e):
                 continue

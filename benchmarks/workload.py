@@ -1,52 +1,41 @@
-"""Deterministic multi-turn chat workload and a minimal FCFS scheduling loop.
+"""Deterministic multi-turn chat workload, replayed through `serving.scheduler.Scheduler`.
 
-The loop mirrors the parts of vLLM 0.32's synchronous ``Scheduler.schedule`` /
-``update_from_output`` that decide what the KV-cache manager sees
-(``vllm/v1/core/sched/scheduler.py``, reference note ``vllm_kv_cache.md`` §6.2):
+`run_loop` is an engine loop without a model: ``Scheduler.schedule()``, then a "model output",
+then ``Scheduler.update_from_output()``, until every turn has finished. The workload's
+predetermined output tokens play the sampled tokens: a request whose scheduled tokens reach the
+end of its known tokens gets its turn's next output token; ``max_tokens`` is the turn's output
+length; when a turn finishes, the conversation's next turn is added with ``add_request``.
 
-* running requests first, in admission order, ``n = num_tokens - num_computed_tokens``
-  capped by the step budget and by ``max_model_len - num_computed_tokens - 1``;
-  ``allocate_slots(req, n, num_lookahead_tokens=L)``; on ``None`` preempt the *last* running
-  request (FCFS), free it, reset it to 0 computed tokens and prepend it to ``waiting``; stop when
-  the victim is the request being scheduled;
-* waiting requests only when nothing was preempted this step, while budget remains and fewer
-  than ``max_num_seqs`` run: ``get_computed_blocks`` (prefix hit), chunked prefill of
-  ``min(num_tokens - hit, budget)`` tokens, ``allocate_slots(req, n, hit, hit_blocks,
-  num_lookahead_tokens, full_sequence_must_fit, has_scheduled_reqs=bool(running))``; ``None``
-  stops admission (no preemption for waiting requests);
-* SWA bounded replay (a group with ``prefix_replay_tokens`` W > 0): hits of at most W tokens are
-  dropped, longer hits are adopted whole but their last W tokens are recomputed
-  (``Scheduler._mark_prefix_replay``), and ``allocate_slots`` is asked only for the tokens past
-  the hit;
-* after the step every scheduled request advances ``num_computed_tokens``; a request whose
-  computed count reaches its token count samples one output token; a turn that has produced all
-  its output tokens (or hits ``max_model_len``) is freed, in scheduling order, and the next turn of
-  its conversation is appended to ``waiting``.
+Every scheduling rule (FCFS admission under the token budget and ``max_num_seqs``, chunked
+prefill, prefix hits, SWA bounded replay, preemption by recompute, lookahead slots, the length
+caps) is the Scheduler's; this module writes none of them. The KV-cache manager the Scheduler
+calls is wrapped in `TimedManager`, a proxy that times ``get_computed_blocks`` /
+``allocate_slots`` / ``free`` and request hashing, and records the decision log. The manager is
+our `cache.KVCacheManager` or anything with its interface, e.g.
+`benchmarks.adapters.VllmKVCacheManager` over vLLM 0.32's manager.
 
-Differences from vLLM that are deliberate: no speculative tokens are ever scheduled (the
-lookahead variant only reserves slots), no KV connector, no encoder inputs, no async scheduling
-(``num_in_flight_tokens`` is 0 at every allocation, as in the synchronous scheduler).
-
-vLLM 0.32 applies ``num_lookahead_tokens`` on a request's first allocation too (it only drops it
-for async KV loads, ``scheduler.py`` ``effective_lookahead_tokens``); older vLLM used 0 when
-``num_computed_tokens == 0``. ``LoopConfig.first_alloc_lookahead`` selects either rule.
+Nothing speculative is ever scheduled: ``num_lookahead_tokens`` only reserves slots (no drafter
+proposes tokens). No KV connector, no encoder inputs, no async scheduling.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from time import perf_counter_ns
-from typing import Any, Protocol
+from typing import Any
+
+from serving.scheduler import Scheduler
 
 __all__ = [
-    "Adapter",
     "ChatWorkload",
     "Conversation",
     "LoopConfig",
     "LoopResult",
+    "TimedManager",
     "Turn",
+    "first_difference",
     "make_chat_workload",
     "run_loop",
 ]
@@ -138,81 +127,35 @@ def make_chat_workload(
 
 
 # --------------------------------------------------------------------------------------------
-# Adapter interface
-# --------------------------------------------------------------------------------------------
-
-
-class Adapter(Protocol):
-    """What the loop needs from a KV-cache manager. ``handle`` is the manager's request object."""
-
-    name: str
-    prefix_replay_tokens: int
-
-    def make_request(self, request_id: str, prompt: list[int], max_tokens: int) -> Any: ...
-
-    def get_computed_blocks(self, handle: Any) -> tuple[Any, int]: ...
-
-    def allocate_slots(
-        self,
-        handle: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: Any = None,
-        num_lookahead_tokens: int = 0,
-        *,
-        admission: bool = False,
-        full_sequence_must_fit: bool = False,
-        has_scheduled_reqs: bool = True,
-    ) -> Any: ...
-
-    def free(self, handle: Any) -> None: ...
-
-    def append_output_token(self, handle: Any, token: int) -> None: ...
-
-    def set_num_computed_tokens(self, handle: Any, n: int) -> None: ...
-
-    def set_status(self, handle: Any, status: str) -> None:
-        """``"running"`` on admission, ``"preempted"`` on preemption (bumps num_preemptions)."""
-
-    def empty_blocks(self) -> Any: ...
-
-    def block_ids(self, blocks: Any) -> tuple[tuple[int, ...], ...]: ...
-
-
-# --------------------------------------------------------------------------------------------
 # Loop
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class LoopConfig:
+    """The Scheduler's arguments for one replay (vLLM's names where they differ).
+
+    Fields:
+        max_num_batched_tokens, max_num_seqs, max_model_len, num_lookahead_tokens: the
+            Scheduler's arguments of the same names.
+        full_sequence_must_fit: the Scheduler's ``reserve_full_isl`` (vLLM 0.32's
+            ``scheduler_reserve_full_isl``, default on).
+        max_steps: stop after this many steps (None: run until every turn has finished).
+    """
+
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 16384
     num_lookahead_tokens: int = 0
-    # vLLM 0.32: lookahead also on the first (waiting-queue) allocation; False = older rule.
-    first_alloc_lookahead: bool = True
-    # vLLM 0.32 default (SchedulerConfig.scheduler_reserve_full_isl = True).
     full_sequence_must_fit: bool = True
     max_steps: int | None = None
 
 
 @dataclass(slots=True)
-class _Req:
-    request_id: str
-    conv: Conversation
-    turn: int
-    handle: Any
-    num_tokens: int
-    max_tokens: int
-    outputs: tuple[int, ...]
-    num_computed: int = 0
-    num_output: int = 0
-
-
-@dataclass(slots=True)
 class LoopResult:
-    adapter: str
+    """Counts and times of one replay; ``log`` is the decision log when it was recorded."""
+
+    adapter: str  # the manager's name
     steps: int = 0
     wall_ns: int = 0
     n_alloc: int = 0
@@ -260,169 +203,224 @@ class LoopResult:
         }
 
 
-def run_loop(
-    workload: ChatWorkload, adapter: Adapter, cfg: LoopConfig, *, record_log: bool = False
-) -> LoopResult:
-    """Replay ``workload`` through ``adapter`` until every turn has finished.
+def _block_ids(blocks: Any) -> tuple[tuple[int, ...], ...]:
+    """Block ids per group of a ``KVCacheBlocks`` (ours or vLLM's: both keep ``.blocks``)."""
+    return tuple(tuple(b.block_id for b in group) for group in blocks.blocks)
 
-    Decision-log entries (when ``record_log``):
-    ``("get", req_id, hit_block_ids_per_group, hit_tokens)`` (after the bounded-replay drop of
-    hits no longer than the window; the raw returned lengths go to ``LoopResult.raw_hits``),
-    ``("alloc", req_id, num_new_tokens, num_new_computed_tokens, new_block_ids_per_group | None)``,
-    ``("free", req_id, why)`` with why in {"finish", "preempt"}.
+
+class TimedManager:
+    """The KV-cache manager interface the Scheduler calls, forwarded to ``manager``; times
+    ``get_computed_blocks``, ``allocate_slots``, ``free`` and request hashing (creation and
+    output appends) into ``result``, and appends the decision log to ``log`` when given.
+
+    Log entries: ``("get", request_id, hit_block_ids_per_group, hit_tokens)`` (hits as the
+    Scheduler receives them, i.e. after the bounded-replay drop of hits no longer than the
+    window; the manager's raw length goes to ``result.raw_hits``), ``("alloc", request_id,
+    num_new_tokens, num_new_computed_tokens, new_block_ids_per_group | None)`` and
+    ``("free", request_id, why)`` with ``why = free_reason`` ("preempt" or "finish", set by the
+    loop: ``schedule()`` frees only to preempt, ``update_from_output()`` only to finish).
     """
-    clock = perf_counter_ns
-    res = LoopResult(adapter=adapter.name)
-    log: list[tuple] | None = [] if record_log else None
-    res.log = log
-    replay = adapter.prefix_replay_tokens
-    lookahead = cfg.num_lookahead_tokens
-    first_lookahead = lookahead if cfg.first_alloc_lookahead else 0
-    budget_max = cfg.max_num_batched_tokens
-    max_len = cfg.max_model_len
 
-    def new_req(conv: Conversation, k: int) -> _Req:
-        prompt = workload.prompt(conv, k)
-        out = conv.turns[k].output
-        rid = f"c{conv.conv_id}t{k}"
-        t0 = clock()
-        handle = adapter.make_request(rid, prompt, len(out))
-        res.t_hash_ns += clock() - t0
-        res.n_hashed_tokens += len(prompt)
-        return _Req(rid, conv, k, handle, len(prompt), len(out), out)
+    def __init__(self, manager: Any, result: LoopResult, log: list[tuple] | None) -> None:
+        self.manager = manager
+        self.num_kv_cache_groups = manager.num_kv_cache_groups
+        self.hash_block_size = manager.hash_block_size
+        self.free_reason = "preempt"
+        self._result = result
+        self._log = log
+        self._get = manager.get_computed_blocks
+        self._allocate = manager.allocate_slots
+        self._free = manager.free
 
-    def free(r: _Req, why: str) -> None:
-        t0 = clock()
-        adapter.free(r.handle)
-        res.t_free_ns += clock() - t0
-        res.n_free += 1
-        if log is not None:
-            log.append(("free", r.request_id, why))
+    @property
+    def usage(self) -> float:
+        return self.manager.usage
 
-    def alloc(r: _Req, n: int, hit: int, blocks: Any, la: int, admission: bool, hs: bool) -> Any:
-        t0 = clock()
-        out = adapter.allocate_slots(
-            r.handle,
-            n,
-            hit,
-            blocks,
-            la,
-            admission=admission,
-            full_sequence_must_fit=admission and cfg.full_sequence_must_fit,
-            has_scheduled_reqs=hs,
+    def new_request(self, request_id: str, prompt_token_ids: list[int], **kwargs: Any) -> Any:
+        """The manager's request, hashed (timed); its output appends are timed too."""
+        result = self._result
+        t0 = perf_counter_ns()
+        request = self.manager.new_request(request_id, prompt_token_ids, **kwargs)
+        result.t_hash_ns += perf_counter_ns() - t0
+        result.n_hashed_tokens += len(prompt_token_ids)
+        # The Scheduler appends sampled tokens itself; time them on the request.
+        request.append_output_token_ids = self._timed_append(request.append_output_token_ids)
+        return request
+
+    def _timed_append(self, append: Callable[[Any], None]) -> Callable[[Any], None]:
+        result = self._result
+
+        def timed_append(token_ids: int | Iterable[int]) -> None:
+            if not isinstance(token_ids, int):
+                token_ids = list(token_ids)
+            t0 = perf_counter_ns()
+            append(token_ids)
+            result.t_hash_ns += perf_counter_ns() - t0
+            result.n_hashed_tokens += 1 if isinstance(token_ids, int) else len(token_ids)
+
+        return timed_append
+
+    def get_computed_blocks(self, request: Any) -> tuple[Any, int]:
+        result = self._result
+        t0 = perf_counter_ns()
+        blocks, num_hits = self._get(request)
+        result.t_get_ns += perf_counter_ns() - t0
+        result.n_get += 1
+        if self._log is not None:
+            request_id = request.request_id
+            self._log.append(("get", request_id, _block_ids(blocks), num_hits))
+            raw = getattr(self.manager, "raw_num_hit_tokens", num_hits)
+            result.raw_hits.append((request_id, raw))
+        return blocks, num_hits
+
+    def num_replay_tokens(self, num_hit_tokens: int) -> int:
+        return self.manager.num_replay_tokens(num_hit_tokens)
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        **kwargs: Any,
+    ) -> Any:
+        result = self._result
+        t0 = perf_counter_ns()
+        blocks = self._allocate(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            **kwargs,
         )
-        res.t_alloc_ns += clock() - t0
-        res.n_alloc += 1
-        if out is None:
-            res.n_alloc_fail += 1
-        if log is not None:
-            ids = None if out is None else adapter.block_ids(out)
-            log.append(("alloc", r.request_id, n, hit, ids))
-        return out
-
-    t_start = clock()
-    waiting: deque[_Req] = deque(new_req(c, 0) for c in workload.conversations)
-    running: list[_Req] = []
-    while waiting or running:
-        if cfg.max_steps is not None and res.steps >= cfg.max_steps:
-            break
-        res.steps += 1
-        budget = budget_max
-        scheduled: list[tuple[_Req, int]] = []
-        preempted = False
-
-        # 1. running requests, in admission order
-        i = 0
-        while i < len(running) and budget > 0:
-            r = running[i]
-            n = min(r.num_tokens - r.num_computed, budget, max_len - r.num_computed - 1)
-            if n <= 0:
-                i += 1
-                continue
-            while True:
-                new = alloc(r, n, 0, None, lookahead, False, True)
-                if new is not None:
-                    break
-                victim = running.pop()
-                free(victim, "preempt")
-                victim.num_computed = 0
-                adapter.set_num_computed_tokens(victim.handle, 0)
-                adapter.set_status(victim.handle, "preempted")
-                res.n_preemptions += 1
-                waiting.appendleft(victim)
-                preempted = True
-                if victim is r:
-                    break
-            if new is None:
-                break
-            scheduled.append((r, n))
-            budget -= n
-            i += 1
-
-        # 2. waiting requests (FCFS), only if nothing was preempted this step
-        if not preempted:
-            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-                r = waiting[0]
-                t0 = clock()
-                blocks, hit = adapter.get_computed_blocks(r.handle)
-                res.t_get_ns += clock() - t0
-                res.n_get += 1
-                raw_hit = hit
-                if replay and 0 < hit <= replay:
-                    blocks, hit = adapter.empty_blocks(), 0
-                if log is not None:
-                    # Post-drop values: ours drops short bounded-replay hits inside
-                    # get_computed_blocks, vLLM's scheduler drops them after the call.
-                    log.append(("get", r.request_id, adapter.block_ids(blocks), hit))
-                    res.raw_hits.append((r.request_id, raw_hit))
-                num_replay = min(replay, hit)
-                computed = hit - num_replay
-                n = min(r.num_tokens - computed, budget)
-                new = alloc(
-                    r, max(n - num_replay, 0), hit, blocks, first_lookahead, True, bool(running)
-                )
-                if new is None:
-                    break
-                waiting.popleft()
-                running.append(r)
-                adapter.set_status(r.handle, "running")
-                res.query_tokens += r.num_tokens
-                res.hit_tokens += hit
-                r.num_computed = computed
-                scheduled.append((r, n))
-                budget -= n
-
-        if not scheduled and not running:
-            raise RuntimeError(
-                f"{adapter.name}: step {res.steps} cannot admit {waiting[0].request_id} "
-                f"({waiting[0].num_tokens} tokens) into an idle pool; the pool is too small"
+        result.t_alloc_ns += perf_counter_ns() - t0
+        result.n_alloc += 1
+        if blocks is None:
+            result.n_alloc_fail += 1
+        if self._log is not None:
+            ids = None if blocks is None else _block_ids(blocks)
+            self._log.append(
+                ("alloc", request.request_id, num_new_tokens, num_new_computed_tokens, ids)
             )
+        return blocks
 
-        # 3. update after schedule + model output
-        finished: list[_Req] = []
-        for r, n in scheduled:
-            r.num_computed += n
-            adapter.set_num_computed_tokens(r.handle, r.num_computed)
-            if r.num_computed >= r.num_tokens:
-                tok = r.outputs[r.num_output]
-                r.num_output += 1
-                t0 = clock()
-                adapter.append_output_token(r.handle, tok)
-                res.t_hash_ns += clock() - t0
-                res.n_hashed_tokens += 1
-                r.num_tokens += 1
-                if r.num_output >= r.max_tokens or r.num_tokens >= max_len:
-                    finished.append(r)
-        if finished:
-            done = set(id(r) for r in finished)
-            running = [r for r in running if id(r) not in done]
-            for r in finished:
-                free(r, "finish")
-                res.finished_turns += 1
-                if r.turn + 1 < len(r.conv.turns):
-                    waiting.append(new_req(r.conv, r.turn + 1))
-    res.wall_ns = clock() - t_start
-    return res
+    def free(self, request: Any) -> None:
+        result = self._result
+        t0 = perf_counter_ns()
+        self._free(request)
+        result.t_free_ns += perf_counter_ns() - t0
+        result.n_free += 1
+        if self._log is not None:
+            self._log.append(("free", request.request_id, self.free_reason))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.manager.get_block_ids(request_id)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        return self.manager.get_num_common_prefix_blocks(request_id)
+
+
+@dataclass(slots=True)
+class _LiveTurn:
+    conv: Conversation
+    turn: int
+    request: Any
+    output: tuple[int, ...]  # the tokens the "model" samples, in order
+
+
+def run_loop(
+    workload: ChatWorkload,
+    manager: Any,
+    cfg: LoopConfig,
+    *,
+    name: str = "ours",
+    record_log: bool = False,
+) -> LoopResult:
+    """Replay ``workload`` through a `Scheduler` over ``manager`` until every turn has finished.
+
+    Args:
+        workload: the conversations; each turn's prompt is the conversation so far.
+        manager: a fresh KV-cache manager with `cache.KVCacheManager`'s interface (ours, or
+            `benchmarks.adapters.VllmKVCacheManager`).
+        cfg: the Scheduler's arguments and the step limit.
+        name: the manager's name in the result and in errors.
+        record_log: keep the decision log (see `TimedManager`) in ``LoopResult.log``.
+
+    Raises:
+        RuntimeError: a step schedules nothing (the pool cannot hold the request at the head of
+            the queue even when idle), or the Scheduler frees a request the loop cannot account
+            for (the decision log's "why" would be wrong).
+    """
+    result = LoopResult(adapter=name)
+    log: list[tuple] | None = [] if record_log else None
+    result.log = log
+    timed = TimedManager(manager, result, log)
+    scheduler = Scheduler(
+        timed,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        num_lookahead_tokens=cfg.num_lookahead_tokens,
+        reserve_full_isl=cfg.full_sequence_must_fit,
+    )
+    live: dict[str, _LiveTurn] = {}
+
+    def add_turn(conv: Conversation, k: int) -> None:
+        output = conv.turns[k].output
+        request_id = f"c{conv.conv_id}t{k}"
+        request = timed.new_request(request_id, workload.prompt(conv, k), max_tokens=len(output))
+        live[request_id] = _LiveTurn(conv, k, request, output)
+        scheduler.add_request(request)
+
+    t_start = perf_counter_ns()
+    for conv in workload.conversations:
+        add_turn(conv, 0)
+    while scheduler.has_unfinished_requests():
+        if cfg.max_steps is not None and result.steps >= cfg.max_steps:
+            break
+        result.steps += 1
+        num_frees = result.n_free
+        timed.free_reason = "preempt"
+        output = scheduler.schedule()
+        if not output.num_scheduled_tokens:
+            head = scheduler.waiting.peek_request() if scheduler.waiting else scheduler.running[0]
+            raise RuntimeError(
+                f"{name}: step {result.steps} schedules nothing: {head.request_id} "
+                f"({head.num_tokens} tokens) does not fit into an idle pool; the pool is too small"
+            )
+        _check_frees(result.n_free - num_frees, output.preempted_req_ids, "schedule()")
+        result.n_preemptions += len(output.preempted_req_ids)
+        for new in output.scheduled_new_reqs:
+            result.query_tokens += len(new.token_ids)
+            result.hit_tokens += new.num_computed_tokens + new.num_replay_tokens
+        # The "model": requests whose tokens reach the end of their sequence sample the
+        # turn's next output token.
+        sampled = {}
+        for request_id in output.sampling_req_ids:
+            turn = live[request_id]
+            sampled[request_id] = [turn.output[turn.request.num_output_tokens]]
+        num_frees = result.n_free
+        timed.free_reason = "finish"
+        update = scheduler.update_from_output(output, sampled)
+        _check_frees(result.n_free - num_frees, update.finished, "update_from_output()")
+        for request_id in update.finished:
+            turn = live.pop(request_id)
+            result.finished_turns += 1
+            if turn.turn + 1 < len(turn.conv.turns):
+                add_turn(turn.conv, turn.turn + 1)
+    result.wall_ns = perf_counter_ns() - t_start
+    return result
+
+
+def _check_frees(num_frees: int, expected: Iterable[str], where: str) -> None:
+    expected = list(expected)
+    if num_frees != len(expected):
+        raise RuntimeError(
+            f"Scheduler.{where} freed {num_frees} requests, expected {len(expected)} "
+            f"({sorted(expected)}); the decision log's free reasons would be wrong"
+        )
 
 
 def first_difference(a: list[tuple], b: list[tuple]) -> dict[str, Any] | None:
