@@ -5,8 +5,9 @@ weights (or a released-format checkpoint given with ``--checkpoint``), a built-i
 tokenizer (or the checkpoint's tokenizer.json), the prompts batched together with their own
 lengths, and the jitted ``dsv4.generate``. It prints the layer plan, the model size, each prompt
 with its continuation, the compile time and the tokens per second of a warm call.
-``dsv4 cache-demo`` walks multi-turn conversations through the KV-cache allocator on the V4.1
-cache layout. ``dsv4 layout`` prints the layout and its memory report.
+``dsv4 cache-demo`` walks multi-turn conversations, one turn at a time, through the scheduler
+(``serving.scheduler.Scheduler``) and the KV-cache allocator on the V4.1 cache layout, with made-up
+tokens. ``dsv4 layout`` prints the layout and its memory report.
 
 JAX is imported only by ``demo``, so ``cache-demo`` and ``layout`` start instantly.
 """
@@ -14,17 +15,34 @@ JAX is imported only by ``demo``, so ``cache-demo`` and ``layout`` start instant
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cache import KVCacheManager, Request
-from cache.layout import ModelCacheDesc, for_model, memory_report, tiny_v41_desc, v41_flash_desc
+from cache.layout import (
+    ModelCacheDesc,
+    blocks_per_request,
+    for_model,
+    memory_report,
+    pool_bytes_per_block,
+    tiny_v41_desc,
+    v41_flash_desc,
+)
 from cache.spec import KVCacheConfig, iter_layer_specs
+from serving.scheduler import Scheduler
 
 _DESCS = {"flash": v41_flash_desc, "tiny": tiny_v41_desc}
+
+# What `dsv4 cache-demo` makes up: tokens of each user message and of each answer (inclusive
+# ranges), and the fake token ids (half-open).
+_USER_TOKENS = (40, 400)
+_OUTPUT_TOKENS = (16, 200)
+_TOKEN_IDS = (1000, 50_000)
 
 
 def _desc(args: argparse.Namespace) -> ModelCacheDesc:
@@ -40,7 +58,42 @@ def _group_names(config: KVCacheConfig) -> list[str]:
     return names
 
 
+# -- argument checks shared by cache-demo and layout ------------------------------------------
+
+
+def _check_at_least(flag: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise UsageError(f"{flag} must be >= {minimum}, got {value}")
+
+
+def _check_common_args(args: argparse.Namespace) -> None:
+    """The flags `cache-demo` and `layout` share."""
+    _check_at_least("--max-model-len", args.max_model_len, 1)
+    _check_at_least("--max-num-batched-tokens", args.max_num_batched_tokens, 1)
+    _check_at_least("--num-speculative-tokens", args.num_speculative_tokens, 0)
+
+
+# -- dsv4 layout -------------------------------------------------------------------------------
+
+
+def _check_layout_args(args: argparse.Namespace) -> None:
+    """Reject bad values before the layout is sized."""
+    _check_common_args(args)
+    gib = args.memory_gib
+    if not (math.isfinite(gib) and gib > 0):  # also NaN
+        raise UsageError(f"--memory-gib must be a finite number > 0, got {gib}")
+    per_block = pool_bytes_per_block(
+        for_model(_desc(args), num_gpu_blocks_override=1).kv_cache_groups, packed_layout=True
+    )
+    if int(gib * 2**30) < per_block:
+        raise UsageError(
+            f"--memory-gib {gib} holds no pool block: one block of the {args.model} layout "
+            f"takes {per_block} B ({per_block / 2**30:.3g} GiB)"
+        )
+
+
 def _layout(args: argparse.Namespace) -> int:
+    _check_layout_args(args)
     config = for_model(_desc(args), available_memory_bytes=int(args.memory_gib * 2**30))
     print(
         memory_report(config, args.max_model_len, args.max_num_batched_tokens, packed_layout=True)
@@ -48,44 +101,104 @@ def _layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_turn(
-    mgr: KVCacheManager,
-    req: Request,
-    num_output_tokens: int,
-    chunk_tokens: int,
-    rng: random.Random,
-    lookahead: int,
-) -> int:
-    """Prefill ``req`` in chunks, decode ``num_output_tokens`` tokens, return the hit tokens."""
-    hits, num_hits = mgr.get_computed_blocks(req)
-    # Under bounded replay a hit keeps its blocks but its last `replay` tokens run again.
-    replay = mgr.num_replay_tokens(num_hits)
-    n = min(chunk_tokens, req.num_tokens - (num_hits - replay))
-    if mgr.allocate_slots(req, max(n - replay, 0), num_hits, hits) is None:
-        raise RuntimeError("the demo pool is too small for one conversation")
-    req.num_computed_tokens = num_hits - replay + n
-    while req.num_computed_tokens < req.num_tokens:
-        n = min(chunk_tokens, req.num_tokens - req.num_computed_tokens)
-        if mgr.allocate_slots(req, n) is None:
-            raise RuntimeError("the demo pool is too small for one conversation")
-        req.num_computed_tokens += n
-    for _ in range(num_output_tokens):
-        req.append_output_token_ids(rng.randrange(1000, 50_000))
-        if mgr.allocate_slots(req, 1, num_lookahead_tokens=lookahead) is None:
-            raise RuntimeError("the demo pool is too small for one conversation")
-        req.num_computed_tokens += 1
-    return num_hits
+# -- dsv4 cache-demo ---------------------------------------------------------------------------
+
+
+def _longest_prompt(args: argparse.Namespace) -> int:
+    """Most tokens a turn's prompt can have: the system prompt, every user message and every
+    earlier answer at their longest."""
+    user, answers = args.turns * _USER_TOKENS[1], (args.turns - 1) * _OUTPUT_TOKENS[1]
+    return args.system_tokens + user + answers
+
+
+def _check_cache_demo_args(args: argparse.Namespace) -> None:
+    """Reject bad values before any conversation runs."""
+    _check_common_args(args)
+    _check_at_least("--conversations", args.conversations, 1)
+    _check_at_least("--turns", args.turns, 1)
+    _check_at_least("--system-tokens", args.system_tokens, 0)
+    _check_at_least("--chunk-tokens", args.chunk_tokens, 1)
+    _check_at_least("--num-blocks", args.num_blocks, 2)  # the null block and one more
+    longest = _longest_prompt(args)
+    if args.max_model_len <= longest:
+        raise UsageError(
+            f"--max-model-len must be > {longest} (the longest prompt: --system-tokens "
+            f"{args.system_tokens} + --turns {args.turns} x {_USER_TOKENS[1]} user tokens + "
+            f"{args.turns - 1} x {_OUTPUT_TOKENS[1]} answer tokens), got {args.max_model_len}"
+        )
+    # One turn runs at a time and finished turns' blocks stay evictable, so the pool must
+    # hold one request of the longest conversation (plus its lookahead slots).
+    num_tokens = longest + _OUTPUT_TOKENS[1] + args.num_speculative_tokens
+    num_tokens = min(num_tokens, args.max_model_len)
+    groups = for_model(_desc(args), num_gpu_blocks_override=1).kv_cache_groups
+    need = 1 + sum(
+        blocks_per_request(group, num_tokens, args.max_num_batched_tokens) for group in groups
+    )
+    if args.num_blocks < need:
+        raise UsageError(
+            f"--num-blocks must be >= {need} (the null block plus what one request of up to "
+            f"{num_tokens} tokens takes in the {args.model} layout's {len(groups)} groups), "
+            f"got {args.num_blocks}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _TurnReport:
+    num_hit_tokens: int  # prefix-cache hit at admission (replayed tokens included)
+    blocks_held: list[int]  # per KV-cache group, at the turn's last step
+    usage: float  # pool usage at the turn's last step
+
+
+def _run_turn(scheduler: Scheduler, request: Request, rng: random.Random) -> _TurnReport:
+    """Run one request alone through ``scheduler`` until it finishes, sampling fake tokens.
+
+    Returns what the turn cost, measured after its last step was planned (its blocks are
+    freed when it finishes).
+
+    Raises:
+        UsageError: the pool cannot hold the request (``--num-blocks`` too small).
+    """
+    manager = scheduler.kv_cache_manager
+    request_id = request.request_id
+    scheduler.add_request(request)
+    num_hit_tokens = None
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        if not output.num_scheduled_tokens:
+            raise UsageError(
+                f"--num-blocks {manager.kv_cache_config.num_blocks} is too small: {request_id} "
+                f"({request.num_tokens} tokens) does not fit into the pool"
+            )
+        for new in output.scheduled_new_reqs:
+            if num_hit_tokens is None:  # a resumed request's hits are its own earlier work
+                num_hit_tokens = new.num_computed_tokens + new.num_replay_tokens
+        held = [sum(not b.is_null for b in g) for g in manager.get_blocks(request_id).blocks]
+        usage = manager.usage
+        sampled = {i: [rng.randrange(*_TOKEN_IDS)] for i in output.sampling_req_ids}
+        scheduler.update_from_output(output, sampled)
+    return _TurnReport(num_hit_tokens or 0, held, usage)
 
 
 def _cache_demo(args: argparse.Namespace) -> int:
-    desc = _desc(args)
-    config = for_model(desc, num_gpu_blocks_override=args.num_blocks)
+    """Multi-turn chats, one turn at a time, through the Scheduler and the allocator."""
+    _check_cache_demo_args(args)
+    config = for_model(_desc(args), num_gpu_blocks_override=args.num_blocks)
     mgr = KVCacheManager(
         config,
         args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         swa_bounded_replay=args.bounded_replay,
         use_eagle=args.num_speculative_tokens > 0,
+    )
+    scheduler = Scheduler(
+        mgr,
+        max_num_seqs=1,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_spec_tokens=args.num_speculative_tokens,
+        # DSpark writes KV for its drafts: reserve their slots (no drafts are proposed here).
+        num_lookahead_tokens=args.num_speculative_tokens,
+        long_prefill_token_threshold=args.chunk_tokens,
     )
     names = _group_names(config)
     print(
@@ -95,27 +208,25 @@ def _cache_demo(args: argparse.Namespace) -> int:
         + (", SWA bounded replay" if args.bounded_replay else "")
     )
     rng = random.Random(args.seed)
-    system = [rng.randrange(1000, 50_000) for _ in range(args.system_tokens)]
+    system = [rng.randrange(*_TOKEN_IDS) for _ in range(args.system_tokens)]
     total_prompt = total_hits = 0
     for conv in range(args.conversations):
         history = list(system)
         for turn in range(args.turns):
-            history += [rng.randrange(1000, 50_000) for _ in range(rng.randint(40, 400))]
-            req = mgr.new_request(f"c{conv}t{turn}", history)
-            hits = _run_turn(
-                mgr, req, rng.randint(16, 200), args.chunk_tokens, rng, args.num_speculative_tokens
-            )
-            held = [sum(not b.is_null for b in g) for g in mgr.get_blocks(req.request_id).blocks]
+            history += [rng.randrange(*_TOKEN_IDS) for _ in range(rng.randint(*_USER_TOKENS))]
+            num_output_tokens = rng.randint(*_OUTPUT_TOKENS)
+            req = mgr.new_request(f"c{conv}t{turn}", history, max_tokens=num_output_tokens)
+            report = _run_turn(scheduler, req, rng)
+            hits = report.num_hit_tokens
             print(
                 f"conversation {conv} turn {turn}: prompt {req.num_prompt_tokens:5d} tokens, "
                 f"hit {hits:5d} ({hits / req.num_prompt_tokens:4.0%}), "
-                f"output {req.num_output_tokens:3d}; blocks held per group {held}; "
-                f"pool usage {mgr.usage:.1%}"
+                f"output {req.num_output_tokens:3d}; blocks held per group "
+                f"{report.blocks_held}; pool usage {report.usage:.1%}"
             )
             total_prompt += req.num_prompt_tokens
             total_hits += hits
             history = list(req.all_token_ids)
-            mgr.free(req)
     print(
         f"prefix-cache hit rate over {args.conversations * args.turns} turns: "
         f"{total_hits / total_prompt:.1%} of {total_prompt} prompt tokens"
@@ -328,26 +439,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", choices=sorted(_DESCS), default="flash")
-    common.add_argument("--max-model-len", type=int, default=65_536)
-    common.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    common.add_argument("--num-speculative-tokens", type=int, default=0)
+    common.add_argument(
+        "--max-model-len", type=int, default=65_536, help="most tokens a request may hold"
+    )
+    common.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
+    )
+    common.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="DSpark draft tokens per step (ring sizes, lookahead slots)",
+    )
 
     cache_demo = sub.add_parser(
         "cache-demo", parents=[common], help="multi-turn chats through the KV-cache allocator"
     )
-    cache_demo.add_argument("--conversations", type=int, default=3)
-    cache_demo.add_argument("--turns", type=int, default=3)
-    cache_demo.add_argument("--system-tokens", type=int, default=1500)
-    cache_demo.add_argument("--chunk-tokens", type=int, default=2048)
-    cache_demo.add_argument("--num-blocks", type=int, default=4096)
+    cache_demo.add_argument(
+        "--conversations", type=int, default=3, help="chats, run one after another"
+    )
+    cache_demo.add_argument("--turns", type=int, default=3, help="turns per chat")
+    cache_demo.add_argument(
+        "--system-tokens", type=int, default=1500, help="system prompt every chat shares"
+    )
+    cache_demo.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=2048,
+        help="most prompt tokens a request gets per step (vLLM long_prefill_token_threshold)",
+    )
+    cache_demo.add_argument("--num-blocks", type=int, default=4096, help="KV-cache pool blocks")
     cache_demo.add_argument("--bounded-replay", action="store_true", help="V4.1 SWA bounded replay")
-    cache_demo.add_argument("--seed", type=int, default=0)
+    cache_demo.add_argument("--seed", type=int, default=0, help="the made-up tokens")
     cache_demo.set_defaults(func=_cache_demo, subparser=cache_demo)
 
     layout = sub.add_parser(
         "layout", parents=[common], help="print the cache layout and its memory"
     )
-    layout.add_argument("--memory-gib", type=float, default=16.0)
+    layout.add_argument("--memory-gib", type=float, default=16.0, help="memory for the pool")
     layout.set_defaults(func=_layout, subparser=layout)
     return parser
 

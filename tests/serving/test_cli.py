@@ -9,6 +9,7 @@ and `generate`'s jit cache is hit.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -151,19 +152,151 @@ def test_demo_rejects_checkpoints_it_cannot_use(capsys, tmp_path):
     assert "dsv4 demo: error: " in err and "safetensors" in err
 
 
+_TURN_LINE = re.compile(
+    r"conversation (\d+) turn (\d+): prompt\s+(\d+) tokens, hit\s+(\d+) \(\s*\d+%\), "
+    r"output\s+(\d+); blocks held per group \[([\d, ]+)\]; pool usage ([\d.]+)%"
+)
+
+
+def _cache_demo_turns(out: str) -> list[dict]:
+    return [
+        {
+            "conv": int(m[0]),
+            "turn": int(m[1]),
+            "prompt": int(m[2]),
+            "hit": int(m[3]),
+            "output": int(m[4]),
+            "held": [int(x) for x in m[5].split(",")],
+            "usage": float(m[6]),
+        }
+        for m in _TURN_LINE.findall(out)
+    ]
+
+
 @pytest.mark.parametrize(
-    "extra", [[], ["--bounded-replay"], ["--model", "tiny", "--num-speculative-tokens", "3"]]
+    "extra",
+    [
+        [],
+        ["--bounded-replay"],
+        ["--model", "tiny", "--num-speculative-tokens", "3"],
+        ["--chunk-tokens", "100", "--max-num-batched-tokens", "256", "--num-blocks", "200"],
+    ],
 )
 def test_cache_demo_runs_and_hits_on_later_turns(capsys, extra):
     assert main(["cache-demo", "--conversations", "2", "--turns", "3", *extra]) == 0
     out = capsys.readouterr().out
-    hits = [int(h) for h in re.findall(r"hit\s+(\d+)", out)]
-    assert len(hits) == 6
-    assert hits[0] == 0 and all(h > 0 for h in hits[1:3])  # later turns reuse the history
-    assert "prefix-cache hit rate over 6 turns" in out
+    groups = re.search(r"(\d+) KV-cache groups", out)
+    assert groups
+    turns = _cache_demo_turns(out)
+    assert [(t["conv"], t["turn"]) for t in turns] == [(c, k) for c in range(2) for k in range(3)]
+    assert turns[0]["hit"] == 0 and all(t["hit"] > 0 for t in turns[1:3])  # reused history
+    for t in turns:
+        assert 0 <= t["hit"] < t["prompt"], t  # the last prompt token is always computed
+        assert 16 <= t["output"] <= 200, t
+        assert len(t["held"]) == int(groups[1]) and all(n >= 1 for n in t["held"]), t
+        assert 0 < t["usage"] <= 100, t
+    for prev, t in itertools.pairwise(turns[:3]):  # conversation 0's history grows turn by turn
+        assert t["prompt"] >= prev["prompt"] + prev["output"] + 40
+    prompt, hits = sum(t["prompt"] for t in turns), sum(t["hit"] for t in turns)
+    assert f"prefix-cache hit rate over 6 turns: {hits / prompt:.1%} of {prompt} prompt" in out
+
+
+def test_cache_demo_is_deterministic_by_seed(capsys):
+    runs = []
+    for seed in ("1", "1", "2"):
+        assert main(["cache-demo", "--conversations", "1", "--turns", "2", "--seed", seed]) == 0
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_cache_demo_chunked_prefill_keeps_the_hits(capsys):
+    """Chunk size and step budget change how prompts are split across steps, not what the
+    prefix cache holds for the next turn (full-attention blocks; no window, no replay)."""
+    argv = ["cache-demo", "--conversations", "2", "--turns", "2"]
+    assert main(argv) == 0
+    whole = _cache_demo_turns(capsys.readouterr().out)
+    assert main([*argv, "--chunk-tokens", "64", "--max-num-batched-tokens", "128"]) == 0
+    chunked = _cache_demo_turns(capsys.readouterr().out)
+    assert [t["hit"] for t in chunked] == [t["hit"] for t in whole]
+    assert [t["prompt"] for t in chunked] == [t["prompt"] for t in whole]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--conversations", "0"], "--conversations must be >= 1, got 0"),
+        (["--conversations", "-2"], "--conversations must be >= 1, got -2"),
+        (["--turns", "0"], "--turns must be >= 1, got 0"),
+        (["--system-tokens", "-1"], "--system-tokens must be >= 0, got -1"),
+        (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1, got 0"),
+        (["--num-blocks", "0"], "--num-blocks must be >= 2, got 0"),
+        (["--num-blocks", "1"], "--num-blocks must be >= 2, got 1"),
+        (
+            ["--num-blocks", "100"],
+            r"--num-blocks must be >= 606 \(the null block plus what one request of up to 3300 "
+            r"tokens takes in the flash layout's 10 groups\), got 100",
+        ),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+        (
+            ["--max-model-len", "3100"],
+            r"--max-model-len must be > 3100 \(the longest prompt: --system-tokens 1500 \+ "
+            r"--turns 3 x 400 user tokens \+ 2 x 200 answer tokens\), got 3100",
+        ),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+        (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be >= 0, got -1"),
+        (["--turns", "many"], "argument --turns: invalid int value: 'many'"),
+        (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
+    ],
+)
+def test_cache_demo_rejects_bad_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["cache-demo", *argv])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # rejected before any conversation ran
+    assert "usage: dsv4 cache-demo" in captured.err
+    assert re.search("dsv4 cache-demo: error: " + message, captured.err), captured.err
+
+
+def test_cache_demo_accepts_the_smallest_pool_it_asks_for(capsys):
+    """The --num-blocks bound is enough for the longest conversation the flags allow."""
+    with pytest.raises(SystemExit):
+        main(["cache-demo", "--num-blocks", "2"])
+    need = int(re.search(r"--num-blocks must be >= (\d+)", capsys.readouterr().err)[1])
+    for seed in ("0", "1"):
+        assert main(["cache-demo", "--num-blocks", str(need), "--seed", seed]) == 0
+    assert "prefix-cache hit rate over 9 turns" in capsys.readouterr().out
 
 
 def test_layout_report(capsys):
     assert main(["layout", "--memory-gib", "4"]) == 0
     out = capsys.readouterr().out
     assert "KV-cache pool:" in out and "MLAAttentionSpec" in out and "per request:" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--memory-gib", "0"], "--memory-gib must be a finite number > 0, got 0.0"),
+        (["--memory-gib", "-1"], "--memory-gib must be a finite number > 0, got -1.0"),
+        (["--memory-gib", "nan"], "--memory-gib must be a finite number > 0, got nan"),
+        (["--memory-gib", "inf"], "--memory-gib must be a finite number > 0, got inf"),
+        (
+            ["--memory-gib", "0.0001"],
+            r"--memory-gib 0.0001 holds no pool block: one block of the flash layout takes "
+            r"116928 B",
+        ),
+        (["--memory-gib", "lots"], "argument --memory-gib: invalid float value: 'lots'"),
+        (["--max-model-len", "-5"], "--max-model-len must be >= 1, got -5"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+        (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be >= 0, got -1"),
+    ],
+)
+def test_layout_rejects_bad_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["layout", *argv])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "usage: dsv4 layout" in captured.err
+    assert re.search("dsv4 layout: error: " + message, captured.err), captured.err
