@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv4.config import ModelConfig, tiny_v41
 from dsv4.paged import records as R
@@ -325,19 +326,30 @@ class LLM:
 
 
 def _token_list(ids: Any) -> list[int]:
+    """A prompt of token ids (a list, tuple or 1-D integer array) as Python ints."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise _fail("prompt", f"array {ids.dtype}{list(ids.shape)}", "a 1-D integer array")
+        return ids.tolist()
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
         raise _fail("prompt", ids, "a string, a list of token ids or a dict")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int | np.integer)]
     if bad:
         raise _fail("prompt token ids", bad[:8], "ints")
-    return list(ids)
+    return [int(t) for t in ids]
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int | np.integer) and not isinstance(t, bool)
 
 
 def _as_list(prompts: Any) -> list[Any]:
     """One prompt or a list of prompts -> a list of prompts."""
     if isinstance(prompts, str | Mapping):
         return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, np.ndarray):
+        return [prompts] if prompts.ndim == 1 else list(prompts)
+    if isinstance(prompts, Sequence) and prompts and all(_is_token(t) for t in prompts):
         return [list(prompts)]  # one prompt of token ids
     if isinstance(prompts, Sequence):
         if not prompts:
