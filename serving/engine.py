@@ -29,7 +29,7 @@ from serving import sampler as S
 from serving.metrics import EngineStats, compilation_count
 from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from serving.runner import ModelRunner, StepHandle, StepOutput
-from serving.sampling_params import SamplingParams
+from serving.sampling_params import RequestOutputKind, SamplingParams
 from serving.scheduler import RequestStatus, Scheduler, StopCriteria
 
 __all__ = ["Engine"]
@@ -63,20 +63,36 @@ class _Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: dict[int, dict[int, Logprob]] = dataclasses.field(default_factory=dict)
-    text: str = ""
+    text: str | None = None  # set when a stop string cut it; else decoded on demand
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     scheduled: bool = False
     metrics: RequestMetrics | None = None
+    num_reported_tokens: int = 0  # DELTA outputs: tokens already reported
+    num_reported_chars: int = 0
 
-    def completion(self) -> CompletionOutput:
+    def decoded(self, tokenizer) -> str:
+        if self.text is not None:
+            return self.text
+        if tokenizer is None or not self.params.detokenize:
+            return ""
+        return tokenizer.decode(self.token_ids)
+
+    def completion(self, tokenizer) -> CompletionOutput:
+        text = self.decoded(tokenizer)
+        tokens, logprobs = self.token_ids, self.logprobs
+        if self.params.output_kind is RequestOutputKind.DELTA:
+            start, chars = self.num_reported_tokens, self.num_reported_chars
+            self.num_reported_tokens, self.num_reported_chars = len(tokens), len(text)
+            tokens, text = tokens[start:], text[chars:]
+            logprobs = None if logprobs is None else logprobs[start:]
         return CompletionOutput(
             index=self.index,
-            text=self.text,
-            token_ids=list(self.token_ids),
+            text=text,
+            token_ids=list(tokens),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            logprobs=None if logprobs is None else list(logprobs),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -480,7 +496,15 @@ class Engine:
             if seq.finish_reason is None:
                 self._finish(seq, _FINISH_REASONS[status], result.stop_reasons.get(request_id))
             touched[seq.parent_id] = None
-        return [self._output(self._requests[p]) for p in touched]
+        outputs = []
+        for parent_id in touched:
+            req = self._requests[parent_id]
+            if (
+                req.num_unfinished == 0
+                or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
+            ):
+                outputs.append(self._output(req))
+        return outputs
 
     def _append(self, seq: _Sequence, tokens: list[int], logprob, now: float) -> None:
         m = seq.metrics
@@ -498,8 +522,6 @@ class Engine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(self._logprob_dict(logprob, tokens[0], seq.params.logprobs))
             seq.cumulative_logprob += logprob[0]
-        if seq.params.detokenize and self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.token_ids)
 
     def _logprob_dict(self, entry, token_id: int, n: int) -> dict[int, Logprob]:
         """vLLM's per-position dict: the chosen (or prompt) token first, then the top ``n``."""
@@ -519,12 +541,13 @@ class Engine:
         stops = seq.params.stop
         if not stops or self.tokenizer is None:
             return None
+        text = self.tokenizer.decode(seq.token_ids)
         for stop in stops:
-            index = seq.text.find(stop)
+            index = text.find(stop)
             if index < 0:
                 continue
             end = index + len(stop) if seq.params.include_stop_str_in_output else index
-            seq.text = seq.text[:end]
+            seq.text = text[:end]
             return stop
         return None
 
@@ -552,7 +575,7 @@ class Engine:
             prompt=req.prompt,
             prompt_token_ids=list(req.prompt_token_ids),
             prompt_logprobs=plp,
-            outputs=[s.completion() for s in seqs],
+            outputs=[s.completion(self.tokenizer) for s in seqs],
             finished=finished,
             metrics=dataclasses.replace(req.metrics),
             num_cached_tokens=req.metrics.num_cached_tokens,

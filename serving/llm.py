@@ -34,7 +34,7 @@ from dsv4.config import ModelConfig, tiny_v41
 from dsv4.paged import records as R
 from serving.engine import Engine
 from serving.outputs import RequestOutput
-from serving.sampling_params import SamplingParams
+from serving.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["KV_CACHE_DTYPES", "LLM", "default_compilation_cache_dir"]
 
@@ -221,6 +221,10 @@ class LLM:
         if len(priorities) != len(items):
             raise _fail("priority", priority, f"one per prompt ({len(items)})")
         engine = self.llm_engine
+        # LLM.generate waits for whole outputs: nothing to report before a request finishes
+        params = [
+            dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params
+        ]
         ids = [str(next(self._counter)) for _ in items]
         for request_id, (_, token_ids), sp in zip(ids, encoded, params, strict=True):
             engine._check_request(request_id, token_ids, sp)  # all checked before any is queued

@@ -98,9 +98,12 @@ class StepHandle:
 
     def fetch(self) -> StepOutput:
         """Wait for the step, copy its small results to the host and let the runner learn its
-        tokens (idempotent)."""
+        tokens (idempotent). Prompt logprobs travel only when a row asked for them."""
         if self._host is None:
-            self._host = self._runner._collect(self._rows, jax.device_get(self._device_out))
+            sampled, plp = self._device_out
+            wants_plp = any(row.prompt_logprobs for row in self._rows)
+            host = jax.device_get((sampled, plp) if wants_plp else (sampled, None))
+            self._host = self._runner._collect(self._rows, host)
         return self._host
 
 
@@ -290,34 +293,28 @@ class ModelRunner:
     def _collect(self, rows: Sequence[_Row], host) -> StepOutput:
         """Host copies of a fetched step -> per-request results; the runner learns the sampled
         tokens of requests it still runs."""
-        sample, plp = host
+        (ints, floats), plp = host
+        ints, floats = ints.tolist(), floats.tolist()
         sampled: dict[str, list[int]] = {}
         logprobs = {}
         prompt_logprobs: dict[str, dict] = {}
         t = 0
         for i, row in enumerate(rows):
             if row.samples:
-                token = int(sample.token_ids[i])
+                token, rank, *top_ids = ints[i]
+                logprob, *top_logprobs = floats[i]
                 sampled[row.request_id] = [token]
-                logprobs[row.request_id] = (
-                    float(sample.logprob[i]),
-                    int(sample.rank[i]),
-                    sample.top_ids[i].tolist(),
-                    sample.top_logprobs[i].tolist(),
-                )
+                logprobs[row.request_id] = (logprob, rank, top_ids, top_logprobs)
                 self.inputs.learn(row.request_id, [token])
             if row.prompt_logprobs:
-                lp, rank, top_ids, top_lps = plp
+                p_ints, p_floats = plp
                 entries = {}
                 for k in range(row.num_tokens):
                     p = row.start + k
                     if p < row.num_prompt_tokens - 1:  # p's logits score prompt token p + 1
-                        entries[p + 1] = (
-                            float(lp[t + k]),
-                            int(rank[t + k]),
-                            top_ids[t + k].tolist(),
-                            top_lps[t + k].tolist(),
-                        )
+                        _, rank, *top_ids = p_ints[t + k].tolist()
+                        logprob, *top_logprobs = p_floats[t + k].tolist()
+                        entries[p + 1] = (logprob, rank, top_ids, top_logprobs)
                 prompt_logprobs[row.request_id] = entries
             t += row.num_tokens
         return StepOutput(sampled, logprobs, prompt_logprobs)
@@ -411,4 +408,13 @@ def _engine_step(
         )
 
     plp = jax.lax.cond(jnp.any(plp_targets >= 0), prompt_logprobs, nothing)
-    return (out, plp), pools, sampler_state, last_tokens
+    sampled = _pack(out.token_ids, out.logprob, out.rank, out.top_ids, out.top_logprobs)
+    return (sampled, _pack(plp_targets, *plp)), pools, sampler_state, last_tokens
+
+
+def _pack(token_ids, logprob, rank, top_ids, top_logprobs) -> tuple[jax.Array, jax.Array]:
+    """Per row: i32[N, 2 + L] (token, rank, top ids) and f32[N, 1 + L] (logprob, top
+    logprobs): two transfers to the host instead of five."""
+    ints = jnp.concatenate([token_ids[:, None], rank[:, None], top_ids], axis=1)
+    floats = jnp.concatenate([logprob[:, None], top_logprobs], axis=1)
+    return ints.astype(jnp.int32), floats.astype(jnp.float32)

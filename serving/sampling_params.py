@@ -35,6 +35,16 @@ _SEED_MIN = -(2**63)
 _SEED_END = 2**64
 
 
+class RequestOutputKind(enum.Enum):
+    """What `Engine.step` reports of a running request (vLLM's `RequestOutputKind`):
+    everything so far, only what is new since the last report, or only the final output
+    (`LLM.generate` asks for that)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(enum.IntEnum):
     """How a request's next token is chosen (vLLM `SamplingType`)."""
 
@@ -79,6 +89,7 @@ class SamplingParams:
         prompt_logprobs: number of top logprobs returned per prompt token.
         detokenize, skip_special_tokens, spaces_between_special_tokens,
         include_stop_str_in_output: output text options.
+        output_kind: what the engine's step reports (`RequestOutputKind`).
     """
 
     n: int = 1
@@ -101,6 +112,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -160,6 +172,8 @@ class SamplingParams:
 
     def _verify_args(self) -> None:
         _check_int("n", self.n, minimum=1)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise _fail("output_kind", self.output_kind, "a RequestOutputKind")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:

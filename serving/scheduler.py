@@ -549,7 +549,7 @@ class Scheduler:
                 new_computed_blocks=hit_blocks,
                 num_lookahead_tokens=lookahead,
                 full_sequence_must_fit=self.reserve_full_isl,
-                has_scheduled_reqs=bool(plan.num_scheduled_tokens),
+                has_scheduled_reqs=bool(self.running),  # vLLM 0.32's argument
             )
             if new_blocks is None:
                 return
@@ -759,7 +759,7 @@ class Scheduler:
             if request.num_tokens >= self.max_model_len:
                 return RequestStatus.FINISHED_LENGTH_CAPPED, None
             return None, None
-        last = request.output_token_ids[-1]
+        last = request.all_token_ids[-1]
         if stop.eos_token_id is not None and last == stop.eos_token_id:
             return RequestStatus.FINISHED_STOPPED, None
         if last in stop.stop_token_ids:

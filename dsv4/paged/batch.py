@@ -25,6 +25,7 @@ is ever clamped.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,6 +148,7 @@ def build_batch(
     request_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
     table_buckets: Sequence[int] | None = None,
     debug: bool = False,
+    groups: Sequence[GroupInfo] | None = None,
 ) -> StepBatch:
     """The step's arrays for ``requests`` (see the module docstring).
 
@@ -155,15 +157,22 @@ def build_batch(
     this step needs (``ceil(seq_len / block_size)`` columns, rounded up to a bucket, at most the
     full width): the step decodes and the kernels address only those columns, at the price of
     one compilation per width bucket. Block ids a request holds beyond them (lookahead) are
-    not needed by this step: slots are computed from the ids themselves."""
-    groups = group_infos(config)
-    n_tok = sum(len(r.token_ids) for r in requests)
+    not needed by this step: slots are computed from the ids themselves.
+
+    ``groups``: `group_infos(config)`, for callers that build many batches. The work is
+    vectorised over the step's tokens and block ids (no per-token Python)."""
+    groups = group_infos(config) if groups is None else groups
+    n_req = len(requests)
+    lens = np.fromiter((len(r.token_ids) for r in requests), np.int64, n_req)
+    n_tok = int(lens.sum())
     if not requests or n_tok == 0:
         raise ValueError("a step needs at least one request with at least one token")
-    longest = max(r.start + len(r.token_ids) for r in requests)
+    starts = np.fromiter((r.start for r in requests), np.int64, n_req)
+    _check_requests(requests, lens, starts, max_model_len, len(groups))
     t_pad = bucket(n_tok, token_buckets)
     # one extra row for padding tokens, so real rows never see them
-    r_pad = bucket(len(requests) + 1, request_buckets)
+    r_pad = bucket(n_req + 1, request_buckets)
+    longest = int((starts + lens).max())
     widths = []
     for g in groups:
         width = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
@@ -172,79 +181,123 @@ def build_batch(
             width = min(width, bucket(need, [*table_buckets, width]))
         widths.append(width)
     batch = _padding(groups, t_pad, r_pad, widths)
-    token_ids, positions, token_req = batch.token_ids, batch.positions, batch.token_req
-    qsl, seq_lens, logits_idx = batch.query_start_loc, batch.seq_lens, batch.logits_indices
-    replay, tables = batch.replay_start, batch.block_tables
-    window_slots, state_slots, ring_slots = batch.window_slots, batch.state_slots, batch.ring_slots
 
-    t = 0
-    for i, req in enumerate(requests):
-        n = len(req.token_ids)
-        if n == 0:
-            raise ValueError(f"request {i} ({req.req_id!r}) has no tokens scheduled")
-        if req.start < 0 or req.start + n > max_model_len:
+    ends = np.cumsum(lens)
+    begins = ends - lens
+    req = np.repeat(np.arange(n_req), lens)  # request of every token
+    pos = np.repeat(starts - begins, lens) + np.arange(n_tok)  # its position
+    batch.token_ids[:n_tok] = np.fromiter(
+        itertools.chain.from_iterable(r.token_ids for r in requests), np.int32, n_tok
+    )
+    batch.positions[:n_tok] = pos
+    batch.token_req[:n_tok] = req
+    batch.query_start_loc[1 : n_req + 1] = ends
+    batch.query_start_loc[n_req + 1 :] = n_tok
+    batch.seq_lens[:n_req] = starts + lens
+    batch.logits_indices[:n_req] = ends - 1
+    batch.replay_start[:n_req] = [r.replay_start for r in requests]
+    write_from = np.fromiter((r.cache_write_from for r in requests), np.int64, n_req)
+    for g in groups:
+        counts = np.fromiter((len(r.block_ids[g.index]) for r in requests), np.int64, n_req)
+        table = batch.block_tables[g.index]
+        if g.kind == "ring":
+            _ring_slots(requests, g, counts, table, batch.ring_slots[g.index], req, pos, lens, ends)
+            continue
+        full = _cdiv(max_model_len, g.block_size)
+        if counts.max() > full:
+            i = int(np.argmax(counts > full))
             raise ValueError(
-                f"request {i} ({req.req_id!r}): positions {req.start}..{req.start + n - 1} "
-                f"outside 0..{max_model_len - 1}"
+                f"request {i} ({requests[i].req_id!r}): group {g.index} holds {counts[i]} blocks, "
+                f"more than max_model_len {max_model_len} needs ({full})"
             )
-        if len(req.block_ids) != len(groups):
-            raise ValueError(
-                f"request {i} ({req.req_id!r}) has block ids for {len(req.block_ids)} groups, "
-                f"the layout has {len(groups)}"
+        ids = _ragged_table(requests, g.index, counts)  # [n_req, max count]
+        kept = min(ids.shape[1], table.shape[1])  # a trimmed table keeps what the step reads
+        table[:n_req, :kept] = ids[:, :kept]
+        if g.kind == "window":
+            blk = pos // g.block_size
+            _need_blocks(requests, g, counts, req, blk, np.ones(n_tok, bool))
+            batch.window_slots[g.index][:n_tok] = (
+                ids[req, np.minimum(blk, ids.shape[1] - 1)] * g.block_size + pos % g.block_size
             )
-        pos = np.arange(req.start, req.start + n, dtype=np.int64)
-        sl = slice(t, t + n)
-        token_ids[sl] = np.asarray(req.token_ids, np.int32)
-        positions[sl] = pos
-        token_req[sl] = i
-        qsl[i] = t
-        qsl[i + 1] = t + n
-        seq_lens[i] = req.start + n
-        logits_idx[i] = t + n - 1
-        replay[i] = req.replay_start
-        for g in groups:
-            ids = np.asarray(req.block_ids[g.index], np.int64)
-            table = tables[g.index]
-            if g.kind == "ring":
-                if len(ids) > 1:
-                    raise ValueError(
-                        f"request {i} ({req.req_id!r}): ring group {g.index} holds "
-                        f"{len(ids)} blocks, expected at most 1"
-                    )
-                ring_block = int(ids[0]) if len(ids) else 0
-                table[i, 0] = ring_block
-                if ring_block:
-                    c = g.block_size
-                    last = pos[-min(n, c) :]
-                    ring_slots[g.index][t + n - len(last) : t + n] = ring_block * c + last % c
-                continue
-            full = _cdiv(max_model_len, g.block_size)
-            if len(ids) > full:
-                raise ValueError(
-                    f"request {i} ({req.req_id!r}): group {g.index} holds {len(ids)} blocks, "
-                    f"more than max_model_len {max_model_len} needs ({full})"
-                )
-            kept = min(len(ids), table.shape[1])  # a trimmed table keeps what the step reads
-            table[i, :kept] = ids[:kept]
-            if g.kind == "window":
-                blk = pos // g.block_size
-                _need_blocks(ids, blk, i, req, g)
-                window_slots[g.index][sl] = ids[blk] * g.block_size + pos % g.block_size
-            else:
-                for r in g.ratios:
-                    e = g.block_size // r
-                    j = pos // r
-                    closes = ((pos + 1) % r == 0) & (pos >= req.cache_write_from)
-                    blk = j // e
-                    _need_blocks(ids, blk[closes], i, req, g)
-                    s = np.full(n, -1, np.int64)
-                    s[closes] = ids[blk[closes]] * e + j[closes] % e
-                    state_slots[(g.index, r)][sl] = s
-        t += n
-    qsl[len(requests) + 1 :] = t
+            continue
+        for r in g.ratios:
+            e = g.block_size // r
+            j = pos // r
+            closes = ((pos + 1) % r == 0) & (pos >= write_from[req])
+            blk = j // e
+            _need_blocks(requests, g, counts, req, blk, closes)
+            slot = ids[req, np.minimum(blk, ids.shape[1] - 1)] * e + j % e
+            batch.state_slots[(g.index, r)][:n_tok] = np.where(closes, slot, -1)
     if debug:
         check_batch(batch, config)
     return batch
+
+
+def _check_requests(requests, lens, starts, max_model_len: int, num_groups: int) -> None:
+    """Errors naming the first request without tokens, outside the model length, or with
+    block ids for the wrong number of groups."""
+    bad = np.flatnonzero(lens == 0)
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"request {i} ({requests[i].req_id!r}) has no tokens scheduled")
+    bad = np.flatnonzero((starts < 0) | (starts + lens > max_model_len))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"request {i} ({requests[i].req_id!r}): positions {starts[i]}..{starts[i] + lens[i] - 1} "
+            f"outside 0..{max_model_len - 1}"
+        )
+    for i, r in enumerate(requests):
+        if len(r.block_ids) != num_groups:
+            raise ValueError(
+                f"request {i} ({r.req_id!r}) has block ids for {len(r.block_ids)} groups, "
+                f"the layout has {num_groups}"
+            )
+
+
+def _ragged_table(requests, g: int, counts: np.ndarray) -> np.ndarray:
+    """Every request's block ids of group g as rows of an [n_req, max(counts)] array (at least
+    one column; missing entries 0)."""
+    total = int(counts.sum())
+    flat = np.fromiter(
+        itertools.chain.from_iterable(r.block_ids[g] for r in requests), np.int64, total
+    )
+    out = np.zeros((len(requests), max(int(counts.max()), 1)), np.int64)
+    row = np.repeat(np.arange(len(requests)), counts)
+    col = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    out[row, col] = flat
+    return out
+
+
+def _ring_slots(requests, g: GroupInfo, counts, table, slots, req, pos, lens, ends) -> None:
+    """The ring block (at most one per request) and the ring rows of each request's last
+    ``min(len, C)`` tokens (row ``ring_block * C + p % C``)."""
+    if counts.max() > 1:
+        i = int(np.argmax(counts > 1))
+        raise ValueError(
+            f"request {i} ({requests[i].req_id!r}): ring group {g.index} holds "
+            f"{counts[i]} blocks, expected at most 1"
+        )
+    ring = np.array([r.block_ids[g.index][0] if c else 0 for r, c in zip(requests, counts)])
+    n_req = len(requests)
+    table[:n_req, 0] = ring
+    c = g.block_size
+    index = np.arange(len(req)) - (ends - lens)[req]  # token's index inside its chunk
+    last = (index >= lens[req] - c) & (ring[req] != 0)
+    slots[: len(req)] = np.where(last, ring[req] * c + pos % c, -1)
+
+
+def _need_blocks(requests, g: GroupInfo, counts, req, blk, used) -> None:
+    """Every token that writes group g must find its block among its request's ids."""
+    short = used & (blk >= counts[req])
+    if short.any():
+        t = int(np.argmax(short))
+        i = int(req[t])
+        raise ValueError(
+            f"request {i} ({requests[i].req_id!r}): group {g.index} needs block "
+            f"{int(blk[short][req[short] == i].max())} for its new tokens but holds "
+            f"{counts[i]} blocks (allocate the slots first)"
+        )
 
 
 def empty_batch(
@@ -286,14 +339,6 @@ def _padding(
         state_slots=state_slots,
         ring_slots=ring_slots,
     )
-
-
-def _need_blocks(ids: np.ndarray, blk: np.ndarray, i: int, req: StepRequest, g: GroupInfo) -> None:
-    if len(blk) and blk.max() >= len(ids):
-        raise ValueError(
-            f"request {i} ({req.req_id!r}): group {g.index} needs block {int(blk.max())} for its "
-            f"new tokens but holds {len(ids)} blocks (allocate the slots first)"
-        )
 
 
 def check_batch(batch: StepBatch, config: KVCacheConfig) -> None:
