@@ -1,10 +1,14 @@
-"""A small driver for the paged step in tests: the host allocator hands out block ids, the
-builder makes the batch, the jitted step runs it, and every real token's logits are collected
-by (sequence, position) so they can be compared with `reference.forward`.
+"""A small driver for the paged step in tests: the real `serving.Scheduler` plans every step over
+the host allocator, `serving.InputBatch` turns each plan into `StepRequest`s, the builder makes
+the batch, the jitted step runs it, and every real token's logits are collected by (sequence,
+position) so they can be compared with `reference.forward`.
 
-It plays the scheduler's part by hand: random chunk sizes, decodes mixed with prefills,
-requests that share a cached prefix, preemption with recompute, and speculative rows (random
-draft tokens written at lookahead positions, then rejected and overwritten by the next step).
+The harness plays only the model's and the drafter's parts: sequences are teacher-forced (a
+sampling request "samples" its next true token), drafts are random with some true tokens among
+them (a verifier accepts up to the first wrong one), and the token budget varies per step. Chunked
+prefill, decodes mixed with prefills, prefix-cache hits, preemption with recompute (when the pool
+is small), lookahead slots and the rejected draft rows that later steps overwrite all come from
+the scheduler's own rules.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ from cache.layout import for_model
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepRequest, build_batch
 from dsv4.paged.step import paged_step_jit
+from serving.input_batch import InputBatch, ScheduledRow
+from serving.scheduler import Scheduler, SchedulerOutput, StopCriteria
+
+# What a sequence's last position "samples": the request stops on it (max_tokens), so it is
+# never fed to the model and its value does not matter.
+END_TOKEN = 0
 
 
 @dataclasses.dataclass
@@ -29,8 +39,25 @@ class Seq:
     sid: int
     tokens: np.ndarray  # the full sequence (prompt + continuation)
     prompt_len: int
-    req: object = None
-    done: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return f"s{self.sid}"
+
+    def token(self, position: int) -> int:
+        """The true token at ``position``; END_TOKEN past the end."""
+        return int(self.tokens[position]) if position < len(self.tokens) else END_TOKEN
+
+
+@dataclasses.dataclass
+class ScheduleStats:
+    """What the schedules of one harness exercised (summed over its `random_schedule` calls)."""
+
+    num_steps: int = 0
+    num_preempted: int = 0  # requests preempted (each one recomputes from scratch)
+    prefix_hits: list[int] = dataclasses.field(default_factory=list)  # hit tokens per admission
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 class Harness:
@@ -75,32 +102,37 @@ class Harness:
             swa_bounded_replay=bounded_replay,
             use_eagle=False,
         )
+        self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.impl, self.interpret = impl, interpret
         self.scaled_index_keys = scaled_index_keys
-        self.bounded_replay = bounded_replay
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
         self.table_buckets = table_buckets
         self.table_widths: set[tuple[int, ...]] = set()  # widths of the tables each step used
         self.logits: dict[tuple[int, int], np.ndarray] = {}
-        self.steps = 0
+        self.stats = ScheduleStats()
 
-    def run(self, work):
-        """work: list of (Seq, tokens, start, replay_start, cache_write_from, n_real); the
-        first n_real tokens are real (their logits are recorded), the rest are drafts."""
-        reqs = [
-            StepRequest(
-                token_ids=list(tokens),
-                start=start,
-                block_ids=self.mgr.get_block_ids(s.req.request_id),
-                replay_start=replay,
-                cache_write_from=write_from,
-                req_id=s.req.request_id,
-            )
-            for s, tokens, start, replay, write_from, _ in work
-        ]
+    @property
+    def steps(self) -> int:
+        return self.stats.num_steps
+
+    def scheduler(self, *, max_num_seqs: int, spec_k: int = 0) -> Scheduler:
+        """A scheduler over this harness's allocator, its budget the largest token bucket, with
+        ``spec_k`` drafts per request and as many lookahead slots (an MTP-style drafter)."""
+        return Scheduler(
+            self.mgr,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=self.token_buckets[-1],
+            max_model_len=self.max_model_len,
+            num_spec_tokens=spec_k,
+            num_lookahead_tokens=spec_k,
+        )
+
+    def run(self, step_requests: list[StepRequest]) -> np.ndarray:
+        """One paged step over ``step_requests``: the logits of every scheduled token, in the
+        requests' order (f32[T, vocab], T the token bucket)."""
         batch = build_batch(
-            reqs,
+            step_requests,
             self.config,
             max_model_len=self.max_model_len,
             token_buckets=self.token_buckets,
@@ -121,84 +153,99 @@ class Harness:
             interpret=self.interpret,
             scaled_index_keys=self.scaled_index_keys,
         )
-        logits = np.asarray(logits)
-        t = 0
-        for s, tokens, start, _, _, n_real in work:
-            for i in range(n_real):
-                self.logits[(s.sid, start + i)] = logits[t + i]
-            t += len(tokens)
-        self.steps += 1
+        self.stats.num_steps += 1
+        return np.asarray(logits)
+
+
+def plan_step(
+    scheduler: Scheduler, inputs: InputBatch
+) -> tuple[SchedulerOutput, list[ScheduledRow], list[StepRequest]]:
+    """One `schedule()` and its rows and `StepRequest`s, as the model runner makes them."""
+    output = scheduler.schedule()
+    inputs.update(output)
+    for new in output.scheduled_new_reqs:
+        inputs.admit(new, scheduler.requests[new.request_id].num_prompt_tokens)
+    if not output.total_num_scheduled_tokens:
+        return output, [], []
+    rows, step_requests = inputs.schedule(output)
+    return output, rows, step_requests
+
+
+def verify(seq: Seq, num_tokens: int, drafts: list[int]) -> list[int]:
+    """What a verifier samples for a request that has ``num_tokens`` tokens and proposed
+    ``drafts`` for the next ones: the true tokens up to and including the first mismatch."""
+    sampled = [seq.token(num_tokens)]
+    for i, draft in enumerate(drafts):
+        if draft != seq.token(num_tokens + i):
+            break
+        sampled.append(seq.token(num_tokens + i + 1))
+    return sampled
+
+
+def propose(seq: Seq, num_tokens: int, spec_k: int, vocab_size: int, rng) -> list[int]:
+    """Up to ``spec_k`` drafts for positions ``num_tokens``.., never past the sequence's end;
+    each is the true token with probability 1/2, else a random one."""
+    k = min(int(rng.integers(0, spec_k + 1)), len(seq.tokens) - num_tokens)
+    true = [seq.token(num_tokens + i) for i in range(k)]
+    noise = rng.integers(3, vocab_size, k)
+    return [t if rng.random() < 0.5 else int(x) for t, x in zip(true, noise)]
 
 
 def random_schedule(h: Harness, seqs: list[Seq], rng: np.random.Generator, *, spec_k=0,
-                    preempt_p=0.0, max_chunk=8, max_running=4):  # fmt: skip
-    """Teacher-force every sequence to its end through random steps."""
-    waiting = list(seqs)
-    running: list[Seq] = []
-    while waiting or running:
-        # admit
-        while waiting and len(running) < max_running:
-            s = waiting.pop(0)
-            if s.req is None:
-                s.req = h.mgr.new_request(f"s{s.sid}", list(s.tokens[: s.prompt_len]))
-            hits, n_hits = h.mgr.get_computed_blocks(s.req)
-            replay = h.mgr.num_replay_tokens(n_hits)
-            s.hit = (hits, n_hits, replay)
-            # bounded replay: windows clipped at the replay start, no compressed/index writes
-            # for the replayed hit tokens (they are cached already)
-            s.replay_start = n_hits - replay if h.bounded_replay else 0
-            s.write_from = n_hits
-            s.req.num_computed_tokens = 0
-            s.fresh = True
-            running.append(s)
-        work = []
-        budget = h.token_buckets[-1]
-        for s in list(running):
-            req = s.req
-            if s.fresh:
-                hits, n_hits, replay = s.hit
-                start = n_hits - replay
-                n = int(min(rng.integers(1, max_chunk + 1), req.num_tokens - start, budget))
-                if n <= 0:
-                    continue
-                out = h.mgr.allocate_slots(req, max(n - replay, 0), n_hits, hits)
-                assert out is not None, "pool too small for the test schedule"
-                s.fresh = False
-                work.append((s, s.tokens[start : start + n], start, s.replay_start, n_hits, n))
-                req.num_computed_tokens = start + n
-                budget -= n
-                continue
-            done_tokens = req.num_computed_tokens
-            if done_tokens >= len(s.tokens):
-                h.mgr.free(req)
-                running.remove(s)
-                s.done = True
-                continue
-            if preempt_p and rng.random() < preempt_p:
-                h.mgr.free(req)
-                running.remove(s)
-                waiting.append(s)
-                continue
-            if done_tokens < req.num_tokens:  # prefill continues
-                n = int(min(rng.integers(1, max_chunk + 1), req.num_tokens - done_tokens, budget))
-                if n <= 0:
-                    continue
-                assert h.mgr.allocate_slots(req, n) is not None
-                chunk = s.tokens[done_tokens : done_tokens + n]
-                work.append((s, chunk, done_tokens, s.replay_start, s.write_from, n))
-                req.num_computed_tokens += n
-                budget -= n
-            else:  # decode: the next true token, plus k random drafts that will be rejected
-                k = int(rng.integers(0, spec_k + 1)) if spec_k else 0
-                k = min(k, h.max_model_len - done_tokens - 1, budget - 1)
-                if budget < 1:
-                    continue
-                nxt = int(s.tokens[done_tokens])
-                req.append_output_token_ids(nxt)
-                assert h.mgr.allocate_slots(req, 1, num_lookahead_tokens=k) is not None
-                drafts = rng.integers(3, h.cfg.vocab_size, k)
-                work.append((s, [nxt, *drafts.tolist()], done_tokens, s.replay_start, 0, 1))
-                req.num_computed_tokens += 1
-                budget -= 1 + k
-        if work:
-            h.run(work)
+                    max_chunk=8, max_running=4):  # fmt: skip
+    """Teacher-force every sequence to its end through the real scheduler.
+
+    Each sequence is a request whose prompt is ``tokens[:prompt_len]``; it runs until its
+    last position has been computed (one output more than the continuation: the last
+    position's sample, END_TOKEN, stops it). Before each step the token budget is drawn from
+    [1, largest token bucket] (chunks cut at any point, sometimes a step of one token) and
+    ``long_prefill_token_threshold`` from [1, max_chunk] (prefills advance in small chunks
+    over many steps, so they mix with decodes, and a small cap also cuts drafts); both are read
+    by `schedule()` afresh each call. Preemption comes from pool pressure: pass a small
+    ``num_blocks`` to the harness. At the end every block is free again.
+    """
+    # build_batch keeps one request row for padding
+    max_num_seqs = min(max_running, h.request_buckets[-1] - 1)
+    scheduler = h.scheduler(max_num_seqs=max_num_seqs, spec_k=spec_k)
+    inputs = InputBatch(max_num_seqs)
+    by_id = {s.request_id: s for s in seqs}
+    for s in seqs:
+        request = h.mgr.new_request(s.request_id, s.tokens[: s.prompt_len].tolist(),
+                                    max_tokens=len(s.tokens) - s.prompt_len + 1)  # fmt: skip
+        scheduler.add_request(request, StopCriteria())
+    while scheduler.has_unfinished_requests():
+        scheduler.max_num_batched_tokens = int(rng.integers(1, h.token_buckets[-1] + 1))
+        scheduler.long_prefill_token_threshold = int(rng.integers(1, max_chunk + 1))
+        output, rows, step_requests = plan_step(scheduler, inputs)
+        h.stats.num_preempted += len(output.preempted_req_ids)
+        h.stats.prefix_hits += [n.num_computed_tokens + n.num_replay_tokens
+                                for n in output.scheduled_new_reqs]  # fmt: skip
+        if not step_requests:
+            raise RuntimeError(f"nothing scheduled with {len(scheduler.waiting)} requests "
+                               f"waiting: the pool ({h.num_blocks} blocks) is too small")  # fmt: skip
+        logits = h.run(step_requests)
+        sampled = {}
+        t = 0
+        for row in rows:
+            seq = by_id[row.request_id]
+            num_real = row.num_tokens - row.num_drafts  # tokens the request has
+            if row.samples:
+                drafts = output.scheduled_spec_decode_tokens.get(row.request_id, [])
+                sampled[row.request_id] = verify(seq, row.start + num_real, drafts)
+                inputs.learn(row.request_id, sampled[row.request_id])
+                num_real += len(sampled[row.request_id]) - 1  # the accepted drafts' rows
+            for i in range(num_real):
+                h.logits[(seq.sid, row.start + i)] = logits[t + i]
+            t += row.num_tokens
+        result = scheduler.update_from_output(output, sampled)
+        if result.spec_decoding_stats is not None:
+            h.stats.num_draft_tokens += result.spec_decoding_stats.num_draft_tokens
+            h.stats.num_accepted_tokens += result.spec_decoding_stats.num_accepted_tokens
+        if spec_k:
+            scheduler.update_draft_token_ids({
+                request_id: propose(by_id[request_id], scheduler.requests[request_id].num_tokens,
+                                    spec_k, h.cfg.vocab_size, rng)
+                for request_id in result.new_token_ids if request_id not in result.finished
+            })  # fmt: skip
+    free = h.mgr.num_free_blocks
+    assert free == h.num_blocks - 1, f"{free} of {h.num_blocks - 1} blocks free after the schedule"

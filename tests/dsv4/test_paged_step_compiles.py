@@ -14,12 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_harness import Harness
+from paged_harness import Harness, plan_step
 
 from dsv4.paged import records as R
-from dsv4.paged.batch import StepRequest, build_batch
+from dsv4.paged.batch import build_batch
 from dsv4.paged.step import paged_step
 from dsv4.params import abstract_params
+from serving.input_batch import InputBatch
+from serving.scheduler import StopCriteria
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels"))
 from aot import (
@@ -43,15 +45,12 @@ CASES = {  # (record formats, parameter / activation dtype)
 def _abstract_step(cfg, formats, dtype, impl):
     """(step function, abstract params, pools, batch) for one two-request prefill batch."""
     h = Harness(cfg, None, formats)
-    reqs = []
+    scheduler = h.scheduler(max_num_seqs=2)
     for i, n in enumerate((20, 9)):
-        tokens = list(range(3, 3 + n))
-        req = h.mgr.new_request(f"r{i}", tokens)
-        hits, n_hits = h.mgr.get_computed_blocks(req)
-        assert h.mgr.allocate_slots(req, n, n_hits, hits) is not None
-        reqs.append(StepRequest(token_ids=tokens, start=0,
-                                block_ids=h.mgr.get_block_ids(req.request_id),
-                                req_id=req.request_id))  # fmt: skip
+        request = h.mgr.new_request(f"r{i}", list(range(3, 3 + n)), max_tokens=1)
+        scheduler.add_request(request, StopCriteria())
+    output, _, reqs = plan_step(scheduler, InputBatch(2))
+    assert output.num_scheduled_tokens == {"r0": 20, "r1": 9}, output.num_scheduled_tokens
     batch = build_batch(reqs, h.config, max_model_len=h.max_model_len, token_buckets=(32,),
                         request_buckets=(8,))  # fmt: skip
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
