@@ -85,6 +85,10 @@ def _attention(
         token_req=tok_req,
         window=cfg.window_size,
     )
+    # The window pages are read now but used after the compressor's writes (kv sources):
+    # without this, XLA fuses the read into the attention, after the writes, and copies the
+    # whole pool to keep the old bytes for it (a step that costs O(pool) instead of O(batch)).
+    swa_pages, swa_table, pools = jax.lax.optimization_barrier((swa_pages, swa_table, pools))
     scale = cfg.head_dim**-0.5
     sink = params[a + "attn_sink"]
     win_kwargs = dict(
@@ -192,6 +196,9 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         ring, ring_block = P.read_ring_for_table(
             layout, pools, rname, batch.block_tables[g_ring][:, 0]
         )
+        # the ring rows are read before this chunk's rows overwrite them: the writes wait for
+        # the read, so XLA updates the pool in place instead of copying all of it first
+        ring, ring_block, pools = jax.lax.optimization_barrier((ring, ring_block, pools))
         latent, _, _ = compressor(
             kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
             inv_freq, None, ring_block, None, ring, ratio=2, eps=cfg.norm_eps,
