@@ -1,25 +1,21 @@
 """The ``dsv4`` command line.
 
-``dsv4 demo`` generates text with DeepSeek-V4.1 in JAX: the seeded ``tiny_v41`` model with random
-weights (or a released-format checkpoint given with ``--checkpoint``), a built-in byte-level
-tokenizer (or the checkpoint's tokenizer.json), the prompts batched together with their own
-lengths, and the jitted ``dsv4.generate``. It prints the layer plan, the model size, each prompt
-with its continuation, the compile time and the tokens per second of a warm call.
+``dsv4 demo``, ``dsv4 generate`` and ``dsv4 bench`` run the model through `serving.LLM`
+(`serving.cli_llm`): the seeded ``tiny_v41`` model with random weights, or a released-format
+checkpoint given with ``--model PATH``.
 ``dsv4 cache-demo`` walks multi-turn conversations, one turn at a time, through the scheduler
 (``serving.scheduler.Scheduler``) and the KV-cache allocator on the V4.1 cache layout, with made-up
 tokens. ``dsv4 layout`` prints the layout and its memory report.
 
-JAX is imported only by ``demo``, so ``cache-demo`` and ``layout`` start instantly.
+JAX is imported only by the model commands, so ``cache-demo`` and ``layout`` start instantly.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +30,7 @@ from cache.layout import (
     v41_flash_desc,
 )
 from cache.spec import KVCacheConfig, iter_layer_specs
+from serving.cli_llm import UsageError, add_commands
 from serving.scheduler import Scheduler
 
 _DESCS = {"flash": v41_flash_desc, "tiny": tiny_v41_desc}
@@ -234,208 +231,11 @@ def _cache_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- the generation demo ---------------------------------------------------------------------
-
-DEFAULT_PROMPTS = (
-    "The quick brown fox",
-    "DeepSeek-V4.1 keeps a compressed KV cache, so long contexts",
-)
-_DTYPES = ("float32", "bfloat16")
-
-
-class UsageError(Exception):
-    """A bad command-line value; `main` reports it as argparse does (exit status 2)."""
-
-
-def _check_demo_args(args: argparse.Namespace) -> None:
-    """Reject bad values before anything expensive (JAX import, params) happens."""
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0:  # also NaN
-        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.prompt is not None and any(p == "" for p in args.prompt):
-        raise UsageError("--prompt must not be empty")
-    if args.checkpoint is not None:
-        path = args.checkpoint
-        if not os.path.isdir(path):
-            raise UsageError(f"--checkpoint {path}: not a directory")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise UsageError(f"--checkpoint {path}: no config.json (not a checkpoint directory)")
-
-
-def _say(line: str = "") -> None:
-    """print, falling back to backslash escapes on a terminal that cannot show a character."""
-    try:
-        print(line)
-    except UnicodeEncodeError:
-        enc = sys.stdout.encoding or "ascii"
-        print(line.encode(enc, "backslashreplace").decode(enc))
-
-
-def _steps_taken(rows: Sequence[Sequence[int]], eos_id: int | None) -> list[int]:
-    """Tokens each row really generated: up to and including its first EOS, else all."""
-    out = []
-    for row in rows:
-        n = len(row)
-        if eos_id is not None and eos_id in row:
-            n = row.index(eos_id) + 1
-        out.append(n)
-    return out
-
-
-def _size(n: float, units: Sequence[str]) -> str:
-    for unit in units[:-1]:
-        if abs(n) < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}{units[-1]}"
-
-
-def _demo(args: argparse.Namespace) -> int:
-    """Generate a continuation of each prompt, batched, and report what it cost."""
-    _check_demo_args(args)
-    import jax
-    import jax.numpy as jnp
-
-    from dsv4.config import ModelConfig, tiny_v41
-    from dsv4.generation import generate
-    from dsv4.params import init_params
-    from dsv4.tokenizer import load_tokenizer, pad_batch
-
-    dtype = jnp.dtype(args.dtype)
-    try:
-        cfg = ModelConfig.from_json(args.checkpoint) if args.checkpoint else tiny_v41()
-        tok = load_tokenizer(args.checkpoint, cfg)
-    except (ValueError, OSError) as exc:
-        raise UsageError(str(exc)) from exc
-
-    prompts = list(args.prompt) if args.prompt else list(DEFAULT_PROMPTS)
-    add_bos = tok.bos_id is not None
-    encoded = [tok.encode(p, add_bos=add_bos) for p in prompts]
-    width = max(len(ids) for ids in encoded)
-    if width + args.max_new_tokens > cfg.max_seq_len:
-        raise UsageError(
-            f"the longest prompt has {width} tokens; with --max-new-tokens "
-            f"{args.max_new_tokens} that exceeds the model's max_seq_len {cfg.max_seq_len}"
-        )
-    rows, lengths = pad_batch(encoded, pad_id=0)
-
-    if args.checkpoint:
-        from dsv4.checkpoint import load_pretrained
-
-        name = f"checkpoint {args.checkpoint}"
-        try:
-            cfg, params = load_pretrained(args.checkpoint, dtype, config=cfg, progress=True)
-        except ValueError as exc:  # CheckpointError: names every bad tensor
-            raise UsageError(str(exc)) from exc
-        _say(f"DeepSeek-V4.1 demo: {name}")
-    else:
-        name = "tiny_v41"
-        params = init_params(cfg, jax.random.PRNGKey(args.seed), dtype)
-        _say(
-            f"DeepSeek-V4.1 demo: {name} with random weights (seed {args.seed}). An untrained "
-            "model writes gibberish: this shows the machinery (layer roles, compressed caches, "
-            "sparse attention, jitted generation), not a language model. Pass --checkpoint "
-            "for real weights."
-        )
-    n_params = sum(int(x.size) for x in params.values())
-    n_bytes = sum(int(x.nbytes) for x in params.values())
-    device = jax.devices()[0]
-    _say(
-        f"model: {_size(n_params, ('', 'K', 'M', 'B', 'T'))} parameters "
-        f"({_size(n_bytes, (' B', ' KB', ' MB', ' GB', ' TB'))} in {dtype.name}); "
-        f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, "
-        f"{cfg.n_routed_experts} routed experts ({cfg.n_activated_experts} per token), "
-        f"window {cfg.window_size}"
-    )
-    _say(f"tokenizer: {tok.name}; JAX backend: {jax.default_backend()} ({device})")
-    _say("layer plan:")
-    for line in cfg.plan.describe().splitlines():
-        _say("  " + line.rstrip())
-
-    mode = (
-        "greedy"
-        if args.temperature == 0
-        else f"sampling at temperature {args.temperature}, top-p {args.top_p}"
-    )
-    _say(
-        f"generating {args.max_new_tokens} tokens for {len(prompts)} prompts in one batch "
-        f"(prompt lengths {lengths}, {mode}, stop at EOS id {tok.eos_id})"
-    )
-    key = jax.random.fold_in(jax.random.PRNGKey(args.seed), 1)
-
-    def call():
-        out = generate(
-            params,
-            cfg,
-            jnp.asarray(rows, jnp.int32),
-            args.max_new_tokens,
-            prompt_lengths=jnp.asarray(lengths, jnp.int32),
-            temperature=args.temperature,
-            top_p=args.top_p,
-            key=key,
-            eos_token_id=tok.eos_id,
-        )
-        return jax.device_get(jax.block_until_ready(out))
-
-    t0 = time.perf_counter()
-    first = call()
-    first_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    call()  # same shapes and static arguments: no compile, the steady-state cost
-    warm_s = time.perf_counter() - t0
-
-    out_rows = [[int(t) for t in row] for row in first]
-    steps = _steps_taken(out_rows, tok.eos_id)
-    for i, (prompt, row, n) in enumerate(zip(prompts, out_rows, steps, strict=True)):
-        stopped = " (stopped at EOS)" if row[n - 1] == tok.eos_id else ""
-        _say(f"[{i}] prompt:    {prompt!r}")
-        _say(f"    generated: {tok.decode(row[:n])!r}  ({n} tokens{stopped})")
-    # the loop runs until every row is done: each iteration decodes one token for every row
-    iterations = max(steps)
-    computed = len(out_rows) * iterations
-    _say(
-        f"compile: {max(first_s - warm_s, 0.0):.2f} s (first call {first_s:.2f} s, "
-        f"warm call {warm_s:.3f} s)"
-    )
-    _say(
-        f"decode: {computed} tokens ({len(out_rows)} rows x {iterations} steps) in {warm_s:.3f} s "
-        f"on the warm call = {computed / warm_s:.1f} tokens/s (includes the one-chunk prefill "
-        f"of the prompts)"
-    )
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser(
-        "demo",
-        help="generate text with the tiny random model (or a checkpoint)",
-        description="Generate text with DeepSeek-V4.1 in JAX: tiny_v41 with random weights "
-        "(gibberish, but every part of the model runs) or a released-format checkpoint.",
-    )
-    demo.add_argument(
-        "--prompt",
-        action="append",
-        metavar="TEXT",
-        help="a prompt (repeat for a batch); default: two built-in prompts of different lengths",
-    )
-    demo.add_argument("--max-new-tokens", type=int, default=32)
-    demo.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    demo.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    demo.add_argument("--seed", type=int, default=0, help="random weights and sampling")
-    demo.add_argument(
-        "--checkpoint",
-        metavar="PATH",
-        help="a released-format checkpoint directory (config.json, safetensors, and "
-        "tokenizer.json when present) instead of the random tiny model",
-    )
-    demo.add_argument("--dtype", choices=_DTYPES, default="float32", help="params dtype")
-    demo.set_defaults(func=_demo, subparser=demo)
+    add_commands(sub)
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", choices=sorted(_DESCS), default="flash")

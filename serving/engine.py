@@ -26,7 +26,7 @@ import jax
 
 from cache import KVCacheManager
 from serving import sampler as S
-from serving.metrics import EngineStats, compilation_count
+from serving.metrics import EngineStats, compilation_count, persistent_cache_hits
 from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from serving.runner import ModelRunner, StepHandle, StepOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
@@ -251,10 +251,11 @@ class Engine:
     def warm_up(self, progress: bool = True) -> float:
         """Compile every bucket of the runner now; returns the seconds it took."""
         t0 = time.perf_counter()
-        before = compilation_count()
+        before, hits = compilation_count(), persistent_cache_hits()
         self.runner.warm_up(progress=progress)
         self.stats.warm_up_s = time.perf_counter() - t0
         self.stats.warm_up_compilations = compilation_count() - before
+        self.stats.warm_up_cache_hits = persistent_cache_hits() - hits
         self._compilations_at_warm_up = compilation_count()
         return self.stats.warm_up_s
 

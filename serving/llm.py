@@ -396,8 +396,9 @@ def _load_model(model: str, dtype: str, seed: int, quant_sim: bool):
     cfg = ModelConfig.from_json(model)
     if quant_sim:
         cfg = dataclasses.replace(cfg, quant_sim=True)
+    tokenizer = load_tokenizer(model, cfg)  # before the weights: its errors are cheap
     cfg, params = load_pretrained(model, jdtype, config=cfg, progress=True)
-    return cfg, params, load_tokenizer(model, cfg)
+    return cfg, params, tokenizer
 
 
 def _render_chat(template: str, messages, add_generation_prompt: bool, tokenizer) -> str:

@@ -1,10 +1,10 @@
-"""The `dsv4` command line: the README's demo generates text end to end (the tiny random model and
-a checkpoint directory with its tokenizer.json), bad arguments fail with clear messages before
-anything expensive runs, and the allocator demo and the layout report still say something true.
+"""The `dsv4` command line: the README's demo runs chats through LLM.generate (prefix hits,
+TTFT, tokens/s), `generate` prints outputs for the tiny random model and for a checkpoint
+directory with its tokenizer.json, `bench` prints one JSON line, bad arguments fail with clear
+messages before anything expensive runs, and the allocator demo and the layout report still
+say something true.
 
-The two generation tests share one compile: the checkpoint below is the same config as the
-random model's and its tokenizer has one token per byte, so the prompt batch has the same shape
-and `generate`'s jit cache is hit.
+The model commands share one engine configuration (`ENGINE` below), so they compile once.
 """
 
 from __future__ import annotations
@@ -15,36 +15,54 @@ import re
 
 import pytest
 
-from serving.cli import DEFAULT_PROMPTS, main
+from serving.cli import main
+from serving.cli_llm import DEMO_QUESTIONS
 
-NEW = 4
+ENGINE = [
+    "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+    "--token-buckets", "32", "--num-gpu-blocks", "64", "--max-logprobs", "5",
+    "--no-compilation-cache",
+]  # fmt: skip
 
 
-def _generated(out: str) -> list[tuple[str, int]]:
-    """(decoded text repr, token count) per prompt, in order."""
-    return [(text, int(n)) for text, n in re.findall(r"generated: (.*)  \((\d+) tokens", out)]
-
-
-def test_demo_generates_with_the_tiny_random_model(capsys):
-    assert main(["demo", "--max-new-tokens", str(NEW)]) == 0
+def test_demo_runs_chats_through_llm_generate(capsys):
+    assert main(["demo", *ENGINE, "--max-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "tiny_v41 with random weights (seed 0)" in out and "gibberish" in out
-    assert re.search(r"model: [\d.]+M parameters \([\d.]+ MB in float32\); 8 layers", out)
-    assert "tokenizer: byte-level (built-in)" in out
-    # the layer plan, one line per layer, every role present
-    for role in ("swa", "full", "reuse", "reindex"):
-        assert re.search(rf"layer\s+\d+\s+ratio \d\s+{role}", out), role
-    assert "candidate source" in out and "candidate consumer" in out
-    # both built-in prompts, batched with their own lengths (BOS + one id per byte)
-    lengths = [len(p.encode()) + 1 for p in DEFAULT_PROMPTS]
-    assert f"prompt lengths {lengths}" in out
-    for i, prompt in enumerate(DEFAULT_PROMPTS):
-        assert f"[{i}] prompt:    {prompt!r}" in out
-    gen = _generated(out)
-    assert len(gen) == 2 and all(1 <= n <= NEW for _, n in gen)
-    assert re.search(r"compile: [\d.]+ s \(first call [\d.]+ s, warm call [\d.]+ s\)", out)
-    rate = re.search(r"= ([\d.]+) tokens/s", out)
-    assert rate and float(rate.group(1)) > 0
+    assert "tokenizer byte-level (built-in)" in out and "async scheduling" in out
+    rounds = re.findall(r"-- round (\d): (\d) conversations", out)
+    assert rounds == [("1", str(len(DEMO_QUESTIONS))), ("2", str(len(DEMO_QUESTIONS)))]
+    lines = re.findall(r"prompt (\d+) tokens, prefix-cache hit (\d+); TTFT ([\d.]+) ms", out)
+    assert len(lines) == 2 * len(DEMO_QUESTIONS)
+    second = lines[len(DEMO_QUESTIONS) :]
+    assert all(int(hit) > 0 for _, hit, _ in second), "round 2 resends round 1: it must hit"
+    total = re.search(r"total: (\d+) output tokens .* = ([\d.]+) tokens/s; prefix-cache hit "
+                      r"rate ([\d.]+)%", out)  # fmt: skip
+    assert total and float(total.group(2)) > 0 and float(total.group(3)) > 0
+    assert "0 compilations after warm-up" in out
+
+
+def test_generate_prints_outputs_with_logprobs_and_n(capsys):
+    argv = ["generate", *ENGINE, "--prompt", "The quick brown fox", "--prompt", "DeepSeek"]
+    assert main([*argv, "--max-tokens", "5", "--logprobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] prompt: 'The quick brown fox' (20 tokens)" in out
+    assert len(re.findall(r"output: .* \(\d+ tokens, (length|stop)\)", out)) == 2
+    assert len(re.findall(r"logprobs: \[", out)) == 2 and "TTFT" in out
+    assert main([*argv, "--max-tokens", "3", "--n", "2", "--temperature", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"output #[01]: ", out)) == 4
+
+
+def test_bench_prints_one_json_line(capsys):
+    argv = ["bench", *ENGINE, "--conversations", "3", "--turns", "2", "--max-tokens", "4"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(line)
+    assert result["requests"] == 6 and result["output_tokens"] == 24
+    assert result["output_tokens_per_s"] > 0 and result["prefix_cache_hit_rate"] > 0
+    assert set(result["ttft_ms"]) == {"p50", "p90", "p99"}
+    assert result["compilations_after_warm_up"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -85,71 +103,85 @@ def _write_byte_level_tokenizer_json(directory) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def test_demo_generates_from_a_checkpoint_with_its_tokenizer(capsys, tiny_checkpoint):
-    prompts = list(DEFAULT_PROMPTS)  # given explicitly; same shapes as the first test's batch
-    argv = ["demo", "--checkpoint", str(tiny_checkpoint), "--max-new-tokens", str(NEW)]
-    for p in prompts:
-        argv += ["--prompt", p]
-    argv += ["--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]
-    assert main(argv) == 0
+def test_generate_from_a_checkpoint_with_its_tokenizer(capsys, tiny_checkpoint):
+    argv = ["generate", *ENGINE, "--model", str(tiny_checkpoint), "--prompt", "hello world"]
+    assert main([*argv, "--max-tokens", "4", "--temperature", "0.8", "--seed", "3"]) == 0
     out = capsys.readouterr().out
-    assert f"DeepSeek-V4.1 demo: checkpoint {tiny_checkpoint}" in out
-    assert "random weights" not in out
-    assert "tokenizer: tokenizer.json" in out
-    assert "sampling at temperature 0.8, top-p 0.9" in out
-    assert f"prompt lengths {[len(p) + 1 for p in prompts]}" in out
-    for i, prompt in enumerate(prompts):
-        assert f"[{i}] prompt:    {prompt!r}" in out
-    assert len(_generated(out)) == 2
+    assert f"tokenizer tokenizer.json ({tiny_checkpoint}/tokenizer.json)" in out
+    assert "[0] prompt: 'hello world' (12 tokens)" in out  # BOS + one token per byte
 
 
+@pytest.mark.parametrize("command", ["demo", "generate", "bench"])
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
-        (["--temperature", "-0.5"], "--temperature must be >= 0"),
-        (["--temperature", "nan"], "--temperature must be >= 0"),
-        (["--top-p", "0"], r"--top-p must be in \(0, 1\], got 0.0"),
-        (["--top-p", "1.5"], r"--top-p must be in \(0, 1\], got 1.5"),
-        (["--prompt", ""], "--prompt must not be empty"),
-        (["--checkpoint", "/nonexistent/ckpt"], "--checkpoint /nonexistent/ckpt: not a directory"),
+        (["--max-tokens", "0"], "--max-tokens 0: must be >= 1"),
+        (["--temperature", "-0.5"], "--temperature -0.5: must be >= 0"),
+        (["--temperature", "nan"], "--temperature nan: must be >= 0"),
+        (["--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]"),
+        (["--top-p", "1.5"], r"--top-p 1.5: must be in \(0, 1\]"),
+        (["--top-k", "-3"], "--top-k -3: must be -1 or 0"),
+        (["--max-num-seqs", "0"], "--max-num-seqs 0: must be >= 1"),
+        (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens -1: must be >= 1"),
+        (["--max-model-len", "1"], "--max-model-len 1: must be >= 2"),
+        (["--num-gpu-blocks", "0"], "--num-gpu-blocks 0: must be >= 2"),
+        (["--token-buckets", "8,x"], "--token-buckets '8,x': comma-separated ints"),
+        (["--token-buckets", "8,16"], "--token-buckets '8,16': positive sizes, the largest"),
+        (["--model", "/nonexistent/ckpt"], "--model '/nonexistent/ckpt': not a preset"),
         (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
-        (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value: 'many'"),
-        (
-            ["--prompt", "x" * 500, "--max-new-tokens", "32"],
-            "the longest prompt has 501 tokens; with --max-new-tokens 32 that exceeds the "
-            "model's max_seq_len 512",
-        ),
+        (["--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
     ],
 )
-def test_demo_rejects_bad_arguments(capsys, argv, message):
+def test_model_commands_reject_bad_arguments(capsys, command, argv, message):
+    extra = ["--prompt", "x"] if command == "generate" else []
     with pytest.raises(SystemExit) as exc:
-        main(["demo", *argv])
+        main([command, *extra, *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: dsv4 demo" in err
-    assert re.search("dsv4 demo: error: " + message, err), err
+    assert f"usage: dsv4 {command}" in err
+    assert re.search(f"dsv4 {command}: error: " + message, err), err
 
 
-def test_demo_rejects_checkpoints_it_cannot_use(capsys, tmp_path):
+@pytest.mark.parametrize(
+    ("command", "argv", "message"),
+    [
+        ("generate", ["--prompt", ""], "--prompt '': must not be empty"),
+        ("generate", ["--prompt", "x", "--n", "0"], "--n 0: must be >= 1"),
+        ("generate", ["--prompt", "x", "--n", "2"], "--n 2: needs --temperature > 0"),
+        ("generate", ["--prompt", "x", "--logprobs", "-1"], "--logprobs -1: must be >= 0"),
+        ("generate", [], "the following arguments are required: --prompt"),
+        ("bench", ["--conversations", "0"], "--conversations 0: must be >= 1"),
+        ("bench", ["--turns", "0"], "--turns 0: must be >= 1"),
+        ("bench", ["--system-tokens", "0"], "--system-tokens 0: must be >= 1"),
+        ("bench", ["--user-tokens", "-2"], "--user-tokens -2: must be >= 1"),
+    ],
+)
+def test_command_specific_arguments_are_checked(capsys, command, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main([command, *argv])
+    assert exc.value.code == 2
+    assert re.search(f"dsv4 {command}: error: " + message, capsys.readouterr().err)
+
+
+def test_model_commands_reject_checkpoints_they_cannot_use(capsys, tmp_path):
     from dsv4.config import tiny_v41
 
     with pytest.raises(SystemExit):
-        main(["demo", "--checkpoint", str(tmp_path)])
+        main(["generate", "--model", str(tmp_path), "--prompt", "x"])
     assert "no config.json (not a checkpoint directory)" in capsys.readouterr().err
 
     # no tokenizer.json and a vocabulary too small for the byte tokenizer
     (tmp_path / "config.json").write_text(json.dumps(tiny_v41(vocab_size=200).to_hf_dict()))
     with pytest.raises(SystemExit):
-        main(["demo", "--checkpoint", str(tmp_path)])
+        main(["generate", "--model", str(tmp_path), "--prompt", "x"])
     assert "byte tokenizer needs vocab_size >= 259" in capsys.readouterr().err
 
     # a config but no weights: the checkpoint loader's error, not a traceback
     (tmp_path / "config.json").write_text(json.dumps(tiny_v41().to_hf_dict()))
     with pytest.raises(SystemExit):
-        main(["demo", "--checkpoint", str(tmp_path)])
+        main(["generate", "--model", str(tmp_path), "--prompt", "x"])
     err = capsys.readouterr().err
-    assert "dsv4 demo: error: " in err and "safetensors" in err
+    assert "dsv4 generate: error: " in err and "safetensors" in err
 
 
 _TURN_LINE = re.compile(

@@ -1,0 +1,367 @@
+"""The commands of ``dsv4`` that run the model, through `serving.LLM`:
+
+* ``dsv4 demo`` (the README's ``make demo``): two rounds of chats with the seeded ``tiny_v41``
+  model (or ``--model PATH``): four conversations sharing a system prompt, then each one's next
+  turn, whose prompt resends the first (so it hits the prefix cache). It prints each reply,
+  the prefix-cache hits, TTFT and the tokens per second.
+* ``dsv4 generate --prompt TEXT [--prompt ...]``: generate for the prompts and print each
+  output with its finish reason and timings.
+* ``dsv4 bench``: offline throughput on a synthetic multi-turn workload (conversations whose
+  turns resend their history); prints one JSON line.
+
+Every flag is checked before JAX is imported (bad values exit with status 2, naming the flag,
+the value and what is allowed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["UsageError", "add_commands"]
+
+_PRESETS = ("tiny_v41",)
+_KV_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
+DEMO_SYSTEM = "You are a terse assistant that answers questions about DeepSeek-V4.1. "
+DEMO_QUESTIONS = (
+    "What is a KV cache?",
+    "Why compress attention?",
+    "How does the indexer pick entries?",
+    "What does a sliding window keep?",
+)
+
+
+class UsageError(Exception):
+    """A bad command-line value; `serving.cli.main` reports it as argparse does (exit 2)."""
+
+
+def add_commands(sub) -> None:
+    """Register ``demo``, ``generate`` and ``bench`` on the ``dsv4`` subparsers."""
+    engine = argparse.ArgumentParser(add_help=False)
+    g = engine.add_argument_group("model and engine")
+    g.add_argument(
+        "--model",
+        default="tiny_v41",
+        help="a preset (tiny_v41: seeded random weights) or a checkpoint directory",
+    )
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
+    g.add_argument("--kv-cache-dtype", choices=_KV_DTYPES, default="auto")
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=64, help="tokens per step")
+    g.add_argument(
+        "--token-buckets",
+        default=None,
+        help="step sizes to compile, comma-separated (default: 16 and the token budget)",
+    )
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks")
+    g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request asks")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--bounded-replay", action="store_true", help="V4.1 SWA bounded replay")
+    g.add_argument("--sync", action="store_true", help="synchronous scheduling")
+    g.add_argument("--seed", type=int, default=0, help="random weights and sampling")
+    g.add_argument("--no-compilation-cache", action="store_true", help="JAX's persistent cache off")
+
+    def sampling(max_tokens: int) -> argparse.ArgumentParser:
+        # one parent per command: argparse shares a parent's actions, defaults included
+        parser = argparse.ArgumentParser(add_help=False)
+        s = parser.add_argument_group("sampling")
+        s.add_argument("--max-tokens", type=int, default=max_tokens)
+        s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        s.add_argument("--top-p", type=float, default=1.0)
+        s.add_argument("--top-k", type=int, default=0)
+        return parser
+
+    demo = sub.add_parser(
+        "demo",
+        parents=[engine, sampling(24)],
+        help="chats through LLM.generate: prefix hits, TTFT, tokens/s",
+        description="Two rounds of chats with DeepSeek-V4.1 in JAX through LLM.generate: "
+        "tiny_v41 has random weights (its text is gibberish, but every part of the model, "
+        "the paged caches, the scheduler and the allocator run).",
+    )
+    demo.set_defaults(func=_demo, subparser=demo)
+
+    gen = sub.add_parser(
+        "generate", parents=[engine, sampling(32)], help="generate text for prompts"
+    )
+    gen.add_argument("--prompt", action="append", metavar="TEXT", required=True)
+    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
+    gen.add_argument("--logprobs", type=int, default=None, help="top logprobs per token")
+    gen.set_defaults(func=_generate, subparser=gen)
+
+    bench = sub.add_parser(
+        "bench", parents=[engine, sampling(16)], help="offline throughput (one JSON line)"
+    )
+    bench.add_argument("--conversations", type=int, default=8)
+    bench.add_argument("--turns", type=int, default=3)
+    bench.add_argument("--system-tokens", type=int, default=48)
+    bench.add_argument("--user-tokens", type=int, default=24, help="per turn (at most)")
+    bench.set_defaults(func=_bench, subparser=bench)
+
+
+def _fail(flag: str, value, allowed: str) -> Exception:
+    return UsageError(f"{flag} {value!r}: {allowed}")
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Reject bad values before anything expensive (JAX, params) happens."""
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_tokens", "max_logprobs"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise _fail("--" + flag.replace("_", "-"), value, "must be >= 1")
+    for flag in ("max_model_len", "num_gpu_blocks"):
+        value = getattr(args, flag)
+        if value is not None and value < 2:
+            raise _fail("--" + flag.replace("_", "-"), value, "must be >= 2")
+    if not args.temperature >= 0:
+        raise _fail("--temperature", args.temperature, "must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise _fail("--top-p", args.top_p, "must be in (0, 1]")
+    if args.top_k < -1:
+        raise _fail("--top-k", args.top_k, "must be -1 or 0 (off) or >= 1")
+    if args.model not in _PRESETS:
+        if not os.path.isdir(args.model):
+            raise _fail(
+                "--model", args.model, f"not a preset ({', '.join(_PRESETS)}) nor a directory"
+            )
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise _fail("--model", args.model, "no config.json (not a checkpoint directory)")
+    args.buckets = _buckets(args)
+    for flag in ("n", "conversations", "turns", "system_tokens", "user_tokens"):
+        value = getattr(args, flag, 1)
+        if value < 1:
+            raise _fail("--" + flag.replace("_", "-"), value, "must be >= 1")
+    if getattr(args, "logprobs", None) is not None and args.logprobs < 0:
+        raise _fail("--logprobs", args.logprobs, "must be >= 0")
+    for prompt in getattr(args, "prompt", None) or ():
+        if prompt == "":
+            raise _fail("--prompt", prompt, "must not be empty")
+    if getattr(args, "n", 1) > 1 and args.temperature == 0:
+        raise _fail("--n", args.n, "needs --temperature > 0 (greedy samples are identical)")
+
+
+def _buckets(args: argparse.Namespace) -> tuple[int, ...]:
+    budget = args.max_num_batched_tokens
+    if args.token_buckets is None:
+        return tuple(sorted({min(16, budget), budget}))
+    try:
+        sizes = tuple(sorted({int(x) for x in args.token_buckets.split(",")}))
+    except ValueError:
+        raise _fail("--token-buckets", args.token_buckets, "comma-separated ints") from None
+    if sizes[0] < 1 or sizes[-1] < budget:
+        raise _fail(
+            "--token-buckets",
+            args.token_buckets,
+            f"positive sizes, the largest >= --max-num-batched-tokens ({budget})",
+        )
+    return sizes
+
+
+def _llm(args: argparse.Namespace):
+    from serving.llm import LLM
+
+    try:
+        return LLM(
+            args.model,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_gpu_blocks_override=args.num_gpu_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+            swa_bounded_replay=args.bounded_replay,
+            async_scheduling=not args.sync,
+            seed=args.seed,
+            token_buckets=args.buckets,
+            max_logprobs=args.max_logprobs,
+            compilation_cache_dir=None if args.no_compilation_cache else "default",
+        )
+    except ValueError as exc:  # a checkpoint or engine argument it cannot use
+        raise UsageError(str(exc)) from exc
+
+
+def _sampling(args: argparse.Namespace, **extra):
+    from serving.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.seed if args.temperature > 0 else None,
+            **extra,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _say(line: str = "") -> None:
+    """print, falling back to backslash escapes on a terminal that cannot show a character."""
+    try:
+        print(line, flush=True)
+    except UnicodeEncodeError:
+        enc = sys.stdout.encoding or "ascii"
+        print(line.encode(enc, "backslashreplace").decode(enc), flush=True)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
+
+
+def _header(llm) -> None:
+    import jax
+
+    cfg = llm.cfg
+    n_params = sum(int(x.size) for x in llm.engine.runner.params.values())
+    config = llm.engine.kv_cache_manager.kv_cache_config
+    st = llm.engine.stats
+    _say(
+        f"model: {n_params:,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}; "
+        f"tokenizer {llm.get_tokenizer().name}; JAX {jax.default_backend()}"
+    )
+    _say(
+        f"engine: {'async' if llm.engine.async_scheduling else 'sync'} scheduling, KV cache "
+        f"{llm.kv_cache_dtype} records in {config.num_blocks} blocks, token buckets "
+        f"{llm.engine.runner.token_buckets}; warm-up {st.warm_up_s:.1f} s "
+        f"({st.warm_up_compilations} compilations, {st.warm_up_cache_hits} loaded from the persistent cache)"
+    )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Two rounds of chats: the second resends the first round's history (prefix hits)."""
+    _check(args)
+    llm = _llm(args)
+    if args.model in _PRESETS:
+        _say(
+            f"DeepSeek-V4.1 demo: {args.model} with random weights (seed {args.seed}): the text "
+            "is gibberish; the point is the machinery. Pass --model PATH for real weights."
+        )
+    _header(llm)
+    sp = _sampling(args)
+    histories = [DEMO_SYSTEM + q for q in DEMO_QUESTIONS]
+    t0 = time.perf_counter()
+    tokens = 0
+    for round_ in (1, 2):
+        outs = llm.generate(histories, sp, use_tqdm=False)
+        _say(f"-- round {round_}: {len(outs)} conversations in one batch")
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            tokens += len(c.token_ids)
+            _say(
+                f"[{i}] prompt {len(out.prompt_token_ids)} tokens, prefix-cache hit "
+                f"{out.num_cached_tokens}; TTFT {_ms(out.metrics.ttft)}, TPOT "
+                f"{_ms(out.metrics.tpot)}; {len(c.token_ids)} tokens ({c.finish_reason})"
+            )
+            _say(f"    {c.text!r}")
+        histories = [h + o.outputs[0].text + " And then?" for h, o in zip(histories, outs)]
+    wall = time.perf_counter() - t0
+    st = llm.engine.stats
+    _say(
+        f"total: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s; "
+        f"prefix-cache hit rate {st.prefix_cache_hit_rate:.1%}; {st.num_preemptions} "
+        f"preemptions; {st.compilations_after_warm_up} compilations after warm-up"
+    )
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    _check(args)
+    llm = _llm(args)
+    _header(llm)
+    sp = _sampling(args, n=args.n, logprobs=args.logprobs)
+    t0 = time.perf_counter()
+    outs = llm.generate(list(args.prompt), sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = 0
+    for i, out in enumerate(outs):
+        _say(f"[{i}] prompt: {out.prompt!r} ({len(out.prompt_token_ids)} tokens)")
+        for c in out.outputs:
+            tokens += len(c.token_ids)
+            tag = f" #{c.index}" if len(out.outputs) > 1 else ""
+            _say(f"    output{tag}: {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+            if c.logprobs:
+                lp = ", ".join(f"{e[t].logprob:.2f}" for t, e in zip(c.token_ids, c.logprobs))
+                _say(f"    logprobs: [{lp}]")
+        _say(f"    TTFT {_ms(out.metrics.ttft)}, TPOT {_ms(out.metrics.tpot)}")
+    _say(f"{tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s")
+    return 0
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    arr = np.asarray(values) * 1000
+    return {f"p{q}": round(float(np.percentile(arr, q)), 3) for q in (50, 90, 99)}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Turn k of every conversation in one LLM.generate call, k = 1..turns: each prompt is
+    the system prompt plus the conversation so far plus a new user message."""
+    _check(args)
+    llm = _llm(args)
+    rng = random.Random(args.seed)
+    vocab = llm.cfg.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    system = tokens(args.system_tokens)
+    histories = [list(system) for _ in range(args.conversations)]
+    sp = _sampling(args, ignore_eos=True)
+    outputs = []
+    t0 = time.perf_counter()
+    for _ in range(args.turns):
+        for h in histories:
+            h += tokens(rng.randint(1, args.user_tokens))
+        room = llm.max_model_len - args.max_tokens
+        if max(len(h) for h in histories) > room:
+            raise UsageError(
+                f"the conversations outgrow --max-model-len {llm.max_model_len}: lower "
+                "--turns, --user-tokens, --system-tokens or --max-tokens"
+            )
+        outs = llm.generate(histories, sp, use_tqdm=False)
+        outputs += outs
+        for h, o in zip(histories, outs, strict=True):
+            h += o.outputs[0].token_ids
+    wall = time.perf_counter() - t0
+    st = llm.engine.stats
+    gen = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    result = {
+        "benchmark": "dsv4 bench",
+        "model": args.model,
+        "dtype": args.dtype,
+        "kv_cache_dtype": llm.kv_cache_dtype,
+        "async_scheduling": not args.sync,
+        "requests": len(outputs),
+        "prompt_tokens": prompt,
+        "output_tokens": gen,
+        "wall_s": round(wall, 3),
+        "output_tokens_per_s": round(gen / wall, 2),
+        "total_tokens_per_s": round((gen + prompt) / wall, 2),
+        "requests_per_s": round(len(outputs) / wall, 3),
+        "ttft_ms": _percentiles([o.metrics.ttft for o in outputs]),
+        "tpot_ms": _percentiles([o.metrics.tpot for o in outputs if o.metrics.tpot]),
+        "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4),
+        "preemptions": st.num_preemptions,
+        "steps": st.num_steps,
+        "host_ms_per_step": round(1000 * st.host_s / max(st.num_steps, 1), 3),
+        "warm_up_s": round(st.warm_up_s, 2),
+        "warm_up_compilations": st.warm_up_compilations,
+        "warm_up_cache_hits": st.warm_up_cache_hits,
+        "compilations_after_warm_up": st.compilations_after_warm_up,
+        "python": platform.python_version(),
+    }
+    print(json.dumps(result, sort_keys=True))
+    return 0
