@@ -1,0 +1,289 @@
+"""The serving engine against the jitted ``dsv4.generate`` on ``tiny_v41`` (fp32, CPU by default).
+
+Usage::
+
+    python -m benchmarks.engine                       # batches 1, 8, 32; prompt 32; 64 new
+    python -m benchmarks.engine --batches 1,8 --new-tokens 32 --repeats 2
+
+It prints ONE JSON line. For each batch size B (B random prompts of ``--prompt-len`` tokens,
+greedy, no EOS, so every request generates ``--new-tokens`` tokens), measured side by side in
+one process (best of ``--repeats`` warm runs each):
+
+* ``generate_tokens_per_s``: ``B * new_tokens / t`` of one warm ``dsv4.generate`` call (one
+  prefill chunk, then a ``lax.while_loop`` of decode steps, no host in the loop);
+* ``engine_sync_tokens_per_s`` / ``engine_async_tokens_per_s``: the same for ``LLM.generate``
+  with synchronous and asynchronous scheduling (requests admitted together; chunked prefill
+  under the token budget, then decode steps through the scheduler, the allocator, the batch
+  builder, the paged step and the sampler);
+* ``engine_over_generate``: generate tokens/s / engine (async) tokens/s — the engine's
+  overhead (1 = none); ``async_speedup``: async / sync tokens per second;
+* ``host_ms_per_step`` (synchronous run: scheduling, batch building and output processing,
+  the device idle meanwhile) against ``device_ms_per_step`` (the engine's jitted step alone on
+  a decode batch of B requests, timed with nothing else running) and the async run's
+  ``async_ms_per_step`` (wall time per step: when async scheduling hides the host work, this is
+  close to the device time rather than to host + device);
+* ``ttft_ms`` / ``tpot_ms`` percentiles (p50, p90, p99) of the async run;
+* ``engine_compilations``: XLA compilations during the engine runs (0: warm-up covered all).
+
+On a 2-core CPU, "device" work and host work share the cores, so async scheduling can hide less
+of the host time than on an accelerator; the figures say how much it does here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_BATCHES = (1, 8, 32)
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    arr = np.asarray(values) * 1000
+    return {f"p{q}": round(float(np.percentile(arr, q)), 3) for q in (50, 90, 99)}
+
+
+def _best(fn, repeats: int) -> tuple[float, Any]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        dt = time.perf_counter() - t0
+        if dt < best:
+            best, out = dt, result
+    return best, out
+
+
+def _generate_rate(params, cfg, prompts, new_tokens: int, repeats: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4.generation import generate
+
+    rows = jnp.asarray(prompts, jnp.int32)
+
+    def call():
+        return jax.block_until_ready(generate(params, cfg, rows, new_tokens))
+
+    call()  # compile
+    t, _ = _best(call, repeats)
+    return len(prompts) * new_tokens / t
+
+
+def _engine_run(llm, prompts, sp, repeats: int) -> dict[str, Any]:
+    """Best of ``repeats`` runs of llm.generate: tokens/s, per-step host/wait, metrics."""
+    from serving.metrics import compilation_count
+
+    engine = llm.engine
+    compiled = compilation_count()
+    llm.generate(prompts, sp, use_tqdm=False)  # first run: any lazy host setup
+    runs = []
+    for _ in range(repeats):
+        before = engine.stats.as_dict()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        after = engine.stats.as_dict()
+        steps = after["num_steps"] - before["num_steps"]
+        runs.append(
+            {
+                "wall": wall,
+                "steps": steps,
+                "host_ms_per_step": 1000 * (after["host_s"] - before["host_s"]) / steps,
+                "ms_per_step": 1000 * wall / steps,
+                "outs": outs,
+            }
+        )
+    best = min(runs, key=lambda r: r["wall"])
+    tokens = sum(len(o.outputs[0].token_ids) for o in best["outs"])
+    return {
+        "tokens_per_s": tokens / best["wall"],
+        "steps": best["steps"],
+        "host_ms_per_step": best["host_ms_per_step"],
+        "ms_per_step": best["ms_per_step"],
+        "ttft": [o.metrics.ttft for o in best["outs"]],
+        "tpot": [o.metrics.tpot for o in best["outs"] if o.metrics.tpot is not None],
+        "compilations": compilation_count() - compiled,
+    }
+
+
+def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> float:
+    """The engine's jitted step alone on a decode batch of ``batch`` requests (blocks from the
+    allocator, every request ``prompt_len`` tokens in), best of ``10 * repeats`` calls."""
+    import jax
+    import numpy as np
+
+    from dsv4.paged.batch import StepRequest, bucket, build_batch
+    from serving import runner as RU
+    from serving import sampler as S
+    from serving.sampling_params import SamplingParams
+
+    runner = llm.engine.runner
+    manager = llm.engine.kv_cache_manager
+    rng = np.random.default_rng(1)  # prompts nobody else sends: no prefix hit on these blocks
+    reqs, steps = [], []
+    for i in range(batch):
+        prompt = rng.integers(3, llm.cfg.vocab_size, prompt_len).tolist()
+        request = manager.new_request(f"device{i}", prompt)
+        assert manager.allocate_slots(request, prompt_len + 1) is not None
+        reqs.append(request)
+        ids = manager.get_block_ids(request.request_id)
+        steps.append(StepRequest([5], prompt_len, ids, req_id=request.request_id))
+    t = bucket(batch, runner.token_buckets)
+    r = RU.rows_for(t, runner.max_num_seqs)
+    step_batch = build_batch(
+        steps,
+        runner.kv_cache_config,
+        max_model_len=runner.max_model_len,
+        token_buckets=(t,),
+        request_buckets=(r,),
+    )
+    params = SamplingParams(temperature=0.0)
+    rows = [S.RowSampling(params, np.zeros(2, np.uint32), prompt_len + 1, i) for i in range(batch)]
+    sampling = S.build_sampling_batch(rows, r, runner.padding_slot)
+    none = np.full(t, -1, np.int32)
+    args = jax.device_put((step_batch, none, sampling))
+
+    def call():
+        out, runner.pools, runner.sampler_state, runner.last_tokens = RU._engine_step(
+            runner.params,
+            runner.pools,
+            runner.sampler_state,
+            runner.last_tokens,
+            args[0],
+            args[1],
+            args[2],
+            args[1],
+            **runner._static,
+        )
+        return jax.block_until_ready(out)
+
+    call()
+    best, _ = _best(call, 10 * repeats)
+    for request in reqs:
+        manager.free(request)
+    return 1000 * best
+
+
+def measure(
+    batches: Sequence[int],
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    max_num_batched_tokens: int,
+) -> dict[str, Any]:
+    import jax
+    import numpy as np
+
+    from serving.llm import LLM
+    from serving.sampling_params import SamplingParams
+
+    max_seqs = max(batches)
+    buckets = tuple(sorted({8, 32, max_num_batched_tokens} | {b for b in batches if b > 8}))
+    buckets = tuple(b for b in buckets if b <= max_num_batched_tokens)
+    common = dict(
+        dtype="float32",
+        max_model_len=prompt_len + new_tokens + 8,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        token_buckets=buckets,
+        num_gpu_blocks_override=64 * max_seqs,
+        compilation_cache_dir=None,
+    )
+    t0 = time.perf_counter()
+    llms = {mode: LLM("tiny_v41", async_scheduling=mode == "async", **common)
+            for mode in ("sync", "async")}  # fmt: skip
+    start_up = round(time.perf_counter() - t0, 2)
+    params, cfg = llms["async"].engine.runner.params, llms["async"].cfg
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    results = {}
+    for b in batches:
+        prompts = rng.integers(3, cfg.vocab_size, (b, prompt_len)).tolist()
+        gen = _generate_rate(params, cfg, prompts, new_tokens, repeats)
+        sync = _engine_run(llms["sync"], prompts, sp, repeats)
+        asyn = _engine_run(llms["async"], prompts, sp, repeats)
+        device = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
+        results[f"batch_{b}"] = {
+            "batch": b,
+            "generate_tokens_per_s": round(gen, 1),
+            "engine_sync_tokens_per_s": round(sync["tokens_per_s"], 1),
+            "engine_async_tokens_per_s": round(asyn["tokens_per_s"], 1),
+            "engine_over_generate": round(gen / asyn["tokens_per_s"], 3),
+            "async_speedup": round(asyn["tokens_per_s"] / sync["tokens_per_s"], 3),
+            "steps": asyn["steps"],
+            "host_ms_per_step": round(sync["host_ms_per_step"], 3),
+            "device_ms_per_step": round(device, 3),
+            "sync_ms_per_step": round(sync["ms_per_step"], 3),
+            "async_ms_per_step": round(asyn["ms_per_step"], 3),
+            "ttft_ms": _percentiles(asyn["ttft"]),
+            "tpot_ms": _percentiles(asyn["tpot"]),
+            "engine_compilations": sync["compilations"] + asyn["compilations"],
+        }
+    return {
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "cpu_count": os.cpu_count(),
+        "token_buckets": list(buckets),
+        # both engines built (the second reuses the first one's compiled buckets)
+        "start_up_s": start_up,
+        "warm_up_s": round(llms["sync"].engine.stats.warm_up_s, 2),
+        "warm_up_compilations": llms["sync"].engine.stats.warm_up_compilations,
+        "results": results,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        parser.error(f"--batches {args.batches!r}: comma-separated ints")
+    for flag, value in (
+        ("--prompt-len", args.prompt_len),
+        ("--new-tokens", args.new_tokens),
+        ("--repeats", args.repeats),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        *(("--batches", b) for b in batches),
+    ):
+        if value < 1:
+            parser.error(f"{flag} {value}: must be >= 1")
+    if args.prompt_len + args.new_tokens + 8 > 512:
+        parser.error("--prompt-len + --new-tokens must stay under tiny_v41's 504 tokens")
+    t0 = time.perf_counter()
+    out = {
+        "benchmark": "engine",
+        "model": "tiny_v41",
+        "dtype": "float32",
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "python": platform.python_version(),
+    }
+    out.update(
+        measure(
+            batches, args.prompt_len, args.new_tokens, args.repeats, args.max_num_batched_tokens
+        )
+    )
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

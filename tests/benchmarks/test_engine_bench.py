@@ -1,0 +1,53 @@
+"""benchmarks/engine.py on a small run: the engine for real (one 8-token bucket, batches 1 and
+2), `dsv4.generate` replaced by a stand-in of known cost (its compile would dominate), so the
+JSON line's shape and the ratios are checked in seconds; `python -m benchmarks.engine` is the
+real thing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import engine as bench
+
+STEP_S = 0.004
+
+
+def fake_generate(params, cfg, prompt, max_new_tokens):
+    time.sleep(STEP_S * max_new_tokens)
+    return jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
+
+
+def test_json_line(monkeypatch, capsys):
+    import dsv4.generation
+
+    monkeypatch.setattr(dsv4.generation, "generate", fake_generate)
+    argv = ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
+            "--max-num-batched-tokens", "8"]  # fmt: skip
+    assert bench.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["benchmark"] == "engine" and out["token_buckets"] == [8]
+    for b in (1, 2):
+        r = out["results"][f"batch_{b}"]
+        gen = b * 4 / (STEP_S * 4)
+        assert r["generate_tokens_per_s"] == pytest.approx(gen, rel=0.5)
+        for key in ("engine_sync_tokens_per_s", "engine_async_tokens_per_s",
+                    "host_ms_per_step", "device_ms_per_step", "async_ms_per_step"):  # fmt: skip
+            assert r[key] > 0, key
+        assert r["engine_over_generate"] == pytest.approx(
+            r["generate_tokens_per_s"] / r["engine_async_tokens_per_s"], rel=1e-2
+        )
+        assert set(r["ttft_ms"]) == {"p50", "p90", "p99"}
+        assert r["engine_compilations"] == 0
+
+
+@pytest.mark.parametrize(
+    "argv", [["--batches", "0"], ["--batches", "x"], ["--repeats", "0"], ["--new-tokens", "600"]]
+)
+def test_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
