@@ -71,7 +71,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, tokens found
     kv_cache_usage: float = 0.0  # fraction of blocks in use after the last step
-    kv_cache_usage_per_group: list[float] = dataclasses.field(default_factory=list)
+    # (per KV-cache group: `Engine.kv_cache_usage_per_group()`, computed on demand)
     warm_up_s: float = 0.0
     warm_up_compilations: int = 0
     warm_up_cache_hits: int = 0  # executables the warm-up loaded from the persistent cache
@@ -94,7 +94,7 @@ class EngineStats:
     def requests_per_s(self) -> float:
         return self.num_requests_finished / self.elapsed_s if self.elapsed_s else 0.0
 
-    def as_dict(self) -> dict[str, float | int | list[float]]:
+    def as_dict(self) -> dict[str, float | int]:
         out = dataclasses.asdict(self)
         out["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         out["generation_tokens_per_s"] = self.generation_tokens_per_s
