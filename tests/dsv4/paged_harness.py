@@ -214,6 +214,8 @@ def random_schedule(h: Harness, seqs: list[Seq], rng: np.random.Generator, *, sp
                                     max_tokens=len(s.tokens) - s.prompt_len + 1)  # fmt: skip
         scheduler.add_request(request, StopCriteria())
     while scheduler.has_unfinished_requests():
+        # Both knobs: the budget alone would hand the first prefill all of it (few, big chunks,
+        # little mixing); the threshold alone would cut every chunk at the same sizes.
         scheduler.max_num_batched_tokens = int(rng.integers(1, h.token_buckets[-1] + 1))
         scheduler.long_prefill_token_threshold = int(rng.integers(1, max_chunk + 1))
         output, rows, step_requests = plan_step(scheduler, inputs)
@@ -228,7 +230,7 @@ def random_schedule(h: Harness, seqs: list[Seq], rng: np.random.Generator, *, sp
         t = 0
         for row in rows:
             seq = by_id[row.request_id]
-            num_real = row.num_tokens - row.num_drafts  # tokens the request has
+            num_real = row.num_tokens - row.num_drafts  # known tokens; drafts follow them
             if row.samples:
                 drafts = output.scheduled_spec_decode_tokens.get(row.request_id, [])
                 sampled[row.request_id] = verify(seq, row.start + num_real, drafts)

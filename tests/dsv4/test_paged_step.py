@@ -24,6 +24,9 @@ from dsv4.paged import records as R
 from dsv4.paged.batch import StepRequest, build_batch, group_infos
 
 WIDTH = 64  # reference width: every test sequence is at most this long
+# A pool small enough that the scheduler preempts; 64 request rows (more than the pool's blocks)
+# make every read decode the whole pool. The tests that use it share its jitted step.
+SMALL_POOL = dict(num_blocks=32, request_buckets=(64,))
 
 
 @functools.cache
@@ -103,14 +106,14 @@ def read_paths(h: Harness) -> dict[str, bool]:
 def test_random_schedules_fp32_records(tiny_params, tiny_cfg, layout_kind, pool):
     """The default harness pool (160 blocks, 8 request rows) makes every read gather its pages
     by table; the small pool (32 blocks, 64 request rows) makes every read decode the whole
-    pool, and is small enough that the scheduler preempts. The large pool never fills (these
+    pool, and the scheduler preempts in it. The large pool never fills (these
     schedules hold at most 37 blocks at once, and with 8 rows every read gathers only in pools
     of 56 blocks or more), so only the small one preempts. Every run has prefix hits and
     accepted and rejected drafts."""
     rng = np.random.default_rng({"aliased": 0, "separate": 1}[layout_kind] + 2 * (pool == "small"))
     seqs = make_seqs(tiny_cfg, rng, 6, shared_prefix=32)
     ref = reference_logits(tiny_params, tiny_cfg, seqs)
-    kw = dict(num_blocks=32, request_buckets=(64,)) if pool == "small" else {}
+    kw = SMALL_POOL if pool == "small" else {}
     h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, layout_kind,
                 num_speculative_tokens=3, **kw)  # fmt: skip
     gathered = pool == "large"
@@ -140,13 +143,13 @@ def test_tables_trimmed_to_the_longest_request(tiny_params, tiny_cfg):
 
 
 def test_prefix_hits_and_preemption_are_exercised(tiny_params, tiny_cfg):
-    """The schedule really shares cached blocks and recomputes preempted requests: a 30-block
-    pool and up to 4 running requests make the scheduler preempt (the last request, twice in
-    mid-prefill), and the preempted request resumes from a 32-token hit."""
+    """The schedule really shares cached blocks and recomputes preempted requests: in the small
+    pool the scheduler preempts the last of 4 running requests in mid-prefill, and it resumes
+    from a 32-token hit."""
     rng = np.random.default_rng(5)
     seqs = make_seqs(tiny_cfg, rng, 4, shared_prefix=40)
     ref = reference_logits(tiny_params, tiny_cfg, seqs)
-    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, num_blocks=30)
+    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, **SMALL_POOL)
     random_schedule(h, seqs, rng, max_running=4)
     compare(h, ref, seqs, 1e-4)
     assert h.stats.num_preempted > 0, h.stats
@@ -251,18 +254,20 @@ def test_debug_check_catches_bad_block_ids(tiny_params, tiny_cfg):
 
 def test_no_compilation_after_warm_up(tiny_params, tiny_cfg):
     """Every step of a schedule uses the same bucket shapes: after the first step compiled the
-    jitted step, a whole further schedule compiles nothing (the pools are donated each step)."""
+    jitted step, a whole further schedule (prefix hits, preemptions, drafts) compiles nothing
+    (the pools are donated each step)."""
     from dsv4.paged.step import paged_step_jit
 
     rng = np.random.default_rng(11)
-    seqs = make_seqs(tiny_cfg, rng, 4, shared_prefix=16)
-    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, num_blocks=26)
+    seqs = make_seqs(tiny_cfg, rng, 5, shared_prefix=16)
+    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, **SMALL_POOL)
     random_schedule(h, seqs[:1], rng)
     warm = paged_step_jit._cache_size()
     steps = h.steps
     random_schedule(h, seqs[1:], rng, spec_k=2)
     assert h.steps > steps + 10
-    assert h.stats.num_preempted > 0 and h.stats.num_draft_tokens > 0, h.stats
+    st = h.stats
+    assert st.num_preempted > 0 and max(st.prefix_hits) > 0 and st.num_draft_tokens > 0, st
     assert paged_step_jit._cache_size() == warm
 
 
