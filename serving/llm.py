@@ -103,6 +103,8 @@ class LLM:
             for tiny_v41, 64 / 32 otherwise).
         pool_layout: "aliased" (one byte pool, as vLLM) or "separate".
         token_buckets: step sizes to compile (default powers of two from 8 to the budget).
+        table_buckets: block-table widths to compile ("auto": full width up to 64 blocks, else
+            powers of two from 16 blocks; None: always full width).
         max_logprobs: most logprobs a request may ask for (vLLM's ``max_logprobs``).
         enable_kv_cache_events: record KV events for `Engine.subscribe_kv_events`.
         compilation_cache_dir: JAX's persistent compilation cache (None: off).
@@ -134,6 +136,7 @@ class LLM:
         swa_block_size: int | None = None,
         pool_layout: str = "aliased",
         token_buckets: Sequence[int] | None = None,
+        table_buckets: Sequence[int] | str | None = "auto",
         max_logprobs: int = 20,
         enable_kv_cache_events: bool = False,
         compilation_cache_dir: str | None = "default",
@@ -176,6 +179,7 @@ class LLM:
             swa_block_size=swa_block_size or (4 if tiny else 32),
             pool_layout=pool_layout,
             token_buckets=token_buckets,
+            table_buckets=table_buckets,
             max_logprobs=max_logprobs,
             enable_kv_cache_events=enable_kv_cache_events,
             impl=impl,

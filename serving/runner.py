@@ -14,11 +14,14 @@ Tokens stay on the device between steps: each slot's last sampled token is kept 
 asynchronous engine plans a step before the previous one's tokens arrive) is read from there
 inside the next step, never through the host.
 
-Buckets: one compilation per token bucket T; the request rows R follow from T
-(``min(T, max_num_seqs) + 1`` rounded up to a power of two: one row is always free for padding)
-and the block tables are as wide as ``max_model_len`` needs, so the step compiles exactly
-``len(token_buckets)`` times. `warm_up` compiles them all (and the few small helpers the loop
-uses); afterwards the loop compiles nothing (the engine's tests count compilations).
+Buckets: one compilation per token bucket T and block-table width bucket W. The request rows R
+follow from T (``min(T, max_num_seqs) + 1`` rounded up to a power of two: one row is always free
+for padding). The tables are as wide as ``max_model_len`` needs, or, with ``table_buckets`` (the
+default once that is more than 64 blocks), only as wide as the step's longest request needs,
+rounded up to a bucket: a long ``max_model_len`` then does not make every step decode and
+address the pages of the longest possible request. `warm_up` compiles every (T, W) pair (and
+the few small helpers the loop uses); afterwards the loop compiles nothing (the engine's tests
+count compilations).
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ import numpy as np
 from dsv4 import layers as L
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
-from dsv4.paged.batch import StepBatch, bucket, build_batch, empty_batch
+from dsv4.paged.batch import (
+    StepBatch,
+    bucket,
+    build_batch,
+    empty_batch,
+    group_infos,
+    table_width_buckets,
+)
 from dsv4.paged.records import CacheFormats
 from dsv4.paged.step import paged_forward
 from serving import sampler as S
@@ -43,7 +53,14 @@ from serving.input_batch import InputBatch, RequestState
 from serving.sampling_params import SamplingParams
 from serving.scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepHandle", "StepOutput", "default_token_buckets", "rows_for"]
+__all__ = [
+    "ModelRunner",
+    "StepHandle",
+    "StepOutput",
+    "default_table_buckets",
+    "default_token_buckets",
+    "rows_for",
+]
 
 
 def default_token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> tuple[int, ...]:
@@ -53,6 +70,22 @@ def default_token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> tup
         out.append(t)
         t *= 2
     out.append(max_num_batched_tokens)
+    return tuple(out)
+
+
+def default_table_buckets(kv_cache_config, max_model_len: int) -> tuple[int, ...] | None:
+    """None (full-width tables) when ``max_model_len`` needs at most 64 blocks in every group;
+    else powers of two from 16 blocks."""
+    from dsv4.paged.batch import group_infos
+
+    groups = [g for g in group_infos(kv_cache_config) if g.kind != "ring"]
+    widest = max(-(-max_model_len // g.block_size) for g in groups)
+    if widest <= 64:
+        return None
+    out, w = [], 16
+    while w < widest:
+        out.append(w)
+        w *= 2
     return tuple(out)
 
 
@@ -118,6 +151,8 @@ class ModelRunner:
         max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
         pool_layout: "aliased" (vLLM's one byte pool) or "separate".
         token_buckets: step sizes to compile (ascending; the last must hold the budget).
+        table_buckets: block-table widths to compile (in blocks; see the module docstring);
+            "auto" = `default_table_buckets`, None = full width always.
         max_logprobs: top logprobs computed per sampled token (vLLM's ``max_logprobs``).
         eos_token_id: the tokenizer's EOS (min_tokens masks it).
         impl, interpret: the attention kernels (`pallas_kernels` dispatch).
@@ -137,6 +172,7 @@ class ModelRunner:
         max_model_len: int,
         pool_layout: str = "aliased",
         token_buckets: Sequence[int] | None = None,
+        table_buckets: Sequence[int] | str | None = "auto",
         max_logprobs: int = 20,
         eos_token_id: int | None = None,
         impl: str | None = None,
@@ -158,6 +194,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.token_buckets = buckets
+        if table_buckets == "auto":
+            table_buckets = default_table_buckets(kv_cache_config, max_model_len)
+        self.table_buckets = None if table_buckets is None else tuple(table_buckets)
         self.max_logprobs = max_logprobs
         self.eos_token_id = eos_token_id
         self.debug = debug
@@ -173,6 +212,7 @@ class ModelRunner:
         self.sampler_state = S.init_state(max_num_seqs + 1, cfg.vocab_size)
         self.last_tokens = jnp.zeros((max_num_seqs + 1,), jnp.int32)
         self.inputs = InputBatch(max_num_seqs)
+        self._groups = group_infos(kv_cache_config)
         # what the engine registered for requests that may (re)enter the batch
         self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
 
@@ -244,7 +284,9 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             token_buckets=(t,),
             request_buckets=(r,),
+            table_buckets=self.table_buckets,
             debug=self.debug,
+            groups=self._groups,
         )
         sampling = self._sampling_batch(rows, r)
         feed = np.full(t, -1, np.int32)
@@ -330,11 +372,19 @@ class ModelRunner:
         slot = np.int32(self.padding_slot)
         rows = (np.zeros(v, np.int32), np.zeros(v, bool), np.zeros(v, bool))
         self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
-        bar = tqdm(self.token_buckets, desc="warm-up (compiling buckets)", disable=not progress)
-        for t in bar:
+        widths = table_width_buckets(
+            self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
+        )
+        pairs = [(t, w) for t in self.token_buckets for w in widths]
+        bar = tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress)
+        for t, w in bar:
             r = rows_for(t, self.max_num_seqs)
             batch = empty_batch(
-                self.kv_cache_config, max_model_len=self.max_model_len, num_tokens=t, num_rows=r
+                self.kv_cache_config,
+                max_model_len=self.max_model_len,
+                num_tokens=t,
+                num_rows=r,
+                table_widths=w,
             )
             sampling = S.build_sampling_batch([], r, self.padding_slot)
             none = np.full(t, -1, np.int32)

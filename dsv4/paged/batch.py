@@ -48,6 +48,7 @@ __all__ = [
     "build_batch",
     "empty_batch",
     "group_infos",
+    "table_width_buckets",
 ]
 
 
@@ -173,13 +174,7 @@ def build_batch(
     # one extra row for padding tokens, so real rows never see them
     r_pad = bucket(n_req + 1, request_buckets)
     longest = int((starts + lens).max())
-    widths = []
-    for g in groups:
-        width = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
-        if table_buckets is not None and g.kind != "ring":
-            need = _cdiv(min(longest, max_model_len), g.block_size)
-            width = min(width, bucket(need, [*table_buckets, width]))
-        widths.append(width)
+    widths = _table_widths(groups, max_model_len, table_buckets, longest)
     batch = _padding(groups, t_pad, r_pad, widths)
 
     ends = np.cumsum(lens)
@@ -300,15 +295,55 @@ def _need_blocks(requests, g: GroupInfo, counts, req, blk, used) -> None:
         )
 
 
+def _table_widths(
+    groups: Sequence[GroupInfo],
+    max_model_len: int,
+    table_buckets: Sequence[int] | None,
+    longest: int,
+) -> tuple[int, ...]:
+    """Each group's table width for a step whose longest request reaches ``longest`` tokens."""
+    widths = []
+    for g in groups:
+        width = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
+        if table_buckets is not None and g.kind != "ring":
+            need = _cdiv(min(longest, max_model_len), g.block_size)
+            width = min(width, bucket(need, [*table_buckets, width]))
+        widths.append(width)
+    return tuple(widths)
+
+
+def table_width_buckets(
+    config: KVCacheConfig, *, max_model_len: int, table_buckets: Sequence[int] | None
+) -> list[tuple[int, ...]]:
+    """Every tuple of table widths `build_batch` can produce (one compilation each), in
+    ascending order: one tuple of full widths without ``table_buckets``."""
+    groups = group_infos(config)
+    sizes = sorted({g.block_size for g in groups if g.kind != "ring"})
+    # the widths change only where some group's block count does: at block boundaries
+    cuts = {max_model_len}
+    for size in sizes:
+        cuts.update(range(size, max_model_len, size))
+    cuts.update(c + 1 for c in list(cuts) if c < max_model_len)
+    cuts.add(1)
+    found = {_table_widths(groups, max_model_len, table_buckets, n) for n in sorted(cuts)}
+    return sorted(found)
+
+
 def empty_batch(
-    config: KVCacheConfig, *, max_model_len: int, num_tokens: int, num_rows: int
+    config: KVCacheConfig,
+    *,
+    max_model_len: int,
+    num_tokens: int,
+    num_rows: int,
+    table_widths: Sequence[int] | None = None,
 ) -> StepBatch:
     """A batch of padding only (``num_tokens`` tokens at position -1, ``num_rows`` empty
-    rows, full-width null tables): the step reads and writes nothing with it, so it compiles
-    (warms up) a bucket without touching any cache."""
+    rows, null tables of ``table_widths``, default full width): the step reads and writes
+    nothing with it, so it compiles (warms up) a bucket without touching any cache."""
     groups = group_infos(config)
-    widths = [1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size) for g in groups]
-    return _padding(groups, num_tokens, num_rows, widths)
+    if table_widths is None:
+        table_widths = _table_widths(groups, max_model_len, None, max_model_len)
+    return _padding(groups, num_tokens, num_rows, table_widths)
 
 
 def _padding(

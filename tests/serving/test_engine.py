@@ -146,3 +146,16 @@ def test_seeded_request_gives_the_same_tokens_whatever_else_runs(tiny_params, ti
     again, _ = drive(engine, [Arrival(0, "again", tuple(prompt), sp)])
     assert again["again"].outputs[0].token_ids == alone["alone"].outputs[0].token_ids
     assert_pool_is_whole(engine)
+
+
+def test_trimmed_block_tables(tiny_params, tiny_cfg):
+    """Table widths bucketed by the step's longest request (what long max_model_len uses by
+    default): the warm-up compiles every width pair, the tokens stay dsv4.generate's."""
+    engine = make_engine(tiny_params, tiny_cfg, table_buckets=(4,), max_num_batched_tokens=13)
+    assert engine.runner.table_buckets == (4,)
+    arrivals = workload(tiny_cfg, 4)
+    before = compilation_count()
+    finals, _ = drive(engine, arrivals)
+    assert compilation_count() == before
+    assert _tokens(finals) == reference_tokens(tiny_params, tiny_cfg, arrivals)
+    assert_pool_is_whole(engine)
