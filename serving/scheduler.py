@@ -287,8 +287,8 @@ class Scheduler:
 
         Raises:
             ValueError: the id is already known, the prompt is empty or not shorter than
-                `max_model_len`, the request already has computed tokens, or a stop rule is
-                invalid.
+                `max_model_len`, max_tokens is below 1, the request already has computed
+                tokens, or a stop rule is invalid.
         """
         request_id = request.request_id
         if request_id in self.requests:
@@ -299,6 +299,11 @@ class Scheduler:
             raise ValueError(
                 f"request {request_id!r} has {request.num_prompt_tokens} prompt tokens; "
                 f"allowed 1..{self.max_model_len - 1} (max_model_len - 1)"
+            )
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise ValueError(
+                f"request {request_id!r} has max_tokens={request.max_tokens}; allowed: >= 1 "
+                "or None"
             )
         if request.num_computed_tokens != 0:
             raise ValueError(

@@ -183,6 +183,8 @@ def test_bad_stop_criteria_are_rejected():
         add_all(scheduler, [("a", 3, 4, StopCriteria(min_tokens=-1))])
     with pytest.raises(ValueError, match="-5"):
         add_all(scheduler, [("b", 3, 4, StopCriteria(stop_token_ids=frozenset({-5})))])
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        add_all(scheduler, [("c", 3, 0, None)])
     assert not scheduler.requests
 
 
