@@ -154,18 +154,7 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> float
     args = jax.device_put((step_batch, none, sampling))
 
     def call():
-        out, runner.pools, runner.sampler_state, runner.last_tokens = RU._engine_step(
-            runner.params,
-            runner.pools,
-            runner.sampler_state,
-            runner.last_tokens,
-            args[0],
-            args[1],
-            args[2],
-            args[1],
-            **runner._static,
-        )
-        return jax.block_until_ready(out)
+        return jax.block_until_ready(runner.dispatch(args[0], args[1], args[2], args[1]))
 
     call()
     best, _ = _best(call, 10 * repeats)

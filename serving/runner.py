@@ -294,6 +294,12 @@ class ModelRunner:
         feed[: len(devices)] = devices
         plp_targets = np.full(t, -1, np.int32)
         plp_targets[: len(targets)] = targets
+        return StepHandle(self, output, rows, self.dispatch(batch, feed, sampling, plp_targets))
+
+    def dispatch(self, batch: StepBatch, feed, sampling: S.SamplingBatch, plp_targets):
+        """Run the jitted engine step on prepared inputs (numpy or device arrays; see
+        `_engine_step`), updating the pools and per-slot state; returns its device results
+        without waiting."""
         out, self.pools, self.sampler_state, self.last_tokens = _engine_step(
             self.params,
             self.pools,
@@ -305,7 +311,7 @@ class ModelRunner:
             plp_targets,
             **self._static,
         )
-        return StepHandle(self, output, rows, out)
+        return out
 
     @staticmethod
     def _prompt_targets(state: RequestState, start: int, n: int) -> list[int]:
@@ -388,18 +394,7 @@ class ModelRunner:
             )
             sampling = S.build_sampling_batch([], r, self.padding_slot)
             none = np.full(t, -1, np.int32)
-            out, self.pools, self.sampler_state, self.last_tokens = _engine_step(
-                self.params,
-                self.pools,
-                self.sampler_state,
-                self.last_tokens,
-                batch,
-                none,
-                sampling,
-                none,
-                **self._static,
-            )
-            jax.block_until_ready(out)
+            jax.block_until_ready(self.dispatch(batch, none, sampling, none))
 
     @property
     def num_free_slots(self) -> int:

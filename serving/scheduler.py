@@ -302,8 +302,7 @@ class Scheduler:
             )
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(
-                f"request {request_id!r} has max_tokens={request.max_tokens}; allowed: >= 1 "
-                "or None"
+                f"request {request_id!r} has max_tokens={request.max_tokens}; allowed: >= 1 or None"
             )
         if request.num_computed_tokens != 0:
             raise ValueError(

@@ -1,6 +1,28 @@
 """Test-wide settings: run on the CPU unless the caller chose a platform (the device check
-script sets JAX_PLATFORMS itself). Deviceless TPU/GPU compiles do not need a device backend."""
+script sets JAX_PLATFORMS itself). Deviceless TPU/GPU compiles do not need a device backend.
+
+The tiny model's config and seeded params are session fixtures shared by every directory (they
+are the params `LLM(model="tiny_v41", seed=0, dtype="float32")` builds); JAX is imported only
+when a test asks for them."""
 
 import os
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from dsv4.config import tiny_v41
+
+    return tiny_v41()
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+    import jax
+
+    from dsv4.params import init_params
+
+    return init_params(tiny_cfg, jax.random.PRNGKey(0))

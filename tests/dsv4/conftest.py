@@ -1,26 +1,13 @@
-"""Shared fixtures of the model tests: the tiny config, its random params, full-precision
-matmuls (fp32 comparisons at 1e-4 need them on accelerators; on CPU they are the default)."""
+"""Model tests run with full-precision matmuls (fp32 comparisons at 1e-4 need them on
+accelerators; on CPU they are the default). `tiny_cfg` / `tiny_params` come from tests/."""
 
 from __future__ import annotations
 
 import jax
 import pytest
 
-from dsv4.config import tiny_v41
-from dsv4.params import init_params
-
 
 @pytest.fixture(autouse=True)
 def _highest_precision():
     with jax.default_matmul_precision("highest"):
         yield
-
-
-@pytest.fixture(scope="session")
-def tiny_cfg():
-    return tiny_v41()
-
-
-@pytest.fixture(scope="session")
-def tiny_params(tiny_cfg):
-    return init_params(tiny_cfg, jax.random.PRNGKey(0))
