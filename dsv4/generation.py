@@ -23,10 +23,22 @@ def sample_logits(
 ) -> jax.Array:
     """One token per row of ``logits`` [B, V]: argmax when temperature == 0, else a sample from
     softmax(logits / temperature) restricted to the smallest set of tokens whose probability
-    reaches ``top_p`` (nucleus; the most likely token is always kept)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.maximum(temperature, 1e-5)
-    scaled = logits.astype(jnp.float32) / t
+    reaches ``top_p`` (nucleus; the most likely token is always kept).
+
+    ``temperature`` and ``top_p`` are f32 scalars (traced under jit). Only the chosen branch
+    runs: greedy decoding does not pay for the nucleus's sort of every row's vocabulary (on
+    CPU that sort costs more than the rest of a tiny model's decode step at batch 8)."""
+    return jax.lax.cond(temperature > 0, _nucleus_sample, _greedy, logits, key, temperature, top_p)
+
+
+def _greedy(logits, key, temperature, top_p):
+    del key, temperature, top_p
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _nucleus_sample(logits, key, temperature, top_p):
+    """A nucleus sample per row of logits [B, V] at temperature > 0: i32[B]."""
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-5)
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -35,8 +47,7 @@ def sample_logits(
     keep = keep.at[:, 0].set(True)
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
     pick = jax.random.categorical(key, masked, axis=-1)
-    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_token_id"))

@@ -207,6 +207,32 @@ def route(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig):
     return w * cfg.route_scale, ids
 
 
+def _all_experts(x, dense_w, w1, w2, w3, cfg: ModelConfig, *, quant: bool) -> jax.Array:
+    """sum_e dense_w[:, e] * expert_e(x), f32 [n, dim], for x [n, dim] (activation dtype),
+    dense_w f32 [n, e] (zero where a token does not route), w1 / w3 [e, inter, dim] and
+    w2 [e, dim, inter].
+
+    The weights are the left operands of the matmuls, read as stored ([e * inter, dim], and
+    [dim, inter] per expert), the tokens the right ones. With the tokens on the left, XLA:CPU
+    copies every expert's weights into another layout on each call, which made this branch
+    (taken from n * k > e tokens: batched decode) cost several times the gather branch."""
+    dt = x.dtype
+    e, inter, dim = w1.shape
+
+    def up(w):  # [e, inter, n]
+        flat = w.reshape(e * inter, dim).astype(dt)
+        y = jnp.einsum("od,nd->on", flat, x, preferred_element_type=jnp.float32)
+        return y.reshape(e, inter, -1).astype(dt)
+
+    act = (dense_w.T[:, None, :] * _swiglu(up(w1), up(w3), cfg.swiglu_limit)).astype(dt)
+    if quant:  # fp8 blocks run along inter
+        act = jnp.swapaxes(fp8_qdq(jnp.swapaxes(act, 1, 2), cfg.fp8_block_size), 1, 2)
+    if dt == jnp.float32:
+        return jnp.einsum("edi,ein->nd", w2, act, preferred_element_type=jnp.float32)
+    out = jnp.einsum("edi,ein->edn", w2.astype(dt), act, preferred_element_type=jnp.float32)
+    return jnp.sum(out.astype(dt).astype(jnp.float32), axis=0).T
+
+
 def moe(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig) -> jax.Array:
     """Routed experts (top-k) plus the shared expert, for x [.., dim]."""
     shape = x.shape
@@ -236,15 +262,7 @@ def moe(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig) -> jax.Arra
     else:
         # many tokens: every expert on every token, combined by the (mostly zero) routing weights
         dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].set(weights)
-        g = jnp.einsum("nd,eid->nei", xq, w1.astype(dt), preferred_element_type=jnp.float32)
-        u = jnp.einsum("nd,eid->nei", xq, w3.astype(dt), preferred_element_type=jnp.float32)
-        act = (dense_w[..., None] * _swiglu(g.astype(dt), u.astype(dt), cfg.swiglu_limit)).astype(
-            dt
-        )
-        if quant:
-            act = fp8_qdq(act, cfg.fp8_block_size)
-        out = jnp.einsum("nei,edi->ned", act, w2.astype(dt), preferred_element_type=jnp.float32)
-        y = jnp.sum(out.astype(dt).astype(jnp.float32), axis=1)
+        y = _all_experts(xq, dense_w, w1, w2, w3, cfg, quant=quant)
     s = prefix + "shared_experts."
     sg = linear(xf, params, s + "w1.weight", cfg)
     su = linear(xf, params, s + "w3.weight", cfg)

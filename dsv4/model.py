@@ -177,16 +177,28 @@ def _attention(
                 scores = jnp.where(shared["candidates"], scores, NEG_INF)
             shared["topk"] = topk_indices(scores, visible, cfg.index_topk)
         sel = shared["topk"]
-        comp_mask = jnp.zeros((b, t, n + 1), bool)
-        comp_mask = jnp.put_along_axis(
-            comp_mask, jnp.where(sel >= 0, sel, n), True, axis=-1, inplace=False
-        )[..., :n]
-        keys.append(comp.astype(kv.dtype))
-        masks.append(comp_mask)
+        if t == 1 and sel.shape[-1] < n:
+            # decode: the query attends to its window and its k selected entries, gathered,
+            # not to all n entries under a mask (k keys instead of n per query and row)
+            keys.append(_selected_entries(comp, sel[:, 0]).astype(kv.dtype))
+            masks.append(sel >= 0)
+        else:
+            comp_mask = jnp.zeros((b, t, n + 1), bool)
+            comp_mask = jnp.put_along_axis(
+                comp_mask, jnp.where(sel >= 0, sel, n), True, axis=-1, inplace=False
+            )[..., :n]
+            keys.append(comp.astype(kv.dtype))
+            masks.append(comp_mask)
     keys = jnp.concatenate(keys, axis=1)
     mask = jnp.concatenate(masks, axis=-1)
     o = sink_attention(q, keys, mask, params[a + "attn_sink"], cfg.head_dim**-0.5).astype(x.dtype)
     return L.attention_output(o, cos, sin, params, a, cfg)
+
+
+def _selected_entries(comp: jax.Array, sel: jax.Array) -> jax.Array:
+    """Rows ``sel`` [B, k] of comp [B, N, hd] (row 0 for a pick of -1, which the caller masks;
+    `sink_attention` keeps masked keys out of the sum): [B, k, hd]."""
+    return jnp.take_along_axis(comp, jnp.where(sel >= 0, sel, 0)[..., None], axis=1)
 
 
 def forward_step(

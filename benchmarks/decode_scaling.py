@@ -1,0 +1,294 @@
+"""How a decode step's time grows with the batch: ``dsv4.generate`` and the paged step, ``tiny_v41``.
+
+Usage::
+
+    python -m benchmarks.decode_scaling                     # batches 1, 2, 4, 8
+    python -m benchmarks.decode_scaling --batches 1,8 --repeats 7
+
+It prints ONE JSON line. For every batch size B (seeded random weights, fp32, random prompts of
+``--prompt-len`` tokens, greedy, no EOS):
+
+* ``generate.ms_per_step[B]``: one decode step of the jitted ``generate`` loop (one token for each
+  of the B rows): ``(best call of generate(..., N) - best call of generate(..., 1)) / (N - 1)``
+  with N = ``--new-tokens``, the prefill and the first sample taken out;
+* ``paged.ms_per_step[B]``: one call of ``dsv4.paged.step.paged_step_jit`` decoding one token for
+  each of B requests whose ``--prompt-len`` tokens are already in the paged caches (block ids from
+  ``cache.KVCacheManager``, batch from ``dsv4.paged.batch.build_batch``, fp32 records, pools
+  donated and fed back), the best mean over ``--paged-calls`` warm calls. By default the batch's
+  buckets fit it exactly (T = B tokens, R = B + 1 rows: the builder's padding row), so the step's
+  shapes grow with B; ``--token-bucket`` / ``--request-bucket`` fix them for every B instead
+  (what a server with one bucket does: then every B runs the same shapes);
+* ``ratio_b{max}_over_b{min}``: step time at the largest batch over the smallest (a decode step
+  whose cost did not depend on its rows would give 1; 8 means no gain from batching).
+
+Every repeat runs every batch size of both paths in turn, so the numbers are measured side by
+side; each figure is the best of ``--repeats``. The machine's backend, device and CPU count are
+reported; on a shared machine trust ratios more than absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DEFAULT_BATCHES = (1, 2, 4, 8)
+BLOCK_SIZE, SWA_BLOCK_SIZE = 16, 4  # the paged test harness's blocks (tests/dsv4/paged_harness)
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def _prompts(cfg: Any, batch: int, prompt_len: int, seed: int) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(seed + batch)
+    # ids 3.. (skip the byte tokenizer's specials)
+    return jax.random.randint(key, (batch, prompt_len), 3, cfg.vocab_size, jnp.int32)
+
+
+class GenerateCase:
+    """Timed calls of ``dsv4.generation.generate`` for one batch size."""
+
+    def __init__(self, params: Any, cfg: Any, prompt: Any, new_tokens: int) -> None:
+        from dsv4 import generation
+
+        self.run = lambda n: generation.generate(params, cfg, prompt, n)
+        self.new_tokens = new_tokens
+        self.best = {new_tokens: float("inf"), 1: float("inf")}
+        for n in self.best:
+            _seconds(lambda n=n: self.run(n))  # compile
+
+    def measure(self) -> None:
+        for n in self.best:
+            self.best[n] = min(self.best[n], _seconds(lambda n=n: self.run(n)))
+
+    def ms_per_step(self) -> float:
+        steps = self.new_tokens - 1
+        return 1000 * max(self.best[self.new_tokens] - self.best[1], 0.0) / steps
+
+
+class PagedCase:
+    """Timed decode calls of the paged step for ``batch`` requests whose prompts are cached.
+
+    The host side is the paged test harness's: `dsv4.paged.pools` layout and pools from the
+    allocator's `KVCacheConfig`, block ids from `cache.KVCacheManager`, the batch from
+    `build_batch` (passed through to the step as it comes, whatever its type)."""
+
+    def __init__(self, params: Any, cfg: Any, prompt: Any, *, max_model_len: int,
+                 num_blocks: int, calls: int, token_bucket: int | None,
+                 request_bucket: int | None) -> None:  # fmt: skip
+        import jax
+        import numpy as np
+
+        from cache import KVCacheManager
+        from cache.layout import for_model
+        from dsv4.paged import pools as P
+        from dsv4.paged import records as R
+
+        batch, prompt_len = prompt.shape
+        formats = R.CacheFormats.EXACT
+        desc = P.cache_desc(cfg, formats, block_size=BLOCK_SIZE, swa_block_size=SWA_BLOCK_SIZE)
+        self.config = for_model(desc, num_gpu_blocks_override=num_blocks)
+        self.layout = P.PoolLayout.build(cfg, self.config, formats, "aliased")
+        self.pools = P.init_pools(self.layout)
+        self.mgr = KVCacheManager(self.config, max_model_len, enable_caching=False,
+                                  max_num_batched_tokens=batch * prompt_len)  # fmt: skip
+        self.params, self.cfg, self.calls = params, cfg, calls
+        self.max_model_len = max_model_len
+        self.token_bucket = token_bucket or batch
+        self.request_bucket = request_bucket or batch + 1
+        rows = np.asarray(jax.device_get(prompt))
+        self.reqs = []
+        for i in range(batch):
+            req = self.mgr.new_request(f"r{i}", rows[i].tolist())
+            # the prompt and the one decode token the timed calls write (always the same slot)
+            if self.mgr.allocate_slots(req, prompt_len + 1) is None:
+                raise ValueError(f"{num_blocks} blocks cannot hold {batch} requests")
+            self.reqs.append(req)
+        prefill = self._batch([(r, rows[i].tolist(), 0) for i, r in enumerate(self.reqs)],
+                              token_bucket=batch * prompt_len, request_bucket=batch + 1)  # fmt: skip
+        self._step(prefill)
+        self.decode = self._batch(
+            [(r, [int(rows[i, -1])], prompt_len) for i, r in enumerate(self.reqs)],
+            token_bucket=self.token_bucket,
+            request_bucket=self.request_bucket,
+        )
+        self._step(self.decode)  # compile
+        self.best = float("inf")
+
+    def _batch(self, items, *, token_bucket: int, request_bucket: int) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        from dsv4.paged.batch import StepRequest, build_batch
+
+        reqs = [
+            StepRequest(token_ids=toks, start=start, block_ids=self.mgr.get_block_ids(r.request_id))
+            for r, toks, start in items
+        ]
+        batch = build_batch(reqs, self.config, max_model_len=self.max_model_len,
+                            token_buckets=(token_bucket,), request_buckets=(request_bucket,))  # fmt: skip
+        return jax.tree.map(jnp.asarray, batch)
+
+    def _step(self, batch: Any) -> Any:
+        from dsv4.paged import step
+
+        logits, self.pools = step.paged_step_jit(
+            self.params, self.pools, batch, cfg=self.cfg, layout=self.layout
+        )
+        return logits
+
+    def measure(self) -> None:
+        import jax
+
+        t0 = time.perf_counter()
+        for _ in range(self.calls):
+            logits = self._step(self.decode)
+        jax.block_until_ready(logits)
+        self.best = min(self.best, (time.perf_counter() - t0) / self.calls)
+
+    def ms_per_step(self) -> float:
+        return 1000 * self.best
+
+
+def _ratio(ms: dict[str, float], batches: Sequence[int]) -> dict[str, float]:
+    lo, hi = min(batches), max(batches)
+    if lo == hi or not ms[str(lo)]:
+        return {}
+    return {f"ratio_b{hi}_over_b{lo}": round(ms[str(hi)] / ms[str(lo)], 3)}
+
+
+def run_benchmark(
+    *,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    prompt_len: int = 32,
+    new_tokens: int = 48,
+    repeats: int = 5,
+    paged_calls: int = 30,
+    token_bucket: int | None = None,
+    request_bucket: int | None = None,
+    paths: Sequence[str] = ("generate", "paged"),
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Build seeded ``tiny_v41`` params, measure every batch size on every path side by side:
+    the dict ``main`` prints."""
+    import jax
+
+    from dsv4.config import tiny_v41
+    from dsv4.params import count_params, init_params
+
+    t0 = time.perf_counter()
+    cfg = tiny_v41()
+    max_model_len = prompt_len + new_tokens
+    if prompt_len < 1 or new_tokens < 2 or max_model_len > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt_len={prompt_len} >= 1 and new_tokens={new_tokens} >= 2 must fit "
+            f"max_seq_len {cfg.max_seq_len}"
+        )
+    if repeats < 1 or paged_calls < 1 or min(batches) < 1:
+        raise ValueError(f"repeats={repeats}, paged_calls={paged_calls} and batches must be >= 1")
+    if token_bucket is not None and token_bucket < max(batches):
+        raise ValueError(f"token_bucket={token_bucket} cannot hold batch {max(batches)}")
+    if request_bucket is not None and request_bucket < max(batches) + 1:
+        raise ValueError(
+            f"request_bucket={request_bucket} needs a row beyond batch {max(batches)} (padding)"
+        )
+    params = init_params(cfg, jax.random.PRNGKey(seed))
+    # one pool size for every batch (the step reads pages by table while the pool is larger):
+    # a request needs its compressed and ring blocks plus window blocks for max_model_len
+    num_blocks = 1 + max(batches) * (4 + 4 * -(-max_model_len // SWA_BLOCK_SIZE))
+    cases: dict[tuple[str, int], Any] = {}
+    for b in batches:
+        prompt = _prompts(cfg, b, prompt_len, seed)
+        if "generate" in paths:
+            cases[("generate", b)] = GenerateCase(params, cfg, prompt, new_tokens)
+        if "paged" in paths:
+            cases[("paged", b)] = PagedCase(
+                params, cfg, prompt, max_model_len=max_model_len, num_blocks=num_blocks,
+                calls=paged_calls, token_bucket=token_bucket, request_bucket=request_bucket,
+            )  # fmt: skip
+    for _ in range(repeats):
+        for case in cases.values():
+            case.measure()
+    out: dict[str, Any] = {
+        "benchmark": "decode_scaling",
+        "model": "tiny_v41",
+        "params": count_params(cfg),
+        "dtype": "float32",
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "batches": list(batches),
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "sampling": "greedy, no eos",
+    }
+    for path in paths:
+        ms = {str(b): round(cases[(path, b)].ms_per_step(), 4) for b in batches}
+        out[path] = {"ms_per_step": ms, **_ratio(ms, batches)}
+    if "paged" in paths:
+        out["paged"].update(
+            calls=paged_calls,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            token_bucket={str(b): cases[("paged", b)].token_bucket for b in batches},
+            request_bucket={str(b): cases[("paged", b)].request_bucket for b in batches},
+        )
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=48, help="generate: N of the timed call")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds over every case; best counts")
+    ap.add_argument("--paged-calls", type=int, default=30, help="paged: warm calls per round")
+    ap.add_argument("--token-bucket", type=int, default=None, help="paged: fix T for every B")
+    ap.add_argument("--request-bucket", type=int, default=None, help="paged: fix R for every B")
+    ap.add_argument("--paths", default="generate,paged", help="generate, paged or both")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        batches = tuple(int(b) for b in args.batches.split(",") if b)
+    except ValueError:
+        ap.error(f"--batches must be a comma list of ints, got {args.batches!r}")
+    paths = tuple(p for p in args.paths.split(",") if p)
+    if not batches or not paths or not set(paths) <= {"generate", "paged"}:
+        ap.error(f"need --batches and --paths from generate,paged, got {args.paths!r}")
+    try:
+        res = run_benchmark(
+            batches=batches,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            repeats=args.repeats,
+            paged_calls=args.paged_calls,
+            token_bucket=args.token_bucket,
+            request_bucket=args.request_bucket,
+            paths=paths,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
+    print(json.dumps(res, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
