@@ -283,7 +283,6 @@ def test_checkpoint_by_path_equals_the_same_params_in_memory(llm, tmp_path):
 def test_chat_needs_a_template(llm):
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat([{"role": "user", "content": "hi"}])
-    pytest.importorskip("jinja2")
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     (out,) = llm.chat([{"role": "user", "content": "hi"}], sp, chat_template=template,
