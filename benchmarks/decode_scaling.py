@@ -12,8 +12,9 @@ It prints ONE JSON line. For every batch size B (seeded random weights, fp32, ra
   of the B rows): ``(best call of generate(..., N) - best call of generate(..., 1)) / (N - 1)``
   with N = ``--new-tokens``, the prefill and the first sample taken out;
 * ``paged.ms_per_step[B]``: one call of ``dsv4.paged.step.paged_step_jit`` decoding one token for
-  each of B requests whose ``--prompt-len`` tokens are already in the paged caches (block ids from
-  ``cache.KVCacheManager``, batch from ``dsv4.paged.batch.build_batch``, fp32 records, pools
+  each of B requests whose ``--prompt-len`` tokens are already in the paged caches (steps planned
+  by ``serving.Scheduler`` over ``cache.KVCacheManager``, batch from
+  ``dsv4.paged.batch.build_batch``, fp32 records, pools
   donated and fed back), the best mean over ``--paged-calls`` warm calls. By default the batch's
   buckets fit it exactly (T = B tokens, R = B + 1 rows: the builder's padding row), so the step's
   shapes grow with B; ``--token-bucket`` / ``--request-bucket`` fix them for every B instead
@@ -36,6 +37,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from benchmarks import batch_sizes
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 BLOCK_SIZE, SWA_BLOCK_SIZE = 16, 4  # the paged test harness's blocks (tests/dsv4/paged_harness)
@@ -82,9 +85,11 @@ class GenerateCase:
 class PagedCase:
     """Timed decode calls of the paged step for ``batch`` requests whose prompts are cached.
 
-    The host side is the paged test harness's: `dsv4.paged.pools` layout and pools from the
-    allocator's `KVCacheConfig`, block ids from `cache.KVCacheManager`, the batch from
-    `build_batch` (passed through to the step as it comes, whatever its type)."""
+    The host side is the engine's: `dsv4.paged.pools` layout and pools from the allocator's
+    `KVCacheConfig`, `serving.Scheduler` over `cache.KVCacheManager` plans a prefill step (every
+    prompt whole) and then a decode step (one token per request), `serving.InputBatch` turns
+    each plan into `StepRequest`s and `build_batch` makes the batch. The decode batch is then
+    replayed: every timed call writes the same slots."""
 
     def __init__(self, params: Any, cfg: Any, prompt: Any, *, max_model_len: int,
                  num_blocks: int, calls: int, token_bucket: int | None,
@@ -96,6 +101,8 @@ class PagedCase:
         from cache.layout import for_model
         from dsv4.paged import pools as P
         from dsv4.paged import records as R
+        from serving.input_batch import InputBatch
+        from serving.scheduler import Scheduler, StopCriteria
 
         batch, prompt_len = prompt.shape
         formats = R.CacheFormats.EXACT
@@ -103,42 +110,49 @@ class PagedCase:
         self.config = for_model(desc, num_gpu_blocks_override=num_blocks)
         self.layout = P.PoolLayout.build(cfg, self.config, formats, "aliased")
         self.pools = P.init_pools(self.layout)
-        self.mgr = KVCacheManager(self.config, max_model_len, enable_caching=False,
-                                  max_num_batched_tokens=batch * prompt_len)  # fmt: skip
+        budget = batch * prompt_len
+        mgr = KVCacheManager(self.config, max_model_len, enable_caching=False,
+                             max_num_batched_tokens=budget)  # fmt: skip
+        scheduler = Scheduler(mgr, max_num_seqs=batch, max_num_batched_tokens=budget,
+                              max_model_len=max_model_len)  # fmt: skip
         self.params, self.cfg, self.calls = params, cfg, calls
         self.max_model_len = max_model_len
         self.token_bucket = token_bucket or batch
         self.request_bucket = request_bucket or batch + 1
         rows = np.asarray(jax.device_get(prompt))
-        self.reqs = []
         for i in range(batch):
-            req = self.mgr.new_request(f"r{i}", rows[i].tolist())
-            # the prompt and the one decode token the timed calls write (always the same slot)
-            if self.mgr.allocate_slots(req, prompt_len + 1) is None:
+            request = mgr.new_request(f"r{i}", rows[i].tolist(), max_tokens=2)
+            scheduler.add_request(request, StopCriteria())
+        inputs = InputBatch(batch)
+
+        def plan(num_tokens: int, token_bucket: int, request_bucket: int) -> Any:
+            output = scheduler.schedule()
+            inputs.update(output)
+            for new in output.scheduled_new_reqs:
+                inputs.admit(new, prompt_len)
+            if output.total_num_scheduled_tokens != num_tokens:
                 raise ValueError(f"{num_blocks} blocks cannot hold {batch} requests")
-            self.reqs.append(req)
-        prefill = self._batch([(r, rows[i].tolist(), 0) for i, r in enumerate(self.reqs)],
-                              token_bucket=batch * prompt_len, request_bucket=batch + 1)  # fmt: skip
+            _, step_requests = inputs.schedule(output)
+            return output, self._batch(step_requests, token_bucket, request_bucket)
+
+        output, prefill = plan(budget, budget, batch + 1)
         self._step(prefill)
-        self.decode = self._batch(
-            [(r, [int(rows[i, -1])], prompt_len) for i, r in enumerate(self.reqs)],
-            token_bucket=self.token_bucket,
-            request_bucket=self.request_bucket,
-        )
+        # any sampled token will do: the timed step's cost does not depend on it
+        sampled = {f"r{i}": [int(rows[i, -1])] for i in range(batch)}
+        for request_id, tokens in sampled.items():
+            inputs.learn(request_id, tokens)
+        scheduler.update_from_output(output, sampled)
+        _, self.decode = plan(batch, self.token_bucket, self.request_bucket)
         self._step(self.decode)  # compile
         self.best = float("inf")
 
-    def _batch(self, items, *, token_bucket: int, request_bucket: int) -> Any:
+    def _batch(self, step_requests, token_bucket: int, request_bucket: int) -> Any:
         import jax
         import jax.numpy as jnp
 
-        from dsv4.paged.batch import StepRequest, build_batch
+        from dsv4.paged.batch import build_batch
 
-        reqs = [
-            StepRequest(token_ids=toks, start=start, block_ids=self.mgr.get_block_ids(r.request_id))
-            for r, toks, start in items
-        ]
-        batch = build_batch(reqs, self.config, max_model_len=self.max_model_len,
+        batch = build_batch(step_requests, self.config, max_model_len=self.max_model_len,
                             token_buckets=(token_bucket,), request_buckets=(request_bucket,))  # fmt: skip
         return jax.tree.map(jnp.asarray, batch)
 
@@ -197,7 +211,7 @@ def run_benchmark(
             f"prompt_len={prompt_len} >= 1 and new_tokens={new_tokens} >= 2 must fit "
             f"max_seq_len {cfg.max_seq_len}"
         )
-    if repeats < 1 or paged_calls < 1 or min(batches) < 1:
+    if repeats < 1 or paged_calls < 1 or not batches or min(batches) < 1:
         raise ValueError(f"repeats={repeats}, paged_calls={paged_calls} and batches must be >= 1")
     if token_bucket is not None and token_bucket < max(batches):
         raise ValueError(f"token_bucket={token_bucket} cannot hold batch {max(batches)}")
@@ -265,13 +279,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--paths", default="generate,paged", help="generate, paged or both")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    try:
-        batches = tuple(int(b) for b in args.batches.split(",") if b)
-    except ValueError:
-        ap.error(f"--batches must be a comma list of ints, got {args.batches!r}")
+    batches = batch_sizes(ap, args.batches)
     paths = tuple(p for p in args.paths.split(",") if p)
-    if not batches or not paths or not set(paths) <= {"generate", "paged"}:
-        ap.error(f"need --batches and --paths from generate,paged, got {args.paths!r}")
+    if not paths or not set(paths) <= {"generate", "paged"}:
+        ap.error(f"--paths must be a comma list from generate,paged, got {args.paths!r}")
     try:
         res = run_benchmark(
             batches=batches,

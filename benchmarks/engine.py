@@ -40,6 +40,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks import batch_sizes
+
 DEFAULT_BATCHES = (1, 8, 32)
 
 
@@ -239,16 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     args = parser.parse_args(argv)
-    try:
-        batches = tuple(int(b) for b in args.batches.split(","))
-    except ValueError:
-        parser.error(f"--batches {args.batches!r}: comma-separated ints")
+    batches = batch_sizes(parser, args.batches)
     for flag, value in (
         ("--prompt-len", args.prompt_len),
         ("--new-tokens", args.new_tokens),
         ("--repeats", args.repeats),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        *(("--batches", b) for b in batches),
     ):
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")

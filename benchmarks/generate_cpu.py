@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks import batch_sizes
+
 DEFAULT_BATCHES = (1, 8)
 
 
@@ -155,12 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="warm calls; the best one counts")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    try:
-        batches = tuple(int(b) for b in args.batches.split(",") if b)
-    except ValueError:
-        ap.error(f"--batches must be a comma list of ints, got {args.batches!r}")
-    if not batches or min(batches) < 1:
-        ap.error(f"--batches must name batch sizes >= 1, got {args.batches!r}")
+    batches = batch_sizes(ap, args.batches)
     try:
         res = run_benchmark(
             batches=batches,
