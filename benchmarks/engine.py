@@ -124,8 +124,7 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> float
     import jax
     import numpy as np
 
-    from dsv4.paged.batch import StepRequest, bucket, build_batch
-    from serving import runner as RU
+    from dsv4.paged.batch import StepRequest
     from serving import sampler as S
     from serving.sampling_params import SamplingParams
 
@@ -140,15 +139,8 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> float
         reqs.append(request)
         ids = manager.get_block_ids(request.request_id)
         steps.append(StepRequest([5], prompt_len, ids, req_id=request.request_id))
-    t = bucket(batch, runner.token_buckets)
-    r = RU.rows_for(t, runner.max_num_seqs)
-    step_batch = build_batch(
-        steps,
-        runner.kv_cache_config,
-        max_model_len=runner.max_model_len,
-        token_buckets=(t,),
-        request_buckets=(r,),
-    )
+    step_batch = runner.step_batch(steps, batch)
+    t, r = step_batch.token_ids.shape[0], step_batch.seq_lens.shape[0]
     params = SamplingParams(temperature=0.0)
     rows = [S.RowSampling(params, np.zeros(2, np.uint32), prompt_len + 1, i) for i in range(batch)]
     sampling = S.build_sampling_batch(rows, r, runner.padding_slot)

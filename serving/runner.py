@@ -40,6 +40,7 @@ from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
 from dsv4.paged.batch import (
     StepBatch,
+    StepRequest,
     bucket,
     build_batch,
     empty_batch,
@@ -276,18 +277,8 @@ class ModelRunner:
             rows.append(
                 _Row(row.request_id, row.samples, row.start, n, plp, state.num_prompt_tokens)
             )
-        t = bucket(output.total_num_scheduled_tokens, self.token_buckets)
-        r = rows_for(t, self.max_num_seqs)
-        batch = build_batch(
-            step_requests,
-            self.kv_cache_config,
-            max_model_len=self.max_model_len,
-            token_buckets=(t,),
-            request_buckets=(r,),
-            table_buckets=self.table_buckets,
-            debug=self.debug,
-            groups=self._groups,
-        )
+        batch = self.step_batch(step_requests, output.total_num_scheduled_tokens)
+        t, r = batch.token_ids.shape[0], batch.seq_lens.shape[0]
         sampling = self._sampling_batch(rows, r)
         feed = np.full(t, -1, np.int32)
         devices = [slot for row in scheduled for slot in row.device_slots]
@@ -295,6 +286,21 @@ class ModelRunner:
         plp_targets = np.full(t, -1, np.int32)
         plp_targets[: len(targets)] = targets
         return StepHandle(self, output, rows, self.dispatch(batch, feed, sampling, plp_targets))
+
+    def step_batch(self, step_requests: Sequence[StepRequest], num_tokens: int) -> StepBatch:
+        """The step batch of ``step_requests`` (``num_tokens`` tokens in all), padded to this
+        runner's buckets: T the smallest token bucket that holds them, R = `rows_for(T)`."""
+        t = bucket(num_tokens, self.token_buckets)
+        return build_batch(
+            step_requests,
+            self.kv_cache_config,
+            max_model_len=self.max_model_len,
+            token_buckets=(t,),
+            request_buckets=(rows_for(t, self.max_num_seqs),),
+            table_buckets=self.table_buckets,
+            debug=self.debug,
+            groups=self._groups,
+        )
 
     def dispatch(self, batch: StepBatch, feed, sampling: S.SamplingBatch, plp_targets):
         """Run the jitted engine step on prepared inputs (numpy or device arrays; see
