@@ -67,7 +67,6 @@ _IGNORED_KEYS = frozenset(
     {
         "architectures",
         "model_type",
-        "torch_dtype",
         "transformers_version",
         "auto_map",
         "vision_config",
@@ -110,6 +109,23 @@ _IGNORED_KEYS = frozenset(
         "scale_fmt",
     }
 )
+
+
+# The inference config's "dtype" (the reference's ModelArgs): the storage of the weights.
+_INFERENCE_DTYPES = ("fp8", "bf16")
+# What transformers writes as a config's top-level "dtype" / "torch_dtype" (torch dtype names,
+# with or without the "torch." prefix, or "auto"): the torch model's storage dtype.
+_TORCH_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "auto")
+
+
+def _storage_dtype(key: str, value: Any) -> str:
+    name = value.removeprefix("torch.") if isinstance(value, str) else value
+    if name not in _TORCH_DTYPES:
+        raise ValueError(
+            f"config {key!r}={value!r} is neither an inference dtype {list(_INFERENCE_DTYPES)} "
+            f"nor a torch storage dtype {list(_TORCH_DTYPES)}"
+        )
+    return name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -316,7 +332,13 @@ class ModelConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         unknown = []
+        storage = None  # a torch dtype name from an HF config's "dtype" / "torch_dtype"
         for key, value in merged.items():
+            if key in ("dtype", "torch_dtype") and value not in _INFERENCE_DTYPES:
+                # transformers writes the torch model's storage dtype under these keys; the
+                # quantised formats come from quantization_config and expert_dtype instead
+                storage = _storage_dtype(key, value)
+                continue
             name = _HF_NAMES.get(key, key)
             if name in fields:
                 if name in values and values[name] != value:
@@ -358,8 +380,11 @@ class ModelConfig:
             values.setdefault("dtype", "fp8")
             if "expert_dtype" in quant:
                 values.setdefault("expert_dtype", quant["expert_dtype"])
-        elif "dtype" not in values and text is not None:
+        elif "dtype" not in values and (text is not None or storage is not None):
+            # an HF config without quantization_config: plain (bf16 / fp16 / fp32) weights
             values.setdefault("dtype", "bf16")
+            if storage is not None:
+                values.setdefault("expert_dtype", None)
         if "engram_layer_ids" in merged:
             values["engram_layer_ids"] = tuple(merged["engram_layer_ids"])
         elif "text_config" in raw or "n_layers" in raw or "num_hidden_layers" in raw:

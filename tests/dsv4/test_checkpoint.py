@@ -221,6 +221,19 @@ def test_reload_of_saved_loaded_is_idempotent(cfg, loaded, tmp_path):
     assert_params_equal(load(tmp_path)[1], loaded[1])
 
 
+def test_transformers_storage_dtype_in_config_json(cfg, loaded, sharded, tmp_path):
+    """The released config.json, as transformers writes it, carries the torch storage dtype at
+    the top level ("dtype": "bfloat16", or "torch_dtype"); it must load as before."""
+    shutil.copytree(sharded, tmp_path, dirs_exist_ok=True)
+    with open(tmp_path / "config.json") as f:
+        hf = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**hf, "dtype": "bfloat16", "torch_dtype": "bfloat16"}, f)
+    cfg2, got = load(tmp_path)
+    assert cfg2 == cfg
+    assert_params_equal(got, loaded[1])
+
+
 def test_load_bf16_keeps_f32_tensors(cfg, params, sharded):
     _, got = load(sharded, dtype=jnp.bfloat16)
     want = ck.quantize_params_like_checkpoint(params, cfg)

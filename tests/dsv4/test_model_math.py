@@ -157,6 +157,26 @@ def test_config_from_hf_json_with_text_config():
     assert ModelConfig.from_dict(cfg.to_hf_dict()) == cfg
     with pytest.raises(ValueError, match="unknown config keys"):
         ModelConfig.from_dict({**inf, "hiden_size": 3})
+    # transformers writes the torch storage dtype at the top level ("dtype" since 4.56,
+    # "torch_dtype" before): that is not the inference dtype, the quantised storage comes from
+    # quantization_config
+    for key in ("dtype", "torch_dtype"):
+        for value in ("bfloat16", "torch.bfloat16", "float32", "auto"):
+            assert ModelConfig.from_dict({**hf, key: value}) == cfg, (key, value)
+    both = {**hf, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    assert ModelConfig.from_dict(both) == cfg
+    # the same in text_config (where some exporters put it)
+    nested = {**hf, "text_config": {**hf["text_config"], "torch_dtype": "bfloat16"}}
+    assert ModelConfig.from_dict(nested) == cfg
+    # without quantization_config the weights are plain, experts included
+    plain = {k: v for k, v in hf.items() if k != "quantization_config"}
+    bf16 = ModelConfig.from_dict({**plain, "dtype": "bfloat16"})
+    assert (bf16.dtype, bf16.expert_dtype) == ("bf16", None)
+    assert bf16 == cfg.replace(dtype="bf16", expert_dtype=None)
+    # the inference config's own dtype names still set the field
+    assert ModelConfig.from_dict({**inf, "dtype": "bf16"}).dtype == "bf16"
+    with pytest.raises(ValueError, match=r"'dtype'='int3'.*inference dtype.*torch storage"):
+        ModelConfig.from_dict({**hf, "dtype": "int3"})
 
 
 # -- rope ---------------------------------------------------------------------------------------
