@@ -124,11 +124,16 @@ def hc_pre(x: jax.Array, pre: jax.Array) -> jax.Array:
 
 
 def hc_post(y: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """Expand: copy j = post_j y + sum_i comb[i, j] residual_i."""
-    mixed = jnp.einsum(
-        "...ij,...id->...jd", comb, residual.astype(jnp.float32), preferred_element_type=jnp.float32
-    )
-    return (post[..., None] * y[..., None, :].astype(jnp.float32) + mixed).astype(y.dtype)
+    """Expand: copy j = post_j y + sum_i comb[i, j] residual_i.
+
+    The sum over the hc_mult (4) copies is written out as multiply-adds, not as a matmul: a
+    [hc, hc] x [hc, dim] product per token is a batch of tiny matmuls, which XLA:CPU runs one
+    per token (at batch 8 it cost several times the rest of the mixing)."""
+    r = residual.astype(jnp.float32)
+    mixed = post[..., None] * y[..., None, :].astype(jnp.float32)
+    for i in range(r.shape[-2]):
+        mixed = mixed + comb[..., i, :, None] * r[..., i, None, :]
+    return mixed.astype(y.dtype)
 
 
 # -- embedding, head ---------------------------------------------------------------------------
