@@ -19,6 +19,13 @@ It prints ONE JSON line. For every batch size B (seeded random weights, fp32, ra
   buckets fit it exactly (T = B tokens, R = B + 1 rows: the builder's padding row), so the step's
   shapes grow with B; ``--token-bucket`` / ``--request-bucket`` fix them for every B instead
   (what a server with one bucket does: then every B runs the same shapes);
+* ``matmuls.ms_per_step[B]``: the matmuls of that decode step alone (every ``dot_general`` of
+  ``dsv4.model.forward_step`` at T = 1, same shapes and dimension numbers, random operands, back
+  to back in a jitted loop), with ``mflop_per_step`` and the ``gflop_per_s`` they reach, and
+  ``b{max}_over_generate_b{min}``: those matmuls at the largest batch over the whole
+  ``generate`` step at the smallest. When that is above 2, the matmuls alone already cost more
+  than twice a whole small-batch step: a batched step cannot get under 2x on this machine
+  however cheap everything else becomes;
 * ``ratio_b{max}_over_b{min}``: step time at the largest batch over the smallest (a decode step
   whose cost did not depend on its rows would give 1; 8 means no gain from batching).
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -177,6 +185,100 @@ class PagedCase:
         return 1000 * self.best
 
 
+def _step_matmuls(params: Any, cfg: Any, batch: int, max_len: int) -> list[tuple[Any, ...]]:
+    """Every ``dot_general`` of one decode step of ``dsv4.model.forward_step`` (one token for
+    each of ``batch`` rows, the step `generate` runs in its loop): (lhs aval, rhs aval,
+    dimension numbers, preferred element type), found by walking the step's jaxpr and the
+    jaxprs nested in it (each counted once: the step has no matmul inside a loop)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4 import model
+
+    cache = model.init_cache(cfg, batch, max_len)
+    start = jnp.full((batch,), max_len - 1, jnp.int32)
+    closed = jax.make_jaxpr(
+        lambda p, c, t, s: model.forward_step(p, cfg, c, t, s, jnp.ones((batch,), jnp.int32))
+    )(params, cache, jnp.zeros((batch, 1), jnp.int32), start)
+    return matmuls_of(closed.jaxpr)
+
+
+def matmuls_of(jaxpr: Any) -> list[tuple[Any, ...]]:
+    """The ``dot_general`` equations of a jaxpr and of every jaxpr nested in it (loop bodies and
+    cond branches counted once each): (lhs aval, rhs aval, dimension numbers, preferred type)."""
+    found: list[tuple[Any, ...]] = []
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                lhs, rhs = (v.aval for v in eqn.invars)
+                found.append((lhs, rhs, eqn.params["dimension_numbers"],
+                              eqn.params["preferred_element_type"]))  # fmt: skip
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr)
+    return found
+
+
+def matmul_flops(matmuls: Sequence[tuple[Any, ...]]) -> float:
+    total = 0.0
+    for lhs, rhs, ((_, rc), (_, rb)), _ in matmuls:
+        free_rhs = [d for i, d in enumerate(rhs.shape) if i not in rc and i not in rb]
+        total += 2.0 * math.prod(lhs.shape) * math.prod(free_rhs)
+    return total
+
+
+class MatmulCase:
+    """The matmuls of one decode step alone, timed: the same shapes and dimension numbers on
+    seeded random operands, back to back in a jitted loop of ``calls`` steps (each matmul's
+    smaller operand is shifted by a value of the previous one, so that nothing is hoisted out
+    of the loop or run out of order). What a step at this batch would cost if everything else
+    in it were free."""
+
+    def __init__(self, params: Any, cfg: Any, batch: int, max_len: int, calls: int) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        self.matmuls = _step_matmuls(params, cfg, batch, max_len)
+        self.flops = matmul_flops(self.matmuls)
+        key = jax.random.PRNGKey(batch)
+        operands = []
+        for i, (lhs, rhs, _, _) in enumerate(self.matmuls):
+            ka, kb = jax.random.split(jax.random.fold_in(key, i))
+            operands.append((jax.random.normal(ka, lhs.shape, lhs.dtype),
+                             jax.random.normal(kb, rhs.shape, rhs.dtype)))  # fmt: skip
+        specs = [(dims, pref) for _, _, dims, pref in self.matmuls]
+
+        def run(operands):
+            def one_step(_, carry):
+                for (a, b), (dims, pref) in zip(operands, specs):
+                    if a.size <= b.size:
+                        a = a + carry.astype(a.dtype)
+                    else:
+                        b = b + carry.astype(b.dtype)
+                    y = jax.lax.dot_general(a, b, dims, preferred_element_type=pref)
+                    carry = jnp.mean(y.astype(jnp.float32)) * 1e-9
+                return carry
+
+            return jax.lax.fori_loop(0, calls, one_step, jnp.float32(0))
+
+        self.run = jax.jit(run)
+        self.operands = operands
+        self.calls = calls
+        jax.block_until_ready(self.run(operands))  # compile
+        self.best = float("inf")
+
+    def measure(self) -> None:
+        self.best = min(self.best, _seconds(lambda: self.run(self.operands)) / self.calls)
+
+    def ms_per_step(self) -> float:
+        return 1000 * self.best
+
+
 def _ratio(ms: dict[str, float], batches: Sequence[int]) -> dict[str, float]:
     lo, hi = min(batches), max(batches)
     if lo == hi or not ms[str(lo)]:
@@ -193,7 +295,7 @@ def run_benchmark(
     paged_calls: int = 30,
     token_bucket: int | None = None,
     request_bucket: int | None = None,
-    paths: Sequence[str] = ("generate", "paged"),
+    paths: Sequence[str] = ("generate", "paged", "matmuls"),
     seed: int = 0,
 ) -> dict[str, Any]:
     """Build seeded ``tiny_v41`` params, measure every batch size on every path side by side:
@@ -228,6 +330,8 @@ def run_benchmark(
         prompt = _prompts(cfg, b, prompt_len, seed)
         if "generate" in paths:
             cases[("generate", b)] = GenerateCase(params, cfg, prompt, new_tokens)
+        if "matmuls" in paths:
+            cases[("matmuls", b)] = MatmulCase(params, cfg, b, max_model_len, new_tokens)
         if "paged" in paths:
             cases[("paged", b)] = PagedCase(
                 params, cfg, prompt, max_model_len=max_model_len, num_blocks=num_blocks,
@@ -255,6 +359,24 @@ def run_benchmark(
     for path in paths:
         ms = {str(b): round(cases[(path, b)].ms_per_step(), 4) for b in batches}
         out[path] = {"ms_per_step": ms, **_ratio(ms, batches)}
+    if "matmuls" in paths:
+        flops = {str(b): cases[("matmuls", b)].flops for b in batches}
+        out["matmuls"].update(
+            count=len(cases[("matmuls", max(batches))].matmuls),
+            mflop_per_step={b: round(f / 1e6, 3) for b, f in flops.items()},
+            gflop_per_s={
+                b: round(f / 1e6 / max(out["matmuls"]["ms_per_step"][b], 1e-9), 2)
+                for b, f in flops.items()
+            },
+        )
+        if "generate" in paths and len(batches) > 1:
+            # the floor argument: if the matmuls of the largest batch alone take more than
+            # 2x the whole step of the smallest, no schedule of the other ops gets under 2x
+            lo, hi = str(min(batches)), str(max(batches))
+            whole = out["generate"]["ms_per_step"][lo]
+            mm = out["matmuls"]["ms_per_step"][hi]
+            # None when the generate step measured 0 (too few --new-tokens to time it)
+            out["matmuls"][f"b{hi}_over_generate_b{lo}"] = round(mm / whole, 3) if whole else None
     if "paged" in paths:
         out["paged"].update(
             calls=paged_calls,
@@ -276,13 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--paged-calls", type=int, default=30, help="paged: warm calls per round")
     ap.add_argument("--token-bucket", type=int, default=None, help="paged: fix T for every B")
     ap.add_argument("--request-bucket", type=int, default=None, help="paged: fix R for every B")
-    ap.add_argument("--paths", default="generate,paged", help="generate, paged or both")
+    ap.add_argument("--paths", default="generate,paged,matmuls", help="a comma list of paths")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     batches = batch_sizes(ap, args.batches)
     paths = tuple(p for p in args.paths.split(",") if p)
-    if not paths or not set(paths) <= {"generate", "paged"}:
-        ap.error(f"--paths must be a comma list from generate,paged, got {args.paths!r}")
+    if not paths or not set(paths) <= {"generate", "paged", "matmuls"}:
+        ap.error(f"--paths must be a comma list from generate,paged,matmuls, got {args.paths!r}")
     try:
         res = run_benchmark(
             batches=batches,

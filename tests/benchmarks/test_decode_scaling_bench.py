@@ -25,10 +25,11 @@ def _json_line(argv, capsys) -> dict:
 
 
 def test_generate_path(capsys):
-    out = _json_line(["--batches", "1", "--paths", "generate"], capsys)
+    out = _json_line(["--batches", "1", "--paths", "generate,matmuls"], capsys)
     assert "paged" not in out and out["batches"] == [1]
     assert set(out["generate"]) == {"ms_per_step"}  # one batch: no ratio
     assert out["generate"]["ms_per_step"]["1"] >= 0
+    assert set(out["matmuls"]) == {"ms_per_step", "count", "mflop_per_step", "gflop_per_s"}
 
 
 def test_paged_path(capsys):
@@ -41,6 +42,49 @@ def test_paged_path(capsys):
     assert out["paged"]["token_bucket"] == {"1": 1, "2": 2}
     assert out["paged"]["request_bucket"] == {"1": 2, "2": 3}
     assert out["paged"]["max_model_len"] == 8
+
+
+def test_matmuls_path(capsys):
+    out = _json_line(["--batches", "1,2", "--paths", "matmuls"], capsys)
+    assert "generate" not in out and "paged" not in out
+    mm = out["matmuls"]
+    assert mm["count"] > 100  # 8 layers of projections, attention, mixing and experts
+    assert set(mm["ms_per_step"]) == set(mm["mflop_per_step"]) == {"1", "2"}
+    assert min(mm["ms_per_step"].values()) > 0
+    # two rows: twice the projections, a little more for index scores over more entries
+    assert (
+        2 * mm["mflop_per_step"]["1"]
+        <= mm["mflop_per_step"]["2"]
+        <= 2.1 * mm["mflop_per_step"]["1"]
+    )
+    for b in ("1", "2"):
+        assert mm["gflop_per_s"][b] == pytest.approx(
+            mm["mflop_per_step"][b] / mm["ms_per_step"][b], rel=0.02
+        )
+    assert mm["ratio_b2_over_b1"] == pytest.approx(
+        mm["ms_per_step"]["2"] / mm["ms_per_step"]["1"], abs=2e-3
+    )
+    assert "b2_over_generate_b1" not in mm  # only next to the generate path
+
+
+def test_matmul_flops_counts_nested_dots():
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w, a, b):
+        y = x @ w  # 2 * 3*4 * 5
+        z = jnp.einsum("bij,bjk->bik", a, b)  # 2 * 2*3*4 * 5
+
+        def body(i, c):  # a loop body: counted once
+            return c + jnp.sum(x @ w)
+
+        branch = jax.lax.cond(y[0, 0] > 0, lambda: a[0] @ b[0], lambda: a[1] @ b[1])
+        return y, z, jax.lax.fori_loop(0, 3, body, 0.0), branch
+
+    args = (jnp.ones((3, 4)), jnp.ones((4, 5)), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)))
+    found = decode_scaling.matmuls_of(jax.make_jaxpr(f)(*args).jaxpr)
+    assert len(found) == 5  # x@w, the einsum, the loop's x@w, both branches
+    assert decode_scaling.matmul_flops(found) == 120 + 240 + 120 + 120 + 120
 
 
 @pytest.mark.parametrize(
