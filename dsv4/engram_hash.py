@@ -1,0 +1,220 @@
+"""Engram's n-gram hash ids (``model_v41.md`` section 3.3), on the host, in numpy int64.
+
+An Engram layer looks up, for every token, one table row per (n-gram size, head): the n-grams
+are the token and the ``n - 1`` tokens before it (n = 2 .. ``max_ngram_size``), taken through a
+*compressed* token map (token ids that normalise to the same text share an id). This module
+computes those row ids; the table lookup and the gated update are the model's business (not
+wired into the model yet: see README).
+
+The arithmetic is DeepSeek's, and needs 64-bit integers (JAX defaults to 32 bits, which is one
+reason it runs here, on the host, where the engine keeps each request's token history anyway):
+
+* per Engram layer and look-back k an odd multiplier ``2 m + 1``, m drawn by numpy's
+  ``default_rng(10007 * layer_id).integers(0, bound, size=max_ngram_size, dtype=int64)``
+  with ``bound = max(1, (int64 max // compressed_vocab_size) // 2)``, so that a compressed id
+  times a multiplier never overflows;
+* look-back k of position p reads the compressed id at p - k. From the first k that falls
+  before the sequence start or onto a DEAD position (an image span) on, that look-back and
+  every longer one read the pad token's compressed id instead (the blocking is cumulative);
+* the hash of the n-gram is the XOR of the first n products (id times multiplier), taken modulo
+  the prime of its (n, head), plus the offset of that (n, head)'s row range in the layer's table;
+* the primes: for every layer, n-gram size and head in that order, the smallest prime above
+  ``engram_vocab_size - 1`` that no earlier (layer, n, head) took; the offsets are the running
+  sums of a layer's primes in (n, head) order (its first range starts at row 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DEAD", "EngramHashing", "compressed_token_map", "is_prime", "next_prime"]
+
+DEAD = -1  # a position that takes part in no n-gram (image tokens)
+_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic below 3.3e24
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for n < 3.3e24 (every table size a config can ask for)."""
+    if n < 2:
+        return False
+    for p in _MR_BASES:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        s += 1
+    for a in _MR_BASES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = pow(x, 2, n)
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def next_prime(after: int, taken: set[int]) -> int:
+    """The smallest prime above ``after`` that is not in ``taken``."""
+    n = after + 1
+    while n in taken or not is_prime(n):
+        n += 1
+    return n
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EngramHashing:
+    """Row ids of every Engram layer's table for the positions of a sequence.
+
+    ``primes`` int64[layers, max_ngram_size - 1, heads]; ``offsets`` int64[layers, columns]
+    with columns = (max_ngram_size - 1) * heads in (n, head) order; ``multipliers``
+    int64[layers, max_ngram_size]; ``pad_id`` the pad token's compressed id."""
+
+    layer_ids: tuple[int, ...]
+    max_ngram_size: int
+    n_heads: int
+    primes: np.ndarray
+    offsets: np.ndarray
+    multipliers: np.ndarray
+    pad_id: int
+    compressed_vocab_size: int
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        layer_ids: Sequence[int],
+        max_ngram_size: int,
+        n_heads: int,
+        engram_vocab_size: int,
+        compressed_vocab_size: int,
+        pad_id: int,
+    ) -> EngramHashing:
+        """``pad_id`` is already compressed (the compressed id of the config's pad token)."""
+        layer_ids = tuple(int(v) for v in layer_ids)
+        checks = {
+            "max_ngram_size": (max_ngram_size, 2),
+            "n_heads": (n_heads, 1),
+            "engram_vocab_size": (engram_vocab_size, 2),
+            "compressed_vocab_size": (compressed_vocab_size, 1),
+        }
+        for name, (value, least) in checks.items():
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r} must be an int >= {least}")
+        if not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"layer_ids={layer_ids} must be distinct layer indices >= 0")
+        if not 0 <= pad_id < compressed_vocab_size:
+            raise ValueError(f"pad_id={pad_id} outside the compressed vocabulary [0, "
+                             f"{compressed_vocab_size})")  # fmt: skip
+        taken: set[int] = set()
+        primes = np.zeros((len(layer_ids), max_ngram_size - 1, n_heads), np.int64)
+        for li in range(len(layer_ids)):
+            for ni in range(max_ngram_size - 1):
+                current = engram_vocab_size - 1
+                for h in range(n_heads):
+                    current = next_prime(current, taken)
+                    taken.add(current)
+                    primes[li, ni, h] = current
+        flat = primes.reshape(len(layer_ids), -1)
+        offsets = np.concatenate(
+            [np.zeros((len(layer_ids), 1), np.int64), np.cumsum(flat, axis=1)[:, :-1]], axis=1
+        )
+        bound = max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
+        multipliers = np.stack(
+            [
+                np.random.default_rng(10007 * layer).integers(
+                    0, bound, size=(max_ngram_size,), dtype=np.int64
+                )
+                * 2
+                + 1
+                for layer in layer_ids
+            ]
+        )
+        return cls(layer_ids, max_ngram_size, n_heads, primes, offsets, multipliers,
+                   int(pad_id), compressed_vocab_size)  # fmt: skip
+
+    @property
+    def num_columns(self) -> int:
+        """Row ids per token and layer: (max_ngram_size - 1) * n_heads."""
+        return (self.max_ngram_size - 1) * self.n_heads
+
+    def table_rows(self) -> tuple[int, ...]:
+        """Rows each layer's table needs (the sum of its primes)."""
+        return tuple(int(v) for v in self.primes.reshape(len(self.layer_ids), -1).sum(axis=1))
+
+    def hash_ids(self, history: Any, start: int = 0, end: int | None = None) -> np.ndarray:
+        """int64[end - start, layers, columns]: the row ids of positions ``start .. end - 1``.
+
+        ``history`` holds the compressed ids of positions 0 .. end - 1 of one sequence (a 1-D
+        int array; `DEAD` marks positions that take part in no n-gram). Positions before
+        ``start`` are only read as look-back: a chunk of a longer sequence hashes exactly as it
+        would inside the whole."""
+        hist = np.asarray(history, np.int64)
+        end = len(hist) if end is None else end
+        if hist.ndim != 1 or not 0 <= start <= end <= len(hist):
+            raise ValueError(f"need a 1-D history and 0 <= start={start} <= end={end} <= "
+                             f"{len(hist) if hist.ndim == 1 else hist.shape}")  # fmt: skip
+        bad = (hist[:end] != DEAD) & ((hist[:end] < 0) | (hist[:end] >= self.compressed_vocab_size))
+        if bad.any():
+            raise ValueError(f"compressed ids {sorted(set(hist[:end][bad].tolist()))[:5]} outside "
+                             f"[0, {self.compressed_vocab_size}) (and not DEAD={DEAD})")  # fmt: skip
+        pos = np.arange(start, end)
+        blocked = np.zeros(pos.shape, bool)
+        looked = []
+        for k in range(self.max_ngram_size):
+            src = hist[np.maximum(pos - k, 0)] if len(pos) else np.zeros(0, np.int64)
+            blocked = blocked | (pos < k) | (src == DEAD)
+            looked.append(np.where(blocked, self.pad_id, src))
+        tokens = np.stack(looked, axis=-1)  # [P, max_ngram_size]
+        products = tokens[:, None, :] * self.multipliers[None]  # [P, layers, max_ngram_size]
+        rolling = products[..., 0]
+        columns = []
+        for i in range(1, self.max_ngram_size):
+            rolling = rolling ^ products[..., i]
+            columns.append(rolling[..., None] % self.primes[None, :, i - 1, :])
+        return np.concatenate(columns, axis=-1) + self.offsets[None]
+
+
+def compressed_token_map(tokenizer: Any) -> tuple[np.ndarray, int]:
+    """(int64[vocab] compressed id of every token id, number of compressed ids) for a
+    ``tokenizers.Tokenizer`` (a checkpoint's tokenizer.json, added tokens included).
+
+    A token's key is its decoded text normalised by NFKC, NFD, accent stripping, lower case and
+    whitespace runs collapsed to one space, then stripped; a token that is exactly one space
+    keeps its space (it would otherwise strip to nothing and merge with unrelated tokens), a
+    token whose decoded text is empty keeps its raw text, and a token that decodes to a partial
+    UTF-8 sequence (U+FFFD) is keyed by its raw vocabulary string. Compressed ids are handed
+    out in token-id order of first appearance."""
+    from tokenizers import Regex, normalizers
+
+    keep_space = "\ue000"  # private use: survives Strip
+    norm = normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), keep_space),
+            normalizers.Strip(),
+            normalizers.Replace(keep_space, " "),
+        ]
+    )
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    ids: dict[str, int] = {}
+    out = np.zeros(size, np.int64)
+    for token_id in range(size):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tokenizer.id_to_token(token_id)
+        else:
+            key = norm.normalize_str(text) or text
+        out[token_id] = ids.setdefault(key, len(ids))
+    return out, len(ids)
