@@ -11,8 +11,11 @@ shards it names. Linear weights are fp8 e4m3 with one e8m0 (power-of-two) scale 
   memory-maps each tensor's byte range, because numpy has no dtype for F8_E8M0 scales or packed
   fp4 and a whole shard must never be read into RAM. Before decoding anything it checks every
   tensor against `dsv4.params.checkpoint_tensors` and reports all missing, unexpected, mistyped,
-  mis-shaped and corrupt tensors in one `CheckpointError`. Tensors of parts this package does not
-  model (Engram, DSpark/MTP, the vision tower, the image bias) are skipped with one log line.
+  mis-shaped and corrupt tensors in one `CheckpointError`. Engram tables (e4m3 rows, one e8m0
+  scale per ``fp8_block_size`` values of a row) are dequantised like the rest, and the Engram
+  compressed token map is built from the directory's tokenizer.json (`engram_token_map`).
+  Tensors of parts this package does not model (the vision tower, the image bias; Engram or
+  DSpark tensors under a config without them) are skipped with one log line.
 * `save_pretrained` writes our params in that released format (quantising fp8 tiles and fp4
   groups with power-of-two scales), optionally sharded; `quantize_params_like_checkpoint` gives
   the values a save + load round trip would give, without touching disk.
@@ -43,7 +46,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dsv4.config import ModelConfig
-from dsv4.params import CheckpointTensor, Storage, checkpoint_tensors, param_specs
+from dsv4.params import (
+    CheckpointTensor,
+    Storage,
+    byte_token_map,
+    check_token_map,
+    checkpoint_tensors,
+    param_specs,
+)
 from dsv4.quant import E2M1_VALUES
 
 __all__ = [
@@ -108,9 +118,15 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read, or does not match the config / the params."""
 
 
-def _out_of_scope(name: str) -> str | None:
+def _out_of_scope(name: str, cfg: ModelConfig) -> str | None:
     for label, pattern in _OUT_OF_SCOPE:
         if pattern.match(name):
+            # a config with Engram layers / a drafter models their tensors: a stray one of
+            # those is unexpected, not out of scope
+            if label == "engram" and cfg.engram_layer_ids:
+                return None
+            if label == "mtp" and cfg.n_mtp_layers and cfg.dspark_block_size:
+                return None
             return label
     return None
 
@@ -269,6 +285,42 @@ def quant_fp4(x: Any, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     code = (code | (np.signbit(v).astype(code.dtype) << 3)).astype(np.uint8)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed.view(np.int8), _scale_bytes(exp)
+
+
+def dequant_fp8_rows(
+    values: np.ndarray,
+    scale: np.ndarray,
+    block: int,
+    name: str = "weight",
+    scale_name: str | None = None,
+) -> np.ndarray:
+    """An Engram table: e4m3 bytes ``[rows, width]`` and e8m0 scales ``[rows, width / B]`` (one
+    per B consecutive values of a row) -> float32 ``[rows, width]`` (exact)."""
+    b = _as_bytes(values)
+    rows, width = b.shape
+    if width % block or tuple(scale.shape) != (rows, width // block):
+        raise CheckpointError(
+            f"{name}: scale shape {tuple(scale.shape)} does not match table {b.shape} with one "
+            f"scale per {block} values of a row (expected {(rows, width // block)})"
+        )
+    if b.size and bool(np.any((b & 0x7F) == 0x7F)):
+        where = tuple(int(k) for k in np.argwhere((b & 0x7F) == 0x7F)[0])
+        raise CheckpointError(f"{name}: F8_E4M3 NaN byte (0x7F/0xFF) at index {where}")
+    s = e8m0_to_float(scale, scale_name or f"scale of {name}")
+    v = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(rows, width // block, block)
+    return (v * s[..., None]).reshape(rows, width)
+
+
+def quant_fp8_rows(x: Any, block: int, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """Float ``[rows, width]`` -> (e4m3 ``[rows, width]``, e8m0 ``[rows, width / B]``): per B
+    values of a row, scale ``2^ceil(log2(amax / 448))`` as in `quant_fp8`."""
+    a = _finite_f64(x, name)
+    if a.ndim != 2 or a.shape[1] % block:
+        raise CheckpointError(f"{name}: an fp8 table needs [rows, k * {block}], got {a.shape}")
+    groups = a.reshape(a.shape[0], -1, block)
+    exp = _pow2_exponent(np.max(np.abs(groups), axis=-1), FP8_MAX)
+    q = np.clip(groups / np.ldexp(1.0, exp)[..., None], -FP8_MAX, FP8_MAX).reshape(a.shape)
+    return q.astype(ml_dtypes.float8_e4m3fn), _scale_bytes(exp)
 
 
 # -- safetensors headers ---------------------------------------------------------------------
@@ -454,7 +506,7 @@ def _index_checkpoint(
     for name in entries:
         if name in expected_names:
             continue
-        label = _out_of_scope(name)
+        label = _out_of_scope(name, cfg)
         if label is None:
             unexpected.append(f"{name} (in {os.path.basename(entries[name].file)})")
         else:
@@ -509,12 +561,15 @@ def _decode(
     e = entries[weight.name]
     raw = files.raw(e)
     where = f"{weight.name} (in {os.path.basename(e.file)})"
-    if weight.storage in (Storage.FP8, Storage.FP4):
+    if weight.storage in (Storage.FP8, Storage.FP4, Storage.FP8_ROWS):
         s = entries[scale.name]
         sraw = files.raw(s).reshape(scale.shape)
         swhere = f"{scale.name} (in {os.path.basename(s.file)})"
         if weight.storage is Storage.FP8:
             return dequant_fp8(raw.reshape(weight.shape), sraw, cfg.fp8_block_size, where, swhere)
+        if weight.storage is Storage.FP8_ROWS:
+            blk = cfg.fp8_block_size
+            return dequant_fp8_rows(raw.reshape(weight.shape), sraw, blk, where, swhere)
         return dequant_fp4(raw.reshape(weight.shape), sraw, where, swhere)
     if weight.dtype == "BF16":
         return raw.view(ml_dtypes.bfloat16).reshape(weight.shape)
@@ -535,10 +590,9 @@ def load_pretrained(
     to ``dtype``; F32 tensors (mHC, attention sinks, router bias) stay float32. Routed experts
     are stacked into ``[E, out, in]``. Every structural problem (missing, unexpected, wrong dtype,
     wrong shape, corrupt byte ranges, inconsistent index) is reported in one `CheckpointError`
-    (a ValueError) before any value is read; tensors of Engram, DSpark/MTP, the vision tower
-    and the image router bias are skipped with one log line. Files are memory-mapped and read
-    one tensor at a time.
-    """
+    (a ValueError) before any value is read; tensors of the vision tower and the image router
+    bias (and of Engram / DSpark when the config has none) are skipped with one log line.
+    Files are memory-mapped and read one tensor at a time."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
@@ -564,11 +618,16 @@ def load_pretrained(
     for t in expected:
         by_param[t.param].append(t)
     specs = param_specs(cfg)
+    # the tokenizer is checked against the config before any tensor is read
+    token_map = engram_token_map(path, cfg) if cfg.engram_layer_ids else None
     files = _Files()
     params: dict[str, jax.Array] = {}
     bar = _progress(len(expected), progress, "loading " + os.path.basename(path.rstrip("/")))
     try:
         for pname, spec in specs.items():
+            if spec.storage is Storage.DERIVED:
+                params[pname] = jnp.asarray(token_map)
+                continue
             target = np.float32 if spec.storage is Storage.F32 else np_dtype
             out = np.empty(spec.shape, target)
             pairs: dict[int | None, dict[str, CheckpointTensor]] = collections.defaultdict(dict)
@@ -586,6 +645,33 @@ def load_pretrained(
         bar.close()
         files.close()
     return cfg, params
+
+
+def engram_token_map(path: str | os.PathLike[str] | None, cfg: ModelConfig) -> np.ndarray:
+    """int32[vocab_size]: Engram's compressed token map for a checkpoint directory: from its
+    tokenizer.json when it has one (`dsv4.engram_hash.compressed_token_map`), else the built-in
+    byte tokenizer's. ValueError when the tokenizer's vocabulary does not fit the config (more
+    ids than ``vocab_size``, or another number of compressed ids than
+    ``engram_compressed_vocab_size``)."""
+    file = None if path is None else os.path.join(os.fspath(path), "tokenizer.json")
+    if file is None or not os.path.isfile(file):
+        return byte_token_map(cfg)
+    from tokenizers import Tokenizer
+
+    from dsv4.engram_hash import compressed_token_map
+
+    tok = Tokenizer.from_file(file)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if n > cfg.vocab_size:
+        raise CheckpointError(
+            f"{file} has {n} tokens but the model's vocab_size is {cfg.vocab_size}"
+        )
+    token_map, count = compressed_token_map(tok, cfg.vocab_size)
+    try:
+        check_token_map(cfg, token_map, count, file)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    return token_map.astype(np.int32)
 
 
 def _progress(total: int, enabled: bool, desc: str) -> tqdm:
@@ -620,11 +706,13 @@ def _encode(params: Mapping[str, Any], cfg: ModelConfig) -> Iterator[tuple[str, 
         if host is None or host[0] != t.param:
             host = (t.param, np.asarray(params[t.param]))
         x = host[1] if t.expert is None else host[1][t.expert]
-        if t.storage in (Storage.FP8, Storage.FP4):
+        if t.storage in (Storage.FP8, Storage.FP4, Storage.FP8_ROWS):
             key = (t.param, t.expert)
             if key != cache_key:
                 if t.storage is Storage.FP8:
                     cache = quant_fp8(x, blk, t.name)
+                elif t.storage is Storage.FP8_ROWS:
+                    cache = quant_fp8_rows(x, blk, t.name)
                 else:
                     cache = quant_fp4(x, t.name)
                 cache_key = key
@@ -737,9 +825,15 @@ def quantize_params_like_checkpoint(
     out: dict[str, jax.Array] = {}
     for name, spec in param_specs(cfg).items():
         x = np.asarray(params[name])
+        if spec.storage is Storage.DERIVED:
+            out[name] = jnp.asarray(x)
+            continue
         if spec.storage is Storage.FP8:
             q, s = quant_fp8(x, blk, name)
             y = dequant_fp8(q, s, blk, name)
+        elif spec.storage is Storage.FP8_ROWS:
+            q, s = quant_fp8_rows(x, blk, name)
+            y = dequant_fp8_rows(q, s, blk, name)
         elif spec.storage is Storage.FP4:
             q, s = quant_fp4(x, name)
             y = dequant_fp4(q, s, name)

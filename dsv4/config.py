@@ -132,8 +132,7 @@ def _storage_dtype(key: str, value: Any) -> str:
 class ModelConfig:
     """The DeepSeek-V4.1 text model. Defaults are the released V4.1-Flash values.
 
-    Only the backbone is modelled: Engram, the DSpark drafter and the vision tower are recorded
-    (their config fields parse) but not computed; see README.
+    The vision tower is parsed, not computed (see README).
     """
 
     vocab_size: int = 129280
@@ -184,12 +183,24 @@ class ModelConfig:
     fp8_block_size: int = 32
     bos_token_id: int = 0
     eos_token_id: int = 1
-    # parsed, not computed (outside this package's scope)
+    # Engram (model_v41.md 3.3): n-gram memory added to the stream before these layers' blocks
     engram_layer_ids: tuple[int, ...] = (1, 14)
+    engram_vocab_size: int = 16000000  # the (n, head) primes are drawn above this - 1
+    # table rows per Engram layer: the sum of its primes; () = derive them (a given value
+    # must equal the derived one)
+    engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
+    engram_max_ngram_size: int = 4
+    engram_pad_id: int = 2  # a token id; its compressed id fills look-backs past the start
+    engram_compressed_vocab_size: int = 99092  # distinct ids of the compressed token map
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    # the DSpark drafter (model_v41.md 3.6): n_mtp_layers stages after the backbone
     dspark_block_size: int = 5
     dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
     dspark_n_routed_experts: int = 128
     dspark_n_activated_experts: int = 3
+    dspark_noise_token_id: int = 128799
+    dspark_markov_rank: int = 256
     # reproduce the official reference's quantisation simulation (fp8 activations before fp8/fp4
     # GEMMs, fp8 window latent, FP4 compressed entries and index q/k)
     quant_sim: bool = False
@@ -199,11 +210,14 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(int(v) for v in value))
-        for name in ("engram_layer_ids", "dspark_target_layer_ids"):
+        for name in ("engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids"):
             value = getattr(self, name)
             if not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(int(v) for v in value))
         self._validate()
+        if self.engram_layer_ids and not self.engram_num_embeddings:
+            # () asks for the derived table sizes: store them, so both spellings compare equal
+            object.__setattr__(self, "engram_num_embeddings", self.engram_table_rows)
         # the plan validates the topology and names the offending layer
         LayerPlan.from_config(self)
 
@@ -287,6 +301,8 @@ class ModelConfig:
                 f"candidate_block_size > 0 and candidate_topk_blocks > 0 (got "
                 f"{self.candidate_block_size}, {self.candidate_topk_blocks})",
             )
+        self._validate_engram(need)
+        self._validate_dspark(need)
         if self.quant_sim:
             for name, value, block in (
                 ("dim", self.dim, self.fp8_block_size),
@@ -301,7 +317,104 @@ class ModelConfig:
                     f"quant_sim needs {name}={value} to be a multiple of {block}",
                 )
 
+    def _validate_engram(self, need) -> None:
+        ids = self.engram_layer_ids
+        if not ids:
+            return
+        need(
+            list(ids) == sorted(set(ids)) and all(0 <= i < self.n_layers for i in ids),
+            f"engram_layer_ids={list(ids)} must be sorted, distinct layers of the backbone "
+            f"0..{self.n_layers - 1}",
+        )
+        for name, least in (
+            ("engram_vocab_size", 2),
+            ("engram_max_ngram_size", 2),
+            ("engram_compressed_vocab_size", 1),
+            ("engram_n_heads", 1),
+            ("engram_head_dim", 32),
+        ):
+            value = getattr(self, name)
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= least,
+                f"{name}={value!r} must be an int >= {least}",
+            )
+        need(
+            self.engram_head_dim % 32 == 0,
+            f"engram_head_dim={self.engram_head_dim} must be a multiple of 32 (one e8m0 scale "
+            "per 32 table values)",
+        )
+        need(
+            0 <= self.engram_pad_id < self.vocab_size,
+            f"engram_pad_id={self.engram_pad_id} must be a token id in [0, {self.vocab_size})",
+        )
+        need(
+            self.engram_compressed_vocab_size <= self.vocab_size,
+            f"engram_compressed_vocab_size={self.engram_compressed_vocab_size} exceeds "
+            f"vocab_size={self.vocab_size}",
+        )
+        primes = _engram_primes(
+            len(ids), self.engram_max_ngram_size, self.engram_n_heads, self.engram_vocab_size
+        )
+        need(
+            max(max(layer) for layer in primes) < ENGRAM_MAX_PRIME,
+            f"engram_vocab_size={self.engram_vocab_size} needs primes of 2**28 or more; the "
+            "hash is computed exactly in 32-bit pieces only below that",
+        )
+        rows = tuple(sum(layer) for layer in primes)
+        if self.engram_num_embeddings:
+            need(
+                tuple(self.engram_num_embeddings) == rows,
+                f"engram_num_embeddings={list(self.engram_num_embeddings)} disagrees with the "
+                f"sums of the (n, head) primes above engram_vocab_size - 1: {list(rows)} for "
+                f"layers {list(ids)}",
+            )
+
+    def _validate_dspark(self, need) -> None:
+        if self.n_mtp_layers == 0 or self.dspark_block_size == 0:
+            return
+        need(
+            self.dspark_block_size >= 1,
+            f"dspark_block_size={self.dspark_block_size} must be >= 1 (0 = no drafter)",
+        )
+        t = self.dspark_target_layer_ids
+        need(
+            len(t) >= 1 and list(t) == sorted(set(t)) and all(0 <= i < self.n_layers for i in t),
+            f"dspark_target_layer_ids={list(t)} must be sorted, distinct layers of the backbone "
+            f"0..{self.n_layers - 1}",
+        )
+        need(
+            0 <= self.dspark_noise_token_id < self.vocab_size,
+            f"dspark_noise_token_id={self.dspark_noise_token_id} must be a token id in [0, "
+            f"{self.vocab_size})",
+        )
+        need(
+            0 < self.dspark_n_activated_experts <= self.dspark_n_routed_experts,
+            f"dspark_n_activated_experts={self.dspark_n_activated_experts} must be in 1.."
+            f"dspark_n_routed_experts={self.dspark_n_routed_experts}",
+        )
+        need(
+            self.dspark_markov_rank > 0, f"dspark_markov_rank={self.dspark_markov_rank} must be > 0"
+        )
+
     # -- derived ---------------------------------------------------------------------------
+    @property
+    def engram_table_rows(self) -> tuple[int, ...]:
+        """Rows of each Engram layer's table (the sums of its (n, head) primes)."""
+        if not self.engram_layer_ids:
+            return ()
+        primes = _engram_primes(
+            len(self.engram_layer_ids),
+            self.engram_max_ngram_size,
+            self.engram_n_heads,
+            self.engram_vocab_size,
+        )
+        return tuple(sum(layer) for layer in primes)
+
+    @property
+    def engram_columns(self) -> int:
+        """Table rows each token reads per Engram layer: (max_ngram_size - 1) * n_heads."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
     @property
     def plan(self) -> LayerPlan:
         return LayerPlan.from_config(self)
@@ -347,7 +460,7 @@ class ModelConfig:
                         f"and {value!r} from {key!r})"
                     )
                 values[name] = value
-            elif key in _IGNORED_KEYS or key.startswith(("engram_", "dspark_", "vision_")):
+            elif key in _IGNORED_KEYS or key.startswith("vision_"):
                 continue
             else:
                 unknown.append(key)
@@ -387,6 +500,8 @@ class ModelConfig:
                 values.setdefault("expert_dtype", None)
         if "engram_layer_ids" in merged:
             values["engram_layer_ids"] = tuple(merged["engram_layer_ids"])
+            # a config that names its Engram layers but not their table sizes: derive them
+            values.setdefault("engram_num_embeddings", ())
         elif "text_config" in raw or "n_layers" in raw or "num_hidden_layers" in raw:
             values["engram_layer_ids"] = ()
         for key in ("dspark_target_layer_ids", "dspark_block_size"):
@@ -467,6 +582,35 @@ class ModelConfig:
                 "expert_dtype": self.expert_dtype,
             }
         return out
+
+
+# -- Engram primes ---------------------------------------------------------------------------
+
+ENGRAM_MAX_PRIME = 1 << 28  # dsv4.engram reduces 64-bit hashes modulo primes below this
+_PRIMES_CACHE: dict[tuple[int, int, int, int], tuple[tuple[int, ...], ...]] = {}
+
+
+def _engram_primes(
+    n_layers: int, max_ngram: int, n_heads: int, vocab: int
+) -> tuple[tuple[int, ...], ...]:
+    """Per Engram layer, its primes in (n, head) order (`dsv4.engram_hash.EngramHashing`)."""
+    key = (n_layers, max_ngram, n_heads, vocab)
+    if key not in _PRIMES_CACHE:
+        from dsv4.engram_hash import next_prime
+
+        taken: set[int] = set()
+        out = []
+        for _ in range(n_layers):
+            layer = []
+            for _ in range(max_ngram - 1):
+                current = vocab - 1
+                for _ in range(n_heads):
+                    current = next_prime(current, taken)
+                    taken.add(current)
+                    layer.append(current)
+            out.append(tuple(layer))
+        _PRIMES_CACHE[key] = tuple(out)
+    return _PRIMES_CACHE[key]
 
 
 # -- layer plan ------------------------------------------------------------------------------

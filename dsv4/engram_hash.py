@@ -31,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEAD", "EngramHashing", "compressed_token_map", "is_prime", "next_prime"]
+__all__ = [
+    "DEAD",
+    "EngramHashing",
+    "byte_token_map",
+    "compressed_token_map",
+    "is_prime",
+    "next_prime",
+]
 
 DEAD = -1  # a position that takes part in no n-gram (image tokens)
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic below 3.3e24
@@ -182,20 +189,11 @@ class EngramHashing:
         return np.concatenate(columns, axis=-1) + self.offsets[None]
 
 
-def compressed_token_map(tokenizer: Any) -> tuple[np.ndarray, int]:
-    """(int64[vocab] compressed id of every token id, number of compressed ids) for a
-    ``tokenizers.Tokenizer`` (a checkpoint's tokenizer.json, added tokens included).
-
-    A token's key is its decoded text normalised by NFKC, NFD, accent stripping, lower case and
-    whitespace runs collapsed to one space, then stripped; a token that is exactly one space
-    keeps its space (it would otherwise strip to nothing and merge with unrelated tokens), a
-    token whose decoded text is empty keeps its raw text, and a token that decodes to a partial
-    UTF-8 sequence (U+FFFD) is keyed by its raw vocabulary string. Compressed ids are handed
-    out in token-id order of first appearance."""
+def _normaliser():
     from tokenizers import Regex, normalizers
 
     keep_space = "\ue000"  # private use: survives Strip
-    norm = normalizers.Sequence(
+    return normalizers.Sequence(
         [
             normalizers.NFKC(),
             normalizers.NFD(),
@@ -207,14 +205,50 @@ def compressed_token_map(tokenizer: Any) -> tuple[np.ndarray, int]:
             normalizers.Replace(keep_space, " "),
         ]
     )
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _build_map(keys: Sequence[str], vocab_size: int | None) -> tuple[np.ndarray, int]:
+    size = len(keys) if vocab_size is None else vocab_size
+    if size < len(keys):
+        raise ValueError(f"the tokenizer has {len(keys)} tokens, more than the model's "
+                         f"vocab_size={size}")  # fmt: skip
     ids: dict[str, int] = {}
-    out = np.zeros(size, np.int64)
-    for token_id in range(size):
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        if "\ufffd" in text:
-            key = tokenizer.id_to_token(token_id)
-        else:
-            key = norm.normalize_str(text) or text
+    out = np.full(size, DEAD, np.int64)
+    for token_id, key in enumerate(keys):
         out[token_id] = ids.setdefault(key, len(ids))
     return out, len(ids)
+
+
+def compressed_token_map(tokenizer: Any, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
+    """(int64[vocab] compressed id of every token id, number of compressed ids) for a
+    ``tokenizers.Tokenizer`` (a checkpoint's tokenizer.json, added tokens included).
+
+    A token's key is its decoded text normalised by NFKC, NFD, accent stripping, lower case and
+    whitespace runs collapsed to one space, then stripped; a token that is exactly one space
+    keeps its space (it would otherwise strip to nothing and merge with unrelated tokens), a
+    token whose decoded text is empty keeps its raw text, and a token that decodes to a partial
+    UTF-8 sequence (U+FFFD) is keyed by its raw vocabulary string. Compressed ids are handed
+    out in token-id order of first appearance. With ``vocab_size`` (the model's, at least the
+    tokenizer's), ids the tokenizer does not have map to `DEAD`."""
+    norm = _normaliser()
+    keys = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            keys.append(tokenizer.id_to_token(token_id))
+        else:
+            keys.append(norm.normalize_str(text) or text)
+    return _build_map(keys, vocab_size)
+
+
+def byte_token_map(vocab_size: int) -> tuple[np.ndarray, int]:
+    """The compressed map of `dsv4.tokenizer.ByteTokenizer` for a model of ``vocab_size`` ids:
+    BOS, EOS and PAD keyed by their names, byte b (id b + 3) by its character normalised as in
+    `compressed_token_map` (a byte that is not a whole UTF-8 character by its hex form); ids
+    past the 259 of the tokenizer map to `DEAD`."""
+    norm = _normaliser()
+    keys = ["<bos>", "<eos>", "<pad>"]
+    for b in range(256):
+        text = bytes([b]).decode("utf-8", errors="replace")
+        keys.append(f"<0x{b:02X}>" if "\ufffd" in text else (norm.normalize_str(text) or text))
+    return _build_map(keys[:vocab_size], vocab_size)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv4 import engram
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role
 from dsv4.reference import (
@@ -46,6 +47,10 @@ def init_cache(
         raise ValueError(f"batch={batch} and max_len={max_len} must be positive")
     w = cfg.window_size
     cache: Cache = {"win_pos": jnp.full((batch, w), -1, jnp.int32)}
+    if cfg.engram_layer_ids:
+        # the compressed ids of the last max_ngram_size - 1 positions (slot = position mod that)
+        m = cfg.engram_max_ngram_size - 1
+        cache["engram_hist"] = jnp.full((batch, m), engram.DEAD, jnp.int32)
     for info in cfg.plan:
         cache[f"win.{info.layer}"] = jnp.full((batch, w, cfg.head_dim), fill, dtype)
         if info.role is Role.FULL:
@@ -201,6 +206,23 @@ def _selected_entries(comp: jax.Array, sel: jax.Array) -> jax.Array:
     return jnp.take_along_axis(comp, jnp.where(sel >= 0, sel, 0)[..., None], axis=1)
 
 
+def _engram_rows(params, cfg: ModelConfig, cache: Cache, tokens: jax.Array, st: _Step):
+    """Engram's table rows [B, T, engram layers, columns] of the chunk, the mask of the tokens
+    whose gate is open, and the updated history ring."""
+    m = cfg.engram_max_ngram_size - 1
+    hist = cache["engram_hist"]
+    cids = engram.compressed_ids(params, tokens)
+    # entry j: position start - 1 - j (a negative position is marked DEAD by lookback)
+    prev = jnp.take_along_axis(hist, jnp.mod(st.start[:, None] - 1 - jnp.arange(m), m), axis=1)
+    look = engram.lookback(cids, prev, st.pos, cfg.engram_max_ngram_size)
+    pad = engram.compressed_ids(params, jnp.int32(cfg.engram_pad_id))
+    rows = engram.row_ids(cfg, look, pad)
+    write = st.valid & (st.pos >= st.end[:, None] - m)
+    slot = jnp.where(write, st.pos % m, m)  # m = out of range -> dropped
+    new_hist = hist.at[st.rows, slot].set(cids, mode="drop")
+    return rows, st.valid & (cids != engram.DEAD), new_hist
+
+
 def forward_step(
     params,
     cfg: ModelConfig,
@@ -227,8 +249,15 @@ def forward_step(
     shared: dict[str, jax.Array] = {}
     x = L.embed(params, tokens, cfg)
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
+    if cfg.engram_layer_ids:
+        rows, live, new["engram_hist"] = _engram_rows(params, cfg, cache, tokens, st)
     for layer in range(cfg.n_layers):
         p = f"layers.{layer}."
+        if layer in cfg.engram_layer_ids:
+            li = cfg.engram_layer_ids.index(layer)
+            x = engram.apply(
+                x, params, layer, cfg, engram.table_rows(params, layer, rows[:, :, li]), live
+            )
         a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
         h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
         att = _attention(h, params, layer, cfg, cache, new, st, shared)

@@ -31,6 +31,8 @@ __all__ = [
     "ParamSpec",
     "Storage",
     "abstract_params",
+    "byte_token_map",
+    "check_token_map",
     "checkpoint_tensors",
     "count_params",
     "init_params",
@@ -43,6 +45,11 @@ class Storage(enum.Enum):
     FP4 = "fp4"
     BF16 = "bf16"
     F32 = "f32"
+    # Engram tables: e4m3 rows with one e8m0 scale per fp8_block_size values of a row
+    FP8_ROWS = "fp8_rows"
+    # not in the checkpoint: derived at load time (the Engram compressed token map, int32,
+    # from the tokenizer)
+    DERIVED = "derived"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +125,27 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs[f + "shared_experts.w3.weight"] = _linear(cfg, inter, d)
     specs["norm.weight"] = _bf16(d, init="norm")
     specs["head.weight"] = _bf16(cfg.vocab_size, d)
+    if cfg.engram_layer_ids:
+        specs.update(_engram_specs(cfg))
+    if cfg.n_mtp_layers and cfg.dspark_block_size:
+        from dsv4 import dspark  # imports this module
+
+        specs.update(dspark.param_specs(cfg))
+    return specs
+
+
+def _engram_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Engram's tensors (model_v41.md 3.3, 4.2): per Engram layer its table, ``wkv`` and the gate
+    weights (ordered as the layers, after the backbone's), then the compressed token map."""
+    specs: dict[str, ParamSpec] = {}
+    hd, hc, d = cfg.engram_head_dim, cfg.hc_mult, cfg.dim
+    for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_table_rows, strict=True):
+        e = f"layers.{layer}.engram."
+        specs[e + "embed.weight"] = ParamSpec((rows, hd), Storage.FP8_ROWS, "normal")
+        specs[e + "wkv.weight"] = _linear(cfg, (hc + 1) * d, cfg.engram_columns * hd)
+        specs[e + "q_weight"] = _bf16(hc, d, init="norm")
+        specs[e + "k_weight"] = _bf16(hc, d, init="norm")
+    specs["engram.token_map"] = ParamSpec((cfg.vocab_size,), Storage.DERIVED, "token_map")
     return specs
 
 
@@ -195,6 +223,22 @@ def checkpoint_tensors(cfg: ModelConfig) -> Iterator[CheckpointTensor]:
                     "scale",
                     spec.storage,
                 )
+            elif spec.storage is Storage.FP8_ROWS:
+                rows, width = shape
+                yield CheckpointTensor(
+                    tname, "F8_E4M3", shape, name, expert, "weight", spec.storage
+                )
+                yield CheckpointTensor(
+                    tname.removesuffix(".weight") + ".scale",
+                    "F8_E8M0",
+                    (rows, _ceil_div(width, blk)),
+                    name,
+                    expert,
+                    "scale",
+                    spec.storage,
+                )
+            elif spec.storage is Storage.DERIVED:
+                continue
             else:
                 dt = "BF16" if spec.storage is Storage.BF16 else "F32"
                 yield CheckpointTensor(tname, dt, shape, name, expert, "weight", spec.storage)
@@ -232,28 +276,84 @@ def _init_one(key: jax.Array, spec: ParamSpec, dtype: jnp.dtype, cfg: ModelConfi
 
 
 def init_params(
-    cfg: ModelConfig, key: jax.Array | int = 0, dtype: jnp.dtype = jnp.float32
+    cfg: ModelConfig,
+    key: jax.Array | int = 0,
+    dtype: jnp.dtype = jnp.float32,
+    *,
+    token_map: np.ndarray | None = None,
 ) -> dict[str, jax.Array]:
     """Random params with activations of sensible size at every layer (for tests and the demo).
 
     Float tensors stored as f32 in the checkpoint (mHC, sinks, gate bias) stay f32; the rest take
-    ``dtype``."""
+    ``dtype``. With Engram layers, ``token_map`` int[vocab_size] is the compressed token map
+    (`dsv4.engram_hash.compressed_token_map` of a tokenizer); None = the built-in byte
+    tokenizer's (`byte_token_map`)."""
     if isinstance(key, int):
         key = jax.random.PRNGKey(key)
     specs = param_specs(cfg)
     keys = jax.random.split(key, len(specs))
-    return {
-        name: _init_one(k, spec, jnp.dtype(dtype), cfg)
-        for k, (name, spec) in zip(keys, specs.items(), strict=True)
-    }
+    out = {}
+    for k, (name, spec) in zip(keys, specs.items(), strict=True):
+        if spec.storage is Storage.DERIVED:
+            out[name] = jnp.asarray(
+                byte_token_map(cfg) if token_map is None else _given_map(cfg, token_map)
+            )
+        else:
+            out[name] = _init_one(k, spec, jnp.dtype(dtype), cfg)
+    return out
+
+
+def _given_map(cfg: ModelConfig, token_map) -> np.ndarray:
+    from dsv4.engram_hash import DEAD
+
+    m = np.asarray(token_map)
+    if m.shape != (cfg.vocab_size,) or not np.issubdtype(m.dtype, np.integer):
+        raise ValueError(f"token_map must be int[{cfg.vocab_size}], got {m.dtype}{list(m.shape)}")
+    if m.size and (m.min() < DEAD or m.max() >= cfg.engram_compressed_vocab_size):
+        raise ValueError(
+            f"token_map values span [{m.min()}, {m.max()}]; compressed ids are "
+            f"0..{cfg.engram_compressed_vocab_size - 1} or DEAD={DEAD}"
+        )
+    return m.astype(np.int32)
 
 
 def abstract_params(
     cfg: ModelConfig, dtype: jnp.dtype = jnp.float32
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes and dtypes of `init_params` without allocating (``jax.eval_shape``)."""
-    return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+    placeholder = np.zeros(cfg.vocab_size, np.int32) if cfg.engram_layer_ids else None
+    return jax.eval_shape(
+        lambda: init_params(cfg, jax.random.PRNGKey(0), dtype, token_map=placeholder)
+    )
+
+
+def byte_token_map(cfg: ModelConfig) -> np.ndarray:
+    """int32[vocab_size]: the Engram compressed token map of the built-in byte tokenizer (what
+    random params and checkpoints without a tokenizer.json use), checked against the config."""
+    from dsv4.engram_hash import byte_token_map as build
+
+    token_map, count = build(cfg.vocab_size)
+    check_token_map(cfg, token_map, count, "the built-in byte tokenizer")
+    return token_map.astype(np.int32)
+
+
+def check_token_map(cfg: ModelConfig, token_map: np.ndarray, count: int, what: str) -> None:
+    """A compressed token map must cover the vocabulary and have the config's number of ids
+    (every hash multiplier is derived from it)."""
+    if token_map.shape != (cfg.vocab_size,):
+        raise ValueError(
+            f"{what}: its Engram token map covers {token_map.shape[0]} token ids, the model's "
+            f"vocab_size is {cfg.vocab_size}"
+        )
+    if count != cfg.engram_compressed_vocab_size:
+        raise ValueError(
+            f"{what} normalises to {count} distinct Engram ids, but the config says "
+            f"engram_compressed_vocab_size={cfg.engram_compressed_vocab_size} (a tokenizer other "
+            "than the one the tables were trained with?)"
+        )
 
 
 def count_params(cfg: ModelConfig) -> int:
-    return sum(int(np.prod(s.shape)) for s in param_specs(cfg).values())
+    return sum(
+        int(np.prod(s.shape)) for s in param_specs(cfg).values() if s.storage is not Storage.DERIVED
+    )

@@ -19,10 +19,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv4 import engram
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role
 
-__all__ = ["forward", "select_candidate_blocks", "topk_indices"]
+__all__ = ["engram_rows", "forward", "forward_streams", "select_candidate_blocks", "topk_indices"]
 
 NEG_INF = -jnp.inf
 
@@ -176,14 +177,47 @@ def _attention(x, params, layer: int, cfg: ModelConfig, shared: _Shared) -> jax.
 
 def forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Logits float32[B, T, vocab] of DeepSeek-V4.1 for tokens int32[B, T] at positions 0..T-1."""
+    return forward_streams(params, cfg, tokens, ())[0]
+
+
+def engram_rows(params, cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Engram's table rows int32[B, T, engram layers, columns] of whole sequences tokens
+    int32[B, T], and bool[B, T], False at tokens that take part in no n-gram."""
+    b, t = tokens.shape
+    cids = engram.compressed_ids(params, tokens)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    none_before = jnp.zeros((b, cfg.engram_max_ngram_size - 1), jnp.int32)
+    look = engram.lookback(cids, none_before, pos, cfg.engram_max_ngram_size)
+    pad = engram.compressed_ids(params, jnp.int32(cfg.engram_pad_id))
+    return engram.row_ids(cfg, look, pad), cids != engram.DEAD
+
+
+def forward_streams(
+    params, cfg: ModelConfig, tokens: jax.Array, layers: tuple[int, ...] = ()
+) -> tuple[jax.Array, dict[int, jax.Array]]:
+    """`forward`'s logits, and the residual stream [B, T, hc, dim] entering each layer of
+    ``layers`` (after its Engram update, before its attention's mix): what the DSpark drafter
+    reads from its target layers."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
+    for layer in layers:
+        if not 0 <= layer < cfg.n_layers:
+            raise ValueError(f"layer {layer} is not a backbone layer (0..{cfg.n_layers - 1})")
     x = L.embed(params, tokens, cfg)  # [B, T, hc, D]
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     shared = _Shared()
+    if cfg.engram_layer_ids:
+        rows, live = engram_rows(params, cfg, tokens)
+    streams: dict[int, jax.Array] = {}
     for layer in range(cfg.n_layers):
         p = f"layers.{layer}."
+        if layer in cfg.engram_layer_ids:
+            li = cfg.engram_layer_ids.index(layer)
+            values = engram.table_rows(params, layer, rows[:, :, li])
+            x = engram.apply(x, params, layer, cfg, values, live)
+        if layer in layers:
+            streams[layer] = x
         a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
         h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
         x = L.hc_post(_attention(h, params, layer, cfg, shared), x, a_post, a_comb)
@@ -191,4 +225,4 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
         h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
         x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
         pre = f_pre
-    return L.head(params, x, pre, cfg)
+    return L.head(params, x, pre, cfg), streams
