@@ -131,7 +131,7 @@ class PagedCase:
         for i in range(batch):
             request = mgr.new_request(f"r{i}", rows[i].tolist(), max_tokens=2)
             scheduler.add_request(request, StopCriteria())
-        inputs = InputBatch(batch)
+        inputs = InputBatch(batch, engram_lookback=cfg.engram_lookback)
 
         def plan(num_tokens: int, token_bucket: int, request_bucket: int) -> Any:
             output = scheduler.schedule()
@@ -161,7 +161,8 @@ class PagedCase:
         from dsv4.paged.batch import build_batch
 
         batch = build_batch(step_requests, self.config, max_model_len=self.max_model_len,
-                            token_buckets=(token_bucket,), request_buckets=(request_bucket,))  # fmt: skip
+                            token_buckets=(token_bucket,), request_buckets=(request_bucket,),
+                            engram_lookback=self.cfg.engram_lookback)  # fmt: skip
         return jax.tree.map(jnp.asarray, batch)
 
     def _step(self, batch: Any) -> Any:

@@ -411,6 +411,12 @@ class ModelConfig:
         return tuple(sum(layer) for layer in primes)
 
     @property
+    def engram_lookback(self) -> int:
+        """Tokens before a position that its n-grams read: max_ngram_size - 1 (0 without
+        Engram)."""
+        return self.engram_max_ngram_size - 1 if self.engram_layer_ids else 0
+
+    @property
     def engram_columns(self) -> int:
         """Table rows each token reads per Engram layer: (max_ngram_size - 1) * n_heads."""
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads

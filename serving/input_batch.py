@@ -59,10 +59,15 @@ class InputBatch:
 
     Args:
         max_num_seqs: slots 0..max_num_seqs-1 (the scheduler never runs more at once).
+        engram_lookback: ``ModelConfig.engram_lookback`` (0: no Engram history).
     """
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, *, engram_lookback: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
+        # Engram: each step request carries this many tokens before its start (its n-gram
+        # history, from the tokens the host knows: prompt tokens after a prefix hit or a
+        # preemption, never a cache)
+        self.engram_lookback = engram_lookback
         self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
 
@@ -135,6 +140,11 @@ class InputBatch:
                     replay_start=state.replay_start,
                     cache_write_from=state.write_from,
                     req_id=request_id,
+                    # every position before start is known to the host (only the newest
+                    # token can be in flight, and it is at start or later)
+                    prev_tokens=state.tokens[max(0, start - self.engram_lookback) : start]
+                    if self.engram_lookback
+                    else (),
                 )
             )
         for row in rows:

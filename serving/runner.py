@@ -212,7 +212,7 @@ class ModelRunner:
         self.padding_slot = max_num_seqs
         self.sampler_state = S.init_state(max_num_seqs + 1, cfg.vocab_size)
         self.last_tokens = jnp.zeros((max_num_seqs + 1,), jnp.int32)
-        self.inputs = InputBatch(max_num_seqs)
+        self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
         self._groups = group_infos(kv_cache_config)
         # what the engine registered for requests that may (re)enter the batch
         self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
@@ -300,6 +300,7 @@ class ModelRunner:
             table_buckets=self.table_buckets,
             debug=self.debug,
             groups=self._groups,
+            engram_lookback=self.cfg.engram_lookback,
         )
 
     def dispatch(self, batch: StepBatch, feed, sampling: S.SamplingBatch, plp_targets):
@@ -397,6 +398,7 @@ class ModelRunner:
                 num_tokens=t,
                 num_rows=r,
                 table_widths=w,
+                engram_lookback=self.cfg.engram_lookback,
             )
             sampling = S.build_sampling_batch([], r, self.padding_slot)
             none = np.full(t, -1, np.int32)

@@ -73,6 +73,9 @@ class StepBatch:
     window_slots: dict[int, Any]  # window group g -> i32[T] token slots, -1 = none
     state_slots: dict[tuple[int, int], Any]  # (full group g, ratio r) -> i32[T] state slots
     ring_slots: dict[int, Any]  # ring group g -> i32[T] ring rows, -1 = none
+    # Engram look-back: per row the token ids of positions start-1, start-2, .. start-m (m =
+    # engram_max_ngram_size - 1; m = 0 without Engram), -1 for a position before 0
+    engram_prev: Any = None  # i32[R, m]
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +129,9 @@ class StepRequest:
     replay_start: int = 0  # bounded replay: windows start here
     cache_write_from: int = 0  # bounded replay: no compressed/index writes below this position
     req_id: str = ""
+    # Engram: the tokens of the positions just before ``start`` (the last ones of the request's
+    # history; at least engram_lookback of them unless start is smaller)
+    prev_tokens: Sequence[int] = ()
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int:
@@ -150,8 +156,12 @@ def build_batch(
     table_buckets: Sequence[int] | None = None,
     debug: bool = False,
     groups: Sequence[GroupInfo] | None = None,
+    engram_lookback: int = 0,
 ) -> StepBatch:
     """The step's arrays for ``requests`` (see the module docstring).
+
+    ``engram_lookback``: m = ``engram_max_ngram_size - 1`` of a model with Engram (0 without):
+    ``engram_prev`` gets, per row, the last m of its request's ``prev_tokens``.
 
     ``table_buckets``: None gives every block table the width ``max_model_len`` needs. With
     sizes (in blocks, e.g. powers of two), a table is only as wide as the longest request of
@@ -175,7 +185,7 @@ def build_batch(
     r_pad = bucket(n_req + 1, request_buckets)
     longest = int((starts + lens).max())
     widths = _table_widths(groups, max_model_len, table_buckets, longest)
-    batch = _padding(groups, t_pad, r_pad, widths)
+    batch = _padding(groups, t_pad, r_pad, widths, engram_lookback)
 
     ends = np.cumsum(lens)
     begins = ends - lens
@@ -192,6 +202,8 @@ def build_batch(
     batch.logits_indices[:n_req] = ends - 1
     batch.replay_start[:n_req] = [r.replay_start for r in requests]
     write_from = np.fromiter((r.cache_write_from for r in requests), np.int64, n_req)
+    if engram_lookback:
+        _engram_prev(requests, starts, engram_lookback, batch.engram_prev)
     for g in groups:
         counts = np.fromiter((len(r.block_ids[g.index]) for r in requests), np.int64, n_req)
         table = batch.block_tables[g.index]
@@ -248,6 +260,19 @@ def _check_requests(requests, lens, starts, max_model_len: int, num_groups: int)
                 f"request {i} ({r.req_id!r}) has block ids for {len(r.block_ids)} groups, "
                 f"the layout has {num_groups}"
             )
+
+
+def _engram_prev(requests, starts, m: int, out: np.ndarray) -> None:
+    """Row i, column j: the token at position start_i - 1 - j (-1 before position 0)."""
+    for i, r in enumerate(requests):
+        need = min(m, int(starts[i]))
+        prev = r.prev_tokens[len(r.prev_tokens) - need :] if need else ()
+        if len(prev) != need:
+            raise ValueError(
+                f"request {i} ({r.req_id!r}) starts at position {starts[i]} but gives "
+                f"{len(r.prev_tokens)} prev_tokens; Engram needs the {need} before it"
+            )
+        out[i, :need] = list(reversed(prev))
 
 
 def _ragged_table(requests, g: int, counts: np.ndarray) -> np.ndarray:
@@ -336,6 +361,7 @@ def empty_batch(
     num_tokens: int,
     num_rows: int,
     table_widths: Sequence[int] | None = None,
+    engram_lookback: int = 0,
 ) -> StepBatch:
     """A batch of padding only (``num_tokens`` tokens at position -1, ``num_rows`` empty
     rows, null tables of ``table_widths``, default full width): the step reads and writes
@@ -343,11 +369,15 @@ def empty_batch(
     groups = group_infos(config)
     if table_widths is None:
         table_widths = _table_widths(groups, max_model_len, None, max_model_len)
-    return _padding(groups, num_tokens, num_rows, table_widths)
+    return _padding(groups, num_tokens, num_rows, table_widths, engram_lookback)
 
 
 def _padding(
-    groups: Sequence[GroupInfo], t_pad: int, r_pad: int, widths: Sequence[int]
+    groups: Sequence[GroupInfo],
+    t_pad: int,
+    r_pad: int,
+    widths: Sequence[int],
+    engram_lookback: int = 0,
 ) -> StepBatch:
     """The arrays of a batch of T = t_pad tokens and R = r_pad rows, all padding."""
     window_slots: dict[int, np.ndarray] = {}
@@ -373,6 +403,7 @@ def _padding(
         window_slots=window_slots,
         state_slots=state_slots,
         ring_slots=ring_slots,
+        engram_prev=np.full((r_pad, engram_lookback), -1, np.int32),
     )
 
 

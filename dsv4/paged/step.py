@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cache_name
+from dsv4 import engram
 from dsv4 import layers as L
 from dsv4.config import ModelConfig, Role, rope_inv_freq
 from dsv4.paged import pools as P
@@ -49,7 +50,7 @@ from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.window_attention import window_attention
 
-__all__ = ["paged_forward", "paged_step", "paged_step_jit"]
+__all__ = ["engram_rows", "paged_forward", "paged_step", "paged_step_jit"]
 
 
 def _quantised(layout, kind: str) -> bool:
@@ -224,6 +225,37 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
     return pools
 
 
+def engram_rows(params, cfg: ModelConfig, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+    """Engram's table rows int32[T, engram layers, columns] of the step's tokens, and bool[T],
+    False at padding and at tokens that take part in no n-gram. A look-back inside the
+    request's chunk reads the batch's tokens (device-fed ones included); one before the chunk
+    reads ``batch.engram_prev``."""
+    n = cfg.engram_max_ngram_size
+    m = n - 1
+    t = batch.token_ids.shape[0]
+    if batch.engram_prev is None or batch.engram_prev.shape[-1] != m:
+        got = None if batch.engram_prev is None else batch.engram_prev.shape
+        raise ValueError(
+            f"an Engram model needs batch.engram_prev of shape [R, {m}] (build_batch(..., "
+            f"engram_lookback={m})), got {got}"
+        )
+    pos = batch.positions
+    idx = jnp.arange(t)
+    offset = idx - batch.query_start_loc[batch.token_req]  # index inside the request's chunk
+    looked = []
+    for k in range(n):
+        inside = offset >= k
+        tok = batch.token_ids[jnp.maximum(idx - k, 0)]
+        if k:
+            before = batch.engram_prev[batch.token_req, jnp.clip(k - offset - 1, 0, m - 1)]
+            tok = jnp.where(inside, tok, before)
+        cid = jnp.where(tok >= 0, engram.compressed_ids(params, jnp.maximum(tok, 0)), engram.DEAD)
+        looked.append(jnp.where(pos - k >= 0, cid, engram.DEAD))
+    look = jnp.stack(looked, axis=-1)  # [T, n]
+    pad = engram.compressed_ids(params, jnp.int32(cfg.engram_pad_id))
+    return engram.row_ids(cfg, look, pad), (pos >= 0) & (look[:, 0] != engram.DEAD)
+
+
 def paged_forward(
     params,
     cfg: ModelConfig,
@@ -247,8 +279,13 @@ def paged_forward(
     x = L.embed(params, batch.token_ids, cfg)  # [T, hc, D]
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     shared: dict[str, jax.Array] = {}
+    if cfg.engram_layer_ids:
+        rows, live = engram_rows(params, cfg, batch)
     for layer in range(cfg.n_layers):
         p = f"layers.{layer}."
+        if layer in cfg.engram_layer_ids:
+            values = engram.table_rows(params, layer, rows[:, cfg.engram_layer_ids.index(layer)])
+            x = engram.apply(x, params, layer, cfg, values, live)
         a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
         h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
         att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, kern, scaled)

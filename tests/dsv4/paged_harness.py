@@ -139,6 +139,7 @@ class Harness:
             request_buckets=self.request_buckets,
             table_buckets=self.table_buckets,
             debug=True,
+            engram_lookback=self.cfg.engram_lookback,
         )
         self.table_widths.add(batch.table_widths())
         batch = jax.tree.map(jnp.asarray, batch)
@@ -207,7 +208,7 @@ def random_schedule(h: Harness, seqs: list[Seq], rng: np.random.Generator, *, sp
     # build_batch keeps one request row for padding
     max_num_seqs = min(max_running, h.request_buckets[-1] - 1)
     scheduler = h.scheduler(max_num_seqs=max_num_seqs, spec_k=spec_k)
-    inputs = InputBatch(max_num_seqs)
+    inputs = InputBatch(max_num_seqs, engram_lookback=h.cfg.engram_lookback)
     by_id = {s.request_id: s for s in seqs}
     for s in seqs:
         request = h.mgr.new_request(s.request_id, s.tokens[: s.prompt_len].tolist(),

@@ -333,3 +333,58 @@ def test_token_map_comes_from_the_checkpoints_tokenizer(engram_cfg, engram_param
     # a config whose compressed vocabulary is not this tokenizer's is refused, naming both
     with pytest.raises(CheckpointError, match=rf"{count} distinct Engram ids.*={count + 1}"):
         load_pretrained(tmp_path, config=cfg.replace(engram_compressed_vocab_size=count + 1))
+
+
+# -- the paged step ---------------------------------------------------------------------------
+
+
+def test_paged_step_with_engram_matches_reference(engram_params, engram_cfg):
+    """Random schedules through the real scheduler in a pool small enough to preempt: chunks
+    cut anywhere, prefix hits of a shared 40-token prefix (the n-gram history before a hit comes
+    from the prompt tokens), drafts accepted and rejected; DEAD tokens inside the sequences."""
+    from paged_harness import Harness, Seq, random_schedule
+
+    from dsv4.paged import records as R
+
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(3, 300, 40)
+    seqs = []
+    for i in range(4):
+        length = int(rng.integers(48, 65))
+        tokens = np.concatenate([prefix, rng.integers(3, 300, length - 40)]).astype(np.int32)
+        seqs.append(Seq(i, tokens, int(rng.integers(41, length)) if i % 2 else length))
+    width = 64
+    toks = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        toks[i, : len(s.tokens)] = s.tokens
+    ref = np.asarray(jax.jit(reference.forward, static_argnums=1)(engram_params, engram_cfg, toks))
+    h = Harness(engram_cfg, engram_params, R.CacheFormats.EXACT, num_blocks=32,
+                request_buckets=(8,), num_speculative_tokens=2)  # fmt: skip
+    random_schedule(h, seqs, rng, spec_k=2, max_running=4)
+    worst = 0.0
+    for s in seqs:
+        computed = sorted(p for sid, p in h.logits if sid == s.sid)
+        assert computed[-1] == len(s.tokens) - 1
+        for p in computed:
+            worst = max(worst, float(np.abs(h.logits[(s.sid, p)] - ref[s.sid, p]).max()))
+    assert worst <= TOL, worst
+    st = h.stats
+    assert st.num_preempted > 0 and max(st.prefix_hits) >= 32, st
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st
+
+
+def test_build_batch_needs_the_tokens_before_the_chunk(engram_cfg):
+    from cache.layout import for_model
+    from dsv4.paged import records as R
+    from dsv4.paged.batch import StepRequest, build_batch, group_infos
+    from dsv4.paged.pools import PoolLayout, cache_desc  # noqa: F401
+
+    config = for_model(cache_desc(engram_cfg, R.CacheFormats.EXACT, block_size=16,
+                                  swa_block_size=4), num_gpu_blocks_override=40)  # fmt: skip
+    ids = [[1] if g.kind == "ring" else [1, 2, 3, 4] for g in group_infos(config)]
+    req = StepRequest(token_ids=[5, 6], start=2, block_ids=ids, req_id="a", prev_tokens=[9])
+    with pytest.raises(ValueError, match=r"'a'.*position 2.*1 prev_tokens.*the 2 before"):
+        build_batch([req], config, max_model_len=64, engram_lookback=3)
+    req.prev_tokens = [8, 9]
+    batch = build_batch([req], config, max_model_len=64, engram_lookback=3)
+    assert batch.engram_prev[0].tolist() == [9, 8, -1]

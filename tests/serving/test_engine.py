@@ -159,3 +159,18 @@ def test_trimmed_block_tables(tiny_params, tiny_cfg):
     assert compilation_count() == before
     assert _tokens(finals) == reference_tokens(tiny_params, tiny_cfg, arrivals)
     assert_pool_is_whole(engine)
+
+
+def test_engram_model_greedy_equals_dsv4_generate(engram_params, engram_cfg):
+    """Engram on layers 1 and 4: the engine carries each request's n-gram history (from its
+    tokens: across chunks, after prefix hits, after preemption; async scheduling) and gives
+    `dsv4.generate`'s greedy tokens."""
+    engine = make_engine(engram_params, engram_cfg, async_scheduling=True, max_num_batched_tokens=9)
+    arrivals = workload(engram_cfg, 1)
+    before = compilation_count()
+    finals, _ = drive(engine, arrivals)
+    assert compilation_count() == before, "the engine compiled after warm-up"
+    assert _tokens(finals) == reference_tokens(engram_params, engram_cfg, arrivals)
+    assert sum(o.num_cached_tokens for o in finals.values()) >= 16
+    assert engine.stats.num_preemptions > 0
+    assert_pool_is_whole(engine)
