@@ -46,6 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dsv4.config import ModelConfig
+from dsv4.engram import HostTable
 from dsv4.params import (
     CheckpointTensor,
     Storage,
@@ -582,8 +583,14 @@ def load_pretrained(
     *,
     config: ModelConfig | None = None,
     progress: bool = True,
+    engram_tables: str = "auto",
 ) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """Load a released-format checkpoint directory into ``(config, params)``.
+
+    ``engram_tables``: where Engram's tables live: "device" (dequantised arrays like every
+    other tensor), "host" (`dsv4.engram.HostTable`: the checkpoint's fp8 bytes, memory-mapped,
+    rows fetched per step through the host), or "auto" (host for a table that would take more
+    than 1 GiB dequantised, such as the released ones: ~98 GB of fp8 each).
 
     ``config`` overrides the directory's ``config.json``. Quantised tensors are dequantised
     exactly (fp8 · tile scale, fp4 · group scale) and, like every tensor not stored as F32, cast
@@ -596,6 +603,10 @@ def load_pretrained(
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
+    if engram_tables not in ("auto", "device", "host"):
+        raise CheckpointError(
+            f"engram_tables={engram_tables!r}: expected 'auto', 'device' or 'host'"
+        )
     np_dtype = np.dtype(jnp.dtype(dtype))
     if not jnp.issubdtype(np_dtype, jnp.floating):
         raise CheckpointError(f"dtype={dtype!r}: params must be a float dtype")
@@ -628,6 +639,17 @@ def load_pretrained(
             if spec.storage is Storage.DERIVED:
                 params[pname] = jnp.asarray(token_map)
                 continue
+            if spec.storage is Storage.FP8_ROWS and _on_host(engram_tables, spec, np_dtype):
+                ts = {t.role: t for t in by_param[pname]}
+                w, s = entries[ts["weight"].name], entries[ts["scale"].name]
+                params[pname] = HostTable(
+                    files.raw(w).reshape(ts["weight"].shape),
+                    files.raw(s).reshape(ts["scale"].shape),
+                    cfg.fp8_block_size,
+                    pname,
+                )
+                bar.update(2)
+                continue
             target = np.float32 if spec.storage is Storage.F32 else np_dtype
             out = np.empty(spec.shape, target)
             pairs: dict[int | None, dict[str, CheckpointTensor]] = collections.defaultdict(dict)
@@ -645,6 +667,12 @@ def load_pretrained(
         bar.close()
         files.close()
     return cfg, params
+
+
+def _on_host(where: str, spec, dtype: np.dtype) -> bool:
+    if where != "auto":
+        return where == "host"
+    return math.prod(spec.shape) * dtype.itemsize > 1 << 30
 
 
 def engram_token_map(path: str | os.PathLike[str] | None, cfg: ModelConfig) -> np.ndarray:
@@ -703,6 +731,12 @@ def _encode(params: Mapping[str, Any], cfg: ModelConfig) -> Iterator[tuple[str, 
     cache_key, cache = None, None
     host: tuple[str, np.ndarray] | None = None
     for t in checkpoint_tensors(cfg):
+        if isinstance(params[t.param], HostTable):  # its stored bytes, as they are
+            table = params[t.param]
+            raw = table.values if t.role == "weight" else table.scales
+            kind = ml_dtypes.float8_e4m3fn if t.role == "weight" else ml_dtypes.float8_e8m0fnu
+            yield t.name, np.ascontiguousarray(raw.view(kind))
+            continue
         if host is None or host[0] != t.param:
             host = (t.param, np.asarray(params[t.param]))
         x = host[1] if t.expert is None else host[1][t.expert]
@@ -824,10 +858,10 @@ def quantize_params_like_checkpoint(
     blk = cfg.fp8_block_size
     out: dict[str, jax.Array] = {}
     for name, spec in param_specs(cfg).items():
-        x = np.asarray(params[name])
-        if spec.storage is Storage.DERIVED:
-            out[name] = jnp.asarray(x)
+        if spec.storage is Storage.DERIVED or isinstance(params[name], HostTable):
+            out[name] = params[name]  # the token map; a host table's bytes are the stored ones
             continue
+        x = np.asarray(params[name])
         if spec.storage is Storage.FP8:
             q, s = quant_fp8(x, blk, name)
             y = dequant_fp8(q, s, blk, name)

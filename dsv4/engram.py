@@ -40,11 +40,13 @@ from dsv4.engram_hash import DEAD, EngramHashing
 __all__ = [
     "DEAD",
     "TOKEN_MAP",
+    "HostTable",
     "apply",
     "compressed_ids",
     "hashing",
     "lookback",
     "row_ids",
+    "table_rows",
 ]
 
 TOKEN_MAP = "engram.token_map"  # params key of the compressed token map (not in checkpoints)
@@ -161,13 +163,69 @@ def row_ids(cfg: ModelConfig, look: jax.Array, pad: jax.Array) -> jax.Array:
     return jnp.stack(per_layer, axis=-2)
 
 
-# -- the update -------------------------------------------------------------------------------
+# -- the tables -------------------------------------------------------------------------------
+
+
+class HostTable:
+    """An Engram table that stays in host memory: e4m3 rows and their e8m0 scales as stored in
+    the checkpoint (memory-mapped), dequantised row by row when a step asks for them.
+
+    A released table has ~384M rows of 256 values (98 GB as fp8, twice that as bf16): it fits
+    neither in one accelerator's memory nor, dequantised, in a host's. In the params it stands
+    where the float table would (``layers.L.engram.embed.weight``); it is a pytree node with no
+    leaves, so jit treats it as a static part of the params, and `table_rows` fetches the rows
+    of a step through `jax.pure_callback`: the row ids go to the host, the bf16 rows come back
+    (lossless: an e4m3 value times a power of two is a bf16 value)."""
+
+    def __init__(self, values: np.ndarray, scales: np.ndarray, block: int, name: str = "table"):
+        values, scales = np.asarray(values), np.asarray(scales)
+        if values.ndim != 2 or values.dtype.itemsize != 1 or scales.dtype.itemsize != 1:
+            raise ValueError(f"{name}: need 1-byte values [rows, width] and scales")
+        rows, width = values.shape
+        if width % block or scales.shape != (rows, width // block):
+            raise ValueError(f"{name}: scales {scales.shape} do not match values "
+                             f"{values.shape} with one per {block} values of a row")  # fmt: skip
+        self.values, self.scales = values.view(np.uint8), scales.view(np.uint8)
+        self.block, self.name = block, name
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape
+
+    def gather(self, rows) -> np.ndarray:
+        """bf16[..., width]: the dequantised rows ``rows`` (int[...])."""
+        import ml_dtypes
+
+        ids = np.asarray(rows)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise ValueError(f"{self.name}: row ids span [{ids.min()}, {ids.max()}], the table "
+                             f"has {self.shape[0]} rows")  # fmt: skip
+        flat = ids.reshape(-1)
+        v = self.values[flat].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        e = self.scales[flat].astype(np.int32) - 127
+        v = v.reshape(len(flat), -1, self.block) * np.ldexp(np.float32(1), e)[..., None]
+        return v.reshape(*ids.shape, self.shape[1]).astype(ml_dtypes.bfloat16)
+
+    def __repr__(self) -> str:
+        return f"HostTable({self.name}, rows={self.shape[0]}, width={self.shape[1]})"
+
+
+jax.tree_util.register_pytree_node(HostTable, lambda t: ((), t), lambda aux, _: aux)
 
 
 def table_rows(params, layer: int, rows: jax.Array) -> jax.Array:
-    """Rows ``rows`` int32[..., columns] of layer ``layer``'s table: [..., columns, head_dim]."""
+    """Rows ``rows`` int32[..., columns] of layer ``layer``'s table: [..., columns, head_dim]
+    (from the device array in the params, or from a `HostTable` through the host)."""
     table = params[f"layers.{layer}.engram.embed.weight"]
+    if isinstance(table, HostTable):
+        import ml_dtypes
+
+        out = jax.ShapeDtypeStruct((*rows.shape, table.shape[1]), ml_dtypes.bfloat16)
+        return jax.pure_callback(table.gather, out, rows, vmap_method="sequential")
     return jnp.take(table, rows, axis=0, mode="clip")
+
+
+# -- the update -------------------------------------------------------------------------------
 
 
 def apply(

@@ -388,3 +388,29 @@ def test_build_batch_needs_the_tokens_before_the_chunk(engram_cfg):
     req.prev_tokens = [8, 9]
     batch = build_batch([req], config, max_model_len=64, engram_lookback=3)
     assert batch.engram_prev[0].tolist() == [9, 8, -1]
+
+
+def test_host_tables_give_the_device_tables_results(engram_cfg, engram_params, tmp_path):
+    """engram_tables="host": the tables stay memory-mapped fp8 bytes (`HostTable`), rows are
+    fetched per step through the host (`table_rows`, the one place every path reads rows);
+    the reference and a save round trip give exactly what device tables give."""
+    from dsv4.checkpoint import load_pretrained, save_pretrained
+
+    save_pretrained(engram_params, engram_cfg, tmp_path / "a")
+    _, dev = load_pretrained(tmp_path / "a", engram_tables="device", progress=False)
+    _, host = load_pretrained(tmp_path / "a", engram_tables="host", progress=False)
+    table = host["layers.4.engram.embed.weight"]
+    assert isinstance(table, engram.HostTable) and table.shape == (630, 32)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(3, 300, size=(2, 20)), jnp.int32)
+    fwd = jax.jit(reference.forward, static_argnums=1)
+    np.testing.assert_array_equal(
+        np.asarray(fwd(host, engram_cfg, tokens)), np.asarray(fwd(dev, engram_cfg, tokens))
+    )
+    # saving writes a host table's stored bytes back as they are: the same values as saving
+    # the device table (whose e4m3 bytes may differ: 1.75 is 224 * 2^-7 or 448 * 2^-8)
+    save_pretrained(host, engram_cfg, tmp_path / "b")
+    _, back = load_pretrained(tmp_path / "b", engram_tables="device", progress=False)
+    for name in dev:
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(dev[name]), name)
+    with pytest.raises(ValueError, match=r"row ids span \[0, 630\]"):
+        table.gather(np.array([0, 630]))
