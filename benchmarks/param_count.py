@@ -16,8 +16,10 @@ weight element; routed experts counted once each) and a breakdown that sums to i
   the final ``norm``.
 
 ``active_per_token`` is every parameter except the routed experts, plus ``n_activated_experts /
-n_routed_experts`` of them. Engram, the DSpark drafter and the vision tower are not in the
-backbone and not counted (the release's tech-report summaries quote 552B backbone + 196B Engram).
+n_routed_experts`` of them. ``total`` is the backbone; Engram (``layers.L.engram.*``: tables,
+``wkv``, gate weights) and the DSpark drafter (``mtp.*``) are counted apart (``engram``,
+``dspark``) and in ``release_total`` (the tech-report summaries quote 552B backbone + 196B
+Engram); the vision tower is not modelled.
 Shapes come from ``jax.eval_shape`` (`dsv4.params.abstract_params`): nothing is allocated.
 """
 
@@ -37,8 +39,15 @@ from dsv4.params import abstract_params
 CATEGORIES = ("embed_head", "attention", "moe_routed", "moe_router", "moe_shared", "mhc_norm")
 
 
+EXTRAS = ("engram", "dspark")
+
+
 def category(name: str) -> str:
     """The breakdown bucket of one param name (raises on a name no bucket claims)."""
+    if ".engram." in name:
+        return "engram"
+    if name.startswith("mtp."):
+        return "dspark"
     if name in ("embed.weight", "head.weight"):
         return "embed_head"
     if ".attn." in name:
@@ -58,10 +67,13 @@ def category(name: str) -> str:
 def breakdown(shapes: Mapping[str, Any], cfg: ModelConfig) -> dict[str, int]:
     """Counts per category, ``total`` and ``active_per_token`` for ``{name: array-like with
     .shape}`` (abstract or concrete params of ``cfg``)."""
-    out = dict.fromkeys(CATEGORIES, 0)
+    out = dict.fromkeys(CATEGORIES + EXTRAS, 0)
     for name, x in shapes.items():
+        if name == "engram.token_map":  # derived from the tokenizer, not a weight
+            continue
         out[category(name)] += math.prod(x.shape)
     out["total"] = sum(out[c] for c in CATEGORIES)
+    out["release_total"] = out["total"] + out["engram"] + out["dspark"]
     routed = out["moe_routed"]
     active_routed = routed * cfg.n_activated_experts // cfg.n_routed_experts
     out["active_per_token"] = out["total"] - routed + active_routed
@@ -76,6 +88,7 @@ def run() -> dict[str, Any]:
     for key, cfg in configs.items():
         counts = breakdown(abstract_params(cfg), cfg)
         counts["total_billions"] = round(counts["total"] / 1e9, 3)
+        counts["release_total_billions"] = round(counts["release_total"] / 1e9, 3)
         res["configs"][key] = counts
     res["wall_s"] = round(time.perf_counter() - t0, 2)
     return res

@@ -111,7 +111,7 @@ _OUT_OF_SCOPE = (
     ("vision", re.compile(r"^vision\.")),
     ("aligner", re.compile(r"^aligner\.")),
     ("image", re.compile(r"^image_(?:start|end|newline)(?:\.|$)")),
-    ("bias_vl", re.compile(r"^layers\.\d+\.ffn\.gate\.bias_vl$")),
+    ("bias_vl", re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.gate\.bias_vl$")),
 )
 
 

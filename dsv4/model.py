@@ -35,7 +35,7 @@ from dsv4.reference import (
 
 Cache = dict[str, jax.Array]
 
-__all__ = ["forward_step", "init_cache"]
+__all__ = ["forward_step", "forward_step_streams", "init_cache"]
 
 
 def init_cache(
@@ -238,6 +238,23 @@ def forward_step(
     (real tokens per row, 0..T). Rows must continue exactly where their cache ends.
     ``write_from`` int32[B] (bounded replay, `v41_in_vllm.md` 4.5): tokens below it recompute
     their window latents but leave the compressed entries and index keys already cached."""
+    logits, new, _ = forward_step_streams(params, cfg, cache, tokens, start, lengths, (),
+                                          write_from)  # fmt: skip
+    return logits, new
+
+
+def forward_step_streams(
+    params,
+    cfg: ModelConfig,
+    cache: Cache,
+    tokens: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+    layers: tuple[int, ...] = (),
+    write_from: jax.Array | None = None,
+) -> tuple[jax.Array, Cache, dict[int, jax.Array]]:
+    """`forward_step`, plus the residual stream [B, T, hc, dim] of the chunk entering each layer
+    of ``layers`` (after its Engram update): what the DSpark drafter's `seed` reads."""
     b, t = tokens.shape
     start = jnp.asarray(start, jnp.int32).reshape(b)
     lengths = jnp.asarray(lengths, jnp.int32).reshape(b)
@@ -251,6 +268,7 @@ def forward_step(
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     if cfg.engram_layer_ids:
         rows, live, new["engram_hist"] = _engram_rows(params, cfg, cache, tokens, st)
+    streams: dict[int, jax.Array] = {}
     for layer in range(cfg.n_layers):
         p = f"layers.{layer}."
         if layer in cfg.engram_layer_ids:
@@ -258,6 +276,8 @@ def forward_step(
             x = engram.apply(
                 x, params, layer, cfg, engram.table_rows(params, layer, rows[:, :, li]), live
             )
+        if layer in layers:
+            streams[layer] = x
         a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
         h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
         att = _attention(h, params, layer, cfg, cache, new, st, shared)
@@ -266,4 +286,4 @@ def forward_step(
         h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
         x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
         pre = f_pre
-    return L.head(params, x, pre, cfg), new
+    return L.head(params, x, pre, cfg), new, streams

@@ -1,10 +1,11 @@
-"""The V4.1-Flash params have exactly the released checkpoint's backbone tensors.
+"""The V4.1-Flash params have exactly the released checkpoint's backbone and Engram tensors.
 
 The expected table below is written out by hand from ``../shared/reference/model_v41.md``
-section 4.2 (names, dtypes, stored shapes; scale shapes for 32 x 32 blocks), not derived from
-``dsv4.params``. Engram (``layers.{1,14}.engram.*``), the DSpark drafter (``mtp.*``), the vision
-tower and ``ffn.gate.bias_vl`` are outside the backbone and excluded. Shapes come from
-``jax.eval_shape``, so nothing of the 552B parameters is allocated.
+section 4.2 (names, dtypes, stored shapes; scale shapes for 32 x 32 blocks, Engram table scales
+per 32 values of a row), not derived from ``dsv4.params``. The DSpark drafter's ``mtp.*`` have
+their own hand-written table in ``test_dspark.py``; the vision tower and ``ffn.gate.bias_vl`` are
+not modelled. Shapes come from ``jax.eval_shape``, so nothing of the 763B parameters is
+allocated.
 """
 
 from __future__ import annotations
@@ -84,9 +85,28 @@ INDEX_SOURCE = {
 }
 
 
+ENGRAM_ROWS = {1: 384006168, 14: 384016682}  # engram_num_embeddings of the released config
+
+
+def engram_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
+    out = {}
+    for layer, rows in ENGRAM_ROWS.items():
+        e = f"layers.{layer}.engram."
+        out |= {
+            e + "embed.weight": (F8, (rows, 256)),
+            e + "embed.scale": (E8M0, (rows, 8)),
+            e + "wkv.weight": (F8, (25600, 6144)),  # 24 rows x 256 -> (4 + 1) x 5120
+            e + "wkv.scale": (E8M0, (800, 192)),
+            e + "q_weight": (BF16, (4, 5120)),
+            e + "k_weight": (BF16, (4, 5120)),
+        }
+    return out
+
+
 def released_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Backbone tensors of the released V4.1-Flash checkpoint: name -> (dtype, stored shape)."""
-    out = dict(GLOBAL)
+    """Backbone and Engram tensors of the released V4.1-Flash checkpoint: name -> (dtype,
+    stored shape)."""
+    out = dict(GLOBAL) | engram_tensors()
     for layer in range(N_LAYERS):
         extra = dict(EVERY_LAYER)
         if layer in KV_SOURCES_RATIO2 + KV_SOURCES_RATIO1:
@@ -139,14 +159,16 @@ def abstract():
 
 def test_table_size(released):
     # 3 global + 40 layers x (29 per-layer + 384 x 6 expert) + 3 ratio-2 sources x 5
-    # + 1 ratio-1 source x 4 + 8 index sources x 3
-    assert len(released) == 3 + 40 * (29 + 384 * 6) + 3 * 5 + 4 + 8 * 3
+    # + 1 ratio-1 source x 4 + 8 index sources x 3 + 2 Engram layers x 6
+    assert len(released) == 3 + 40 * (29 + 384 * 6) + 3 * 5 + 4 + 8 * 3 + 2 * 6
 
 
 def test_abstract_params_match_released_names_and_shapes(abstract, released):
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in abstract.values())
     flat = {}
     for name, x in abstract.items():
+        if name.startswith("mtp.") or name == "engram.token_map":
+            continue  # test_dspark.py; the token map is derived from the tokenizer
         if ".ffn.experts." in name:
             base, proj = name.split(".ffn.experts.")
             assert x.shape[0] == N_EXPERTS, name
@@ -158,24 +180,35 @@ def test_abstract_params_match_released_names_and_shapes(abstract, released):
 
 
 def test_checkpoint_tensors_match_released(released):
-    got = {t.name: (t.dtype, tuple(t.shape)) for t in checkpoint_tensors(v41_flash())}
+    got = {
+        t.name: (t.dtype, tuple(t.shape))
+        for t in checkpoint_tensors(v41_flash())
+        if not t.name.startswith("mtp.")
+    }
     assert not differences(released, got)
 
 
 def test_param_dtypes(abstract, released):
+    assert abstract.pop("engram.token_map").dtype == jnp.int32
     assert {x.dtype for x in abstract.values()} == {jnp.dtype(jnp.float32)}
     half = abstract_params(v41_flash(), jnp.bfloat16)
     for name, x in half.items():
+        if name.startswith("mtp.") or name == "engram.token_map":
+            continue
         stored = released[name.replace(".experts.", ".experts.0.")][0]
         want = jnp.float32 if stored == F32 else jnp.bfloat16
         assert x.dtype == want, name
 
 
 def test_param_count(abstract, released, capsys):
-    n = sum(math.prod(shape) for shape in dequantised_shapes(released).values())
-    assert count_params(v41_flash()) == n
+    shapes = dequantised_shapes(released)
+    n = sum(math.prod(s) for name, s in shapes.items() if ".engram." not in name)
+    n_engram = sum(math.prod(s) for name, s in shapes.items() if ".engram." in name)
     counts = param_count.breakdown(abstract, v41_flash())
-    assert counts["total"] == n
+    assert count_params(v41_flash()) == n + n_engram + counts["dspark"]
+    assert counts["total"] == n and counts["engram"] == n_engram
+    assert 196e9 < n_engram < 197e9  # the "196B Engram" of the tech-report summaries
+    assert counts["release_total"] == n + n_engram + counts["dspark"]
     assert sum(counts[c] for c in param_count.CATEGORIES) == n
     assert counts["moe_routed"] == 40 * 384 * 3 * 2304 * 5120
     assert counts["embed_head"] == 2 * 129280 * 5120

@@ -1,0 +1,518 @@
+"""The DSpark drafter of DeepSeek-V4.1 (``../shared/reference/model_v41.md`` section 3.6).
+
+DSpark proposes ``K = dspark_block_size`` tokens at once from a small stack of ``n_mtp_layers``
+window-only blocks (the "stages", checkpoint names ``mtp.{i}.*``, layer ids ``n_layers + i``)
+that read the backbone's hidden states. For a prefix of T tokens (positions 0 .. T-1):
+
+* **Target hidden.** For every layer in ``dspark_target_layer_ids`` (ascending) take the residual
+  stream *entering* that backbone layer (after any Engram update, before its mixing), average its
+  ``hc_mult`` copies, and concatenate over the target layers: ``main_hidden`` [T, n_t * dim].
+  Stage 0 owns ``main_proj`` (n_t * dim -> dim, an fp8 linear) and ``main_norm``:
+  ``main_x = main_norm(main_proj(main_hidden))``; the other stages reuse stage 0's ``main_x``.
+* **Context keys.** Each stage turns ``main_x`` into window latents with its *own* ``wkv`` and
+  ``kv_norm``, rotated (plain rope, ratio-0 table) at the target token's position, fp8-QDQ'd under
+  ``quant_sim`` like a backbone window latent. Only the last ``window_size`` positions
+  (T - w .. T-1) are kept: in the incremental form they live in a ring per stage, slot =
+  position mod w.
+* **Draft block.** Token ids ``[next_token, noise x (K-1)]`` (noise = ``dspark_noise_token_id``)
+  at positions T .. T+K-1, where ``next_token`` is the token at position T (the backbone's own
+  pick after the prefix). They are embedded with the shared embedding and copied ``hc_mult``
+  times; the first stage's pre-mix is the one-hot on copy 0.
+* **A stage** is a backbone block with ratio 0 (mHC with the delayed pre-mix, attention, MoE with
+  ``dspark_n_routed_experts`` / ``dspark_n_activated_experts``). Its attention differs: every one
+  of the K queries sees the same keys, the context keys plus the K block tokens' own latents
+  (bidirectional inside the block, no causal mask), with the per-head sink in the softmax
+  denominator; the output path (inverse rope at the query position, grouped ``wo_a``, ``wo_b``)
+  is the backbone's. The block tokens' latents are never cached.
+* **Head.** After the last stage the copies are collapsed with that stage's FFN pre-mix (the
+  delayed one) into ``hidden`` [K, dim]; ``logits = head(norm(hidden))`` with the last stage's
+  ``norm`` and the backbone's shared LM head. Slot i predicts position T+1+i.
+* **Markov head and sampling.** Left to right, slot i adds a low-rank bigram bias of the token
+  *in* slot i (``next_token`` for slot 0, the token drafted from slot i-1 otherwise):
+  ``bias = markov_head.head @ markov_head.embed[token]`` (fp32), then the slot's token is drafted
+  greedily (argmax, the lower id on ties) and feeds slot i+1's bias.
+* **Confidence.** ``confidence_head.proj`` (dim + markov_rank -> 1, fp32) of the concatenation
+  of the slot's collapsed (un-normed) ``hidden`` and the Markov embedding of the token in the
+  slot: a raw score per slot, no squashing.
+
+Forms:
+
+* `draft` — from scratch for a prefix (runs `dsv4.reference.forward_streams` for the targets);
+  `draft_from_hidden` — the same from given target hidden states (rows may have different
+  lengths);
+* `init_draft_cache` / `seed` / `step` — the incremental form over the drafter's own dense window
+  rings: `seed` writes the stages' rings from the target hidden of a chunk of committed
+  positions, `step` drafts from the rings (optionally seeding the chunk just before it first).
+
+The numerics follow `dsv4.reference` (fp32 where the official reference is; activation dtype =
+the embedding's dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4 import layers as L
+from dsv4 import reference
+from dsv4.config import ModelConfig
+from dsv4.params import ParamSpec, Storage, _bf16, _f32, _linear
+from dsv4.quant import fp8_qdq
+from dsv4.reference import sink_attention
+
+Params = dict[str, jax.Array]
+Cache = dict[str, jax.Array]
+
+__all__ = [
+    "DraftBlock",
+    "draft",
+    "draft_from_hidden",
+    "init_draft_cache",
+    "param_specs",
+    "seed",
+    "step",
+    "target_hidden",
+]
+
+
+class DraftBlock(NamedTuple):
+    """One drafted block for a batch of B sequences whose draft block starts at position T.
+
+    ``logits`` f32[B, K, V]: slot i's distribution for position T+1+i, Markov bias included;
+    ``tokens`` int32[B, K]: the greedy drafts, ``tokens[:, i]`` for position T+1+i;
+    ``confidence`` f32[B, K]: the raw confidence-head score of each slot."""
+
+    logits: jax.Array
+    tokens: jax.Array
+    confidence: jax.Array
+
+
+# -- config and parameters ----------------------------------------------------------------------
+
+
+def _require_drafter(cfg: ModelConfig) -> None:
+    if not (cfg.n_mtp_layers and cfg.dspark_block_size):
+        raise ValueError(
+            f"config has no DSpark drafter (n_mtp_layers={cfg.n_mtp_layers}, "
+            f"dspark_block_size={cfg.dspark_block_size}; both must be > 0)"
+        )
+
+
+def _stage(i: int) -> str:
+    return f"mtp.{i}."
+
+
+def _last(cfg: ModelConfig) -> str:
+    return _stage(cfg.n_mtp_layers - 1)
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Every ``mtp.{i}.*`` tensor of the drafter with its released storage and shape.
+
+    Per stage the tensors of a window-only backbone layer, with ``dspark_n_routed_experts``
+    routed experts (stacked ``[E, out, in]`` as in `dsv4.params`); stage 0 adds ``main_proj``
+    (fp8 [dim, n_t * dim]) and ``main_norm``; the last stage adds ``norm``, the Markov head
+    (``embed`` and ``head``, bf16 [vocab, markov_rank]) and ``confidence_head.proj`` (bf16
+    [1, dim + markov_rank]). ``ffn.gate.bias_vl`` (the image-span routing bias, present in the
+    release because the model has a vision tower, never used by the text-only drafts) is left
+    out like the backbone's."""
+    _require_drafter(cfg)
+    d, h, hd = cfg.dim, cfg.n_heads, cfg.head_dim
+    mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    e, inter = cfg.dspark_n_routed_experts, cfg.moe_inter_dim
+    expert_storage = Storage.FP4 if cfg.expert_dtype == "fp4" else _linear(cfg, 1, 1).storage
+    specs: dict[str, ParamSpec] = {}
+    for i in range(cfg.n_mtp_layers):
+        p = _stage(i)
+        specs[p + "attn_norm.weight"] = _bf16(d, init="norm")
+        specs[p + "ffn_norm.weight"] = _bf16(d, init="norm")
+        for sub in ("attn", "ffn"):
+            specs[p + f"hc_{sub}_fn"] = _f32(mix, cfg.hc_mult * d, init="hc_fn")
+            specs[p + f"hc_{sub}_base"] = _f32(mix, init="hc_base")
+            specs[p + f"hc_{sub}_scale"] = _f32(3, init="hc_scale")
+        a = p + "attn."
+        specs[a + "wq_a.weight"] = _linear(cfg, cfg.q_lora_rank, d)
+        specs[a + "q_norm.weight"] = _bf16(cfg.q_lora_rank, init="norm")
+        specs[a + "wq_b.weight"] = _linear(cfg, h * hd, cfg.q_lora_rank)
+        specs[a + "wkv.weight"] = _linear(cfg, hd, d)
+        specs[a + "kv_norm.weight"] = _bf16(hd, init="norm")
+        specs[a + "wo_a.weight"] = _linear(
+            cfg, cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups
+        )
+        specs[a + "wo_b.weight"] = _linear(cfg, d, cfg.o_groups * cfg.o_lora_rank)
+        specs[a + "attn_sink"] = _f32(h, init="normal")
+        f = p + "ffn."
+        specs[f + "gate.weight"] = _bf16(e, d)
+        specs[f + "gate.bias"] = _f32(e, init="bias")
+        specs[f + "experts.w1.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
+        specs[f + "experts.w2.weight"] = ParamSpec((e, d, inter), expert_storage, stacked=True)
+        specs[f + "experts.w3.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
+        specs[f + "shared_experts.w1.weight"] = _linear(cfg, inter, d)
+        specs[f + "shared_experts.w2.weight"] = _linear(cfg, d, inter)
+        specs[f + "shared_experts.w3.weight"] = _linear(cfg, inter, d)
+        if i == 0:
+            n_t = len(cfg.dspark_target_layer_ids)
+            specs[p + "main_proj.weight"] = _linear(cfg, d, n_t * d)
+            specs[p + "main_norm.weight"] = _bf16(d, init="norm")
+        if i == cfg.n_mtp_layers - 1:
+            r = cfg.dspark_markov_rank
+            specs[p + "norm.weight"] = _bf16(d, init="norm")
+            specs[p + "markov_head.embed.weight"] = _bf16(cfg.vocab_size, r, init="embed")
+            specs[p + "markov_head.head.weight"] = _bf16(cfg.vocab_size, r)
+            specs[p + "confidence_head.proj.weight"] = _bf16(1, d + r)
+    return specs
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_cfg(cfg: ModelConfig) -> ModelConfig:
+    """The config a stage's MoE runs under: the drafter's expert counts."""
+    return cfg.replace(
+        n_routed_experts=cfg.dspark_n_routed_experts,
+        n_activated_experts=cfg.dspark_n_activated_experts,
+    )
+
+
+# -- input checks ---------------------------------------------------------------------------------
+
+
+def _concrete(x) -> np.ndarray | None:
+    """x as a numpy array when its values are known (not traced), else None."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _check_ids(name: str, x, vocab: int) -> None:
+    values = _concrete(x)
+    if values is None or values.size == 0:
+        return
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
+
+
+def _int_array(name: str, x, shape: tuple[int, ...] | None = None) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {x.dtype}")
+    if shape is not None and x.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def _per_row(name: str, x, b: int) -> jax.Array:
+    """An int32[B] per-row argument (a scalar is broadcast to every row)."""
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        x = jnp.broadcast_to(x, (b,))
+    return _int_array(name, x, (b,))
+
+
+def _check_hidden(cfg: ModelConfig, main_hidden) -> jax.Array:
+    main_hidden = jnp.asarray(main_hidden)
+    width = len(cfg.dspark_target_layer_ids) * cfg.dim
+    if main_hidden.ndim != 3 or main_hidden.shape[-1] != width:
+        raise ValueError(
+            f"main_hidden must be [B, T, {width}] (len(dspark_target_layer_ids) * dim), got "
+            f"shape {main_hidden.shape}"
+        )
+    return main_hidden
+
+
+# -- the drafter's pieces -----------------------------------------------------------------------
+
+
+def target_hidden(cfg: ModelConfig, streams: Mapping[int, jax.Array]) -> jax.Array:
+    """The drafter's input [B, T, n_t * dim] from the backbone streams entering the target
+    layers, ``streams[layer]`` [B, T, hc_mult, dim]: the mean over the copies, concatenated in
+    ascending layer order (the order of ``dspark_target_layer_ids``)."""
+    _require_drafter(cfg)
+    missing = [t for t in cfg.dspark_target_layer_ids if t not in streams]
+    if missing:
+        raise ValueError(f"streams lack the target layers {missing}")
+    parts = []
+    for layer in cfg.dspark_target_layer_ids:
+        s = streams[layer]
+        parts.append(jnp.mean(s.astype(jnp.float32), axis=-2).astype(s.dtype))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _main_x(params: Params, cfg: ModelConfig, main_hidden: jax.Array) -> jax.Array:
+    """Stage 0's projection of the target hidden [.., n_t * dim] -> [.., dim]."""
+    y = L.linear(main_hidden, params, "mtp.0.main_proj.weight", cfg)
+    return L.rms_norm(y, params["mtp.0.main_norm.weight"], cfg.norm_eps)
+
+
+def _context_latent(
+    params: Params, cfg: ModelConfig, i: int, main_x: jax.Array, pos: jax.Array
+) -> jax.Array:
+    """Stage i's window latents [.., head_dim] of main_x [.., dim] at positions pos [..]."""
+    a = _stage(i) + "attn."
+    kv = L.rms_norm(
+        L.linear(main_x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
+    )
+    cos, sin = L.rope_tables(cfg, 0, pos)
+    kv = L.apply_rope(kv, cos, sin)
+    if cfg.quant_sim:
+        kv = fp8_qdq(kv, 32)
+    return kv
+
+
+def _block_attention(
+    h: jax.Array,
+    params: Params,
+    cfg: ModelConfig,
+    i: int,
+    cos: jax.Array,
+    sin: jax.Array,
+    ctx: jax.Array,
+    ctx_mask: jax.Array,
+) -> jax.Array:
+    """Stage i's attention for the normed block inputs h [B, K, dim] at the rope of their
+    positions (cos/sin [B, K, rope/2]): every query sees the context latents ctx [B, N, hd]
+    where ctx_mask [B, N] is set, and all K block latents."""
+    a = _stage(i) + "attn."
+    b, k, _ = h.shape
+    _, q, kv = L.query_and_latent(h, params, a, cfg, cos, sin, qdq_latent=cfg.quant_sim)
+    keys = jnp.concatenate([ctx.astype(kv.dtype), kv], axis=1)
+    n = ctx.shape[1]
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(ctx_mask[:, None, :], (b, k, n)), jnp.ones((b, k, k), bool)], axis=-1
+    )
+    o = sink_attention(q, keys, mask, params[a + "attn_sink"], cfg.head_dim**-0.5)
+    return L.attention_output(o.astype(h.dtype), cos, sin, params, a, cfg)
+
+
+def _drafter(
+    params: Params,
+    cfg: ModelConfig,
+    ctx: Sequence[jax.Array],
+    ctx_mask: jax.Array,
+    next_token: jax.Array,
+    start: jax.Array,
+) -> DraftBlock:
+    """The stages and heads over context latents ``ctx[i]`` [B, N, hd] (one per stage, visible
+    where ctx_mask [B, N]) for the block ``[next_token, noise...]`` at positions
+    ``start[b] .. start[b] + K - 1``."""
+    k = cfg.dspark_block_size
+    b = next_token.shape[0]
+    pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, K]
+    cos, sin = L.rope_tables(cfg, 0, pos)
+    noise = jnp.full((b, k - 1), cfg.dspark_noise_token_id, jnp.int32)
+    x = L.embed(params, jnp.concatenate([next_token[:, None], noise], axis=1), cfg)
+    pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
+    moe_cfg = _stage_cfg(cfg)
+    eps = cfg.norm_eps
+    for i in range(cfg.n_mtp_layers):
+        p = _stage(i)
+        a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
+        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], eps)
+        att = _block_attention(h, params, cfg, i, cos, sin, ctx[i], ctx_mask)
+        x = L.hc_post(att, x, a_post, a_comb)
+        f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
+        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], eps)
+        x = L.hc_post(L.moe(h, params, p + "ffn.", moe_cfg), x, f_post, f_comb)
+        pre = f_pre
+    last = _last(cfg)
+    hidden = L.hc_pre(x, pre)  # [B, K, dim]
+    logits = L.lm_head(params, L.rms_norm(hidden, params[last + "norm.weight"], eps))
+    table = params[last + "markov_head.embed.weight"]
+    markov_w = params[last + "markov_head.head.weight"].astype(jnp.float32)
+    token = next_token
+    slot_logits, drafted, embeds = [], [], []
+    for i in range(k):
+        emb = jnp.take(table, token, axis=0).astype(jnp.float32)  # [B, rank]
+        bias = jnp.einsum("br,vr->bv", emb, markov_w, preferred_element_type=jnp.float32)
+        li = logits[:, i] + bias
+        token = jnp.argmax(li, axis=-1).astype(jnp.int32)
+        slot_logits.append(li)
+        drafted.append(token)
+        embeds.append(emb)
+    feats = jnp.concatenate([hidden.astype(jnp.float32), jnp.stack(embeds, axis=1)], axis=-1)
+    proj = params[last + "confidence_head.proj.weight"].astype(jnp.float32)
+    confidence = jnp.einsum("bkc,oc->bko", feats, proj, preferred_element_type=jnp.float32)
+    return DraftBlock(
+        logits=jnp.stack(slot_logits, axis=1),
+        tokens=jnp.stack(drafted, axis=1),
+        confidence=confidence[..., 0],
+    )
+
+
+# -- from scratch ---------------------------------------------------------------------------------
+
+
+def draft_from_hidden(
+    params: Params,
+    cfg: ModelConfig,
+    main_hidden: jax.Array,
+    next_token: jax.Array,
+    *,
+    lengths: jax.Array | None = None,
+) -> DraftBlock:
+    """Draft from the target hidden states of a prefix.
+
+    main_hidden [B, T, n_t * dim] (`target_hidden` of positions 0..T-1); next_token int32[B], the
+    token at position ``lengths[b]`` that opens the draft block; lengths int32[B] (default T):
+    row b's prefix is its first ``lengths[b]`` positions (1..T), the rest is ignored."""
+    _require_drafter(cfg)
+    main_hidden = _check_hidden(cfg, main_hidden)
+    b, t, _ = main_hidden.shape
+    next_token = _int_array("next_token", next_token, (b,))
+    _check_ids("next_token", next_token, cfg.vocab_size)
+    w = cfg.window_size
+    if lengths is None:
+        # only the last w positions are ever visible
+        first = max(0, t - w)
+        main_hidden = main_hidden[:, first:]
+        pos = jnp.arange(first, t, dtype=jnp.int32)
+        lengths = jnp.full((b,), t, jnp.int32)
+    else:
+        lengths = _per_row("lengths", lengths, b)
+        pos = jnp.arange(t, dtype=jnp.int32)
+    pos = jnp.broadcast_to(pos[None, :], (b, pos.shape[0]))
+    ctx_mask = (pos < lengths[:, None]) & (pos >= lengths[:, None] - w)
+    main_x = _main_x(params, cfg, main_hidden)
+    ctx = [_context_latent(params, cfg, i, main_x, pos) for i in range(cfg.n_mtp_layers)]
+    return _drafter(params, cfg, ctx, ctx_mask, next_token, lengths)
+
+
+def draft(
+    params: Params, cfg: ModelConfig, tokens: jax.Array, *, next_token: jax.Array | None = None
+) -> DraftBlock:
+    """Draft the K = ``dspark_block_size`` tokens after a prefix, from scratch.
+
+    tokens int32[B, T] (positions 0..T-1) runs through the backbone for the target hidden
+    states; next_token int32[B] is the token at position T that opens the draft block (None:
+    the backbone's greedy pick after the prefix). ``logits[:, i]`` is for position T+1+i."""
+    _require_drafter(cfg)
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"tokens must be int32[B, T] with T >= 1, got shape {tokens.shape}")
+    tokens = _int_array("tokens", tokens)
+    _check_ids("tokens", tokens, cfg.vocab_size)
+    b, t = tokens.shape
+    if t + cfg.dspark_block_size > cfg.max_seq_len:
+        raise ValueError(
+            f"a prefix of {t} tokens plus a draft block of {cfg.dspark_block_size} exceeds "
+            f"max_seq_len={cfg.max_seq_len}"
+        )
+    if next_token is not None:
+        next_token = _int_array("next_token", next_token, (b,))
+        _check_ids("next_token", next_token, cfg.vocab_size)
+    logits, streams = reference.forward_streams(params, cfg, tokens, cfg.dspark_target_layer_ids)
+    if next_token is None:
+        next_token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    return draft_from_hidden(params, cfg, target_hidden(cfg, streams), next_token)
+
+
+# -- incremental ----------------------------------------------------------------------------------
+
+
+def _ring(cfg: ModelConfig, i: int) -> str:
+    return f"win.{cfg.n_layers + i}"
+
+
+def init_draft_cache(
+    cfg: ModelConfig, batch: int, dtype=jnp.float32, *, fill: float = 0.0
+) -> Cache:
+    """Empty drafter caches for ``batch`` sequences: per stage i a window ring
+    ``win.{n_layers + i}`` [batch, window_size, head_dim] of context latents (slot = position
+    mod window_size), and one ``win_pos`` int32[batch, window_size] of the positions the rings
+    hold (-1 = empty), shared by the stages. Unwritten rows hold ``fill`` (tests use NaN)."""
+    _require_drafter(cfg)
+    if batch <= 0:
+        raise ValueError(f"batch={batch} must be positive")
+    w = cfg.window_size
+    cache: Cache = {"win_pos": jnp.full((batch, w), -1, jnp.int32)}
+    for i in range(cfg.n_mtp_layers):
+        cache[_ring(cfg, i)] = jnp.full((batch, w, cfg.head_dim), fill, dtype)
+    return cache
+
+
+def _cache_batch(cfg: ModelConfig, cache: Cache) -> int:
+    if "win_pos" not in cache or any(_ring(cfg, i) not in cache for i in range(cfg.n_mtp_layers)):
+        raise ValueError("cache is not a drafter cache of this config (see init_draft_cache)")
+    return cache["win_pos"].shape[0]
+
+
+def seed(
+    params: Params,
+    cfg: ModelConfig,
+    cache: Cache,
+    main_hidden: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array | None = None,
+) -> Cache:
+    """Write the stages' rings from the target hidden states of a chunk of committed positions.
+
+    main_hidden [B, C, n_t * dim] (`target_hidden` of the chunk); start int32[B]: position of
+    row b's first chunk entry; lengths int32[B] (default C): its real entries, the rest is
+    padding and writes nothing. Only the last window_size real positions of a row are written.
+    Seed only committed positions (the verified prefix): a ring slot holds one position, so a
+    rejected draft's hidden state written here would evict a committed one."""
+    _require_drafter(cfg)
+    b = _cache_batch(cfg, cache)
+    main_hidden = _check_hidden(cfg, main_hidden)
+    if main_hidden.shape[0] != b:
+        raise ValueError(f"main_hidden has batch {main_hidden.shape[0]}, the cache {b}")
+    c = main_hidden.shape[1]
+    start = _per_row("start", start, b)
+    lengths = jnp.full((b,), c, jnp.int32) if lengths is None else _per_row("lengths", lengths, b)
+    w = cfg.window_size
+    pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # [B, C]
+    real = jnp.arange(c)[None, :] < lengths[:, None]
+    write = real & (pos >= (start + lengths)[:, None] - w)
+    slot = jnp.where(write, pos % w, w)  # w: out of range, dropped
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
+    new = dict(cache)
+    new["win_pos"] = cache["win_pos"].at[rows, slot].set(pos, mode="drop")
+    main_x = _main_x(params, cfg, main_hidden)
+    for i in range(cfg.n_mtp_layers):
+        ring = cache[_ring(cfg, i)]
+        kv = _context_latent(params, cfg, i, main_x, pos)
+        new[_ring(cfg, i)] = ring.at[rows, slot].set(kv.astype(ring.dtype), mode="drop")
+    return new
+
+
+def step(
+    params: Params,
+    cfg: ModelConfig,
+    cache: Cache,
+    next_token: jax.Array,
+    start: jax.Array,
+    *,
+    main_hidden: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+) -> tuple[DraftBlock, Cache]:
+    """Draft the block at positions ``start[b] .. start[b] + K - 1`` from the rings.
+
+    next_token int32[B]: the token at position start[b]; start int32[B]. The context is every
+    ring entry at positions start - window_size .. start - 1 (seed them all first to match
+    `draft`). With main_hidden [B, C, n_t * dim] (and lengths int32[B], default C) the positions
+    ``start - lengths .. start - 1`` are seeded from ``main_hidden[b, :lengths[b]]`` first, the
+    decode-time pattern: commit the verified tokens, then draft after them. Returns the block
+    and the cache (updated only by that seeding; the block's own latents are not kept)."""
+    _require_drafter(cfg)
+    b = _cache_batch(cfg, cache)
+    next_token = _int_array("next_token", next_token, (b,))
+    _check_ids("next_token", next_token, cfg.vocab_size)
+    start = _per_row("start", start, b)
+    if main_hidden is not None:
+        main_hidden = _check_hidden(cfg, main_hidden)
+        c = main_hidden.shape[1]
+        lengths = (
+            jnp.full((b,), c, jnp.int32) if lengths is None else _per_row("lengths", lengths, b)
+        )
+        cache = seed(params, cfg, cache, main_hidden, start - lengths, lengths)
+    elif lengths is not None:
+        raise ValueError("lengths is given without main_hidden")
+    held = cache["win_pos"]  # [B, w]
+    ctx_mask = (held >= 0) & (held < start[:, None]) & (held >= start[:, None] - cfg.window_size)
+    ctx = [cache[_ring(cfg, i)] for i in range(cfg.n_mtp_layers)]
+    return _drafter(params, cfg, ctx, ctx_mask, next_token, start), cache
