@@ -27,6 +27,7 @@ __all__ = [
     "ModelConfig",
     "Role",
     "tiny_v41",
+    "tiny_v41_full",
     "v41_flash",
 ]
 
@@ -858,6 +859,34 @@ def tiny_v41(**overrides: Any) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def tiny_v41_full(**overrides: Any) -> ModelConfig:
+    """`tiny_v41` with the rest of V4.1: Engram on layer 1 (a kv source, ratio 2) and layer 4 (a
+    reuse layer, ratio 1), 2 heads of 32 values, n-grams up to 4, small primes (above 63: tables
+    of 462 and 630 rows) and the compressed vocabulary of the built-in byte tokenizer (230 ids;
+    token ids past its 259 are DEAD); and a 3-stage DSpark drafter (blocks of 3, noise id 500)
+    reading layers 5, 6 and 7, with 8 experts of which 2 active and a Markov rank of 16."""
+    fields: dict[str, Any] = dict(
+        n_mtp_layers=3,
+        compress_ratios=(0, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+        engram_layer_ids=(1, 4),
+        engram_vocab_size=64,
+        engram_num_embeddings=(),
+        engram_max_ngram_size=4,
+        engram_n_heads=2,
+        engram_head_dim=32,
+        engram_compressed_vocab_size=230,
+        engram_pad_id=2,
+        dspark_block_size=3,
+        dspark_target_layer_ids=(5, 6, 7),
+        dspark_markov_rank=16,
+        dspark_noise_token_id=500,
+        dspark_n_routed_experts=8,
+        dspark_n_activated_experts=2,
+    )
+    fields.update(overrides)
+    return tiny_v41(**fields)
 
 
 def _ceil_div(a: int, b: int) -> int:

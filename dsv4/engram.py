@@ -166,6 +166,18 @@ def row_ids(cfg: ModelConfig, look: jax.Array, pad: jax.Array) -> jax.Array:
 # -- the tables -------------------------------------------------------------------------------
 
 
+def _code_tables() -> tuple[np.ndarray, np.ndarray]:
+    import ml_dtypes
+
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    # byte 255 is e8m0's NaN (2^128 would not fit a float32 anyway)
+    e8m0 = np.append(np.ldexp(np.float32(1), np.arange(255) - 127), np.nan).astype(np.float32)
+    return e4m3, e8m0
+
+
+_E4M3, _E8M0 = _code_tables()  # byte -> float32 value / scale
+
+
 class HostTable:
     """An Engram table that stays in host memory: e4m3 rows and their e8m0 scales as stored in
     the checkpoint (memory-mapped), dequantised row by row when a step asks for them.
@@ -201,10 +213,11 @@ class HostTable:
             raise ValueError(f"{self.name}: row ids span [{ids.min()}, {ids.max()}], the table "
                              f"has {self.shape[0]} rows")  # fmt: skip
         flat = ids.reshape(-1)
-        v = self.values[flat].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-        e = self.scales[flat].astype(np.int32) - 127
-        v = v.reshape(len(flat), -1, self.block) * np.ldexp(np.float32(1), e)[..., None]
-        return v.reshape(*ids.shape, self.shape[1]).astype(ml_dtypes.bfloat16)
+        v = _E4M3[self.values[flat]].reshape(len(flat), -1, self.block)
+        v *= _E8M0[self.scales[flat]][..., None]
+        # exact in bf16 (3 mantissa bits times a power of two): its top 16 bits, no rounding
+        bits = (v.reshape(*ids.shape, self.shape[1]).view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(ml_dtypes.bfloat16)
 
     def __repr__(self) -> str:
         return f"HostTable({self.name}, rows={self.shape[0]}, width={self.shape[1]})"

@@ -66,16 +66,33 @@ def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, visible: jax.Array
     # an elementwise product and a plain reduction over heads, not a matmul: the summation
     # order then does not depend on the batch shape, so equal scores (common once q and k are
     # FP4-simulated) stay bit-equal between a prefill and a decode and ties break the same way
-    s = jnp.sum(jax.nn.relu(dots) * w.astype(jnp.float32)[..., None], axis=2)
+    s = _round_like(jnp.sum(_score_terms(dots, w, q.dtype), axis=2), q.dtype)
     n = keys.shape[1]
     return jnp.where(jnp.arange(n) < visible[..., None], s, NEG_INF)
+
+
+def _round_like(x: jax.Array, dtype) -> jax.Array:
+    """f32 x rounded to ``dtype`` and back (nothing for f32)."""
+    return x if dtype == jnp.float32 else x.astype(dtype).astype(jnp.float32)
+
+
+def _score_terms(dots: jax.Array, w: jax.Array, dt) -> jax.Array:
+    """relu(q.k) * w per index head, f32 [.., IH, N]. With bf16 queries (serving: ``dt``) these
+    are DeepSeek's bf16 tensors: the dot rounded to bf16, the product too (its sum over heads,
+    in f32, is rounded once more by the caller)."""
+    return _round_like(jax.nn.relu(_round_like(dots, dt)) * w.astype(jnp.float32)[..., None], dt)
 
 
 def sink_attention(
     q: jax.Array, keys: jax.Array, mask: jax.Array, sink: jax.Array, scale: float
 ) -> jax.Array:
     """One softmax per (token, head) over the unmasked keys with a sink logit in the
-    denominator. q [B, T, H, d], keys [B, T, K, d] or [B, K, d], mask [B, T, K]; out fp32."""
+    denominator. q [B, T, H, d], keys [B, T, K, d] or [B, K, d], mask [B, T, K]; out fp32.
+
+    As DeepSeek's attention kernel: the exponentials are taken against the largest unmasked
+    logit (the sink enters the denominator only), and V is multiplied by the probabilities
+    rounded to q's dtype when that is not f32 (bf16: the kernel's cast before P.V); the
+    denominator sums them in f32."""
     if keys.ndim == 3:
         # keys no query may see could be anything (NaN in tests): keep them out of p @ V
         keys = jnp.where(jnp.any(mask, axis=1)[..., None], keys, 0)
@@ -84,13 +101,14 @@ def sink_attention(
         logits = jnp.einsum("bthd,btkd->bthk", q, keys, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, :, None, :], logits * scale, NEG_INF)
     sink = sink.astype(jnp.float32)[:, None]  # [H, 1]
-    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), -1e30)
     p = jnp.exp(logits - m)
     denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
-    p = p / denom
+    if q.dtype != jnp.float32:
+        p = p.astype(q.dtype).astype(jnp.float32)
     if keys.ndim == 3:
-        return jnp.einsum("bthk,bkd->bthd", p, keys.astype(jnp.float32))
-    return jnp.einsum("bthk,btkd->bthd", p, keys.astype(jnp.float32))
+        return jnp.einsum("bthk,bkd->bthd", p, keys.astype(jnp.float32)) / denom
+    return jnp.einsum("bthk,btkd->bthd", p, keys.astype(jnp.float32)) / denom
 
 
 class _Shared:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 __all__ = ["UsageError", "add_commands"]
 
-_PRESETS = ("tiny_v41",)
+_PRESETS = ("tiny_v41", "tiny_v41_full")
 _KV_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
 DEMO_SYSTEM = "You are a terse assistant that answers questions about DeepSeek-V4.1. "
 DEMO_QUESTIONS = (
@@ -48,7 +48,8 @@ def add_commands(sub) -> None:
     g.add_argument(
         "--model",
         default="tiny_v41",
-        help="a preset (tiny_v41: seeded random weights) or a checkpoint directory",
+        help="a preset (tiny_v41: seeded random weights; tiny_v41_full: with Engram and "
+        "DSpark) or a checkpoint directory",
     )
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
     g.add_argument("--kv-cache-dtype", choices=_KV_DTYPES, default="auto")

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4.config import ModelConfig, tiny_v41
+from dsv4.config import ModelConfig, tiny_v41, tiny_v41_full
 from dsv4.paged import records as R
 from serving.engine import Engine
 from serving.outputs import RequestOutput
@@ -46,7 +46,7 @@ _FORMATS = {
     "released_fp8": R.RELEASED_FP8,
     "sm90": R.SM90,
 }
-_PRESETS = {"tiny_v41": tiny_v41}
+_PRESETS = {"tiny_v41": tiny_v41, "tiny_v41_full": tiny_v41_full}
 _DTYPES = ("bfloat16", "float32")
 
 
@@ -83,7 +83,7 @@ class LLM:
 
     Args:
         model: a preset name (``"tiny_v41"``: the seeded random tiny model with the built-in
-            byte tokenizer) or a released-format checkpoint directory (`dsv4.load_pretrained`;
+            byte tokenizer; ``"tiny_v41_full"``: the same with Engram and the DSpark drafter) or a released-format checkpoint directory (`dsv4.load_pretrained`;
             its tokenizer.json when there is one, else the byte tokenizer).
         dtype: params and activations, "bfloat16" or "float32".
         kv_cache_dtype: the cache records (`dsv4.paged.records` presets): "exact" (f32),

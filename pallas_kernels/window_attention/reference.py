@@ -57,7 +57,10 @@ def softmax_state(
     z = jnp.where(mask[:, None, :], z, -jnp.inf)
     m = jnp.maximum(jnp.max(z, axis=-1), MASK_VALUE)
     p = jnp.exp(z - m[..., None])  # exp(-inf) = 0 on masked keys
-    return m, jnp.sum(p, axis=-1), jnp.einsum("thk,tkd->thd", p, keys)
+    # the kernels multiply V by the probabilities in q's dtype (bf16 when serving: what the
+    # MXU / tensor cores take, and what DeepSeek's kernel does); the denominator stays f32
+    pv = p if q.dtype == jnp.float32 else p.astype(q.dtype).astype(jnp.float32)
+    return m, jnp.sum(p, axis=-1), jnp.einsum("thk,tkd->thd", pv, keys)
 
 
 def merge_states(a: State, b: State) -> State:
