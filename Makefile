@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$p"; break; }; done)
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-slow lint venv clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or set PYTHON312=/path/to/python3.12" >&2; exit 1; }
@@ -34,6 +34,10 @@ lint: $(VENV)/.installed-test
 
 test: lint
 	$(BIN)/python -m pytest
+
+# the long variants (marked slow) that `make test` leaves to their fast representatives
+test-slow: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -m slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -414,3 +414,40 @@ def test_host_tables_give_the_device_tables_results(engram_cfg, engram_params, t
         np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(dev[name]), name)
     with pytest.raises(ValueError, match=r"row ids span \[0, 630\]"):
         table.gather(np.array([0, 630]))
+
+
+# The released V4.1-Flash inference/config.json (every key, as published).
+RELEASED_INFERENCE_CONFIG = {
+    "vocab_size": 129280, "dim": 5120, "moe_inter_dim": 2304, "n_layers": 40, "n_mtp_layers": 3,
+    "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128, "dspark_n_activated_experts": 3, "n_heads": 64,
+    "n_routed_experts": 384, "n_shared_experts": 1, "n_activated_experts": 6,
+    "score_func": "sqrtsoftplus", "route_scale": 1.5, "swiglu_limit": 10.0, "q_lora_rank": 1280,
+    "head_dim": 512, "rope_head_dim": 64, "norm_eps": 1e-20, "o_groups": 8, "o_lora_rank": 1024,
+    "window_size": 128, "kv_source_layers": [2, 8, 14, 20],
+    "index_source_layers": [2, 8, 14, 20, 24, 28, 32, 36], "original_seq_len": 65536,
+    "rope_theta": 10000, "rope_factor": 16, "beta_fast": 32, "beta_slow": 1,
+    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512, "candidate_source_layer": 20,
+    "candidate_topk_blocks": 2048, "candidate_block_size": 8, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "hc_eps": 1e-06, "engram_layer_ids": [1, 14],
+    "engram_vocab_size": 16000000, "engram_num_embeddings": [384006168, 384016682],
+    "engram_max_ngram_size": 4, "engram_pad_id": 2, "engram_compressed_vocab_size": 99092,
+    "dtype": "fp8", "expert_dtype": "fp4", "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+    "vision_n_layers": 32, "vision_dim": 1024, "vision_n_heads": 16, "vision_inter_dim": 2816,
+    "vision_patch_size": 14, "vision_downsample_ratio": 3, "vision_max_n_token": 1024,
+    "vision_min_pixels": 295936, "vision_max_wh_ratio": None, "image_token_id": 129264,
+    "engram_n_heads": 8, "engram_head_dim": 256, "vision_rope_theta": 10000,
+}  # fmt: skip
+
+
+def test_the_released_inference_config_parses_whole():
+    cfg = ModelConfig.from_dict(RELEASED_INFERENCE_CONFIG)
+    assert cfg == v41_flash()
+    assert cfg.engram_table_rows == (384006168, 384016682) and cfg.engram_columns == 24
+    assert (cfg.dspark_noise_token_id, cfg.dspark_markov_rank) == (128799, 256)
+    with pytest.raises(ValueError, match=r"engram_num_embeddings=\[384006168, 1\]"):
+        ModelConfig.from_dict(
+            {**RELEASED_INFERENCE_CONFIG, "engram_num_embeddings": [384006168, 1]}
+        )

@@ -151,3 +151,26 @@ def test_compressed_token_map():
     assert size == 6
     # ids are handed out in token order of first appearance
     assert ids[0] == 0 and sorted(set(ids.tolist())) == list(range(size))
+
+
+@pytest.mark.parametrize(
+    "same, different",
+    [
+        (["Hello", "hello", "HELLO", " hello "], ["hellos", "help"]),  # case, outer spaces
+        (["naïve", "naive", "NAÏVE"], ["nave"]),  # accents stripped
+        (["Ｈｅｌｌｏ", "hello"], ["ｈ"]),  # full-width forms (NFKC)
+        (["a  b", "a b", "a\t\nb"], ["ab", "a-b"]),  # whitespace runs collapse, not vanish
+        (["\u00c5", "A\u030a", "a"], ["b"]),  # composed / decomposed Å, accent stripped
+        ([" ", "  ", "\n"], ["", "x"]),  # one space stays a token of its own
+    ],
+)
+def test_normalisation_collides_exactly_what_it_should(same, different):
+    from tokenizers import Tokenizer, models
+
+    vocab = ["<unk>", *same, *different]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    ids, _ = compressed_token_map(tok)
+    group = {int(ids[vocab.index(t)]) for t in same}
+    assert len(group) == 1, (same, ids.tolist())
+    for t in different:
+        assert int(ids[vocab.index(t)]) not in group, (t, ids.tolist())

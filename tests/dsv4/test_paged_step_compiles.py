@@ -2,7 +2,9 @@
 (libtpu) and an H100 (CUDA plugin), for the serving default (bf16 activations, bf16 records),
 the released record formats and fp32: the step's use of the kernels (dtypes, page shapes, the
 compressor without records, the compacted tables) must hold on the chips, not only in the
-interpreters. Tiny V4.1 model (every layer role), one ragged batch of two prefills."""
+interpreters. Tiny V4.1 model (every layer role), one ragged batch of two prefills. The serving
+default runs with Engram (`tiny_v41_full`: its 32-bit-halves hash and row lookup must compile
+too) in every test run; the other formats are long variants (marked slow)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from paged_harness import Harness, plan_step
 
+from dsv4.config import tiny_v41_full
 from dsv4.paged import records as R
 from dsv4.paged.batch import build_batch
 from dsv4.paged.step import paged_step
@@ -49,25 +52,33 @@ def _abstract_step(cfg, formats, dtype, impl):
     for i, n in enumerate((20, 9)):
         request = h.mgr.new_request(f"r{i}", list(range(3, 3 + n)), max_tokens=1)
         scheduler.add_request(request, StopCriteria())
-    output, _, reqs = plan_step(scheduler, InputBatch(2))
+    output, _, reqs = plan_step(scheduler, InputBatch(2, engram_lookback=cfg.engram_lookback))
     assert output.num_scheduled_tokens == {"r0": 20, "r1": 9}, output.num_scheduled_tokens
     batch = build_batch(reqs, h.config, max_model_len=h.max_model_len, token_buckets=(32,),
-                        request_buckets=(8,))  # fmt: skip
+                        request_buckets=(8,), engram_lookback=cfg.engram_lookback)  # fmt: skip
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
     pools = {k: jax.ShapeDtypeStruct(s, jnp.uint8) for k, s in h.layout.buffer_shapes().items()}
     step = functools.partial(paged_step, cfg=cfg, layout=h.layout, impl=impl)
     return (lambda p, po, b: step(p, pools=po, batch=b)), abstract_params(cfg, dtype), pools, batch
 
 
+# the serving default with Engram in the default run; the other formats are long variants
+PARAMS = [pytest.param(c, marks=() if c == "bf16-serving" else pytest.mark.slow) for c in CASES]
+
+
+def _cfg(case, tiny_cfg):
+    return tiny_v41_full() if case == "bf16-serving" else tiny_cfg
+
+
 @requires_libtpu
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", PARAMS)
 def test_paged_step_compiles_for_tpu(tiny_cfg, case):
-    fn, *args = _abstract_step(tiny_cfg, *CASES[case], impl="tpu")
+    fn, *args = _abstract_step(_cfg(case, tiny_cfg), *CASES[case], impl="tpu")
     compile_for_tpu(fn, *args, topology="v6e:1x1")
 
 
 @requires_cuda_plugin
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", PARAMS)
 def test_paged_step_compiles_for_h100(tiny_cfg, case):
-    fn, *args = _abstract_step(tiny_cfg, *CASES[case], impl="gpu")
+    fn, *args = _abstract_step(_cfg(case, tiny_cfg), *CASES[case], impl="gpu")
     compile_for_h100(fn, *args)
