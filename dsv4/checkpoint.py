@@ -107,6 +107,9 @@ _ITEMSIZE = {
 # skip summary. Engram tables alone are ~196B parameters.
 _OUT_OF_SCOPE = (
     ("engram", re.compile(r"^layers\.\d+\.engram\.")),
+    # a drafter stage's copies of the shared embedding / head (what a torch model that aliases
+    # them writes): the backbone's own tensors are what the drafter uses
+    ("mtp_shared", re.compile(r"^mtp\.\d+\.(?:embed|head)\.weight$")),
     ("mtp", re.compile(r"^mtp\.")),
     ("vision", re.compile(r"^vision\.")),
     ("aligner", re.compile(r"^aligner\.")),

@@ -451,3 +451,36 @@ def test_the_released_inference_config_parses_whole():
         ModelConfig.from_dict(
             {**RELEASED_INFERENCE_CONFIG, "engram_num_embeddings": [384006168, 1]}
         )
+
+
+def test_stage_copies_of_the_shared_embedding_and_head_are_skipped(
+    engram_cfg, engram_params, tmp_path, caplog
+):
+    """A checkpoint written from a torch model whose drafter stages alias the shared embedding
+    and head may carry them as mtp.{i}.embed.weight / head.weight: skipped (with the log line),
+    not an error; any other stray mtp.* tensor still is one."""
+    import json
+    import logging
+
+    from safetensors.numpy import save_file
+
+    from dsv4.checkpoint import CheckpointError, load_pretrained, save_pretrained
+
+    save_pretrained(engram_params, engram_cfg, tmp_path, max_shard_bytes=1 << 30)
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    extra = {"mtp.2.embed.weight": np.zeros((4, 4), np.float32),
+             "mtp.2.head.weight": np.zeros((4, 4), np.float32)}  # fmt: skip
+    save_file(extra, str(tmp_path / "extra.safetensors"))
+    index["weight_map"].update(dict.fromkeys(extra, "extra.safetensors"))
+    index_file.write_text(json.dumps(index))
+    with caplog.at_level(logging.WARNING, logger="dsv4.checkpoint"):
+        _, loaded = load_pretrained(tmp_path, progress=False)
+    assert "mtp.2.head.weight" not in loaded
+    assert any("mtp_shared: 2" in r.getMessage() for r in caplog.records)
+    save_file({"mtp.1.bogus.weight": np.zeros(2, np.float32)}, str(tmp_path / "extra.safetensors"))
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in extra}
+    index["weight_map"]["mtp.1.bogus.weight"] = "extra.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"(?s)unexpected tensors.*mtp\.1\.bogus\.weight"):
+        load_pretrained(tmp_path, progress=False)
