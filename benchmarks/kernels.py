@@ -48,6 +48,7 @@ import numpy as np
 from pallas_kernels import _backend, compressor, indexer_topk, sparse_attention, window_attention
 from pallas_kernels.compressor.common import cost as compressor_cost
 from pallas_kernels.indexer.common import cost as indexer_cost
+from pallas_kernels.indexer.common import weighted_relu_sum
 from pallas_kernels.sparse_attention.cost import sparse_cost
 from pallas_kernels.window_attention.cost import window_cost
 
@@ -345,7 +346,10 @@ def jnp_scores(qi, weights, ikey_pages, tables, token_req, visible, *, entries_p
         q, w, req, vis = xs
         keys = ikey_pages[tables[req]].reshape(group, n, -1)
         dots = jnp.einsum("ghd,gnd->ghn", q, keys, preferred_element_type=jnp.float32)
-        s = jnp.einsum("ghn,gh->gn", jax.nn.relu(dots), w)
+        if q.dtype == jnp.float32:
+            s = jnp.einsum("ghn,gh->gn", jax.nn.relu(dots), w)
+        else:  # bf16 queries: the indexer's bf16 roundings (its kernels' same function)
+            s = weighted_relu_sum(dots, w.astype(jnp.float32)[..., None], 1, bf16=True)
         return jnp.where(jnp.arange(n)[None, :] < vis[:, None], s, -jnp.inf)
 
     xs = tuple(grouped(x) for x in (qi, weights, token_req, visible))

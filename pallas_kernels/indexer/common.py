@@ -7,7 +7,21 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_indexer_args", "cost"]
+__all__ = ["check_indexer_args", "cost", "weighted_relu_sum"]
+
+
+def weighted_relu_sum(dots, w, axis: int, *, bf16: bool, keepdims: bool = False):
+    """``sum_h w_h relu(dots_h)`` over ``axis`` in f32. With ``bf16`` (bf16 queries) the dots,
+    each weighted term and the sum are rounded to bf16 on the way, as DeepSeek's indexer
+    computes them (its bf16 tensors); the kernels and the reference share this function."""
+    if not bf16:
+        return jnp.sum(jnp.maximum(dots, 0.0) * w, axis=axis, keepdims=keepdims)
+
+    def rnd(x):
+        return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+    terms = rnd(jnp.maximum(rnd(dots), 0.0) * w)
+    return rnd(jnp.sum(terms, axis=axis, keepdims=keepdims))
 
 
 def _fail(msg: str):

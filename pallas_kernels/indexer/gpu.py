@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._backend import cdiv, cost_estimate, gpu_interpret
-from pallas_kernels.indexer.common import check_indexer_args, cost
+from pallas_kernels.indexer.common import check_indexer_args, cost, weighted_relu_sum
 
 __all__ = ["indexer_topk"]
 
@@ -75,7 +75,8 @@ def _score(q, w, keys):
     """sum_h w_h relu(q_h . k) for ``keys = (rows [C, Di], scales [C] or None)`` -> [C] (f32).
     A key's scale (a power of two) multiplies its score: exactly the score of the scaled key."""
     rows, scale = keys
-    s = jnp.sum(jnp.maximum(_dots(q, rows), 0.0) * w[:, None], axis=0)
+    # bf16 queries: DeepSeek's bf16 roundings; a power-of-two scale commutes with them
+    s = weighted_relu_sum(_dots(q, rows), w[:, None], 0, bf16=q.dtype == jnp.bfloat16)
     if scale is not None:
         s = s * scale
     return jnp.where(s == 0.0, 0.0, s)
@@ -85,8 +86,9 @@ def _score_stacked(q, w, keys, tokens):
     """`_score` of ``tokens`` stacked tokens in one matmul: q [tokens * H, Di], w [tokens * H],
     keys ([C, Di], [C] or None) -> [tokens, C] (f32)."""
     rows, scale = keys
-    terms = jnp.maximum(_dots(q, rows), 0.0) * w[:, None]
-    s = jnp.sum(terms.reshape(tokens, q.shape[0] // tokens, rows.shape[0]), axis=1)
+    dots = _dots(q, rows).reshape(tokens, q.shape[0] // tokens, rows.shape[0])
+    ww = w.reshape(tokens, q.shape[0] // tokens)[:, :, None]
+    s = weighted_relu_sum(dots, ww, 1, bf16=q.dtype == jnp.bfloat16)
     if scale is not None:
         s = s * scale[None, :]
     return jnp.where(s == 0.0, 0.0, s)

@@ -10,7 +10,7 @@ Semantics (pallas_kernels/README.md, kernel 3; model_v41.md 2.4):
   beyond (and everywhere for a padding token, ``positions[t] == -1``). A -0.0 score is counted
   as +0.0 so that ties do not depend on the sign of a zero. With bf16 ``qi`` the dot, each
   weighted term and the sum are rounded to bf16 (DeepSeek's indexer computes them in bf16);
-  the Pallas kernels keep f32 scores (a known difference, see README).
+  the kernels do the same (`common.weighted_relu_sum`).
 * Candidate source (``candidate_topk_blocks > 0`` and ``candidates is None``): block ``b`` of
   ``candidate_block_size`` entries scores its best entry; the block of entry ``visible - 1`` is
   pinned (+inf); the top ``min(candidate_topk_blocks, blocks)`` blocks (ties: lower block) are
@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.indexer.common import check_indexer_args
+from pallas_kernels.indexer.common import check_indexer_args, weighted_relu_sum
 
 __all__ = ["indexer_topk"]
 
@@ -45,14 +45,8 @@ def _scores(qi, weights, keys, visible):
     dots = jnp.einsum("thd,tnd->thn", qi, keys.astype(qi.dtype), preferred_element_type=jnp.float32)
     if qi.dtype == jnp.float32:
         s = jnp.einsum("thn,th->tn", jax.nn.relu(dots), weights.astype(jnp.float32))
-    else:
-        # bf16 queries: DeepSeek's bf16 tensors (the dots, each head's weighted term, their sum
-        # over heads in f32) rounded to bf16, as its indexer computes them
-        def rnd(x):
-            return x.astype(qi.dtype).astype(jnp.float32)
-
-        terms = rnd(jax.nn.relu(rnd(dots)) * weights.astype(jnp.float32)[..., None])
-        s = rnd(jnp.sum(terms, axis=1))
+    else:  # bf16 queries: DeepSeek's bf16 tensors (the kernels' same function)
+        s = weighted_relu_sum(dots, weights.astype(jnp.float32)[..., None], 1, bf16=True)
     s = jnp.where(s == 0, 0.0, s)
     n = keys.shape[1]
     return jnp.where(jnp.arange(n)[None, :] < visible[:, None], s, -jnp.inf)

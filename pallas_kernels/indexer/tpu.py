@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._backend import cdiv, cost_estimate, mxu_precision, tpu_interpret
-from pallas_kernels.indexer.common import check_indexer_args, cost
+from pallas_kernels.indexer.common import check_indexer_args, cost, weighted_relu_sum
 
 __all__ = ["indexer_topk"]
 
@@ -301,6 +301,7 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
     ``scaled = (scales_hbm, sbuf, ssems, dbuf)``: the keys are stored rows (fp8) with a scale
     each; every chunk is decoded once in VMEM (row x scale, exact for power-of-two scales) into
     ``dbuf`` before its tokens score it."""
+    bf16 = q_ref.dtype == jnp.bfloat16  # score with DeepSeek's bf16 roundings
     n_max = jnp.int32(0)
     for i in range(tq):
         in_seg = (i >= s) & (i < end)
@@ -369,7 +370,7 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
                     for sb in range(ce // LANES):
                         keys = keys_at(sb).astype(q.dtype)
                         dots = _qk(q, keys)
-                        sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
+                        sc = weighted_relu_sum(dots, w, 0, keepdims=True, bf16=bf16)
                         idx = c * ce + sb * LANES + lane
                         sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
                         sc_ref[i, pl.ds(c * (ce // LANES) + sb, 1), :] = sc
@@ -396,7 +397,7 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
             for sb in range(ce // LANES):
                 keys = keys_at(sb).astype(q.dtype)
                 dots = _qk(q, keys).reshape(tq_, ih, LANES)
-                sc = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=1)  # [tq, 128]
+                sc = weighted_relu_sum(dots, w, 1, bf16=bf16)  # [tq, 128]
                 idx = c * ce + sb * LANES + lane
                 sc = jnp.where(idx < nvec, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
                 sc_ref[:, pl.ds(c * (ce // LANES) + sb, 1), :] = sc[:, None, :]
@@ -469,7 +470,7 @@ def _consumer(
             ids = jnp.where(ok, entry, ids)
         keys = kbuf[slot].astype(q.dtype)
         dots = _qk(q, keys)
-        s = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
+        s = weighted_relu_sum(dots, w, 0, keepdims=True, bf16=q.dtype == jnp.bfloat16)
         s = jnp.where(ids >= 0, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
         sc_ref[pl.ds(g, 1), :] = s
         ids_ref[pl.ds(g, 1), :] = ids

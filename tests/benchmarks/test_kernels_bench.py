@@ -106,7 +106,10 @@ def test_jnp_scores_match_the_reference_scores():
     dense = reference._dense_keys(keys, tables, req)
     want = reference._scores(qi, w, dense, vis)
     assert np.isinf(np.asarray(want)).any()  # the visible mask is exercised
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    # bf16 scores (the indexer's bf16 roundings): the dots summed in another order may land one
+    # bf16 ulp apart (2**-7 relative at most)
+    assert str(qi.dtype) == "bfloat16"
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2**-7, atol=1e-4)
 
 
 def test_budget_skips_timing():
