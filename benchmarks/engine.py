@@ -119,31 +119,54 @@ def _engine_run(llm, prompts, sp, repeats: int) -> dict[str, Any]:
 
 
 def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> float:
-    """The engine's jitted step alone on a decode batch of ``batch`` requests (blocks from the
-    allocator, every request ``prompt_len`` tokens in), best of ``10 * repeats`` calls."""
+    """The engine's jitted step alone on a decode batch of ``batch`` requests of about
+    ``prompt_len`` tokens, best of ``10 * repeats`` calls.
+
+    The batch is planned as the engine plans one: a `serving.Scheduler` over the engine's
+    allocator schedules the prompts (chunked under the engine's token budget; their pages are
+    allocated, not computed: a decode step's cost does not depend on what its pages hold; the
+    first requests decode a few tokens while the last prompts are scheduled) until a step
+    decodes one token of every request, and `serving.InputBatch` turns that plan into the
+    runner's step batch."""
     import jax
     import numpy as np
 
-    from dsv4.paged.batch import StepRequest
     from serving import sampler as S
+    from serving.input_batch import InputBatch
     from serving.sampling_params import SamplingParams
+    from serving.scheduler import Scheduler, StopCriteria
 
     runner = llm.engine.runner
     manager = llm.engine.kv_cache_manager
+    scheduler = Scheduler(manager, max_num_seqs=batch,
+                          max_num_batched_tokens=llm.engine.scheduler.max_num_batched_tokens,
+                          max_model_len=runner.max_model_len)  # fmt: skip
+    inputs = InputBatch(batch, engram_lookback=llm.cfg.engram_lookback)
     rng = np.random.default_rng(1)  # prompts nobody else sends: no prefix hit on these blocks
-    reqs, steps = [], []
-    for i in range(batch):
+    ids = [f"device{i}" for i in range(batch)]
+    room = runner.max_model_len - prompt_len  # the requests never end while this plans
+    for request_id in ids:
         prompt = rng.integers(3, llm.cfg.vocab_size, prompt_len).tolist()
-        request = manager.new_request(f"device{i}", prompt)
-        assert manager.allocate_slots(request, prompt_len + 1) is not None
-        reqs.append(request)
-        ids = manager.get_block_ids(request.request_id)
-        steps.append(StepRequest([5], prompt_len, ids, req_id=request.request_id))
-    step_batch = runner.step_batch(steps, batch)
+        request = manager.new_request(request_id, prompt, max_tokens=room)
+        scheduler.add_request(request, StopCriteria())
+    while True:
+        output = scheduler.schedule()
+        inputs.update(output)
+        for new in output.scheduled_new_reqs:
+            inputs.admit(new, prompt_len)
+        rows, step_requests = inputs.schedule(output)
+        if len(rows) == batch and all(r.num_tokens == 1 and r.start >= prompt_len for r in rows):
+            break  # every request decodes one token: time this step
+        sampled = {r.request_id: [5] for r in rows if r.samples}
+        for request_id, tokens in sampled.items():
+            inputs.learn(request_id, tokens)
+        scheduler.update_from_output(output, sampled)
+    step_batch = runner.step_batch(step_requests, batch)
     t, r = step_batch.token_ids.shape[0], step_batch.seq_lens.shape[0]
     params = SamplingParams(temperature=0.0)
-    rows = [S.RowSampling(params, np.zeros(2, np.uint32), prompt_len + 1, i) for i in range(batch)]
-    sampling = S.build_sampling_batch(rows, r, runner.padding_slot)
+    samples = [S.RowSampling(params, np.zeros(2, np.uint32), prompt_len + 1, i)
+               for i in range(batch)]  # fmt: skip
+    sampling = S.build_sampling_batch(samples, r, runner.padding_slot)
     none = np.full(t, -1, np.int32)
     args = jax.device_put((step_batch, none, sampling))
 
@@ -152,8 +175,7 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> float
 
     call()
     best, _ = _best(call, 10 * repeats)
-    for request in reqs:
-        manager.free(request)
+    scheduler.finish_requests(ids)  # their blocks go back to the engine's pool
     return 1000 * best
 
 
