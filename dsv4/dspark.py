@@ -61,7 +61,7 @@ import numpy as np
 from dsv4 import layers as L
 from dsv4 import reference
 from dsv4.config import ModelConfig
-from dsv4.params import ParamSpec, Storage, _bf16, _f32, _linear
+from dsv4.params import ParamSpec, _bf16, _linear, block_specs
 from dsv4.quant import fp8_qdq
 from dsv4.reference import sink_attention
 
@@ -122,39 +122,11 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     release because the model has a vision tower, never used by the text-only drafts) is left
     out like the backbone's."""
     _require_drafter(cfg)
-    d, h, hd = cfg.dim, cfg.n_heads, cfg.head_dim
-    mix = (2 + cfg.hc_mult) * cfg.hc_mult
-    e, inter = cfg.dspark_n_routed_experts, cfg.moe_inter_dim
-    expert_storage = Storage.FP4 if cfg.expert_dtype == "fp4" else _linear(cfg, 1, 1).storage
+    d = cfg.dim
     specs: dict[str, ParamSpec] = {}
     for i in range(cfg.n_mtp_layers):
         p = _stage(i)
-        specs[p + "attn_norm.weight"] = _bf16(d, init="norm")
-        specs[p + "ffn_norm.weight"] = _bf16(d, init="norm")
-        for sub in ("attn", "ffn"):
-            specs[p + f"hc_{sub}_fn"] = _f32(mix, cfg.hc_mult * d, init="hc_fn")
-            specs[p + f"hc_{sub}_base"] = _f32(mix, init="hc_base")
-            specs[p + f"hc_{sub}_scale"] = _f32(3, init="hc_scale")
-        a = p + "attn."
-        specs[a + "wq_a.weight"] = _linear(cfg, cfg.q_lora_rank, d)
-        specs[a + "q_norm.weight"] = _bf16(cfg.q_lora_rank, init="norm")
-        specs[a + "wq_b.weight"] = _linear(cfg, h * hd, cfg.q_lora_rank)
-        specs[a + "wkv.weight"] = _linear(cfg, hd, d)
-        specs[a + "kv_norm.weight"] = _bf16(hd, init="norm")
-        specs[a + "wo_a.weight"] = _linear(
-            cfg, cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups
-        )
-        specs[a + "wo_b.weight"] = _linear(cfg, d, cfg.o_groups * cfg.o_lora_rank)
-        specs[a + "attn_sink"] = _f32(h, init="normal")
-        f = p + "ffn."
-        specs[f + "gate.weight"] = _bf16(e, d)
-        specs[f + "gate.bias"] = _f32(e, init="bias")
-        specs[f + "experts.w1.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
-        specs[f + "experts.w2.weight"] = ParamSpec((e, d, inter), expert_storage, stacked=True)
-        specs[f + "experts.w3.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
-        specs[f + "shared_experts.w1.weight"] = _linear(cfg, inter, d)
-        specs[f + "shared_experts.w2.weight"] = _linear(cfg, d, inter)
-        specs[f + "shared_experts.w3.weight"] = _linear(cfg, inter, d)
+        specs.update(block_specs(cfg, p, cfg.dspark_n_routed_experts))  # a window-only block
         if i == 0:
             n_t = len(cfg.dspark_target_layer_ids)
             specs[p + "main_proj.weight"] = _linear(cfg, d, n_t * d)

@@ -74,55 +74,65 @@ def _f32(*shape: int, init: str) -> ParamSpec:
     return ParamSpec(tuple(shape), Storage.F32, init)
 
 
+def block_specs(
+    cfg: ModelConfig, p: str, n_experts: int, role: Role = Role.SWA, ratio: int = 0
+) -> dict[str, ParamSpec]:
+    """One block's tensors under prefix ``p`` (a backbone layer ``layers.L.``, or a DSpark
+    stage ``mtp.i.``, which is a window-only block): norms, mHC mixes, attention (with the
+    compressor and indexer its ``role`` owns) and the MoE with ``n_experts`` routed experts."""
+    d, h, hd = cfg.dim, cfg.n_heads, cfg.head_dim
+    mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    expert_storage = Storage.FP4 if cfg.expert_dtype == "fp4" else _linear(cfg, 1, 1).storage
+    specs: dict[str, ParamSpec] = {}
+    specs[p + "attn_norm.weight"] = _bf16(d, init="norm")
+    specs[p + "ffn_norm.weight"] = _bf16(d, init="norm")
+    for sub in ("attn", "ffn"):
+        specs[p + f"hc_{sub}_fn"] = _f32(mix, cfg.hc_mult * d, init="hc_fn")
+        specs[p + f"hc_{sub}_base"] = _f32(mix, init="hc_base")
+        specs[p + f"hc_{sub}_scale"] = _f32(3, init="hc_scale")
+    a = p + "attn."
+    specs[a + "wq_a.weight"] = _linear(cfg, cfg.q_lora_rank, d)
+    specs[a + "q_norm.weight"] = _bf16(cfg.q_lora_rank, init="norm")
+    specs[a + "wq_b.weight"] = _linear(cfg, h * hd, cfg.q_lora_rank)
+    specs[a + "wkv.weight"] = _linear(cfg, hd, d)
+    specs[a + "kv_norm.weight"] = _bf16(hd, init="norm")
+    specs[a + "wo_a.weight"] = _linear(cfg, cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups)
+    specs[a + "wo_b.weight"] = _linear(cfg, d, cfg.o_groups * cfg.o_lora_rank)
+    specs[a + "attn_sink"] = _f32(h, init="normal")
+    if role is Role.FULL:
+        specs[a + "compressor.wkv.weight"] = _bf16(hd, d)
+        if ratio > 1:
+            specs[a + "compressor.wgate.weight"] = _bf16(hd, d)
+        specs[a + "compressor.norm.weight"] = _bf16(hd, init="norm")
+        specs[a + "indexer.wk.weight"] = _bf16(cfg.index_head_dim, hd)
+        specs[a + "indexer.k_norm.weight"] = _bf16(cfg.index_head_dim, init="norm")
+    if role in (Role.FULL, Role.REINDEX):
+        specs[a + "indexer.wq_b.weight"] = _linear(
+            cfg, cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank
+        )
+        specs[a + "indexer.weights_proj.weight"] = _bf16(cfg.index_n_heads, d)
+    f = p + "ffn."
+    e, inter = n_experts, cfg.moe_inter_dim
+    specs[f + "gate.weight"] = _bf16(e, d)
+    specs[f + "gate.bias"] = _f32(e, init="bias")
+    specs[f + "experts.w1.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
+    specs[f + "experts.w2.weight"] = ParamSpec((e, d, inter), expert_storage, stacked=True)
+    specs[f + "experts.w3.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
+    specs[f + "shared_experts.w1.weight"] = _linear(cfg, inter, d)
+    specs[f + "shared_experts.w2.weight"] = _linear(cfg, d, inter)
+    specs[f + "shared_experts.w3.weight"] = _linear(cfg, inter, d)
+    return specs
+
+
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     """Every backbone tensor (Engram, DSpark and vision excluded), in checkpoint order."""
-    d, h, hd = cfg.dim, cfg.n_heads, cfg.head_dim
+    d = cfg.dim
     specs: dict[str, ParamSpec] = {
         "embed.weight": _bf16(cfg.vocab_size, d, init="embed"),
     }
-    mix = (2 + cfg.hc_mult) * cfg.hc_mult
-    expert_storage = Storage.FP4 if cfg.expert_dtype == "fp4" else _linear(cfg, 1, 1).storage
     for info in cfg.plan:
         p = f"layers.{info.layer}."
-        specs[p + "attn_norm.weight"] = _bf16(d, init="norm")
-        specs[p + "ffn_norm.weight"] = _bf16(d, init="norm")
-        for sub in ("attn", "ffn"):
-            specs[p + f"hc_{sub}_fn"] = _f32(mix, cfg.hc_mult * d, init="hc_fn")
-            specs[p + f"hc_{sub}_base"] = _f32(mix, init="hc_base")
-            specs[p + f"hc_{sub}_scale"] = _f32(3, init="hc_scale")
-        a = p + "attn."
-        specs[a + "wq_a.weight"] = _linear(cfg, cfg.q_lora_rank, d)
-        specs[a + "q_norm.weight"] = _bf16(cfg.q_lora_rank, init="norm")
-        specs[a + "wq_b.weight"] = _linear(cfg, h * hd, cfg.q_lora_rank)
-        specs[a + "wkv.weight"] = _linear(cfg, hd, d)
-        specs[a + "kv_norm.weight"] = _bf16(hd, init="norm")
-        specs[a + "wo_a.weight"] = _linear(
-            cfg, cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups
-        )
-        specs[a + "wo_b.weight"] = _linear(cfg, d, cfg.o_groups * cfg.o_lora_rank)
-        specs[a + "attn_sink"] = _f32(h, init="normal")
-        if info.role is Role.FULL:
-            specs[a + "compressor.wkv.weight"] = _bf16(hd, d)
-            if info.ratio > 1:
-                specs[a + "compressor.wgate.weight"] = _bf16(hd, d)
-            specs[a + "compressor.norm.weight"] = _bf16(hd, init="norm")
-            specs[a + "indexer.wk.weight"] = _bf16(cfg.index_head_dim, hd)
-            specs[a + "indexer.k_norm.weight"] = _bf16(cfg.index_head_dim, init="norm")
-        if info.role in (Role.FULL, Role.REINDEX):
-            specs[a + "indexer.wq_b.weight"] = _linear(
-                cfg, cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank
-            )
-            specs[a + "indexer.weights_proj.weight"] = _bf16(cfg.index_n_heads, d)
-        f = p + "ffn."
-        specs[f + "gate.weight"] = _bf16(cfg.n_routed_experts, d)
-        specs[f + "gate.bias"] = _f32(cfg.n_routed_experts, init="bias")
-        e, inter = cfg.n_routed_experts, cfg.moe_inter_dim
-        specs[f + "experts.w1.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
-        specs[f + "experts.w2.weight"] = ParamSpec((e, d, inter), expert_storage, stacked=True)
-        specs[f + "experts.w3.weight"] = ParamSpec((e, inter, d), expert_storage, stacked=True)
-        specs[f + "shared_experts.w1.weight"] = _linear(cfg, inter, d)
-        specs[f + "shared_experts.w2.weight"] = _linear(cfg, d, inter)
-        specs[f + "shared_experts.w3.weight"] = _linear(cfg, inter, d)
+        specs.update(block_specs(cfg, p, cfg.n_routed_experts, info.role, info.ratio))
     specs["norm.weight"] = _bf16(d, init="norm")
     specs["head.weight"] = _bf16(cfg.vocab_size, d)
     if cfg.engram_layer_ids:
