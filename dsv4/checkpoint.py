@@ -170,6 +170,13 @@ def _expand_tiles(scale: np.ndarray, shape: tuple[int, ...], block: int) -> np.n
     return full[..., :o, :i]
 
 
+def _check_e4m3(b: np.ndarray, name: str) -> None:
+    """e4m3 bytes must not hold its NaN codes (0x7F, 0xFF)."""
+    if b.size and bool(np.any((b & 0x7F) == 0x7F)):
+        where = tuple(int(k) for k in np.argwhere((b & 0x7F) == 0x7F)[0])
+        raise CheckpointError(f"{name}: F8_E4M3 NaN byte (0x7F/0xFF) at index {where}")
+
+
 def dequant_fp8(
     values: np.ndarray,
     scale: np.ndarray,
@@ -188,9 +195,7 @@ def dequant_fp8(
             f"{name}: scale shape {tuple(scale.shape)} does not tile weight {b.shape} in "
             f"{block}x{block} blocks (expected {want})"
         )
-    if b.size and bool(np.any((b & 0x7F) == 0x7F)):
-        where = tuple(int(k) for k in np.argwhere((b & 0x7F) == 0x7F)[0])
-        raise CheckpointError(f"{name}: F8_E4M3 NaN byte (0x7F/0xFF) at index {where}")
+    _check_e4m3(b, name)
     s = e8m0_to_float(scale, scale_name or f"scale of {name}")
     v = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     if o % block == 0 and i % block == 0:
@@ -307,9 +312,7 @@ def dequant_fp8_rows(
             f"{name}: scale shape {tuple(scale.shape)} does not match table {b.shape} with one "
             f"scale per {block} values of a row (expected {(rows, width // block)})"
         )
-    if b.size and bool(np.any((b & 0x7F) == 0x7F)):
-        where = tuple(int(k) for k in np.argwhere((b & 0x7F) == 0x7F)[0])
-        raise CheckpointError(f"{name}: F8_E4M3 NaN byte (0x7F/0xFF) at index {where}")
+    _check_e4m3(b, name)
     s = e8m0_to_float(scale, scale_name or f"scale of {name}")
     v = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(rows, width // block, block)
     return (v * s[..., None]).reshape(rows, width)
