@@ -30,7 +30,7 @@ from serving.metrics import EngineStats, compilation_count, persistent_cache_hit
 from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from serving.runner import ModelRunner, StepHandle, StepOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
-from serving.scheduler import RequestStatus, Scheduler, StopCriteria
+from serving.scheduler import RequestStatus, Scheduler, SchedulerStats, StopCriteria
 
 __all__ = ["Engine"]
 
@@ -141,6 +141,8 @@ class Engine:
         self.vocab_size = runner.cfg.vocab_size
         self.max_model_len = scheduler.max_model_len
         self.stats = EngineStats()
+        # Decision counts (preemptions, recomputed tokens), kept as serving.lab keeps them.
+        self.scheduler_stats = SchedulerStats()
         self._requests: dict[str, _Request] = {}
         self._sequences: dict[str, _Sequence] = {}
         self._finished_ids: set[str] = set()
@@ -460,10 +462,14 @@ class Engine:
                 req.metrics.first_scheduled_time = now
                 req.metrics.num_cached_tokens = new.num_computed_tokens
             self.stats.num_prompt_tokens += seq.num_prompt_tokens
-            self.stats.prefix_cache_queries += seq.num_prompt_tokens
-            self.stats.prefix_cache_hits += new.num_computed_tokens
+        sched = self.scheduler_stats
+        sched.observe(output)
+        self.stats.num_preemptions = sched.preemptions
+        self.stats.num_replay_tokens = sched.replay_tokens
+        self.stats.num_recomputed_tokens = sched.recomputed_tokens
+        self.stats.prefix_cache_queries = sched.prefix_queries
+        self.stats.prefix_cache_hits = sched.prefix_hits
         for request_id in output.preempted_req_ids:
-            self.stats.num_preemptions += 1
             seq = self._sequences.get(request_id)
             if seq is not None:
                 seq.metrics.num_preemptions += 1

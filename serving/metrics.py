@@ -68,8 +68,14 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
     num_generation_tokens: int = 0
     num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of them, tokens found
+    # Tokens whose KV was computed before and is computed again: bounded replay of prefix
+    # hits plus recompute after preemption (`serving.scheduler.SchedulerStats`).
+    num_recomputed_tokens: int = 0
+    num_replay_tokens: int = 0  # of them, bounded-replay tokens
+    # Prompt tokens of first admissions, and of them the prefix-cache hits they were admitted
+    # with (bounded-replay tokens included), `SchedulerStats.prefix_queries / prefix_hits`.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     kv_cache_usage: float = 0.0  # fraction of blocks in use after the last step
     # (per KV-cache group: `Engine.kv_cache_usage_per_group()`, computed on demand)
     warm_up_s: float = 0.0

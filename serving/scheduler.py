@@ -181,6 +181,95 @@ class UpdateResult:
 
 
 @dataclass(slots=True)
+class SchedulerStats:
+    """Counts of the scheduler's decisions, read off its `SchedulerOutput`s (`observe`).
+
+    The engine and `serving.lab` both keep one, so a model-free lab run and an engine run of
+    the same workload report the same figures by construction of the same plans, not by two
+    bookkeepings that could drift apart.
+
+    Fields:
+        steps: `observe` calls (steps that were planned).
+        scheduled_tokens: tokens handed out, summed over steps.
+        max_scheduled_requests: most requests scheduled in one step.
+        admissions: requests that entered the batch from the waiting queue (resumed included).
+        preemptions: requests preempted.
+        replay_tokens: bounded-replay tokens: prefix-hit tokens whose window KV is rebuilt.
+        preemption_recomputed_tokens: scheduled tokens below the request's high-water mark
+            (positions it had computed before a preemption), replay tokens excluded.
+        prefix_queries / prefix_hits: prompt tokens of first admissions (resumed requests
+            excluded) and, of them, the prefix-cache hit tokens they were admitted with
+            (replay tokens included: their full-attention KV was found). This is the share of
+            prompt tokens served from the cache; vLLM's `PrefixCacheStats` instead counts
+            every lookup, including those of a request that waits and looks up again.
+    """
+
+    steps: int = 0
+    scheduled_tokens: int = 0
+    max_scheduled_requests: int = 0
+    admissions: int = 0
+    preemptions: int = 0
+    replay_tokens: int = 0
+    preemption_recomputed_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    # request id -> most tokens it has had computed (forgotten when it finishes)
+    _high_water: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Tokens computed again although their KV had been computed once: replay plus
+        recompute after preemption."""
+        return self.replay_tokens + self.preemption_recomputed_tokens
+
+    def observe(self, output: SchedulerOutput) -> None:
+        """Add one step's plan."""
+        high = self._high_water
+        for request_id in output.finished_req_ids:
+            high.pop(request_id, None)
+        scheduled = output.num_scheduled_tokens
+        self.steps += 1
+        self.scheduled_tokens += output.total_num_scheduled_tokens
+        self.max_scheduled_requests = max(self.max_scheduled_requests, len(scheduled))
+        self.preemptions += len(output.preempted_req_ids)
+        starts = {}
+        for new in output.scheduled_new_reqs:
+            self.admissions += 1
+            self.replay_tokens += new.num_replay_tokens
+            if new.request_id not in high:  # first admission
+                self.prefix_queries += len(new.token_ids)
+                self.prefix_hits += new.num_computed_tokens + new.num_replay_tokens
+            starts[new.request_id] = (new.num_computed_tokens, new.num_replay_tokens)
+        for cached in output.scheduled_cached_reqs:
+            starts[cached.request_id] = (cached.num_computed_tokens, 0)
+        for request_id, num_tokens in scheduled.items():
+            start, replay = starts[request_id]
+            end = start + num_tokens
+            mark = high.get(request_id, 0)
+            self.preemption_recomputed_tokens += max(0, min(mark, end) - (start + replay))
+            if end > mark:
+                high[request_id] = end
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "steps": self.steps,
+            "scheduled_tokens": self.scheduled_tokens,
+            "max_scheduled_requests": self.max_scheduled_requests,
+            "admissions": self.admissions,
+            "preemptions": self.preemptions,
+            "replay_tokens": self.replay_tokens,
+            "preemption_recomputed_tokens": self.preemption_recomputed_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "prefix_queries": self.prefix_queries,
+            "prefix_hits": self.prefix_hits,
+        }
+
+
+@dataclass(slots=True)
 class _StepPlan:
     """Mutable bookkeeping of one `schedule()` call."""
 
