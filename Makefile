@@ -20,7 +20,7 @@ $(VENV)/.installed-main: pyproject.toml | $(BIN)/python
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,aot]'
+	$(BIN)/python -m pip install -q -e '.[test,aot,lab]'
 	@touch $@
 
 venv: $(VENV)/.installed-test

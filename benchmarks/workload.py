@@ -1,10 +1,9 @@
 """Deterministic multi-turn chat workload, replayed through `serving.scheduler.Scheduler`.
 
-`run_loop` is an engine loop without a model: ``Scheduler.schedule()``, then a "model output",
-then ``Scheduler.update_from_output()``, until every turn has finished. The workload's
-predetermined output tokens play the sampled tokens: a request whose scheduled tokens reach the
-end of its known tokens gets its turn's next output token; ``max_tokens`` is the turn's output
-length; when a turn finishes, the conversation's next turn is added with ``add_request``.
+`run_loop` is the lab's model-free loop (`serving.lab.drive` with its `ModelFreeBackend`: the
+Scheduler over a KV-cache manager, the workload's predetermined outputs as the sampled tokens,
+a conversation's next turn added when a turn finishes), synchronous, with every first turn
+queued at the start. This module adds the benchmark's instruments around it.
 
 Every scheduling rule (FCFS admission under the token budget and ``max_num_seqs``, chunked
 prefill, prefix hits, SWA bounded replay, preemption by recompute, lookahead slots, the length
@@ -14,18 +13,22 @@ calls is wrapped in `TimedManager`, a proxy that times ``get_computed_blocks`` /
 our `cache.KVCacheManager` or anything with its interface, e.g.
 `benchmarks.adapters.VllmKVCacheManager` over vLLM 0.32's manager.
 
+The workload and its generator are `serving.lab.workloads`' (`make_chat_workload`; the names
+`ChatWorkload` and `Conversation` remain for the benchmark's callers).
+
 Nothing speculative is ever scheduled: ``num_lookahead_tokens`` only reserves slots (no drafter
 proposes tokens). No KV connector, no encoder inputs, no async scheduling.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
 
+from serving.lab.drive import ModelFreeBackend, drive
+from serving.lab.workloads import Session, Turn, Workload, make_chat_workload
 from serving.scheduler import Scheduler
 
 __all__ = [
@@ -41,89 +44,8 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------
-# Workload
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    user: tuple[int, ...]
-    output: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Conversation:
-    conv_id: int
-    system: int  # index into ChatWorkload.system_prompts
-    turns: tuple[Turn, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ChatWorkload:
-    seed: int
-    system_prompts: tuple[tuple[int, ...], ...]
-    conversations: tuple[Conversation, ...]
-
-    def prompt(self, conv: Conversation, k: int) -> list[int]:
-        """Turn ``k``'s prompt: system prompt + earlier turns (user + output) + new user."""
-        toks = list(self.system_prompts[conv.system])
-        for t in conv.turns[:k]:
-            toks += t.user
-            toks += t.output
-        toks += conv.turns[k].user
-        return toks
-
-    @property
-    def num_turns(self) -> int:
-        return sum(len(c.turns) for c in self.conversations)
-
-    def summary(self) -> dict[str, int]:
-        prompt_tokens = sum(
-            len(self.prompt(c, k)) for c in self.conversations for k in range(len(c.turns))
-        )
-        output_tokens = sum(len(t.output) for c in self.conversations for t in c.turns)
-        return {
-            "conversations": len(self.conversations),
-            "turns": self.num_turns,
-            "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens,
-        }
-
-
-def make_chat_workload(
-    seed: int = 0,
-    *,
-    num_system_prompts: int = 8,
-    num_conversations: int = 200,
-    system_len: tuple[int, int] = (1024, 4096),
-    turns: tuple[int, int] = (1, 5),
-    user_len: tuple[int, int] = (32, 1024),
-    output_len: tuple[int, int] = (16, 512),
-    vocab_size: int = 100_000,
-) -> ChatWorkload:
-    """Seeded chat workload; every range is inclusive. Same seed -> identical workload."""
-    rng = random.Random(seed)
-
-    def toks(n: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(vocab_size) for _ in range(n))
-
-    systems = tuple(toks(rng.randint(*system_len)) for _ in range(num_system_prompts))
-    convs = []
-    for cid in range(num_conversations):
-        sys_idx = rng.randrange(num_system_prompts)
-        n_turns = rng.randint(*turns)
-        convs.append(
-            Conversation(
-                conv_id=cid,
-                system=sys_idx,
-                turns=tuple(
-                    Turn(user=toks(rng.randint(*user_len)), output=toks(rng.randint(*output_len)))
-                    for _ in range(n_turns)
-                ),
-            )
-        )
-    return ChatWorkload(seed=seed, system_prompts=systems, conversations=tuple(convs))
+ChatWorkload = Workload
+Conversation = Session
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,16 +244,39 @@ class TimedManager:
         return self.manager.get_num_common_prefix_blocks(request_id)
 
 
-@dataclass(slots=True)
-class _LiveTurn:
-    conv: Conversation
-    turn: int
-    request: Any
-    output: tuple[int, ...]  # the tokens the "model" samples, in order
+class _LoopHooks:
+    """`ModelFreeBackend` hooks: the free reasons of the decision log, the checks that the
+    Scheduler freed only whom it reported, and the loop's counts."""
+
+    def __init__(self, result: LoopResult, timed: TimedManager) -> None:
+        self.result = result
+        self.timed = timed
+        self._num_frees = 0
+
+    def before_schedule(self) -> None:
+        self.timed.free_reason = "preempt"
+        self._num_frees = self.result.n_free
+
+    def on_schedule(self, output: Any) -> None:
+        result = self.result
+        result.steps += 1
+        _check_frees(result.n_free - self._num_frees, output.preempted_req_ids, "schedule()")
+        result.n_preemptions += len(output.preempted_req_ids)
+        for new in output.scheduled_new_reqs:
+            result.query_tokens += len(new.token_ids)
+            result.hit_tokens += new.num_computed_tokens + new.num_replay_tokens
+
+    def before_update(self) -> None:
+        self.timed.free_reason = "finish"
+        self._num_frees = self.result.n_free
+
+    def on_update(self, output: Any, update: Any) -> None:
+        _check_frees(self.result.n_free - self._num_frees, update.finished, "update_from_output()")
+        self.result.finished_turns += len(update.finished)
 
 
 def run_loop(
-    workload: ChatWorkload,
+    workload: Workload,
     manager: Any,
     cfg: LoopConfig,
     *,
@@ -365,51 +310,12 @@ def run_loop(
         num_lookahead_tokens=cfg.num_lookahead_tokens,
         reserve_full_isl=cfg.full_sequence_must_fit,
     )
-    live: dict[str, _LiveTurn] = {}
-
-    def add_turn(conv: Conversation, k: int) -> None:
-        output = conv.turns[k].output
-        request_id = f"c{conv.conv_id}t{k}"
-        request = timed.new_request(request_id, workload.prompt(conv, k), max_tokens=len(output))
-        live[request_id] = _LiveTurn(conv, k, request, output)
-        scheduler.add_request(request)
-
+    backend = ModelFreeBackend(scheduler, hooks=_LoopHooks(result, timed))
     t_start = perf_counter_ns()
-    for conv in workload.conversations:
-        add_turn(conv, 0)
-    while scheduler.has_unfinished_requests():
-        if cfg.max_steps is not None and result.steps >= cfg.max_steps:
-            break
-        result.steps += 1
-        num_frees = result.n_free
-        timed.free_reason = "preempt"
-        output = scheduler.schedule()
-        if not output.num_scheduled_tokens:
-            head = scheduler.waiting.peek_request() if scheduler.waiting else scheduler.running[0]
-            raise RuntimeError(
-                f"{name}: step {result.steps} schedules nothing: {head.request_id} "
-                f"({head.num_tokens} tokens) does not fit into an idle pool; the pool is too small"
-            )
-        _check_frees(result.n_free - num_frees, output.preempted_req_ids, "schedule()")
-        result.n_preemptions += len(output.preempted_req_ids)
-        for new in output.scheduled_new_reqs:
-            result.query_tokens += len(new.token_ids)
-            result.hit_tokens += new.num_computed_tokens + new.num_replay_tokens
-        # The "model": requests whose tokens reach the end of their sequence sample the
-        # turn's next output token.
-        sampled = {}
-        for request_id in output.sampling_req_ids:
-            turn = live[request_id]
-            sampled[request_id] = [turn.output[turn.request.num_output_tokens]]
-        num_frees = result.n_free
-        timed.free_reason = "finish"
-        update = scheduler.update_from_output(output, sampled)
-        _check_frees(result.n_free - num_frees, update.finished, "update_from_output()")
-        for request_id in update.finished:
-            turn = live.pop(request_id)
-            result.finished_turns += 1
-            if turn.turn + 1 < len(turn.conv.turns):
-                add_turn(turn.conv, turn.turn + 1)
+    try:
+        drive(workload, backend, max_steps=cfg.max_steps)
+    except RuntimeError as e:
+        raise RuntimeError(f"{name}: {e}") from None
     result.wall_ns = perf_counter_ns() - t_start
     return result
 

@@ -5,7 +5,8 @@
 checkpoint given with ``--model PATH``.
 ``dsv4 cache-demo`` walks multi-turn conversations, one turn at a time, through the scheduler
 (``serving.scheduler.Scheduler``) and the KV-cache allocator on the V4.1 cache layout, with made-up
-tokens. ``dsv4 layout`` prints the layout and its memory report.
+tokens. ``dsv4 layout`` prints the layout and its memory report. ``dsv4 lab`` runs cache-layout
+experiments (`serving.lab.cli`).
 
 JAX is imported only by the model commands, so ``cache-demo`` and ``layout`` start instantly.
 """
@@ -278,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layout.add_argument("--memory-gib", type=float, default=16.0, help="memory for the pool")
     layout.set_defaults(func=_layout, subparser=layout)
+
+    from serving.lab.cli import add_lab_command
+
+    add_lab_command(sub, UsageError)
     return parser
 
 
