@@ -31,6 +31,7 @@ from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOu
 from serving.runner import ModelRunner, StepHandle, StepOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
 from serving.scheduler import RequestStatus, Scheduler, SchedulerStats, StopCriteria
+from serving.spec_decode import NgramProposer, SpeculativeConfig
 
 __all__ = ["Engine"]
 
@@ -132,9 +133,12 @@ class Engine:
         *,
         eos_token_id: int | None = None,
         seed: int = 0,
+        proposer: Any = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
+        # drafts for the next step (`serving.spec_decode.NgramProposer`), None: no speculation
+        self.proposer = proposer
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.seed = seed
@@ -180,6 +184,7 @@ class Engine:
         interpret: Any = False,
         debug: bool = False,
         fill: str = "zeros",
+        speculative_config: dict | SpeculativeConfig | None = None,
     ) -> Engine:
         """An engine over ``params``: the cache layout of ``formats`` records (default bf16)
         with ``num_gpu_blocks_override`` blocks or as many as ``kv_cache_memory_bytes`` hold
@@ -191,12 +196,15 @@ class Engine:
         from dsv4.paged import records as R
 
         formats = R.BF16 if formats is None else formats
+        spec = _check_speculative(speculative_config, cfg, async_scheduling)
+        k = spec.num_speculative_tokens if spec is not None else 0
         desc = P.cache_desc(
             cfg,
             formats,
             block_size=block_size,
             swa_block_size=swa_block_size,
             swa_bounded_replay=swa_bounded_replay,
+            num_speculative_tokens=k,  # the compressor rings hold the drafts
         )
         if num_gpu_blocks_override is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = _default_kv_bytes()
@@ -221,6 +229,7 @@ class Engine:
             max_model_len=max_model_len,
             eos_token_id=eos,
             async_scheduling=async_scheduling,
+            num_spec_tokens=k,
         )
         runner = ModelRunner(
             params,
@@ -239,8 +248,10 @@ class Engine:
             interpret=interpret,
             debug=debug,
             fill=fill,
+            num_speculative_tokens=k,
         )
-        return cls(runner, scheduler, tokenizer, eos_token_id=eos, seed=seed)
+        proposer = None if spec is None else NgramProposer(spec, max_model_len)
+        return cls(runner, scheduler, tokenizer, eos_token_id=eos, seed=seed, proposer=proposer)
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -442,7 +453,9 @@ class Engine:
             result = self.scheduler.update_from_output(
                 handle.scheduler_output, step_output.sampled_token_ids
             )
-            outputs += self._apply(step_output, result)
+            outputs += self._apply(step_output, result, handle.scheduler_output)
+            if self.proposer is not None:
+                self._propose()
         self._publish_kv_events()
         self._update_stats(time.perf_counter() - t0, wait)
         return outputs
@@ -475,10 +488,32 @@ class Engine:
                 seq.metrics.num_preemptions += 1
                 self._requests[seq.parent_id].metrics.num_preemptions += 1
 
-    def _apply(self, step_output: StepOutput, result) -> list[RequestOutput]:
+    def _propose(self) -> None:
+        """Drafts for the next step of every running request (the scheduler keeps only those
+        of requests that decode)."""
+        drafts = {}
+        for request in self.scheduler.running:
+            tokens = self.proposer.propose(request.all_token_ids)
+            if tokens:
+                drafts[request.request_id] = tokens
+        if drafts:
+            self.scheduler.update_draft_token_ids(drafts)
+
+    def _apply(self, step_output: StepOutput, result, scheduled=None) -> list[RequestOutput]:
         """Tokens into sequences (text, logprobs, stop strings); finished sequences out."""
         now = time.monotonic()
         touched: dict[str, None] = {}
+        if result.spec_decoding_stats is not None:
+            self.stats.observe_spec(result.spec_decoding_stats)
+        if scheduled is not None:
+            for request_id, drafts in scheduled.scheduled_spec_decode_tokens.items():
+                seq = self._sequences.get(request_id)
+                sampled = step_output.sampled_token_ids.get(request_id)
+                if seq is None or not sampled:
+                    continue
+                for m in (seq.metrics, self._requests[seq.parent_id].metrics):
+                    m.spec_num_draft_tokens += len(drafts)
+                    m.spec_num_accepted_tokens += len(sampled) - 1
         for request_id, tokens in result.new_token_ids.items():
             seq = self._sequences[request_id]
             self._append(seq, tokens, step_output.logprobs.get(request_id), now)
@@ -529,8 +564,9 @@ class Engine:
         self.stats.num_generation_tokens += len(tokens)
         seq.token_ids += tokens
         if seq.logprobs is not None and logprob is not None:
-            seq.logprobs.append(self._logprob_dict(logprob, tokens[0], seq.params.logprobs))
-            seq.cumulative_logprob += logprob[0]
+            for token, entry in zip(tokens, logprob):  # one entry per sampled token
+                seq.logprobs.append(self._logprob_dict(entry, token, seq.params.logprobs))
+                seq.cumulative_logprob += entry[0]
 
     def _logprob_dict(self, entry, token_id: int, n: int) -> dict[int, Logprob]:
         """vLLM's per-position dict: the chosen (or prompt) token first, then the top ``n``."""
@@ -625,6 +661,29 @@ class Engine:
             )
             out.append(held / usable)
         return out
+
+
+def _check_speculative(config, cfg, async_scheduling: bool) -> SpeculativeConfig | None:
+    """The parsed speculative config, or None; errors name what cannot run."""
+    if config is None:
+        return None
+    spec = SpeculativeConfig.from_dict(config)
+    if spec.method == "dspark":
+        if not cfg.n_mtp_layers:
+            raise ValueError(
+                "speculative_config method='dspark': this model has no DSpark drafter "
+                "(n_mtp_layers=0); use method='ngram'"
+            )
+        raise ValueError(
+            "speculative_config method='dspark': the engine does not run the DSpark drafter "
+            "yet; use method='ngram'"
+        )
+    if async_scheduling:
+        raise ValueError(
+            "speculative decoding (method='ngram') needs the sampled tokens on the host before "
+            "the next step is planned: pass async_scheduling=False"
+        )
+    return spec
 
 
 def _default_kv_bytes() -> int:

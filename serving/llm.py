@@ -35,6 +35,7 @@ from dsv4.paged import records as R
 from serving.engine import Engine
 from serving.outputs import RequestOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
+from serving.spec_decode import SpeculativeConfig
 
 __all__ = ["KV_CACHE_DTYPES", "LLM", "default_compilation_cache_dir"]
 
@@ -97,7 +98,11 @@ class LLM:
             256 MiB on a device that reports none (the CPU).
         enable_prefix_caching: reuse cached prefixes across requests.
         swa_bounded_replay: V4.1's approximate window replay on prefix hits (vLLM option).
-        async_scheduling: plan step N+1 while step N runs (default on).
+        async_scheduling: plan step N+1 while step N runs (default: on, off with speculative
+            decoding, whose n-gram drafts need the sampled tokens on the host).
+        speculative_config: vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens":
+            3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (`serving.spec_decode`);
+            outputs equal those without it, token for token.
         seed: random tiny weights and the sampling seed of requests that give none.
         block_size / swa_block_size: tokens per compressed / window block (default: 16 / 4
             for tiny_v41, 64 / 32 otherwise).
@@ -130,7 +135,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
         swa_bounded_replay: bool = False,
-        async_scheduling: bool = True,
+        async_scheduling: bool | None = None,
         seed: int = 0,
         block_size: int | None = None,
         swa_block_size: int | None = None,
@@ -144,8 +149,20 @@ class LLM:
         warm_up: bool = True,
         impl: str | None = None,
         debug: bool = False,
+        speculative_config: dict | None = None,
     ) -> None:
+        if async_scheduling is None:
+            async_scheduling = speculative_config is None
         _check_args(locals())
+        if speculative_config is not None:  # checked before any weights are loaded
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+            if async_scheduling:
+                raise _fail(
+                    "async_scheduling",
+                    True,
+                    "False with speculative decoding (n-gram drafts need the sampled tokens on "
+                    "the host before the next step is planned)",
+                )
         if compilation_cache_dir == "default":
             compilation_cache_dir = default_compilation_cache_dir()
         enable_compilation_cache(compilation_cache_dir)
@@ -184,6 +201,7 @@ class LLM:
             enable_kv_cache_events=enable_kv_cache_events,
             impl=impl,
             debug=debug,
+            speculative_config=speculative_config,
         )
         self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = max_model_len

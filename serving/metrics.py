@@ -76,6 +76,13 @@ class EngineStats:
     # with (bounded-replay tokens included), `SchedulerStats.prefix_queries / prefix_hits`.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # speculative decoding (vLLM's SpecDecodingStats, summed): verifications, draft tokens
+    # verified, accepted, and per draft position how many were verified / accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_draft_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+    spec_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
     kv_cache_usage: float = 0.0  # fraction of blocks in use after the last step
     # (per KV-cache group: `Engine.kv_cache_usage_per_group()`, computed on demand)
     warm_up_s: float = 0.0
@@ -93,6 +100,40 @@ class EngineStats:
         )
 
     @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over verified draft tokens (0 without drafts)."""
+        n = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verification emits on average: 1 + accepted drafts (vLLM's figure)."""
+        n = self.spec_num_drafts
+        return 1 + self.spec_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_acceptance_per_pos(self) -> list[float]:
+        """Per draft position: accepted over verified."""
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.spec_accepted_tokens_per_pos, self.spec_draft_tokens_per_pos)
+        ]
+
+    def observe_spec(self, spec) -> None:
+        """Add one step's `serving.scheduler.SpecDecodingStats`."""
+        self.spec_num_drafts += spec.num_drafts
+        self.spec_num_draft_tokens += spec.num_draft_tokens
+        self.spec_num_accepted_tokens += spec.num_accepted_tokens
+        for name, values in (
+            ("spec_draft_tokens_per_pos", spec.num_draft_tokens_per_pos),
+            ("spec_accepted_tokens_per_pos", spec.num_accepted_tokens_per_pos),
+        ):
+            mine = getattr(self, name)
+            mine.extend([0] * (len(values) - len(mine)))
+            for i, v in enumerate(values):
+                mine[i] += v
+
+    @property
     def generation_tokens_per_s(self) -> float:
         return self.num_generation_tokens / self.elapsed_s if self.elapsed_s else 0.0
 
@@ -105,4 +146,6 @@ class EngineStats:
         out["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         out["generation_tokens_per_s"] = self.generation_tokens_per_s
         out["requests_per_s"] = self.requests_per_s
+        out["spec_acceptance_rate"] = self.spec_acceptance_rate
+        out["spec_mean_acceptance_length"] = self.spec_mean_acceptance_length
         return out

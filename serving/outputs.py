@@ -62,6 +62,16 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # speculative decoding: draft tokens verified for it, and of them the accepted ones
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted over verified draft tokens (None without drafts)."""
+        if not self.spec_num_draft_tokens:
+            return None
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
 
     @property
     def time_in_queue(self) -> float | None:

@@ -56,6 +56,7 @@ from serving.scheduler import SchedulerOutput
 
 __all__ = [
     "ModelRunner",
+    "SpecBatch",
     "StepHandle",
     "StepOutput",
     "default_table_buckets",
@@ -104,18 +105,20 @@ class _Row:
     request_id: str
     samples: bool
     start: int  # position of its first scheduled token
-    num_tokens: int
+    num_tokens: int  # drafts included
     prompt_logprobs: bool  # some of its positions predict prompt tokens
     num_prompt_tokens: int
+    drafts: tuple[int, ...] = ()  # its last len(drafts) tokens are drafts to verify
 
 
 @dataclasses.dataclass(slots=True)
 class StepOutput:
     """A step's results on the host."""
 
-    sampled_token_ids: dict[str, list[int]]  # sampling requests -> [token]
-    # request id -> (logprob, rank, top ids, top logprobs) of its sampled token
-    logprobs: dict[str, tuple[float, int, list[int], list[float]]]
+    # sampling requests -> [token] (with drafts: the accepted drafts, then the bonus token)
+    sampled_token_ids: dict[str, list[int]]
+    # request id -> per sampled token, (logprob, rank, top ids, top logprobs)
+    logprobs: dict[str, list[tuple[float, int, list[int], list[float]]]]
     # request id -> {position p: (logprob, rank, top ids, top logprobs) of prompt token p}
     prompt_logprobs: dict[str, dict[int, tuple[float, int, list[int], list[float]]]]
 
@@ -180,6 +183,7 @@ class ModelRunner:
         interpret: Any = False,
         debug: bool = False,
         fill: str = "zeros",
+        num_speculative_tokens: int = 0,
     ) -> None:
         buckets = tuple(token_buckets or default_token_buckets(max_num_batched_tokens))
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
@@ -201,12 +205,16 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.eos_token_id = eos_token_id
         self.debug = debug
+        # drafts verified per request and step (0: no speculative decoding; the step then
+        # samples one row per request, else 1 + k rows, see `_engine_step`)
+        self.num_spec = num_speculative_tokens
         self._static = dict(
             cfg=cfg,
             layout=self.layout,
             num_logprobs=max_logprobs,
             impl=impl,
             interpret=interpret,
+            num_spec=num_speculative_tokens,
         )
         self.pools = P.init_pools(self.layout, fill=fill)
         self.padding_slot = max_num_seqs
@@ -274,12 +282,17 @@ class ModelRunner:
             plp = params.prompt_logprobs is not None and row.start < state.num_prompt_tokens - 1
             n = row.num_tokens
             targets += self._prompt_targets(state, row.start, n) if plp else [-1] * n
+            drafts = tuple(output.scheduled_spec_decode_tokens.get(row.request_id, ()))
             rows.append(
-                _Row(row.request_id, row.samples, row.start, n, plp, state.num_prompt_tokens)
+                _Row(
+                    row.request_id, row.samples, row.start, n, plp, state.num_prompt_tokens, drafts
+                )
             )
         batch = self.step_batch(step_requests, output.total_num_scheduled_tokens)
         t, r = batch.token_ids.shape[0], batch.seq_lens.shape[0]
         sampling = self._sampling_batch(rows, r)
+        if self.num_spec:
+            sampling = (sampling, self._spec_batch(rows, r))
         feed = np.full(t, -1, np.int32)
         devices = [slot for row in scheduled for slot in row.device_slots]
         feed[: len(devices)] = devices
@@ -326,41 +339,67 @@ class ModelRunner:
         last = state.num_prompt_tokens - 1
         return [state.tokens[p + 1] if p < last else -1 for p in range(start, start + n)]
 
+    def _num_outputs(self, row: _Row) -> int:
+        """Outputs a request had before this step's first sampled token (the row was counted
+        in flight already)."""
+        state = self.requests[row.request_id]
+        return state.num_tokens - state.num_prompt_tokens - row.samples
+
     def _sampling_batch(self, rows: Sequence[_Row], num_rows: int) -> S.SamplingBatch:
         sampling_rows = []
         for row in rows:
             state = self.requests[row.request_id]
             params, key_data = state.extra
-            # outputs before this step's token (the row was counted in flight already)
-            num_outputs = state.num_tokens - state.num_prompt_tokens - row.samples
             sampling_rows.append(
                 S.RowSampling(
                     params=params,
                     key_data=key_data,
-                    counter=row.start + row.num_tokens,  # the position of the sampled token
+                    # the position of the (first) sampled token: after the verified tokens
+                    counter=row.start + row.num_tokens - len(row.drafts),
                     slot=state.slot,
-                    suppress_stop=num_outputs < params.min_tokens,
+                    suppress_stop=self._num_outputs(row) < params.min_tokens,
                     samples=row.samples,
                 )
             )
         return S.build_sampling_batch(sampling_rows, num_rows, self.padding_slot)
 
+    def _spec_batch(self, rows: Sequence[_Row], num_rows: int) -> SpecBatch:
+        """The drafts of each row and, per verified position, whether min_tokens still masks
+        the stop tokens there."""
+        k = self.num_spec
+        drafts = np.full((num_rows, k), -1, np.int32)
+        num_drafts = np.zeros(num_rows, np.int32)
+        suppress = np.zeros((num_rows, k + 1), bool)
+        for i, row in enumerate(rows):
+            d = len(row.drafts)
+            drafts[i, :d] = row.drafts
+            num_drafts[i] = d
+            min_tokens = self.requests[row.request_id].extra[0].min_tokens
+            outputs = self._num_outputs(row)
+            suppress[i] = [outputs + j < min_tokens for j in range(k + 1)]
+        return SpecBatch(drafts=drafts, num_drafts=num_drafts, suppress_stop=suppress)
+
     def _collect(self, rows: Sequence[_Row], host) -> StepOutput:
         """Host copies of a fetched step -> per-request results; the runner learns the sampled
         tokens of requests it still runs."""
-        (ints, floats), plp = host
-        ints, floats = ints.tolist(), floats.tolist()
+        (ints, floats, accepted), plp = host
+        ints, floats = ints.tolist(), floats.tolist()  # [R, 1 + k, ...] ([R, 1, ...] without k)
+        accepted = accepted.tolist()
         sampled: dict[str, list[int]] = {}
         logprobs = {}
         prompt_logprobs: dict[str, dict] = {}
         t = 0
         for i, row in enumerate(rows):
             if row.samples:
-                token, rank, *top_ids = ints[i]
-                logprob, *top_logprobs = floats[i]
-                sampled[row.request_id] = [token]
-                logprobs[row.request_id] = (logprob, rank, top_ids, top_logprobs)
-                self.inputs.learn(row.request_id, [token])
+                tokens, entries = [], []
+                for j in range(accepted[i] + 1):
+                    token, rank, *top_ids = ints[i][j]
+                    logprob, *top_logprobs = floats[i][j]
+                    tokens.append(token)
+                    entries.append((logprob, rank, top_ids, top_logprobs))
+                sampled[row.request_id] = tokens
+                logprobs[row.request_id] = entries
+                self.inputs.learn(row.request_id, tokens)
             if row.prompt_logprobs:
                 p_ints, p_floats = plp
                 entries = {}
@@ -401,6 +440,8 @@ class ModelRunner:
                 engram_lookback=self.cfg.engram_lookback,
             )
             sampling = S.build_sampling_batch([], r, self.padding_slot)
+            if self.num_spec:
+                sampling = (sampling, self._spec_batch([], r))
             none = np.full(t, -1, np.int32)
             jax.block_until_ready(self.dispatch(batch, none, sampling, none))
 
@@ -415,9 +456,72 @@ def _write_slot(state: S.SamplerState, slot, counts, prompt_mask, stop_mask) -> 
     return S.write_slots(state, slot[None], counts[None], prompt_mask[None], stop_mask[None])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpecBatch:
+    """The drafts a step verifies (rows as in `StepBatch`; k = num_speculative_tokens)."""
+
+    drafts: Any  # i32[R, k] each row's draft tokens, -1 = none
+    num_drafts: Any  # i32[R] drafts of the row (its last num_drafts tokens are them)
+    suppress_stop: Any  # bool[R, 1 + k] min_tokens masks the stop tokens at that position
+
+
+def _verify(
+    params,
+    h: jax.Array,  # [T, D] the step's hidden states
+    logits_indices: jax.Array,  # i32[R] each row's last token
+    sampling: S.SamplingBatch,
+    spec: SpecBatch,
+    sampler_state: S.SamplerState,
+    *,
+    num_spec: int,
+    num_logprobs: int,
+):
+    """Score the 1 + d verified positions of every row and accept drafts while they equal the
+    token the sampler draws at their position (serving.spec_decode): position j of a row is
+    sampled with the key of its position and the penalty counts of the tokens accepted before
+    it, so the emitted tokens are those the step-by-step engine would sample. Returns the
+    sampler outputs of every position [R, 1 + k], the accepted draft counts i32[R] and the
+    state (counts added for the emitted tokens only)."""
+    j = jnp.arange(num_spec + 1)
+    rows = logits_indices[:, None] - spec.num_drafts[:, None] + j  # [R, 1 + k]
+    valid = j[None, :] <= spec.num_drafts[:, None]
+    r = rows.shape[0]
+    logits = L.lm_head(params, h[jnp.where(valid, rows, 0).reshape(-1)])
+    logits = logits.reshape(r, num_spec + 1, -1)
+
+    def position(carry, xs):
+        state, alive = carry
+        logits_j, j_, suppress_j, draft_j, valid_j = xs
+        alive = alive & valid_j  # past the row's drafts nothing is sampled
+        batch_j = dataclasses.replace(
+            sampling,
+            counter=sampling.counter + j_,
+            suppress_stop=suppress_j,
+            samples=sampling.samples & alive,
+        )
+        out, state = S.sample(logits_j, batch_j, state, num_logprobs=num_logprobs)
+        return (state, alive & (out.token_ids == draft_j)), out
+
+    drafts = jnp.concatenate([spec.drafts, jnp.full((r, 1), -1, jnp.int32)], axis=1)
+    xs = (
+        jnp.swapaxes(logits, 0, 1),
+        j,
+        jnp.swapaxes(spec.suppress_stop, 0, 1),
+        jnp.swapaxes(drafts, 0, 1),
+        jnp.swapaxes(valid, 0, 1),
+    )
+    alive = jnp.ones((r,), bool)
+    (sampler_state, _), outs = jax.lax.scan(position, (sampler_state, alive), xs)
+    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [R, 1 + k, ...]
+    match = (outs.token_ids[:, :num_spec] == spec.drafts) & (spec.drafts >= 0)
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    return outs, accepted.astype(jnp.int32), sampler_state
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "num_logprobs", "impl", "interpret"),
+    static_argnames=("cfg", "layout", "num_logprobs", "impl", "interpret", "num_spec"),
     donate_argnames=("pools", "sampler_state", "last_tokens"),
 )
 def _engine_step(
@@ -427,7 +531,7 @@ def _engine_step(
     last_tokens: jax.Array,  # i32[S] each slot's last sampled token
     batch: StepBatch,
     feed: jax.Array,  # i32[T] slot whose last token is this token's id, -1 = batch.token_ids
-    sampling: S.SamplingBatch,
+    sampling,  # S.SamplingBatch, or (S.SamplingBatch, SpecBatch) when num_spec > 0
     plp_targets: jax.Array,  # i32[T] prompt token each position predicts, -1 = none
     *,
     cfg: ModelConfig,
@@ -435,18 +539,35 @@ def _engine_step(
     num_logprobs: int,
     impl,
     interpret,
+    num_spec: int = 0,
 ):
     """One engine step on the device: inputs (device-fed tokens), the paged step, the head on
-    the sampled rows, the sampler, and prompt logprobs when some position asks for them."""
+    the sampled rows, the sampler (with drafts: the verification, `_verify`), and prompt
+    logprobs when some position asks for them."""
     fed = last_tokens[jnp.maximum(feed, 0)]
     batch = dataclasses.replace(batch, token_ids=jnp.where(feed >= 0, fed, batch.token_ids))
     h, pools = paged_forward(params, cfg, layout, pools, batch, impl=impl, interpret=interpret)
-    logits = L.lm_head(params, h[batch.logits_indices])
-    out, sampler_state = S.sample(logits, sampling, sampler_state, num_logprobs=num_logprobs)
+    if num_spec:
+        sampling, spec = sampling
+        out, accepted, sampler_state = _verify(
+            params,
+            h,
+            batch.logits_indices,
+            sampling,
+            spec,
+            sampler_state,
+            num_spec=num_spec,
+            num_logprobs=num_logprobs,
+        )
+        last = jnp.take_along_axis(out.token_ids, accepted[:, None], axis=1)[:, 0]
+    else:
+        logits = L.lm_head(params, h[batch.logits_indices])
+        out, sampler_state = S.sample(logits, sampling, sampler_state, num_logprobs=num_logprobs)
+        out = jax.tree.map(lambda x: x[:, None], out)  # one sampled position per row
+        accepted = jnp.zeros(out.token_ids.shape[:1], jnp.int32)
+        last = out.token_ids[:, 0]
     keep = last_tokens[sampling.slot]
-    last_tokens = last_tokens.at[sampling.slot].set(
-        jnp.where(sampling.samples, out.token_ids, keep)
-    )
+    last_tokens = last_tokens.at[sampling.slot].set(jnp.where(sampling.samples, last, keep))
 
     def prompt_logprobs():
         return S.logprobs_of(L.lm_head(params, h), jnp.maximum(plp_targets, 0), num_logprobs)
@@ -462,12 +583,20 @@ def _engine_step(
 
     plp = jax.lax.cond(jnp.any(plp_targets >= 0), prompt_logprobs, nothing)
     sampled = _pack(out.token_ids, out.logprob, out.rank, out.top_ids, out.top_logprobs)
-    return (sampled, _pack(plp_targets, *plp)), pools, sampler_state, last_tokens
+    return (
+        (
+            (*sampled, accepted),
+            _pack(plp_targets, *plp),
+        ),
+        pools,
+        sampler_state,
+        last_tokens,
+    )
 
 
 def _pack(token_ids, logprob, rank, top_ids, top_logprobs) -> tuple[jax.Array, jax.Array]:
-    """Per row: i32[N, 2 + L] (token, rank, top ids) and f32[N, 1 + L] (logprob, top
-    logprobs): two transfers to the host instead of five."""
-    ints = jnp.concatenate([token_ids[:, None], rank[:, None], top_ids], axis=1)
-    floats = jnp.concatenate([logprob[:, None], top_logprobs], axis=1)
+    """Per row (and position): i32[..., 2 + L] (token, rank, top ids) and f32[..., 1 + L]
+    (logprob, top logprobs): two transfers to the host instead of five."""
+    ints = jnp.concatenate([token_ids[..., None], rank[..., None], top_ids], axis=-1)
+    floats = jnp.concatenate([logprob[..., None], top_logprobs], axis=-1)
     return ints.astype(jnp.int32), floats.astype(jnp.float32)

@@ -1,0 +1,115 @@
+"""Speculative decoding: the configuration and the proposers (host side).
+
+`SpeculativeConfig` is vLLM's ``speculative_config`` dict, checked: ``method`` ("ngram"; "dspark"
+needs the model's drafter, which the engine does not run yet), ``num_speculative_tokens`` k, and
+for n-gram ``prompt_lookup_min`` / ``prompt_lookup_max`` (vLLM's defaults: both 5 when neither
+is given, else each defaults to the other).
+
+`NgramProposer` is vLLM's prompt lookup: find the longest n-gram (``prompt_lookup_min <= n <=
+prompt_lookup_max``) that ends the sequence and occurred before, take its earliest earlier
+occurrence, and propose the (at most k) tokens that followed it, never past ``max_model_len``.
+
+Verification runs in the model runner's step: the 1 + d rows of a request with d drafts are
+scored together, each position's token is drawn by the sampler with the key of its position (as
+the non-speculative engine draws it), and drafts are accepted while they equal the drawn
+tokens; the first drawn token that differs (or the one after the last draft) is the bonus.
+For deterministic drafts (n-gram) that is exactly the speculative-sampling rule (accept a draft
+with the target's probability of it; on rejection draw from the target with the draft removed),
+and it makes the output token-for-token the output without speculation, at any temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MAX_SPECULATIVE_TOKENS", "NgramProposer", "SpeculativeConfig"]
+
+# Most drafts per step: the compressor ring of a ratio-2 layer holds k + 2 rows rounded up to a
+# power of two (`cache.layout.ring_capacity`); 15 keeps it at 32 rows.
+MAX_SPECULATIVE_TOKENS = 15
+
+_METHODS = ("ngram", "dspark")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """Parse and check vLLM's ``speculative_config`` dict.
+
+        Raises:
+            ValueError: an unknown key or method, ``num_speculative_tokens`` outside
+                1..`MAX_SPECULATIVE_TOKENS`, lookup lengths below 1 or min > max.
+        """
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key {unknown[0]!r}; known: {sorted(known)}"
+            )
+        method = config.get("method")
+        if method not in _METHODS:
+            raise ValueError(f"speculative_config method={method!r}; allowed: {list(_METHODS)}")
+        k = config.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens={k!r}; allowed: an int in "
+                f"1..{MAX_SPECULATIVE_TOKENS}"
+            )
+        lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if method == "ngram":
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"speculative_config {name}={value!r}; allowed: an int >= 1")
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config prompt_lookup_min={lo} > prompt_lookup_max={hi}"
+                )
+        elif lo is not None or hi is not None:
+            raise ValueError("prompt_lookup_min / prompt_lookup_max are for method 'ngram' only")
+        return cls(method, k, lo, hi)
+
+
+class NgramProposer:
+    """vLLM's n-gram prompt lookup (module docstring); model-free, on the host."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"NgramProposer needs method 'ngram', got {config.method!r}")
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        """Draft tokens for a sequence (prompt + outputs so far); [] when nothing matches."""
+        total = len(token_ids)
+        k = min(self.k, self.max_model_len - total)
+        if total < self.min_n or k <= 0:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            # every earlier window of n tokens (ending before the last token) equal to the tail
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[total - n :]).all(axis=1))
+            if hits.size:
+                start = int(hits[0]) + n  # the earliest occurrence; drafts follow it
+                return tokens[start : start + k].tolist()
+        return []
