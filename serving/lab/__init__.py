@@ -27,6 +27,7 @@ from serving.lab.experiment import (
     parse_sweep,
     parse_value,
     run,
+    run_engine,
     shortest_hit_prompt,
     sweep,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "plot_memory",
     "plot_sweep",
     "run",
+    "run_engine",
     "save_jsonl",
     "shortest_hit_prompt",
     "sweep",

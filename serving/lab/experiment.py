@@ -49,6 +49,7 @@ __all__ = [
     "parse_sweep",
     "parse_value",
     "run",
+    "run_engine",
     "shortest_hit_prompt",
     "sweep",
 ]
@@ -629,6 +630,38 @@ def run(workload: Workload, cfg: LabConfig, *, max_steps: int | None = None) -> 
     result = drive(workload, backend, max_steps=max_steps, on_add=meter.on_add)
     wall = time.perf_counter() - t0
     return _row(workload, cfg, config, result, meter, wall)
+
+
+def run_engine(workload: Workload, engine: Any, *, sampling: Any = None) -> dict[str, Any]:
+    """Run ``workload`` through a `serving.Engine` (the model samples the outputs; each turn
+    runs to its workload length) and return its counts in the lab's names, the measured wall
+    time and ``trace`` (the workload with the engine's outputs: `run` on it with the engine's
+    settings makes the same decisions)."""
+    from serving.lab.drive import EngineBackend
+
+    t0 = time.perf_counter()
+    result = drive(workload, EngineBackend(engine, sampling))
+    wall = time.perf_counter() - t0
+    sched = result.scheduler
+    stats = engine.stats
+    return {
+        "workload": workload.kind,
+        "turns": workload.num_turns,
+        "finished_turns": result.finished_turns,
+        "prefix_queries": sched["prefix_queries"],
+        "prefix_hits": sched["prefix_hits"],
+        "prefix_hit_rate": result.prefix_hit_rate,
+        "recomputed_tokens": sched["recomputed_tokens"],
+        "replay_tokens": sched["replay_tokens"],
+        "preemption_recomputed_tokens": sched["preemption_recomputed_tokens"],
+        "preemptions": sched["preemptions"],
+        "steps": sched["steps"],
+        "scheduled_tokens": sched["scheduled_tokens"],
+        "max_running": sched["max_scheduled_requests"],
+        "wall_s": wall,
+        "output_tokens_per_s": stats.generation_tokens_per_s,
+        "trace": result.trace,
+    }
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

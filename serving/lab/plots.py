@@ -73,13 +73,18 @@ def plot_sweep(
     cols = 3 if len(metrics) > 2 else len(metrics)
     nrows = -(-len(metrics) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    values = list(dict.fromkeys(_key(r[knob]) for r in rows))
+    numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+    position = {v: (v if numeric else i) for i, v in enumerate(values)}
     for ax, (field, label) in zip(axes.flat, metrics):
         for layout in layouts:
-            pts = [(r[knob], r[field]) for r in rows if r["layout"] == layout]
-            pts = [(x, y) for x, y in pts if x is not None and y is not None]
+            pts = [(position[_key(r[knob])], r[field]) for r in rows if r["layout"] == layout]
+            pts = [(x, y) for x, y in pts if y is not None]
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o", label=layout)
+        if not numeric:  # None, names, layer lists: one tick per value, in sweep order
+            ax.set_xticks(range(len(values)), [str(v) for v in values], rotation=20)
         ax.set_xlabel(knob)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -96,20 +101,38 @@ def plot_sweep(
     return path
 
 
+def _key(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
 def plot_memory(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> str:
-    """KV memory per group of each layout: bytes per token of context (full-attention
-    groups) and fixed bytes per request (windows, rings), from one row per layout."""
+    """KV memory per group of each layout (one row per layout is read): bytes per token of
+    context of the full-attention groups, and fixed bytes per request of the window and ring
+    groups, stacked by group kind; and the mean bytes each group held in the run."""
     plt = _pyplot()
     seen: dict[str, dict[str, Any]] = {}
     for r in rows:
         seen.setdefault(r["layout"], r)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     names = list(seen)
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(14, 3.8))
     left.bar(names, [seen[n]["bytes_per_token"] for n in names])
     left.set_ylabel("KV bytes per token of context")
-    right.bar(names, [seen[n]["fixed_bytes_per_request"] / 2**20 for n in names])
-    right.set_ylabel("fixed MiB per request (windows, rings)")
-    for ax in (left, right):
+    right_kinds = sorted({k for n in names for k in seen[n]["group_kinds"]})
+    bottom = [0.0] * len(names)
+    for kind in right_kinds:
+        heights = []
+        for n in names:
+            r = seen[n]
+            heights.append(
+                sum(m for m, k in zip(r["mean_kv_bytes"], r["group_kinds"]) if k == kind) / 2**20
+            )
+        right.bar(names, heights, bottom=bottom, label=kind.removesuffix("Spec"))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    right.set_ylabel("mean MiB held in the run")
+    right.legend(fontsize=7)
+    mid.bar(names, [seen[n]["fixed_bytes_per_request"] / 2**20 for n in names])
+    mid.set_ylabel("fixed MiB per request (windows, rings)")
+    for ax in (left, mid, right):
         ax.tick_params(axis="x", rotation=20)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()

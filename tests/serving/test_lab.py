@@ -12,7 +12,7 @@ import pytest
 from cache.layout import memory_report
 from serving import lab
 from serving.lab import experiment as X
-from serving.lab.drive import EngineBackend, ModelFreeBackend, drive
+from serving.lab.drive import ModelFreeBackend, drive
 
 SMALL_CHAT = dict(
     num_system_prompts=2,
@@ -415,7 +415,7 @@ def test_lab_reports_what_the_engine_reports(
             async_scheduling=async_scheduling,
             swa_bounded_replay=bounded_replay,
         )
-        on_engine = drive(wl, EngineBackend(engine))
+        on_engine = lab.run_engine(wl, engine)
     cfg = lab.LabConfig(
         layout="v41" if bounded_replay else "v41_noreplay",
         model="tiny_v41",
@@ -430,21 +430,18 @@ def test_lab_reports_what_the_engine_reports(
     )
     manager = X._manager(lab.build_layout(cfg), cfg)
     assert manager.kv_cache_config == engine.kv_cache_manager.kv_cache_config
-    model_free = drive(on_engine.trace, ModelFreeBackend(X._scheduler(manager, cfg)))
-    assert model_free.scheduler == on_engine.scheduler
-    assert model_free.trace == on_engine.trace
-    assert model_free.finished_turns == wl.num_turns
+    model_free = drive(on_engine["trace"], ModelFreeBackend(X._scheduler(manager, cfg)))
+    assert model_free.trace == on_engine["trace"]
+    assert model_free.scheduler == engine.scheduler_stats.as_dict()
+    assert model_free.finished_turns == on_engine["finished_turns"] == wl.num_turns
     st = engine.stats
     assert (st.prefix_cache_hits, st.prefix_cache_queries) == (
-        on_engine.scheduler["prefix_hits"],
-        on_engine.scheduler["prefix_queries"],
+        on_engine["prefix_hits"],
+        on_engine["prefix_queries"],
     )
-    assert st.num_preemptions == on_engine.scheduler["preemptions"] > 0
-    assert st.num_recomputed_tokens == on_engine.scheduler["recomputed_tokens"] > 0
-    assert on_engine.scheduler["prefix_hits"] > 0
-    row = lab.run(on_engine.trace, cfg)
-    assert row["prefix_hit_rate"] == st.prefix_cache_hit_rate
-    assert (row["preemptions"], row["recomputed_tokens"]) == (
-        st.num_preemptions,
-        st.num_recomputed_tokens,
-    )
+    assert st.num_preemptions == on_engine["preemptions"] > 0
+    assert st.num_recomputed_tokens == on_engine["recomputed_tokens"] > 0
+    assert on_engine["prefix_hits"] > 0
+    row = lab.run(on_engine["trace"], cfg)
+    for key in ("prefix_hit_rate", "preemptions", "recomputed_tokens", "replay_tokens", "steps"):
+        assert row[key] == on_engine[key], key
