@@ -1,0 +1,161 @@
+"""Meshes and the partitioning rule table of V4.1's parameters (DESIGN.md section 6a).
+
+`make_mesh(data=, model=, expert=)` builds a named mesh ``("data", "expert", "model")`` over the
+present devices. `param_partition_specs(cfg, mesh)` gives every parameter a `PartitionSpec`,
+chosen by its checkpoint name from `PARAM_RULES` (first match wins; a name no rule matches is an
+error, so a new tensor cannot silently end up replicated):
+
+* attention heads over ``model``: ``wq_b`` (output rows are heads), ``attn_sink``, the grouped
+  output projection by group (``wo_a`` rows are groups, ``wo_b`` columns), the indexer's query
+  heads (``indexer.wq_b``, ``weights_proj``);
+* the single shared KV latent and everything per token (``wq_a``, ``wkv``, norms, the
+  compressor, the indexer's key projection, mHC) replicated;
+* routed experts over ``expert`` (the leading expert dim), shared experts column / row parallel
+  over ``model``; the router replicated;
+* the vocabulary-split embedding, LM head and DSpark heads over ``model``; Engram replicated.
+
+`shard_params(params, cfg, mesh)` places a params dict into those shardings. XLA's SPMD
+partitioner then runs `reference.forward` (or any jitted path) on the sharded params; the tests
+check the sharded forward equals the single-device one on a mesh of host devices.
+
+A dimension an axis does not divide is refused with an error naming the tensor, the dim and the
+axis (pick a mesh whose ``model`` divides the heads, index heads, output groups and vocabulary,
+and whose ``expert`` divides the routed experts).
+
+Not here yet (the scale-out issue): the cache pools' and step inputs' specs over ``data``,
+expert parallelism with a real token dispatch (all-to-all), quantised weights on device, and
+sharded loading.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dsv4.config import ModelConfig
+
+__all__ = [
+    "AXES",
+    "PARAM_RULES",
+    "make_mesh",
+    "param_partition_specs",
+    "partition_spec_for",
+    "shard_params",
+]
+
+AXES = ("data", "expert", "model")
+
+_M, _E = "model", "expert"
+
+# (regex on the checkpoint name, spec by dim); the block prefix is ``layers.N.`` or ``mtp.N.``.
+_BLOCK = r"(?:layers|mtp)\.\d+\."
+PARAM_RULES: tuple[tuple[str, tuple[str | None, ...] | None], ...] = (
+    # attention: heads split, the shared latent replicated
+    (_BLOCK + r"attn\.wq_b\.weight$", (_M, None)),
+    (_BLOCK + r"attn\.wo_a\.weight$", (_M, None)),
+    (_BLOCK + r"attn\.wo_b\.weight$", (None, _M)),
+    (_BLOCK + r"attn\.attn_sink$", (_M,)),
+    (_BLOCK + r"attn\.indexer\.wq_b\.weight$", (_M, None)),
+    (_BLOCK + r"attn\.indexer\.weights_proj\.weight$", (_M, None)),
+    (_BLOCK + r"attn\.(wq_a|wkv)\.weight$", None),
+    (_BLOCK + r"attn\.(q_norm|kv_norm)\.weight$", None),
+    (_BLOCK + r"attn\.compressor\.", None),
+    (_BLOCK + r"attn\.indexer\.(wk|k_norm)\.weight$", None),
+    # MoE: routed experts over the expert axis, shared experts tensor-parallel
+    (_BLOCK + r"ffn\.experts\.w[123]\.weight$", (_E, None, None)),
+    (_BLOCK + r"ffn\.shared_experts\.w[13]\.weight$", (_M, None)),
+    (_BLOCK + r"ffn\.shared_experts\.w2\.weight$", (None, _M)),
+    (_BLOCK + r"ffn\.gate\.(weight|bias)$", None),
+    # per-block norms, mHC, DSpark's projections
+    (_BLOCK + r"(attn_norm|ffn_norm|norm|main_norm)\.weight$", None),
+    (_BLOCK + r"hc_(attn|ffn)_(fn|base|scale)$", None),
+    (_BLOCK + r"main_proj\.weight$", None),
+    (_BLOCK + r"confidence_head\.", None),
+    (_BLOCK + r"markov_head\.(embed|head)\.weight$", (_M, None)),
+    # Engram: replicated (the released tables stay on the host as `engram.HostTable`s; their
+    # row counts, sums of primes, divide no mesh axis)
+    (_BLOCK + r"engram\.", None),
+    (r"^engram\.token_map$", None),
+    # vocabulary-split embedding and head
+    (r"^embed\.weight$", (_M, None)),
+    (r"^head\.weight$", (_M, None)),
+    (r"^norm\.weight$", None),
+)
+_COMPILED = tuple((re.compile(p), spec) for p, spec in PARAM_RULES)
+_NO_RULE = object()
+
+
+def make_mesh(*, data: int = 1, model: int = 1, expert: int | None = None, devices=None) -> Mesh:
+    """A ``("data", "expert", "model")`` mesh of ``data * expert * model`` devices (the first
+    ones of ``devices``, default `jax.devices()`); ``expert=None`` means 1.
+
+    Raises:
+        ValueError: an axis size below 1, or more devices asked for than there are.
+    """
+    expert = 1 if expert is None else expert
+    for name, size in (("data", data), ("expert", expert), ("model", model)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"make_mesh {name}={size!r}: must be an int >= 1")
+    devices = list(jax.devices() if devices is None else devices)
+    need = data * expert * model
+    if need > len(devices):
+        raise ValueError(
+            f"make_mesh(data={data}, expert={expert}, model={model}) needs {need} devices; "
+            f"{len(devices)} present"
+        )
+    grid = np.asarray(devices[:need], dtype=object).reshape(data, expert, model)
+    return Mesh(grid, AXES)
+
+
+def partition_spec_for(name: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The spec of one parameter by its checkpoint name (`PARAM_RULES`).
+
+    Raises:
+        ValueError: no rule matches the name, the rule's rank differs from the tensor's, or a
+            mesh axis does not divide the dim it splits.
+    """
+    spec = next((rule for pattern, rule in _COMPILED if pattern.search(name)), _NO_RULE)
+    if spec is _NO_RULE:
+        raise ValueError(f"no partition rule for parameter {name!r} (shape {shape})")
+    if spec is None:
+        return PartitionSpec()
+    if len(spec) != len(shape):
+        raise ValueError(f"partition rule {spec} for {name!r} has rank {len(spec)}; shape {shape}")
+    for dim, axis in enumerate(spec):
+        if axis is not None and shape[dim] % mesh.shape[axis]:
+            raise ValueError(
+                f"parameter {name!r} dim {dim} (size {shape[dim]}) is not divisible by mesh "
+                f"axis {axis}={mesh.shape[axis]}"
+            )
+    return PartitionSpec(*spec)
+
+
+def param_partition_specs(
+    cfg: ModelConfig, mesh: Mesh, params: Mapping[str, Any] | None = None
+) -> dict[str, PartitionSpec]:
+    """Every parameter's spec: of ``params`` when given, else of `dsv4.params.param_specs`."""
+    if params is None:
+        from dsv4.params import param_specs
+
+        shapes = {n: tuple(s.shape) for n, s in param_specs(cfg).items()}
+    else:
+        shapes = {n: tuple(np.shape(v)) for n, v in params.items()}
+    return {n: partition_spec_for(n, shape, mesh) for n, shape in shapes.items()}
+
+
+def shard_params(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """``params`` placed into their shardings on ``mesh`` (leaves that are not arrays, such as
+    an Engram `HostTable`, stay where they are)."""
+    specs = param_partition_specs(cfg, mesh, params)
+    out = {}
+    for name, value in params.items():
+        if isinstance(value, jax.Array | np.ndarray):
+            out[name] = jax.device_put(value, NamedSharding(mesh, specs[name]))
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,89 @@
+"""dsv4.sharding: every parameter has a rule, the released model's shapes divide a real mesh,
+and on a mesh of 8 host devices the sharded reference forward equals the single-device one.
+
+The multi-device checks run in a subprocess: the host device count is fixed when JAX starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec
+
+from dsv4 import sharding
+from dsv4.config import tiny_v41_full, v41_flash
+
+
+def _fake_mesh(**axes):
+    """A mesh-shaped stand-in with only the axis sizes (the specs need nothing else)."""
+
+    class FakeMesh:
+        def __init__(self) -> None:
+            self.shape = {"data": 1, "expert": 1, "model": 1, **axes}
+
+    return FakeMesh()
+
+
+def test_every_released_parameter_has_a_rule_and_divides_an_8x8_mesh():
+    specs = sharding.param_partition_specs(v41_flash(), _fake_mesh(model=8, expert=8))
+    assert specs["layers.3.attn.wq_b.weight"] == PartitionSpec("model", None)
+    assert specs["layers.3.ffn.experts.w1.weight"] == PartitionSpec("expert", None, None)
+    assert specs["layers.3.attn.wkv.weight"] == PartitionSpec()  # the shared latent
+    assert specs["embed.weight"] == PartitionSpec("model", None)
+    split = [n for n, s in specs.items() if s != PartitionSpec()]
+    assert any(n.startswith("mtp.") for n in split)
+
+
+def test_errors_name_the_tensor_and_the_axis():
+    with pytest.raises(ValueError, match=r"'embed.weight' dim 0 \(size 129280\) .* model=3"):
+        sharding.param_partition_specs(v41_flash(), _fake_mesh(model=3))
+    with pytest.raises(ValueError, match=r"no partition rule for parameter 'layers\.0\.attn\.new'"):
+        sharding.partition_spec_for("layers.0.attn.new", (4,), _fake_mesh())
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        sharding.make_mesh(data=2, model=8, devices=jax.devices())
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from dsv4 import reference, sharding
+    from dsv4.config import tiny_v41_full
+    from dsv4.params import init_params
+
+    assert len(jax.devices()) == 8
+    cfg = tiny_v41_full()
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    mesh = sharding.make_mesh(data=2, expert=2, model=2)
+    sharded = sharding.shard_params(params, cfg, mesh)
+    w = sharded["layers.2.attn.wq_b.weight"]
+    assert w.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert len(w.addressable_shards) == 8 and w.addressable_shards[0].data.shape[0] == w.shape[0] // 2
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 24)), jnp.int32)
+    fwd = jax.jit(reference.forward, static_argnums=1)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(fwd(params, cfg, tokens))
+        got = np.asarray(fwd(sharded, cfg, tokens))
+    err = float(np.max(np.abs(got - want)))
+    print("max_abs_diff", err)
+    assert err < 1e-4, err
+    """
+)
+
+
+def test_sharded_forward_equals_single_device():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "")
+        + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "max_abs_diff" in run.stdout
+    assert tiny_v41_full().n_heads % 2 == 0
