@@ -11,6 +11,11 @@
   `save_params` / `restore_params` (orbax).
 """
 
+# Importing Pallas registers configuration that enters the keys of JAX's compilation caches,
+# so whatever was jitted before the first import of a kernel compiles again afterwards (e.g.
+# `generate` once an engine is built). Importing it with the package keeps the keys stable.
+import jax.experimental.pallas  # noqa: F401  (isort: keep first)
+
 from dsv4 import dspark, engram, reference
 from dsv4.checkpoint import load_pretrained, restore_params, save_params, save_pretrained
 from dsv4.config import LayerPlan, ModelConfig, Role, tiny_v41, tiny_v41_full, v41_flash
