@@ -24,6 +24,7 @@ def _json_line(argv, capsys) -> dict:
     return out
 
 
+@pytest.mark.slow  # the generate path also runs in every dsv4.generate test
 def test_generate_path(capsys):
     out = _json_line(["--batches", "1", "--paths", "generate,matmuls"], capsys)
     assert "paged" not in out and out["batches"] == [1]

@@ -208,8 +208,11 @@ def _run(params, cfg, arrivals, *, spec=None, aborts=None, proposer=None, **kw):
 
 @pytest.mark.parametrize(
     ("k", "pool_layout", "budget"),
-    [(3, "aliased", 32), (5, "separate", 32), (1, "aliased", 13)],
-    ids=["k3-aliased", "k5-separate", "k1-budget13"],
+    [
+        pytest.param(3, "aliased", 32, id="k3-aliased"),
+        pytest.param(5, "separate", 32, id="k5-separate", marks=pytest.mark.slow),
+        pytest.param(1, "aliased", 13, id="k1-budget13"),
+    ],
 )
 def test_greedy_outputs_equal_plain_decoding(tiny_params, tiny_cfg, k, pool_layout, budget):
     arrivals = _repetitive_workload(tiny_cfg, seed=k)
