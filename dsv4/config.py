@@ -28,6 +28,7 @@ __all__ = [
     "Role",
     "tiny_v41",
     "tiny_v41_full",
+    "tiny_v41_trained",
     "v41_flash",
 ]
 
@@ -859,6 +860,31 @@ def tiny_v41(**overrides: Any) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def tiny_v41_trained(**overrides: Any) -> ModelConfig:
+    """`tiny_v41`'s eight layers (every role, both ratios, the candidate blocks, mHC, MoE) sized
+    to be trained on two CPU cores in under an hour (`dsv4.train`) on byte-level text
+    (`dsv4.data`, ids of `dsv4.tokenizer.ByteTokenizer`; 320 ids leave 61 spare above its 259).
+
+    Training windows of 256 tokens hold 16 windows of 16, 128 ratio-2 and 256 ratio-1
+    compressed entries: every compressed layer attends to its 16 best entries, and layers 5-6
+    choose them among the 8 best candidate blocks of 4 (32 entries) of layer 3. 16 routed
+    experts of which 2 active; about 2.1M parameters, 0.67M of them active per token. YaRN
+    takes the compressed layers from the 256 trained positions to 1024. No Engram, no drafter.
+    """
+    fields: dict[str, Any] = dict(
+        vocab_size=320,
+        window_size=16,
+        index_topk=16,
+        candidate_block_size=4,
+        candidate_topk_blocks=8,
+        n_routed_experts=16,
+        original_seq_len=256,
+        max_seq_len=1024,
+    )
+    fields.update(overrides)
+    return tiny_v41(**fields)
 
 
 def tiny_v41_full(**overrides: Any) -> ModelConfig:

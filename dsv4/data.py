@@ -1,0 +1,165 @@
+"""Training text: the Python standard library's own source, as byte-level tokens.
+
+Every machine that runs this package has it: the ``*.py`` files under the running interpreter's
+``sysconfig.get_paths()["stdlib"]`` (third-party ``site-packages`` / ``dist-packages`` and
+``__pycache__`` excluded), listed in sorted order of their paths relative to that root, so the
+list depends only on the interpreter's version. The text is the Python Software Foundation's,
+under the PSF License Agreement (version 2; the interpreter ships it as ``LICENSE.txt`` beside the
+library, or see https://docs.python.org/3/license.html), which permits copying and derivative
+works provided the licence and its copyright notice are retained; a model trained on it and
+samples drawn from it are derived from PSF-licensed text.
+
+The split is by file: file i of the sorted list is held out when ``i % heldout_every ==
+heldout_every - 1`` (every 20th file by default), the rest train; no file is in both.
+
+Tokens are the built-in byte tokenizer's (`dsv4.tokenizer.ByteTokenizer`): each file's raw bytes
+(files need not be UTF-8) become ids ``byte + 3``, framed as ``BOS bytes.. EOS``; the files of a
+split are concatenated in list order into one uint16 stream.
+
+Batches are windows of a fixed length cut from the stream, in an order fixed by a seed:
+`batch_at(tokens, position, ...)` is the ``position``-th batch, a pure function of its
+arguments, so a run that stores how many batches it drew continues with the same batches after
+a restart. Epoch e starts its windows at a random offset below the window length and visits them
+in a random permutation (both drawn from ``numpy.random.default_rng([seed, e])``); a batch never
+spans two epochs (the last, incomplete batch of an epoch is skipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+
+import numpy as np
+
+from dsv4.tokenizer import ByteTokenizer
+
+__all__ = [
+    "Split",
+    "batch_at",
+    "batches_per_epoch",
+    "check_tokens",
+    "consecutive_windows",
+    "encode_bytes",
+    "load_split",
+    "source_files",
+    "split_files",
+    "stdlib_root",
+]
+
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def stdlib_root() -> str:
+    """The running interpreter's standard library directory."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def source_files(root: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
+    """Sorted paths, relative to ``root`` (default `stdlib_root`), of its ``*.py`` files outside
+    ``site-packages``, ``dist-packages`` and ``__pycache__``."""
+    root = os.fspath(stdlib_root() if root is None else root)
+    if not os.path.isdir(root):
+        raise ValueError(f"source root {root!r} is not a directory")
+    out = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
+        rel = os.path.relpath(here, root)
+        for name in files:
+            if name.endswith(".py"):
+                out.append(os.path.normpath(os.path.join(rel, name)))
+    return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A by-file split of a source list (paths relative to ``root``)."""
+
+    root: str
+    train: tuple[str, ...]
+    heldout: tuple[str, ...]
+
+
+def split_files(files: tuple[str, ...], *, heldout_every: int = 20, root: str = "") -> Split:
+    """Hold out file i when ``i % heldout_every == heldout_every - 1``; train on the rest."""
+    if not isinstance(heldout_every, int) or heldout_every < 2:
+        raise ValueError(f"heldout_every={heldout_every!r} must be an int >= 2")
+    train = tuple(f for i, f in enumerate(files) if i % heldout_every != heldout_every - 1)
+    heldout = tuple(f for i, f in enumerate(files) if i % heldout_every == heldout_every - 1)
+    return Split(root=root, train=train, heldout=heldout)
+
+
+def encode_bytes(raw: bytes) -> np.ndarray:
+    """uint16 ids of ``BOS raw.. EOS`` under `ByteTokenizer` (byte b -> b + 3): for UTF-8 text
+    the ids of ``ByteTokenizer().encode(text, add_bos=True) + [EOS]``."""
+    tok = ByteTokenizer
+    body = np.frombuffer(raw, np.uint8).astype(np.uint16) + tok.OFFSET
+    return np.concatenate([[tok.BOS], body, [tok.EOS]]).astype(np.uint16)
+
+
+def load_split(split: Split, which: str) -> np.ndarray:
+    """The token stream uint16[N] of the ``which`` ("train" or "heldout") files of ``split``."""
+    if which not in ("train", "heldout"):
+        raise ValueError(f"which={which!r} must be 'train' or 'heldout'")
+    files = getattr(split, which)
+    if not files:
+        raise ValueError(f"the {which} split of {split.root!r} has no files")
+    parts = []
+    for rel in files:
+        with open(os.path.join(split.root, rel), "rb") as f:
+            parts.append(encode_bytes(f.read()))
+    return np.concatenate(parts)
+
+
+def check_tokens(tokens: np.ndarray, window: int, batch_size: int, vocab_size: int) -> None:
+    """Raise ValueError unless ``tokens`` is a 1-d integer stream of ids below ``vocab_size``
+    long enough for one batch of ``batch_size`` windows of ``window`` tokens."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be a 1-d integer array, got {tokens.dtype}{tokens.shape}")
+    if batch_size <= 0 or window <= 1:
+        raise ValueError(f"batch_size={batch_size} must be > 0 and window={window} > 1")
+    if batches_per_epoch(len(tokens), window, batch_size) == 0:
+        raise ValueError(
+            f"{len(tokens)} tokens hold no batch of {batch_size} windows of {window} tokens "
+            "(at a random offset below the window length)"
+        )
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise ValueError(f"token id {int(tokens.max())} >= vocab_size={vocab_size}")
+
+
+def _windows_per_epoch(n_tokens: int, window: int) -> int:
+    # any offset below `window` leaves this many whole windows
+    return max(n_tokens - window, 0) // window
+
+
+def batches_per_epoch(n_tokens: int, window: int, batch_size: int) -> int:
+    """Batches of ``batch_size`` windows of ``window`` tokens in one epoch of a stream."""
+    return _windows_per_epoch(n_tokens, window) // batch_size
+
+
+def batch_at(
+    tokens: np.ndarray, position: int, *, batch_size: int, window: int, seed: int
+) -> np.ndarray:
+    """The ``position``-th batch int32[batch_size, window] of the stream ``tokens`` (module
+    docstring: per-epoch offset and permutation from ``[seed, epoch]``)."""
+    if not isinstance(position, int | np.integer) or position < 0:
+        raise ValueError(f"position={position!r} must be an int >= 0")
+    per_epoch = batches_per_epoch(len(tokens), window, batch_size)
+    if per_epoch == 0:
+        raise ValueError(
+            f"{len(tokens)} tokens hold no batch of {batch_size} windows of {window} tokens"
+        )
+    epoch, index = divmod(int(position), per_epoch)
+    rng = np.random.default_rng([seed, epoch])
+    offset = int(rng.integers(window))
+    order = rng.permutation(_windows_per_epoch(len(tokens), window))
+    starts = offset + window * order[index * batch_size : (index + 1) * batch_size]
+    return np.stack([tokens[s : s + window] for s in starts]).astype(np.int32)
+
+
+def consecutive_windows(tokens: np.ndarray, window: int) -> np.ndarray:
+    """int32[len // window, window]: the stream cut into consecutive windows from its start
+    (for evaluation; the remainder is dropped)."""
+    n = len(tokens) // window
+    return np.asarray(tokens[: n * window], np.int32).reshape(n, window)
