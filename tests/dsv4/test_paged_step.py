@@ -126,6 +126,7 @@ def test_random_schedules_fp32_records(tiny_params, tiny_cfg, layout_kind, pool)
     assert (st.num_preempted > 0) == (pool == "small"), st
 
 
+@pytest.mark.slow  # fast representative: tests/serving/test_engine.py::test_trimmed_block_tables
 def test_tables_trimmed_to_the_longest_request(tiny_params, tiny_cfg):
     """`table_buckets`: each step's tables are only as wide as its longest request needs (in
     power-of-two buckets), so early steps decode and address fewer pages; same logits."""

@@ -293,15 +293,7 @@ def test_sampled_outputs_equal_plain_decoding(tiny_params, tiny_cfg):
         for i, a in enumerate(arrivals)
     ]
     plain, _ = _run(tiny_params, tiny_cfg, arrivals)
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": 3,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 2,
-    }
-    fast, engine = _run(tiny_params, tiny_cfg, arrivals, spec=spec)
-    _assert_same(fast, plain)
-    assert engine.stats.spec_num_draft_tokens > 0
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
     oracle = _Oracle(arrivals, plain, 3, tiny_cfg.vocab_size)
     fast, engine = _run(tiny_params, tiny_cfg, arrivals, spec=spec, proposer=oracle)
     _assert_same(fast, plain)
