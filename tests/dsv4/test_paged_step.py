@@ -101,7 +101,11 @@ def read_paths(h: Harness) -> dict[str, bool]:
 
 @pytest.mark.parametrize(
     "layout_kind,pool",
-    [("aliased", "large"), ("separate", "large"), ("aliased", "small")],
+    [
+        ("aliased", "large"),
+        pytest.param("separate", "large", marks=pytest.mark.slow),
+        ("aliased", "small"),
+    ],
 )
 def test_random_schedules_fp32_records(tiny_params, tiny_cfg, layout_kind, pool):
     """The default harness pool (160 blocks, 8 request rows) makes every read gather its pages

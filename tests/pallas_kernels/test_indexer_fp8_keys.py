@@ -43,7 +43,7 @@ def _with_pages(case, pages):
     return args
 
 
-@pytest.mark.parametrize("impl", ["reference", "gpu", "tpu"])
+@pytest.mark.parametrize("impl", ["reference", "gpu", pytest.param("tpu", marks=pytest.mark.slow)])
 def test_fp8_keys_select_like_decoded_keys(impl):
     case, values, scales, decoded = _fp8_case(31)
     e = case["e"]

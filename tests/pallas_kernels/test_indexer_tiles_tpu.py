@@ -55,7 +55,7 @@ def _check(mode, got, want, cb=3):
         check_exact(got, want, K)
 
 
-@pytest.mark.parametrize("tq", [1, 3])
+@pytest.mark.parametrize("tq", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_tile_sizes_on_ragged_batch(tq):
     """Tiles of 1 and 3 over the ragged batch (tiles straddle requests; 26 tokens are padded to
     27); the default tile of 8 runs in test_indexer.py."""
@@ -109,7 +109,7 @@ def test_prefill_tile_compiles_at_released_shapes():
     compile_for_tpu(fn, *args, topology="v6e:1x1")
 
 
-@pytest.mark.parametrize("integer", [True, False])
+@pytest.mark.parametrize("integer", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_stacked_matmul_of_whole_request_tiles(integer):
     """16 index heads: tiles that hold one request score all their tokens with one matmul
     (`STACK_HEADS`); the straddling last tile takes the per-token path."""
