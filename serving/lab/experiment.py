@@ -34,7 +34,7 @@ from cache.layout import (
 from cache.spec import KVCacheConfig
 from serving.lab.cost import CHIPS, MODELS, step_cost
 from serving.lab.drive import DriveResult, ModelFreeBackend, drive
-from serving.lab.workloads import Workload
+from serving.lab.workloads import Turn, Workload
 from serving.scheduler import Scheduler, SchedulerOutput
 
 __all__ = [
@@ -508,30 +508,28 @@ _SHORTEST: dict[tuple, int | None] = {}
 
 def shortest_hit_prompt(cfg: LabConfig, limit: int = 8192) -> int | None:
     """The shortest prompt that can ever get a prefix hit (vllm-ascend#16270): the least
-    ``P`` such that a prompt of ``P`` tokens, sent again after it was computed and finished,
-    hits at least one token; found by asking the real allocator for each ``P`` (None: none up
-    to ``limit``, e.g. prefix caching off)."""
+    ``P`` such that a prompt of ``P`` tokens, sent again after it was computed and finished
+    (one output token), is admitted with at least one hit token. Each probe runs through the
+    lab's loop (the `Scheduler` over the real allocator, synchronous); None: no hit up to
+    ``limit`` (e.g. prefix caching off)."""
     key = tuple((k, v) for k, v in cfg.as_dict().items() if k not in ("pool_blocks", "memory_gib"))
     if key in _SHORTEST:
         return _SHORTEST[key]
-    probe = cfg.replace(pool_blocks=4096, max_model_len=max(cfg.max_model_len, limit + 2))
-    manager = _manager(build_layout(probe), probe)
+    probe = cfg.replace(
+        pool_blocks=4096, max_model_len=max(cfg.max_model_len, limit + 2), async_scheduling=False
+    )
+    backend = ModelFreeBackend(_scheduler(_manager(build_layout(probe), probe), probe))
     rng = random.Random(0)
     found = None
     for length in range(2, limit + 1):
         prompt = [rng.randrange(1 << 30) for _ in range(length)]
-        first = manager.new_request(f"a{length}", prompt)
-        manager.get_computed_blocks(first)
-        if manager.allocate_slots(first, length) is None:
-            break
-        first.num_computed_tokens = length
-        first.append_output_token_ids(1)
-        manager.allocate_slots(first, 1)
-        first.num_computed_tokens += 1
-        manager.free(first)
-        second = manager.new_request(f"b{length}", prompt)
-        _, hits = manager.get_computed_blocks(second)
-        if hits:
+        turn = Turn(user=tuple(prompt), output=(1,))
+        for name in ("a", "b"):  # computed and finished, then sent again
+            hits = backend.stats.prefix_hits
+            backend.add(f"{name}{length}", prompt, turn)
+            while backend.has_unfinished():
+                backend.step()
+        if backend.stats.prefix_hits > hits:
             found = length
             break
     _SHORTEST[key] = found
