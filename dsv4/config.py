@@ -864,17 +864,18 @@ def tiny_v41(**overrides: Any) -> ModelConfig:
 
 def tiny_v41_trained(**overrides: Any) -> ModelConfig:
     """`tiny_v41`'s eight layers (every role, both ratios, the candidate blocks, mHC, MoE) sized
-    to be trained on two CPU cores in under an hour (`dsv4.train`) on byte-level text
-    (`dsv4.data`, ids of `dsv4.tokenizer.ByteTokenizer`; 320 ids leave 61 spare above its 259).
+    to be trained on two CPU cores in under an hour (`dsv4.train`) on the standard library's
+    source (`dsv4.data`) in the ids of a byte-level BPE of 2048 tokens (`dsv4.data.train_bpe`;
+    ids 0-2 BOS, EOS, padding), about 2.9 bytes per token.
 
-    Training windows of 256 tokens hold 16 windows of 16, 128 ratio-2 and 256 ratio-1
+    Training windows of 256 tokens (about 740 bytes) hold 16 windows of 16, 128 ratio-2 and 256 ratio-1
     compressed entries: every compressed layer attends to its 16 best entries, and layers 5-6
     choose them among the 8 best candidate blocks of 4 (32 entries) of layer 3. 16 routed
-    experts of which 2 active; about 2.1M parameters, 0.67M of them active per token. YaRN
+    experts of which 2 active; about 2.3M parameters, 0.9M of them active per token. YaRN
     takes the compressed layers from the 256 trained positions to 1024. No Engram, no drafter.
     """
     fields: dict[str, Any] = dict(
-        vocab_size=320,
+        vocab_size=2048,
         window_size=16,
         index_topk=16,
         candidate_block_size=4,

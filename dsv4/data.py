@@ -12,9 +12,13 @@ samples drawn from it are derived from PSF-licensed text.
 The split is by file: file i of the sorted list is held out when ``i % heldout_every ==
 heldout_every - 1`` (every 20th file by default), the rest train; no file is in both.
 
-Tokens are the built-in byte tokenizer's (`dsv4.tokenizer.ByteTokenizer`): each file's raw bytes
-(files need not be UTF-8) become ids ``byte + 3``, framed as ``BOS bytes.. EOS``; the files of a
-split are concatenated in list order into one uint16 stream.
+Tokens are either the built-in byte tokenizer's (`dsv4.tokenizer.ByteTokenizer`: each file's
+raw bytes, which need not be UTF-8, become ids ``byte + 3``) or a byte-level BPE's trained on the
+train files by `train_bpe` (ids 0, 1, 2 are BOS, EOS and padding as for the byte tokenizer; the
+few files that are not UTF-8, test fixtures of other encodings, are left out of both splits on
+this path). Either way each file is framed as ``BOS ids.. EOS`` and the files of a split are
+concatenated in list order into one uint16 stream; `split_bytes` counts the bytes a stream
+encodes, for bits per byte.
 
 Batches are windows of a fixed length cut from the stream, in an order fixed by a seed:
 `batch_at(tokens, position, ...)` is the ``position``-th batch, a pure function of its
@@ -35,6 +39,7 @@ import numpy as np
 from dsv4.tokenizer import ByteTokenizer
 
 __all__ = [
+    "BPE_SPECIAL_TOKENS",
     "Split",
     "batch_at",
     "batches_per_epoch",
@@ -42,10 +47,16 @@ __all__ = [
     "consecutive_windows",
     "encode_bytes",
     "load_split",
+    "read_split",
     "source_files",
+    "split_bytes",
     "split_files",
     "stdlib_root",
+    "train_bpe",
 ]
+
+# ids 0, 1, 2 of a BPE from `train_bpe`: the byte tokenizer's BOS, EOS and padding
+BPE_SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
@@ -97,18 +108,70 @@ def encode_bytes(raw: bytes) -> np.ndarray:
     return np.concatenate([[tok.BOS], body, [tok.EOS]]).astype(np.uint16)
 
 
-def load_split(split: Split, which: str) -> np.ndarray:
-    """The token stream uint16[N] of the ``which`` ("train" or "heldout") files of ``split``."""
+def read_split(split: Split, which: str, utf8_only: bool = False) -> list[bytes]:
+    """The raw bytes of each ``which`` file of ``split``, in list order; with ``utf8_only`` only
+    the files that decode as UTF-8 (those a BPE stream holds)."""
     if which not in ("train", "heldout"):
         raise ValueError(f"which={which!r} must be 'train' or 'heldout'")
     files = getattr(split, which)
     if not files:
         raise ValueError(f"the {which} split of {split.root!r} has no files")
-    parts = []
+    out = []
     for rel in files:
         with open(os.path.join(split.root, rel), "rb") as f:
-            parts.append(encode_bytes(f.read()))
+            raw = f.read()
+        if utf8_only:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        out.append(raw)
+    return out
+
+
+def load_split(split: Split, which: str, tokenizer=None) -> np.ndarray:
+    """The token stream uint16[N] of the ``which`` ("train" or "heldout") files of ``split``:
+    byte tokens when ``tokenizer`` is None, else ``tokenizer.encode`` of each UTF-8 file (a
+    `dsv4.tokenizer.HFTokenizer` over a `train_bpe` file, say) between its BOS and EOS ids."""
+    if tokenizer is None:
+        return np.concatenate([encode_bytes(raw) for raw in read_split(split, which, False)])
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    if bos is None or eos is None or tokenizer.vocab_size > 1 << 16:
+        raise ValueError(f"{tokenizer!r}: needs BOS and EOS ids and at most 65536 ids")
+    parts = [
+        np.asarray([bos, *tokenizer.encode(raw.decode("utf-8")), eos], np.uint16)
+        for raw in read_split(split, which, True)
+    ]
     return np.concatenate(parts)
+
+
+def split_bytes(split: Split, which: str, tokenizer=None) -> int:
+    """How many bytes of text `load_split` with the same arguments encodes."""
+    return sum(len(raw) for raw in read_split(split, which, tokenizer is not None))
+
+
+def train_bpe(split: Split, vocab_size: int, path: str | os.PathLike[str]) -> None:
+    """Train a byte-level BPE of ``vocab_size`` ids (`BPE_SPECIAL_TOKENS` first) on the UTF-8
+    train files of ``split`` with the ``tokenizers`` package and write it to ``path`` (a
+    tokenizer.json). Its pre-tokenizer and decoder are the byte-level ones, so any text
+    round-trips; it has no post-processor (`dsv4.tokenizer` adds BOS itself)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if not isinstance(vocab_size, int) or not 256 + len(BPE_SPECIAL_TOKENS) < vocab_size <= 1 << 16:
+        raise ValueError(f"vocab_size={vocab_size!r} must be an int in 260..65536")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(BPE_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        (raw.decode("utf-8") for raw in read_split(split, "train", True)), trainer
+    )
+    tok.save(os.fspath(path))
 
 
 def check_tokens(tokens: np.ndarray, window: int, batch_size: int, vocab_size: int) -> None:

@@ -1,12 +1,15 @@
 """Train `tiny_v41_trained` on the Python standard library's source (`dsv4.train`, `dsv4.data`).
 
-    .venv/bin/python scripts/train_tiny.py --out runs/tiny_v41_trained --steps 4000
+    .venv/bin/python scripts/train_tiny.py --out runs/tiny_v41_trained --steps 3200
 
-writes orbax checkpoints under ``--out`` (rerunning the same command resumes from the newest one,
-bit for bit), one JSON line of metrics per step to ``--out/metrics.jsonl``, and every
-``--eval-every`` steps the held-out loss in bits per token (a token is a byte, plus one BOS and
-one EOS per file). At the end it prints the held-out bits per byte next to ``xz -9``'s on the
-same held-out bytes.
+first trains the byte-level BPE (`dsv4.data.train_bpe`, 2048 ids) on the train files into
+``--out/tokenizer.json`` (kept, and reused on a rerun), then writes orbax checkpoints under
+``--out`` (rerunning the same command resumes from the newest one, bit for bit), one JSON line of
+metrics per step to ``--out/metrics.jsonl``, and every ``--eval-every`` steps the held-out loss in
+bits per token and per byte. At the end it prints the held-out bits per byte over all of the
+held-out text next to ``xz -9``'s on the same bytes (all files in one stream, and each file on
+its own), and ``--export DIR`` writes the trained params in the released checkpoint format with
+the config and the tokenizer (`dsv4.save_pretrained`).
 
 ``--measure N`` instead times N jitted sparse steps after the compile, prints tokens/s and the
 time ``--steps`` would take, and trains nothing that it keeps.
@@ -27,12 +30,13 @@ import numpy as np
 from dsv4 import data as D
 from dsv4 import train as T
 from dsv4.config import tiny_v41_trained
+from dsv4.tokenizer import HFTokenizer
 
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="runs/tiny_v41_trained", help="checkpoints and metrics")
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=3200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--dense-steps", type=int, default=50, help="dense warm-up (indexer only)")
@@ -45,6 +49,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches per eval")
     p.add_argument("--stop-after", type=int, default=None, help="end after this many steps")
     p.add_argument("--measure", type=int, default=0, help="only time this many steps")
+    p.add_argument("--export", default=None, help="write the released-format checkpoint here")
     return p.parse_args(argv)
 
 
@@ -55,13 +60,14 @@ def _heldout_bits(state, cfg, tokens, tcfg, batches: int) -> float:
     return nats / math.log(2)
 
 
-def _xz_bits_per_byte(split: D.Split) -> float:
-    parts = []
-    for rel in split.heldout:
-        with open(os.path.join(split.root, rel), "rb") as f:
-            parts.append(f.read())
-    raw = b"".join(parts)
-    return 8 * len(lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)) / len(raw)
+def _xz_bits_per_byte(files: list[bytes]) -> dict[str, float]:
+    """``xz -9e`` on the files as one stream and on each file alone, in bits per byte."""
+    size = sum(len(raw) for raw in files)
+    preset = 9 | lzma.PRESET_EXTREME
+    return {
+        "xz_one_stream": 8 * len(lzma.compress(b"".join(files), preset=preset)) / size,
+        "xz_per_file": 8 * sum(len(lzma.compress(raw, preset=preset)) for raw in files) / size,
+    }
 
 
 def measure(cfg, tcfg, tokens, n: int) -> dict[str, float]:
@@ -93,6 +99,30 @@ def measure(cfg, tcfg, tokens, n: int) -> dict[str, float]:
     }
 
 
+def tokenizer_for(out: str, split: D.Split, vocab_size: int) -> HFTokenizer:
+    """``out/tokenizer.json``, trained by `dsv4.data.train_bpe` when it is not there yet."""
+    path = os.path.join(out, "tokenizer.json")
+    if not os.path.isfile(path):
+        os.makedirs(out, exist_ok=True)
+        D.train_bpe(split, vocab_size, path)
+    return HFTokenizer.from_file(path, bos_id=0, eos_id=1)
+
+
+def export(params, cfg, out: str, tokenizer_json: str) -> None:
+    """The released format (`dsv4.save_pretrained`: fp8 tiles, packed FP4 experts, config.json)
+    plus the tokenizer.json and a tokenizer_config.json naming its BOS / EOS."""
+    import shutil
+
+    from dsv4.checkpoint import save_pretrained
+
+    save_pretrained(params, cfg, out)
+    shutil.copyfile(tokenizer_json, os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        names = D.BPE_SPECIAL_TOKENS
+        json.dump({"bos_token": names[0], "eos_token": names[1], "pad_token": names[2]}, f)
+        f.write("\n")
+
+
 def main(argv=None) -> None:
     a = _args(argv)
     cfg = tiny_v41_trained()
@@ -107,11 +137,15 @@ def main(argv=None) -> None:
         seed=a.seed,
     )
     split = D.split_files(D.source_files(), root=D.stdlib_root())
-    train_tokens = D.load_split(split, "train")
-    heldout = D.load_split(split, "heldout")
+    tok = tokenizer_for(a.out, split, cfg.vocab_size)
+    train_tokens = D.load_split(split, "train", tok)
+    heldout = D.load_split(split, "heldout", tok)
+    heldout_bytes = D.split_bytes(split, "heldout", tok)
+    per_byte = len(heldout) / heldout_bytes  # tokens per byte: bits/token -> bits/byte
     print(
         f"data: {len(split.train)} train files ({len(train_tokens):,} tokens), "
-        f"{len(split.heldout)} held-out files ({len(heldout):,} tokens) from {split.root}"
+        f"{len(split.heldout)} held-out files ({len(heldout):,} tokens, {heldout_bytes:,} bytes) "
+        f"from {split.root}"
     )
     if a.measure:
         print(json.dumps(measure(cfg, tcfg, train_tokens, a.measure)))
@@ -138,14 +172,30 @@ def main(argv=None) -> None:
             )  # fmt: skip
             done = int(state.step)
             bits = _heldout_bits(state, cfg, heldout, tcfg, a.eval_batches)
-            log({"step": done, "heldout_bits_per_token": bits})
-            print(f"step {done}: held-out {bits:.3f} bits per token ({a.eval_batches} batches)")
+            log(
+                {
+                    "step": done,
+                    "heldout_bits_per_token": bits,
+                    "heldout_bits_per_byte": bits * per_byte,
+                }
+            )
+            print(f"step {done}: held-out {bits:.3f} bits per token, {bits * per_byte:.3f} per byte "
+                  f"({a.eval_batches} batches)")  # fmt: skip
     if state is not None and int(state.step) == tcfg.steps:
         bits = _heldout_bits(state, cfg, heldout, tcfg, batches=1 << 30)
-        print(
-            f"held-out, all of it: {bits:.3f} bits per token; xz -9: "
-            f"{_xz_bits_per_byte(split):.3f} bits per byte"
-        )
+        files = D.read_split(split, "heldout", utf8_only=True)  # the bytes `heldout` encodes
+        row = {
+            "step": tcfg.steps,
+            "model_bits_per_byte": bits * per_byte,
+            **_xz_bits_per_byte(files),
+        }
+        log_path = os.path.join(a.out, "final.json")
+        with open(log_path, "w", encoding="utf-8") as f:
+            json.dump(row, f)
+        print(json.dumps(row))
+        if a.export:
+            export(state.params, cfg, a.export, os.path.join(a.out, "tokenizer.json"))
+            print(f"wrote {a.export}")
 
 
 if __name__ == "__main__":

@@ -345,6 +345,51 @@ def test_batches_are_deterministic(tokens):
         D.batch_at(tokens[:50], 0, **kw)
 
 
+def _bpe_split(tmp_path):
+    """Three small train files and one held-out one, one of them not UTF-8."""
+    root = tmp_path / "src"
+    root.mkdir()
+    texts = {
+        "a.py": "def add(x, y):\n    return x + y\n" * 40,
+        "b.py": "class Stack:\n    def push(self, item):\n        self.items.append(item)\n" * 30,
+        "c.py": "# -*- coding: latin-1 -*-\nname = 'caf\xe9'\n",  # written as latin-1 below
+        "d.py": "import os\n\nprint(os.path.join('a', 'b'))  # é\n",
+    }
+    for name, text in texts.items():
+        (root / name).write_bytes(text.encode("latin-1" if name == "c.py" else "utf-8"))
+    return D.Split(root=str(root), train=("a.py", "b.py", "c.py"), heldout=("d.py",))
+
+
+def test_bpe_is_deterministic_and_frames_files(tmp_path):
+    from dsv4.tokenizer import HFTokenizer
+
+    split = _bpe_split(tmp_path)
+    D.train_bpe(split, 300, tmp_path / "t1.json")
+    D.train_bpe(split, 300, tmp_path / "t2.json")
+    assert (tmp_path / "t1.json").read_bytes() == (tmp_path / "t2.json").read_bytes()
+    tok = HFTokenizer.from_file(tmp_path / "t1.json", bos_id=0, eos_id=1)
+    assert tok.vocab_size == 300
+    for i, name in enumerate(D.BPE_SPECIAL_TOKENS):
+        assert tok._tok.token_to_id(name) == i
+    text = "def add(x, y):\n    return x + y  # ünïcode\n"
+    assert tok.decode(tok.encode(text)) == text
+    stream = D.load_split(split, "train", tok)
+    # the latin-1 file is left out of the BPE streams, kept in the byte ones
+    raw = D.read_split(split, "train", utf8_only=True)
+    assert len(raw) == 2 and len(D.read_split(split, "train")) == 3
+    assert D.split_bytes(split, "train", tok) == sum(map(len, raw))
+    assert D.split_bytes(split, "train") == sum(len(r) for r in D.read_split(split, "train"))
+    expect = []
+    for r in raw:
+        expect += [0, *tok.encode(r.decode("utf-8")), 1]
+    assert stream.dtype == np.uint16 and stream.tolist() == expect
+    assert len(D.load_split(split, "train")) == sum(
+        len(r) + 2 for r in D.read_split(split, "train")
+    )
+    with pytest.raises(ValueError, match="vocab_size=200"):
+        D.train_bpe(split, 200, tmp_path / "t3.json")
+
+
 # -- the trained model's config ------------------------------------------------------------
 
 
@@ -354,7 +399,7 @@ def test_tiny_v41_trained_config():
     assert roles == {Role.SWA, Role.FULL, Role.REINDEX, Role.REUSE}
     assert {info.ratio for info in c.plan} == {0, 1, 2}
     assert any(info.uses_candidates for info in c.plan)
-    assert not c.engram_layer_ids and c.vocab_size >= ByteTokenizer.VOCAB_SIZE
+    assert not c.engram_layer_ids and c.vocab_size == 2048  # the BPE of scripts/train_tiny.py
     assert 1_000_000 < count_params(c) < 5_000_000
     seq = 256
     assert seq % T.seq_len_multiple(c) == 0 and seq <= c.max_seq_len
