@@ -1,14 +1,18 @@
 """DeepSeek-V4.1 in JAX: a functional model over pytrees (see DESIGN.md section 2).
 
-* `ModelConfig`, `tiny_v41`, `tiny_v41_full` (with Engram and DSpark), `v41_flash`,
-  `LayerPlan`, `Role` — configuration and layer plan;
+* `ModelConfig`, `tiny_v41`, `tiny_v41_full` (with Engram and DSpark), `tiny_v41_trained` (the
+  config of the shipped trained checkpoint), `v41_flash`, `LayerPlan`, `Role` — configuration
+  and layer plan;
 * `init_params`, `abstract_params`, `param_specs` — the parameter pytree (checkpoint names);
 * `reference.forward` — the whole-sequence oracle;
 * `model.init_cache` / `model.forward_step` — incremental inference with dense caches;
 * `generate` — jitted prefill + decode loop;
 * `engram` (n-gram memory, in every path), `dspark` (the DSpark drafter: `dspark.draft`);
 * `load_pretrained` / `save_pretrained` (released safetensors format) and
-  `save_params` / `restore_params` (orbax).
+  `save_params` / `restore_params` (orbax); `checkpoint.shipped_checkpoint` (the trained
+  ``tiny_v41_trained`` that ships in the package);
+* `data`, `train`, `train_dspark` (imported on use) — training text, the backbone's training and
+  the drafter's.
 """
 
 # Importing Pallas registers configuration that enters the keys of JAX's compilation caches,
@@ -18,7 +22,15 @@ import jax.experimental.pallas  # noqa: F401  (isort: keep first)
 
 from dsv4 import dspark, engram, reference
 from dsv4.checkpoint import load_pretrained, restore_params, save_params, save_pretrained
-from dsv4.config import LayerPlan, ModelConfig, Role, tiny_v41, tiny_v41_full, v41_flash
+from dsv4.config import (
+    LayerPlan,
+    ModelConfig,
+    Role,
+    tiny_v41,
+    tiny_v41_full,
+    tiny_v41_trained,
+    v41_flash,
+)
 from dsv4.generation import generate
 from dsv4.params import abstract_params, init_params, param_specs
 from dsv4.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -43,5 +55,6 @@ __all__ = [
     "save_pretrained",
     "tiny_v41",
     "tiny_v41_full",
+    "tiny_v41_trained",
     "v41_flash",
 ]

@@ -862,7 +862,7 @@ def tiny_v41(**overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def tiny_v41_trained(**overrides: Any) -> ModelConfig:
+def tiny_v41_trained(*, drafter: bool = True, **overrides: Any) -> ModelConfig:
     """`tiny_v41`'s eight layers (every role, both ratios, the candidate blocks, mHC, MoE) sized
     to be trained on two CPU cores in under an hour (`dsv4.train`) on the standard library's
     source (`dsv4.data`) in the ids of a byte-level BPE of 2048 tokens (`dsv4.data.train_bpe`;
@@ -872,7 +872,13 @@ def tiny_v41_trained(**overrides: Any) -> ModelConfig:
     compressed entries: every compressed layer attends to its 16 best entries, and layers 5-6
     choose them among the 8 best candidate blocks of 4 (32 entries) of layer 3. 16 routed
     experts of which 2 active; about 2.3M parameters, 0.9M of them active per token. YaRN
-    takes the compressed layers from the 256 trained positions to 1024. No Engram, no drafter.
+    takes the compressed layers from the 256 trained positions to 1024. No Engram.
+
+    With ``drafter`` (the shipped checkpoint's config) a 2-stage DSpark drafter drafts blocks of
+    5 as the released one does, reading layers 5-7, with 8 experts of which 2 active, a Markov
+    rank of 16 and the padding id as its noise token; it is trained after the backbone, which
+    it leaves frozen (`dsv4.train_dspark`). ``drafter=False`` is the backbone alone, the config
+    `dsv4.train` trains.
     """
     fields: dict[str, Any] = dict(
         vocab_size=2048,
@@ -884,6 +890,17 @@ def tiny_v41_trained(**overrides: Any) -> ModelConfig:
         original_seq_len=256,
         max_seq_len=1024,
     )
+    if drafter:
+        fields.update(
+            n_mtp_layers=2,
+            compress_ratios=(0, 2, 2, 1, 1, 1, 1, 0, 0, 0),
+            dspark_block_size=5,
+            dspark_target_layer_ids=(5, 6, 7),
+            dspark_markov_rank=16,
+            dspark_noise_token_id=2,
+            dspark_n_routed_experts=8,
+            dspark_n_activated_experts=2,
+        )
     fields.update(overrides)
     return tiny_v41(**fields)
 

@@ -268,10 +268,12 @@ def _drafter(
     ctx_mask: jax.Array,
     next_token: jax.Array,
     start: jax.Array,
+    slot_tokens: jax.Array | None = None,
 ) -> DraftBlock:
     """The stages and heads over context latents ``ctx[i]`` [B, N, hd] (one per stage, visible
     where ctx_mask [B, N]) for the block ``[next_token, noise...]`` at positions
-    ``start[b] .. start[b] + K - 1``."""
+    ``start[b] .. start[b] + K - 1``. ``slot_tokens`` int32[B, K-1] (training only: teacher
+    forcing) puts those tokens in slots 1..K-1 for the Markov bias instead of the drafts."""
     k = cfg.dspark_block_size
     b = next_token.shape[0]
     pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, K]
@@ -306,6 +308,8 @@ def _drafter(
         slot_logits.append(li)
         drafted.append(token)
         embeds.append(emb)
+        if slot_tokens is not None and i < k - 1:
+            token = slot_tokens[:, i]
     feats = jnp.concatenate([hidden.astype(jnp.float32), jnp.stack(embeds, axis=1)], axis=-1)
     proj = params[last + "confidence_head.proj.weight"].astype(jnp.float32)
     confidence = jnp.einsum("bkc,oc->bko", feats, proj, preferred_element_type=jnp.float32)

@@ -1,15 +1,19 @@
 """Train `tiny_v41_trained` on the Python standard library's source (`dsv4.train`, `dsv4.data`).
 
-    .venv/bin/python scripts/train_tiny.py --out runs/tiny_v41_trained --steps 3200
+    .venv/bin/python scripts/train_tiny.py --out runs/tiny_v41_trained --steps 3200 \
+        --export dsv4/weights/tiny_v41_trained
 
 first trains the byte-level BPE (`dsv4.data.train_bpe`, 2048 ids) on the train files into
 ``--out/tokenizer.json`` (kept, and reused on a rerun), then writes orbax checkpoints under
 ``--out`` (rerunning the same command resumes from the newest one, bit for bit), one JSON line of
 metrics per step to ``--out/metrics.jsonl``, and every ``--eval-every`` steps the held-out loss in
-bits per token and per byte. At the end it prints the held-out bits per byte over all of the
+bits per token and per byte. At the end it writes the held-out bits per byte over all of the
 held-out text next to ``xz -9``'s on the same bytes (all files in one stream, and each file on
-its own), and ``--export DIR`` writes the trained params in the released checkpoint format with
-the config and the tokenizer (`dsv4.save_pretrained`).
+its own; `serving.lab.quality.heldout_score`) into ``--out/final.json``. Then it trains the DSpark drafter for ``--drafter-steps``
+over the frozen backbone (`dsv4.train_dspark`; a few minutes, not checkpointed: a rerun trains
+it again from scratch), with its greedy acceptance on held-out prefixes before and after, and
+``--export DIR`` writes the backbone and the drafter in the released checkpoint format with the
+config and the tokenizer (`dsv4.save_pretrained`).
 
 ``--measure N`` instead times N jitted sparse steps after the compile, prints tokens/s and the
 time ``--steps`` would take, and trains nothing that it keeps.
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import math
 import os
 import time
@@ -29,8 +32,10 @@ import numpy as np
 
 from dsv4 import data as D
 from dsv4 import train as T
+from dsv4 import train_dspark as TD
 from dsv4.config import tiny_v41_trained
 from dsv4.tokenizer import HFTokenizer
+from serving.lab.quality import heldout_score
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -50,6 +55,12 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None, help="end after this many steps")
     p.add_argument("--measure", type=int, default=0, help="only time this many steps")
     p.add_argument("--export", default=None, help="write the released-format checkpoint here")
+    p.add_argument(
+        "--drafter-steps",
+        type=int,
+        default=600,
+        help="then train the DSpark drafter this long over the frozen backbone (0: none)",
+    )
     return p.parse_args(argv)
 
 
@@ -58,16 +69,6 @@ def _heldout_bits(state, cfg, tokens, tcfg, batches: int) -> float:
         state.params, cfg, tokens, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, batches=batches
     )
     return nats / math.log(2)
-
-
-def _xz_bits_per_byte(files: list[bytes]) -> dict[str, float]:
-    """``xz -9e`` on the files as one stream and on each file alone, in bits per byte."""
-    size = sum(len(raw) for raw in files)
-    preset = 9 | lzma.PRESET_EXTREME
-    return {
-        "xz_one_stream": 8 * len(lzma.compress(b"".join(files), preset=preset)) / size,
-        "xz_per_file": 8 * sum(len(lzma.compress(raw, preset=preset)) for raw in files) / size,
-    }
 
 
 def measure(cfg, tcfg, tokens, n: int) -> dict[str, float]:
@@ -125,7 +126,7 @@ def export(params, cfg, out: str, tokenizer_json: str) -> None:
 
 def main(argv=None) -> None:
     a = _args(argv)
-    cfg = tiny_v41_trained()
+    cfg = tiny_v41_trained(drafter=False)  # the drafter trains afterwards, over this
     tcfg = T.TrainConfig(
         steps=a.steps,
         batch_size=a.batch_size,
@@ -181,21 +182,34 @@ def main(argv=None) -> None:
             )
             print(f"step {done}: held-out {bits:.3f} bits per token, {bits * per_byte:.3f} per byte "
                   f"({a.eval_batches} batches)")  # fmt: skip
-    if state is not None and int(state.step) == tcfg.steps:
-        bits = _heldout_bits(state, cfg, heldout, tcfg, batches=1 << 30)
-        files = D.read_split(split, "heldout", utf8_only=True)  # the bytes `heldout` encodes
-        row = {
-            "step": tcfg.steps,
-            "model_bits_per_byte": bits * per_byte,
-            **_xz_bits_per_byte(files),
-        }
-        log_path = os.path.join(a.out, "final.json")
-        with open(log_path, "w", encoding="utf-8") as f:
-            json.dump(row, f)
-        print(json.dumps(row))
-        if a.export:
-            export(state.params, cfg, a.export, os.path.join(a.out, "tokenizer.json"))
-            print(f"wrote {a.export}")
+    if state is None or int(state.step) != tcfg.steps:
+        return
+    final_path = os.path.join(a.out, "final.json")
+    if os.path.isfile(final_path):  # a rerun after the backbone finished: scored already
+        with open(final_path, encoding="utf-8") as f:
+            row = json.load(f)
+    else:  # every held-out window at the trained length and at the longest, xz alike
+        row = {"step": tcfg.steps, **heldout_score(state.params, cfg, tok)}
+    params, out_cfg = state.params, cfg
+    if a.drafter_steps:
+        full = tiny_v41_trained()
+        dcfg = TD.DraftTrainConfig(steps=a.drafter_steps, seed=a.seed)
+        before = TD.init_draft_state(full, dcfg, params).params
+        row["drafter_untrained"] = TD.acceptance({**params, **before}, full, heldout)
+        drafter_log = os.path.join(a.out, "drafter_metrics.jsonl")
+        with open(drafter_log, "w", encoding="utf-8") as f:  # a fresh run each time
+            dstate, _ = TD.train_drafter(
+                params, full, dcfg, train_tokens, log=lambda r: f.write(json.dumps(r) + "\n")
+            )
+        params, out_cfg = {**params, **dstate.params}, full
+        row["drafter_steps"] = a.drafter_steps
+        row["drafter"] = TD.acceptance(params, full, heldout)
+    with open(final_path, "w", encoding="utf-8") as f:
+        json.dump(row, f)
+    print(json.dumps(row))
+    if a.export:
+        export(params, out_cfg, a.export, os.path.join(a.out, "tokenizer.json"))
+        print(f"wrote {a.export}")
 
 
 if __name__ == "__main__":
