@@ -1,9 +1,11 @@
 """The commands of ``dsv4`` that run the model, through `serving.LLM`:
 
-* ``dsv4 demo`` (the README's ``make demo``): two rounds of chats with the seeded ``tiny_v41``
-  model (or ``--model PATH``): four conversations sharing a system prompt, then each one's next
-  turn, whose prompt resends the first (so it hits the prefix cache). It prints each reply,
-  the prefix-cache hits, TTFT and the tokens per second.
+* ``dsv4 demo`` (the README's ``make demo``): two rounds of generation with the shipped
+  ``tiny_v41_trained`` model (a small V4.1 trained on the Python standard library; or
+  ``--model tiny_v41`` for random weights, or ``--model PATH``): four Python snippets sharing a
+  module header, then each one's continuation, whose prompt resends the first round (so it hits
+  the prefix cache). It prints each output, the prefix-cache hits, TTFT and the tokens per
+  second.
 * ``dsv4 generate --prompt TEXT [--prompt ...]``: generate for the prompts and print each
   output with its finish reason and timings.
 * ``dsv4 bench``: offline throughput on a synthetic multi-turn workload (conversations whose
@@ -21,19 +23,33 @@ import os
 import platform
 import random
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 
 __all__ = ["UsageError", "add_commands"]
 
-_PRESETS = ("tiny_v41", "tiny_v41_full")
+_RANDOM = ("tiny_v41", "tiny_v41_full")  # seeded random weights
+_SHIPPED = ("tiny_v41_trained",)  # dsv4.checkpoint.SHIPPED (not imported here: it imports JAX)
+_PRESETS = _RANDOM + _SHIPPED
 _KV_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
-DEMO_SYSTEM = "You are a terse assistant that answers questions about DeepSeek-V4.1. "
+# A module header every demo prompt shares (the prefix cache serves it after the first), then
+# the start of four definitions; the model is trained on the standard library's source. Each
+# prompt stops inside a line (a docstring or a call just opened): a byte-level BPE merges a
+# newline with the indentation after it, so a prompt ending in a bare newline would be a
+# tokenisation the model only saw before unindented code.
+DEMO_SYSTEM = '''"""Small helpers for reading configuration files."""
+
+import os
+import sys
+
+
+'''
 DEMO_QUESTIONS = (
-    "What is a KV cache?",
-    "Why compress attention?",
-    "How does the indexer pick entries?",
-    "What does a sliding window keep?",
+    'def read_lines(path):\n    """Return the lines of the file at *path*',
+    'class ConfigError(Exception):\n    """',
+    "def main(argv=None):\n    parser = argparse.ArgumentParser(",
+    'def _split_key(line):\n    """Split',
 )
 
 
@@ -47,9 +63,10 @@ def add_commands(sub) -> None:
     g = engine.add_argument_group("model and engine")
     g.add_argument(
         "--model",
-        default="tiny_v41",
-        help="a preset (tiny_v41: seeded random weights; tiny_v41_full: with Engram and "
-        "DSpark) or a checkpoint directory",
+        default="tiny_v41_trained",
+        help="tiny_v41_trained (default: the shipped small model, trained on the Python "
+        "standard library), a random preset (tiny_v41: seeded random weights; tiny_v41_full: "
+        "with Engram and DSpark) or a checkpoint directory",
     )
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
     g.add_argument("--kv-cache-dtype", choices=_KV_DTYPES, default="auto")
@@ -69,23 +86,30 @@ def add_commands(sub) -> None:
     g.add_argument("--seed", type=int, default=0, help="random weights and sampling")
     g.add_argument("--no-compilation-cache", action="store_true", help="JAX's persistent cache off")
 
-    def sampling(max_tokens: int) -> argparse.ArgumentParser:
+    def sampling(
+        max_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    ) -> argparse.ArgumentParser:
         # one parent per command: argparse shares a parent's actions, defaults included
         parser = argparse.ArgumentParser(add_help=False)
         s = parser.add_argument_group("sampling")
         s.add_argument("--max-tokens", type=int, default=max_tokens)
-        s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-        s.add_argument("--top-p", type=float, default=1.0)
+        s.add_argument(
+            "--temperature", type=float, default=temperature, help=f"0 = greedy ({temperature})"
+        )
+        s.add_argument("--top-p", type=float, default=top_p)
         s.add_argument("--top-k", type=int, default=0)
         return parser
 
     demo = sub.add_parser(
         "demo",
-        parents=[engine, sampling(24)],
-        help="chats through LLM.generate: prefix hits, TTFT, tokens/s",
-        description="Two rounds of chats with DeepSeek-V4.1 in JAX through LLM.generate: "
-        "tiny_v41 has random weights (its text is gibberish, but every part of the model, "
-        "the paged caches, the scheduler and the allocator run).",
+        # sampled (seeded by --seed, so the same every run): greedy decoding of a small model
+        # repeats itself
+        parents=[engine, sampling(48, temperature=0.7, top_p=0.95)],
+        help="generation through LLM.generate: prefix hits, TTFT, tokens/s",
+        description="Two rounds of generation with DeepSeek-V4.1 in JAX through LLM.generate: "
+        "tiny_v41_trained writes Python in the style of the standard library it was trained "
+        "on; with --model tiny_v41 (random weights) the text is gibberish, but every part of "
+        "the model, the paged caches, the scheduler and the allocator run.",
     )
     demo.set_defaults(func=_demo, subparser=demo)
 
@@ -238,13 +262,19 @@ def _header(llm) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Two rounds of chats: the second resends the first round's history (prefix hits)."""
+    """Two rounds: the second resends the first round's prompts and outputs (prefix hits)."""
     _check(args)
     llm = _llm(args)
-    if args.model in _PRESETS:
+    if args.model in _RANDOM:
         _say(
             f"DeepSeek-V4.1 demo: {args.model} with random weights (seed {args.seed}): the text "
             "is gibberish; the point is the machinery. Pass --model PATH for real weights."
+        )
+    elif args.model in _SHIPPED:
+        _say(
+            f"DeepSeek-V4.1 demo: {args.model}, the shipped small V4.1 trained on the Python "
+            "standard library (benchmarks.quality gives its held-out bits per byte): it "
+            "continues Python code."
         )
     _header(llm)
     sp = _sampling(args)
@@ -253,7 +283,7 @@ def _demo(args: argparse.Namespace) -> int:
     tokens = 0
     for round_ in (1, 2):
         outs = llm.generate(histories, sp, use_tqdm=False)
-        _say(f"-- round {round_}: {len(outs)} conversations in one batch")
+        _say(f"-- round {round_}: {len(outs)} prompts in one batch")
         for i, out in enumerate(outs):
             c = out.outputs[0]
             tokens += len(c.token_ids)
@@ -262,8 +292,11 @@ def _demo(args: argparse.Namespace) -> int:
                 f"{out.num_cached_tokens}; TTFT {_ms(out.metrics.ttft)}, TPOT "
                 f"{_ms(out.metrics.tpot)}; {len(c.token_ids)} tokens ({c.finish_reason})"
             )
-            _say(f"    {c.text!r}")
-        histories = [h + o.outputs[0].text + " And then?" for h, o in zip(histories, outs)]
+            if args.model in _RANDOM:  # gibberish: escaped
+                _say(f"    {c.text!r}")
+            else:
+                _say(textwrap.indent(c.text, "    | ", lambda line: True).rstrip("\n"))
+        histories = [h + o.outputs[0].text for h, o in zip(histories, outs)]
     wall = time.perf_counter() - t0
     st = llm.engine.stats
     _say(

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4.checkpoint import SHIPPED, shipped_checkpoint
 from dsv4.config import ModelConfig, tiny_v41, tiny_v41_full
 from dsv4.paged import records as R
 from serving.engine import Engine
@@ -84,8 +85,11 @@ class LLM:
 
     Args:
         model: a preset name (``"tiny_v41"``: the seeded random tiny model with the built-in
-            byte tokenizer; ``"tiny_v41_full"``: the same with Engram and the DSpark drafter) or a released-format checkpoint directory (`dsv4.load_pretrained`;
-            its tokenizer.json when there is one, else the byte tokenizer).
+            byte tokenizer; ``"tiny_v41_full"``: the same with Engram and the DSpark drafter),
+            a shipped checkpoint (``"tiny_v41_trained"``: the small V4.1 trained on the
+            Python standard library, `dsv4.checkpoint.shipped_checkpoint`) or a
+            released-format checkpoint directory (`dsv4.load_pretrained`; its tokenizer.json
+            when there is one, else the byte tokenizer).
         dtype: params and activations, "bfloat16" or "float32".
         kv_cache_dtype: the cache records (`dsv4.paged.records` presets): "exact" (f32),
             "bf16", "released", "released_fp8", "sm90"; "auto" = exact for float32, bf16
@@ -105,7 +109,7 @@ class LLM:
             outputs equal those without it, token for token.
         seed: random tiny weights and the sampling seed of requests that give none.
         block_size / swa_block_size: tokens per compressed / window block (default: 16 / 4
-            for tiny_v41, 64 / 32 otherwise).
+            for a model whose window is under 128 tokens, the tiny family; 64 / 32 otherwise).
         pool_layout: "aliased" (one byte pool, as vLLM) or "separate".
         token_buckets: step sizes to compile (default powers of two from 8 to the budget).
         table_buckets: block-table widths to compile ("auto": full width up to 64 blocks, else
@@ -167,7 +171,9 @@ class LLM:
             compilation_cache_dir = default_compilation_cache_dir()
         enable_compilation_cache(compilation_cache_dir)
         self.cfg, params, self.tokenizer = _load_model(model, dtype, seed, quant_sim)
-        self._template = None if model in _PRESETS else _read_chat_template(model)
+        self._template = (
+            None if model in _PRESETS or model in SHIPPED else _read_chat_template(model)
+        )
         max_model_len = max_model_len or self.cfg.max_seq_len
         if max_model_len > self.cfg.max_seq_len:
             raise _fail(
@@ -177,7 +183,7 @@ class LLM:
             )
         if kv_cache_dtype == "auto":
             kv_cache_dtype = "exact" if dtype == "float32" else "bf16"
-        tiny = model in _PRESETS
+        tiny = self.cfg.window_size < 128  # the tiny family (the released window is 128)
         self.llm_engine = Engine.build(
             params,
             self.cfg,
@@ -400,8 +406,11 @@ def _check_args(args: Mapping[str, Any]) -> None:
     if isinstance(args["seed"], bool) or not isinstance(args["seed"], int):
         raise _fail("seed", args["seed"], "an int")
     model = args["model"]
-    if not isinstance(model, str) or not (model in _PRESETS or os.path.isdir(model)):
-        raise _fail("model", model, f"a preset ({', '.join(_PRESETS)}) or a checkpoint directory")
+    if not isinstance(model, str) or not (
+        model in _PRESETS or model in SHIPPED or os.path.isdir(model)
+    ):
+        names = ", ".join((*_PRESETS, *SHIPPED))
+        raise _fail("model", model, f"a preset ({names}) or a checkpoint directory")
 
 
 def _load_model(model: str, dtype: str, seed: int, quant_sim: bool):
@@ -415,6 +424,8 @@ def _load_model(model: str, dtype: str, seed: int, quant_sim: bool):
         return cfg, init_params(cfg, jax.random.PRNGKey(seed), jdtype), load_tokenizer(None, cfg)
     from dsv4.checkpoint import load_pretrained
 
+    if model in SHIPPED:
+        model = shipped_checkpoint(model)
     cfg = ModelConfig.from_json(model)
     if quant_sim:
         cfg = dataclasses.replace(cfg, quant_sim=True)

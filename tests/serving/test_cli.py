@@ -19,7 +19,7 @@ from serving.cli import main
 from serving.cli_llm import DEMO_QUESTIONS
 
 ENGINE = [
-    "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+    "--model", "tiny_v41", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
     "--token-buckets", "32", "--num-gpu-blocks", "64", "--max-logprobs", "5",
     "--no-compilation-cache",
 ]  # fmt: skip
@@ -30,7 +30,7 @@ def test_demo_runs_chats_through_llm_generate(capsys):
     out = capsys.readouterr().out
     assert "tiny_v41 with random weights (seed 0)" in out and "gibberish" in out
     assert "tokenizer byte-level (built-in)" in out and "async scheduling" in out
-    rounds = re.findall(r"-- round (\d): (\d) conversations", out)
+    rounds = re.findall(r"-- round (\d): (\d) prompts", out)
     assert rounds == [("1", str(len(DEMO_QUESTIONS))), ("2", str(len(DEMO_QUESTIONS)))]
     lines = re.findall(r"prompt (\d+) tokens, prefix-cache hit (\d+); TTFT ([\d.]+) ms", out)
     assert len(lines) == 2 * len(DEMO_QUESTIONS)
@@ -39,6 +39,22 @@ def test_demo_runs_chats_through_llm_generate(capsys):
     total = re.search(r"total: (\d+) output tokens .* = ([\d.]+) tokens/s; prefix-cache hit "
                       r"rate ([\d.]+)%", out)  # fmt: skip
     assert total and float(total.group(2)) > 0 and float(total.group(3)) > 0
+    assert "0 compilations after warm-up" in out
+
+
+def test_demo_defaults_to_the_shipped_trained_model(capsys):
+    # ENGINE's sizes, the default model: the README's `make demo`
+    argv = [a for a in ENGINE if a != "tiny_v41"]
+    argv.remove("--model")
+    assert main(["demo", *argv, "--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny_v41_trained, the shipped small V4.1" in out and "gibberish" not in out
+    assert "tokenizer tokenizer.json" in out
+    text = "\n".join(line[6:] for line in out.splitlines() if line.startswith("    | "))
+    assert len(text) > 100
+    # readable: printable ASCII, whitespace and words, as the standard library is written
+    assert sum(ch.isprintable() or ch in "\n\t" for ch in text) / len(text) > 0.99
+    assert re.search(r"[A-Za-z_]{3,}", text)
     assert "0 compilations after warm-up" in out
 
 
