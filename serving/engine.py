@@ -134,8 +134,13 @@ class Engine:
         eos_token_id: int | None = None,
         seed: int = 0,
         proposer: Any = None,
+        prompt_logprobs_on_hits: bool = False,
     ) -> None:
         self.runner = runner
+        # vLLM reads no prefix cache for a request that asks prompt_logprobs (every position is
+        # scored); True lets it hit, scoring the positions computed after the hit (those served
+        # from the cache are None): how the quality benchmark measures bounded replay.
+        self.prompt_logprobs_on_hits = prompt_logprobs_on_hits
         self.scheduler = scheduler
         # drafts for the next step (`serving.spec_decode.NgramProposer`), None: no speculation
         self.proposer = proposer
@@ -185,12 +190,14 @@ class Engine:
         debug: bool = False,
         fill: str = "zeros",
         speculative_config: dict | SpeculativeConfig | None = None,
+        prompt_logprobs_on_hits: bool = False,
     ) -> Engine:
         """An engine over ``params``: the cache layout of ``formats`` records (default bf16)
         with ``num_gpu_blocks_override`` blocks or as many as ``kv_cache_memory_bytes`` hold
         (default: 90% of the device's free memory, or 256 MiB on a device without memory
         statistics), its allocator, the scheduler and the model runner. `LLM` calls this;
-        the arguments are LLM's (see there)."""
+        the arguments are LLM's (see there), but for ``prompt_logprobs_on_hits`` (see
+        `Engine`; not an LLM argument, as vLLM has none)."""
         from cache.layout import for_model
         from dsv4.paged import pools as P
         from dsv4.paged import records as R
@@ -251,7 +258,15 @@ class Engine:
             num_speculative_tokens=k,
         )
         proposer = None if spec is None else NgramProposer(spec, max_model_len)
-        return cls(runner, scheduler, tokenizer, eos_token_id=eos, seed=seed, proposer=proposer)
+        return cls(
+            runner,
+            scheduler,
+            tokenizer,
+            eos_token_id=eos,
+            seed=seed,
+            proposer=proposer,
+            prompt_logprobs_on_hits=prompt_logprobs_on_hits,
+        )
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -369,7 +384,9 @@ class Engine:
             max_tokens=max_tokens,
             priority=priority,
             arrival_time=arrival_time,
-            skip_reading_prefix_cache=params.prompt_logprobs is not None,
+            skip_reading_prefix_cache=(
+                params.prompt_logprobs is not None and not self.prompt_logprobs_on_hits
+            ),
         )
         stop = StopCriteria(
             eos_token_id=None if params.ignore_eos else self.eos_token_id,
