@@ -30,22 +30,22 @@ __all__ = [
     "token_bytes",
 ]
 
+# dsv4.paged.records.PRESETS by the lower-case names LLM's kv_cache_dtype uses
 RECORD_PRESETS = ("exact", "bf16", "released", "released_fp8", "sm90")
-_FORMATS = {
-    "exact": "EXACT",
-    "bf16": "BF16",
-    "released": "RELEASED",
-    "released_fp8": "RELEASED_FP8",
-    "sm90": "SM90",
-}
+
+
+def _formats(records: str):
+    from dsv4.paged import records as R
+
+    if records not in RECORD_PRESETS:
+        raise ValueError(f"records={records!r}: one of {', '.join(RECORD_PRESETS)}")
+    return R.PRESETS[records.upper()]
 
 
 def records_fit(records: str, cfg) -> str | None:
     """None when the preset ``records`` can store ``cfg``'s cache rows, else why not (the
     released and SM90 records are laid out for the released head dims)."""
-    from dsv4.paged import records as R
-
-    formats = getattr(R, _FORMATS[records])
+    formats = _formats(records)  # an unknown name is an error, not a misfit
     try:
         formats.check_dims(cfg.head_dim, cfg.index_head_dim)
     except ValueError as exc:
@@ -130,13 +130,10 @@ def score_layout(
     """One cache layout: the bits per byte of every piece's tail (positions ``prefix`` on),
     cold and after a hit on the cached prefix (module docstring). ``docs`` are pieces of one
     length (`heldout_pieces`); ``index_topk`` overrides the config's (None: keep it)."""
-    from dsv4.paged import records as R
     from serving.engine import Engine
     from serving.sampling_params import SamplingParams
 
-    if records not in _FORMATS:
-        raise ValueError(f"records={records!r}: one of {', '.join(_FORMATS)}")
-    formats = {records: getattr(R, _FORMATS[records])}
+    formats = _formats(records)
     length = len(docs[0])
     if not docs or any(len(d) != length for d in docs) or not 0 < prefix < length:
         raise ValueError(f"pieces of one length above prefix={prefix} are needed")
@@ -146,7 +143,7 @@ def score_layout(
         params,
         row_cfg,
         tokenizer=tokenizer,
-        formats=formats[records],
+        formats=formats,
         max_model_len=length + 8,
         max_num_seqs=4,
         max_num_batched_tokens=max_num_batched_tokens,

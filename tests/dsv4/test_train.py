@@ -22,24 +22,17 @@ import pytest
 from dsv4 import data as D
 from dsv4 import reference
 from dsv4 import train as T
-from dsv4.config import Role, tiny_v41, tiny_v41_trained
+from dsv4.config import Role, tiny_v41_trained
 from dsv4.params import count_params, init_params
 from dsv4.tokenizer import ByteTokenizer
+from tests.dsv4.train_configs import two_layer_config
 
 SEQ = 32
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return tiny_v41(
-        n_layers=2,
-        compress_ratios=(2, 2, 0),
-        kv_source_layers=(0,),
-        index_source_layers=(0, 1),
-        candidate_source_layer=0,
-        candidate_topk_blocks=2,
-        index_topk=4,
-    )
+    return two_layer_config()
 
 
 @pytest.fixture(scope="module")

@@ -20,20 +20,14 @@ from dsv4 import dspark, reference
 from dsv4 import train_dspark as TD
 from dsv4.config import tiny_v41
 from dsv4.params import init_params
+from tests.dsv4.train_configs import two_layer_config
 
 SEQ = 32
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return tiny_v41(
-        n_layers=2,
-        compress_ratios=(2, 2, 0),
-        kv_source_layers=(0,),
-        index_source_layers=(0, 1),
-        candidate_source_layer=0,
-        candidate_topk_blocks=2,
-        index_topk=4,
+    return two_layer_config(
         dspark_block_size=3,
         dspark_target_layer_ids=(0, 1),
         dspark_markov_rank=8,
