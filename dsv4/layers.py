@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4.config import ModelConfig, rope_inv_freq
+from dsv4.expert_parallel import ambient_expert_mesh, routed_experts
 from dsv4.params import quantised_weights
 from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2, fp8_qdq
 
@@ -251,7 +252,12 @@ def moe(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig) -> jax.Arra
     quant = cfg.quant_sim and (prefix + "experts.w1.weight") in _quantised(cfg)
     xq = fp8_qdq(xf, cfg.fp8_block_size) if quant else xf
     dt = x.dtype
-    if n * k <= e:
+    mesh = ambient_expert_mesh(cfg)
+    if mesh is not None:
+        # an expert-parallel mesh: tokens travel to their experts' devices and back
+        ws = tuple(w.astype(dt) for w in (w1, w2, w3))
+        y = routed_experts(xq, weights, ids, *ws, cfg, mesh, quant=quant)
+    elif n * k <= e:
         # few tokens: gather each token's selected experts
         g = jnp.einsum("nd,nkid->nki", xq, w1[ids].astype(dt), preferred_element_type=jnp.float32)
         u = jnp.einsum("nd,nkid->nki", xq, w3[ids].astype(dt), preferred_element_type=jnp.float32)
