@@ -6,7 +6,8 @@ checkpoint given with ``--model PATH``.
 ``dsv4 cache-demo`` walks multi-turn conversations, one turn at a time, through the scheduler
 (``serving.scheduler.Scheduler``) and the KV-cache allocator on the V4.1 cache layout, with made-up
 tokens. ``dsv4 layout`` prints the layout and its memory report. ``dsv4 lab`` runs cache-layout
-experiments (`serving.lab.cli`).
+experiments (`serving.lab.cli`). ``dsv4 plan`` prints the memory planner's per-chip bytes of a
+slice (`dsv4.plan`).
 
 JAX is imported only by the model commands, so ``cache-demo`` and ``layout`` start instantly.
 """
@@ -96,6 +97,65 @@ def _layout(args: argparse.Namespace) -> int:
     print(
         memory_report(config, args.max_model_len, args.max_num_batched_tokens, packed_layout=True)
     )
+    return 0
+
+
+# -- dsv4 plan ---------------------------------------------------------------------------------
+
+# `dsv4.plan.MODELS` (not imported here: it imports JAX)
+_PLAN_MODELS = ("v41_flash", "tiny_v41", "tiny_v41_full", "tiny_v41_trained")
+
+
+def _check_plan_args(args: argparse.Namespace):
+    """Parse the slices and the mesh; reject bad values with the flag and the value."""
+    from dsv4 import plan as P
+
+    _check_at_least("--max-num-seqs", args.max_num_seqs, 1)
+    _check_at_least("--max-model-len", args.max_model_len, 1)
+    _check_at_least("--max-num-batched-tokens", args.max_num_batched_tokens, 1)
+    if not (math.isfinite(args.headroom) and 0 <= args.headroom < 1):
+        raise UsageError(f"--headroom must be in [0, 1), got {args.headroom}")
+    try:
+        slices = [P.parse_slice(c) for c in args.chips]
+        mesh = None if args.mesh is None else P.parse_mesh(args.mesh)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return slices, mesh
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Per-chip weights, KV pages per group, activations and the largest batch per slice."""
+    import json
+
+    slices, mesh = _check_plan_args(args)
+    from dsv4 import plan as P
+
+    cfg = P.MODELS[args.model]()
+    plans = []
+    for slice_ in slices:
+        try:
+            plans.append(
+                P.plan(
+                    cfg,
+                    slice_,
+                    mesh=mesh,
+                    max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    records=args.records,
+                    headroom=args.headroom,
+                )
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if args.markdown:
+        print(P.markdown_table(plans))
+    elif args.json:
+        for p in plans:
+            print(json.dumps({"model": args.model, **p.as_dict()}, sort_keys=True))
+    else:
+        for p in plans:
+            print(P.describe(p, args.model))
     return 0
 
 
@@ -280,10 +340,52 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--memory-gib", type=float, default=16.0, help="memory for the pool")
     layout.set_defaults(func=_layout, subparser=layout)
 
+    _add_plan_command(sub)
+
     from serving.lab.cli import add_lab_command
 
     add_lab_command(sub, UsageError)
     return parser
+
+
+def _add_plan_command(sub) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="per-chip bytes of weights, KV pages and activations on a slice (no devices)",
+        description="The memory planner (dsv4.plan): per chip, the weights at the released "
+        "formats (and dequantised to bf16), the KV pages per group and the step's activations, "
+        "and the most requests that fit, per context length.",
+    )
+    plan.add_argument("--model", choices=_PLAN_MODELS, default="v41_flash")
+    plan.add_argument(
+        "--chips",
+        nargs="+",
+        default=["h200x8"],
+        help="slices: v5e-N, v6e-N (N chips), v5p-N (N TensorCores = N/2 chips), h100xN, "
+        "h200xN (default h200x8)",
+    )
+    plan.add_argument(
+        "--mesh", default=None, help="data=D,expert=E,model=M (default: the best that fits)"
+    )
+    plan.add_argument("--max-num-seqs", type=int, default=64, help="requests served at once")
+    plan.add_argument(
+        "--max-model-len", type=int, default=131_072, help="most tokens a request may hold"
+    )
+    plan.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
+    )
+    plan.add_argument(
+        "--records",
+        default=None,
+        help="KV record preset (EXACT, BF16, RELEASED, RELEASED_FP8, SM90; default: the chip's)",
+    )
+    plan.add_argument(
+        "--headroom", type=float, default=0.1, help="fraction of HBM left unplanned (0.1)"
+    )
+    out = plan.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="one JSON line per slice")
+    out.add_argument("--markdown", action="store_true", help="the README's table")
+    plan.set_defaults(func=_plan, subparser=plan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

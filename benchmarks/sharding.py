@@ -1,0 +1,210 @@
+"""Per-chip bytes of DeepSeek-V4.1-Flash on a slice: the memory planner against XLA's compiled
+memory analysis, and the collective bytes of a decode step (no devices).
+
+Usage::
+
+    python -m benchmarks.sharding                          # v5p-16, the planner's default mesh
+    python -m benchmarks.sharding --chips h200x8 --no-compile
+    python -m benchmarks.sharding --table                  # the README's table (markdown)
+
+It prints ONE JSON line:
+
+* ``planner``: `dsv4.plan.plan` of ``v41_flash`` on ``--chips`` (per chip: weights at the
+  released formats and dequantised, KV bytes per group for ``--max-num-seqs`` requests of
+  ``--max-model-len`` tokens, the activation estimate, the most requests that fit per context);
+* ``collective_bytes_per_decode_step_per_chip``: `dsv4.plan.collective_bytes_per_decode_step`
+  on the same mesh, for ``--max-num-seqs`` requests at ``--max-model-len`` (formulas in its
+  docstring);
+* ``compiled``: a deviceless compile (libtpu's compile-only TPU topology of ``--topology``, 8
+  chips by default) of ``reference.forward`` on a reduced V4.1-Flash (`reduced_flash`: released
+  widths, 384 experts, 6 layers: two window-only, a full and a reuse layer of ratio 2, a full and
+  a reindex layer of ratio 1; no Engram, no drafter) with its params sharded by
+  `dsv4.sharding.PARAM_RULES` over ``--compile-mesh``. The params are the dequantised bf16 ones
+  ``reference.forward`` takes, so the comparison is with the planner's bf16 weight bytes of the
+  same reduced model and mesh: ``argument_size_in_bytes`` (params + tokens) over the planner's
+  figure is ``weights_ratio``. ``temp_size_in_bytes`` is the reference's own dense math (every
+  expert on every token, full causal attention), reported, not compared: the planner's
+  activation estimate is the serving step's. ``"skipped"`` with the reason when libtpu is
+  absent or ``--no-compile``.
+
+The README's table (``--table``) is the planner's rows for v5e, v6e, v5p and H200 slices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from typing import Any
+
+from dsv4 import plan as P
+from dsv4.config import ModelConfig, v41_flash
+
+TABLE_SLICES = (
+    "v5e-64",
+    "v5e-256",
+    "v6e-16",
+    "v6e-64",
+    "v5p-16",
+    "v5p-64",
+    "h200x8",
+    "h200x16",
+)
+TOPOLOGY = "v5p:2x2x2"  # 8 v5p chips
+COMPILE_MESH = P.MeshAxes(data=1, expert=8, model=1)
+
+
+def reduced_flash(**overrides: Any) -> ModelConfig:
+    """V4.1-Flash at its released widths with 6 layers, one of each attention role (module
+    docstring); no Engram, no DSpark drafter."""
+    fields: dict[str, Any] = dict(
+        n_layers=6,
+        compress_ratios=(0, 0, 2, 2, 1, 1),
+        kv_source_layers=(2, 4),
+        index_source_layers=(2, 4, 5),
+        candidate_source_layer=4,
+        n_mtp_layers=0,
+        dspark_block_size=0,
+        engram_layer_ids=(),
+    )
+    fields.update(overrides)
+    return v41_flash(**fields)
+
+
+def compiled_memory(
+    cfg: ModelConfig, mesh: P.MeshAxes, *, topology: str = TOPOLOGY, num_tokens: int = 8
+) -> dict[str, Any]:
+    """XLA's per-device memory of ``reference.forward(params, cfg, tokens[data, num_tokens])``
+    compiled for the TPU ``topology`` (no device), params sharded by the rule table over
+    ``mesh``, next to the planner's bf16 weight bytes of the same model and mesh."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dsv4 import reference, sharding
+    from dsv4.params import Storage, param_specs
+
+    devices = topologies.get_topology_desc(topology, platform="tpu").devices
+    if len(devices) != mesh.num_chips:
+        raise ValueError(
+            f"--compile-mesh {mesh} needs {mesh.num_chips} chips; topology {topology} has "
+            f"{len(devices)}"
+        )
+    grid = np.asarray(devices, dtype=object).reshape(mesh.data, mesh.expert, mesh.model)
+    jmesh = Mesh(grid, sharding.AXES)
+    specs = sharding.param_partition_specs(cfg, jmesh)
+    params = {
+        name: jax.ShapeDtypeStruct(
+            ps.shape,
+            jnp.float32 if ps.storage is Storage.F32 else jnp.bfloat16,
+            sharding=NamedSharding(jmesh, specs[name]),
+        )
+        for name, ps in param_specs(cfg).items()
+        if ps.storage is not Storage.DERIVED
+    }
+    tokens = jax.ShapeDtypeStruct(
+        (mesh.data, num_tokens), jnp.int32, sharding=NamedSharding(jmesh, PartitionSpec("data"))
+    )
+    t0 = time.perf_counter()
+    fwd = jax.jit(reference.forward, static_argnums=1)
+    stats = fwd.trace(params, cfg, tokens).lower().compile().memory_analysis()
+    planner = P.weight_bytes_per_chip(cfg, mesh, stored=False)["device"]
+    token_bytes = num_tokens * 4
+    return {
+        "topology": topology,
+        "device_kind": devices[0].device_kind,
+        "mesh": {"data": mesh.data, "expert": mesh.expert, "model": mesh.model},
+        "model": f"reduced v41_flash ({cfg.n_layers} layers, {cfg.n_routed_experts} experts)",
+        "argument_size_in_bytes": stats.argument_size_in_bytes,
+        "output_size_in_bytes": stats.output_size_in_bytes,
+        "temp_size_in_bytes": stats.temp_size_in_bytes,
+        "token_bytes": token_bytes,
+        "planner_weights_bf16_bytes": planner,
+        "weights_ratio": round((stats.argument_size_in_bytes - token_bytes) / planner, 4),
+        "compile_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def run(
+    chips: str = "v5p-16",
+    *,
+    mesh: P.MeshAxes | None = None,
+    max_num_seqs: int = 64,
+    max_model_len: int = 131_072,
+    compile_: bool = True,
+    topology: str = TOPOLOGY,
+    compile_mesh: P.MeshAxes = COMPILE_MESH,
+    compile_cfg: ModelConfig | None = None,
+) -> dict[str, Any]:
+    """The JSON line's dict (module docstring)."""
+    t0 = time.perf_counter()
+    cfg = v41_flash()
+    plan = P.plan(
+        cfg,
+        P.parse_slice(chips),
+        mesh=mesh,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+    )
+    out: dict[str, Any] = {
+        "benchmark": "sharding",
+        "model": "v41_flash",
+        "planner": plan.as_dict(),
+        "collective_bytes_per_decode_step_per_chip": P.collective_bytes_per_decode_step(
+            cfg, plan.mesh, num_seqs=max_num_seqs, context=max_model_len
+        ),
+    }
+    if not compile_:
+        out["compiled"] = {"skipped": "--no-compile"}
+    elif importlib.util.find_spec("libtpu") is None:
+        out["compiled"] = {"skipped": "libtpu not installed (pip install -e '.[aot]')"}
+    else:
+        cfg_c = compile_cfg or reduced_flash()
+        out["compiled"] = compiled_memory(cfg_c, compile_mesh, topology=topology)
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def table(slices=TABLE_SLICES, **kwargs: Any) -> str:
+    """The README's markdown table: `dsv4.plan.markdown_table` of v41_flash per slice."""
+    cfg = v41_flash()
+    return P.markdown_table([P.plan(cfg, P.parse_slice(s), **kwargs) for s in slices])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chips", default="v5p-16", help="the slice (dsv4.plan.parse_slice)")
+    ap.add_argument("--mesh", default=None, help="data=D,expert=E,model=M (default: planner's)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=131_072)
+    ap.add_argument("--no-compile", action="store_true", help="skip XLA's compiled figures")
+    ap.add_argument("--topology", default=TOPOLOGY, help="libtpu topology of the compile")
+    ap.add_argument("--compile-mesh", default=str(COMPILE_MESH), help="mesh of the compile")
+    ap.add_argument("--table", action="store_true", help="print the README's markdown table")
+    args = ap.parse_args(argv)
+    try:
+        if args.table:
+            print(table(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs))
+            return 0
+        mesh = None if args.mesh is None else P.parse_mesh(args.mesh)
+        res = run(
+            args.chips,
+            mesh=mesh,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            compile_=not args.no_compile,
+            topology=args.topology,
+            compile_mesh=P.parse_mesh(args.compile_mesh),
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
+    print(json.dumps(res, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
