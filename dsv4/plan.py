@@ -272,15 +272,26 @@ def _param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {n: s.shape for n, s in param_specs(cfg).items()}
 
 
-def _specs(cfg: ModelConfig, mesh: MeshAxes) -> dict[str, tuple[str | None, ...]]:
-    """Every param's rule as a tuple of axis names per dim (the rule table's divisibility
-    errors name the tensor and the axis)."""
-    abstract = mesh.abstract()
+@functools.cache
+def _rules(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    """Every param's rule (`dsv4.sharding.partition_spec_for` on a 1-chip mesh, where every
+    dim divides) as a tuple of axis names per dim."""
+    one = MeshAxes().abstract()
     out = {}
     for name, shape in _param_shapes(cfg).items():
-        spec = tuple(partition_spec_for(name, shape, abstract))
+        spec = tuple(partition_spec_for(name, shape, one))
         out[name] = spec + (None,) * (len(shape) - len(spec))
     return out
+
+
+def _specs(cfg: ModelConfig, mesh: MeshAxes) -> dict[str, tuple[str | None, ...]]:
+    """The rules, checked against ``mesh``: where an axis does not divide a dim it splits,
+    `partition_spec_for` raises its error (naming the tensor, the dim and the axis)."""
+    rules, shapes, sizes = _rules(cfg), _param_shapes(cfg), dataclasses.asdict(mesh)
+    for name, spec in rules.items():
+        if any(a and shapes[name][d] % sizes[a] for d, a in enumerate(spec)):
+            partition_spec_for(name, shapes[name], mesh.abstract())
+    return rules
 
 
 def weight_bytes_per_chip(cfg: ModelConfig, mesh: MeshAxes, *, stored: bool = True) -> dict:
