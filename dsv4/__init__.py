@@ -10,7 +10,8 @@
 * `engram` (n-gram memory, in every path), `dspark` (the DSpark drafter: `dspark.draft`);
 * `load_pretrained` / `save_pretrained` (released safetensors format) and
   `save_params` / `restore_params` (orbax); `checkpoint.shipped_checkpoint` (the trained
-  ``tiny_v41_trained`` that ships in the package);
+  ``tiny_v41_trained`` that ships in the package); `qweights` (fp8 / FP4 weights kept in their
+  released bytes on device: ``load_pretrained(..., weights_on_device="released")``);
 * `data`, `train`, `train_dspark` (imported on use) — training text, the backbone's training and
   the drafter's.
 """
@@ -20,7 +21,7 @@
 # `generate` once an engine is built). Importing it with the package keeps the keys stable.
 import jax.experimental.pallas  # noqa: F401  (isort: keep first)
 
-from dsv4 import dspark, engram, reference
+from dsv4 import dspark, engram, qweights, reference
 from dsv4.checkpoint import load_pretrained, restore_params, save_params, save_pretrained
 from dsv4.config import (
     LayerPlan,
@@ -49,6 +50,7 @@ __all__ = [
     "load_pretrained",
     "load_tokenizer",
     "param_specs",
+    "qweights",
     "reference",
     "restore_params",
     "save_params",

@@ -56,6 +56,7 @@ from dsv4.params import (
     param_specs,
 )
 from dsv4.quant import E2M1_VALUES
+from dsv4.qweights import STORAGE_FORMATS, QuantisedWeight, check_weights_on_device, stored_shapes
 
 __all__ = [
     "CheckpointError",
@@ -101,6 +102,13 @@ _ITEMSIZE = {
     "I64": 8,
     "U64": 8,
     "F64": 8,
+}
+
+# numpy dtypes of the 1-byte storage dtypes (what save_pretrained hands safetensors)
+_NUMPY_DTYPE = {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    "I8": np.int8,
 }
 
 # Released tensors of parts this package does not model; each pattern has a short label for the
@@ -151,15 +159,20 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint8)
 
 
-def e8m0_to_float(scale: np.ndarray, name: str = "scale") -> np.ndarray:
-    """E8M0 scale bytes -> float32 ``2^(byte - 127)``. Byte 255 is e8m0's NaN: rejected, since a
-    NaN scale would silently poison a whole tile of weights."""
-    b = _as_bytes(scale)
+def _check_e8m0(b: np.ndarray, name: str) -> None:
+    """e8m0 bytes must not hold its NaN code (255)."""
     if b.size and int(b.max()) == 255:
         where = tuple(int(i) for i in np.argwhere(b == 255)[0])
         raise CheckpointError(
             f"{name}: F8_E8M0 scale byte 255 (NaN) at index {where}; scale bytes must be 0..254"
         )
+
+
+def e8m0_to_float(scale: np.ndarray, name: str = "scale") -> np.ndarray:
+    """E8M0 scale bytes -> float32 ``2^(byte - 127)``. Byte 255 is e8m0's NaN: rejected, since a
+    NaN scale would silently poison a whole tile of weights."""
+    b = _as_bytes(scale)
+    _check_e8m0(b, name)
     return np.ldexp(np.float32(1.0), b.astype(np.int32) - E8M0_BIAS).astype(np.float32)
 
 
@@ -247,7 +260,7 @@ def _scale_bytes(exp: np.ndarray) -> np.ndarray:
 
 def _finite_f64(x: Any, name: str) -> np.ndarray:
     a = np.asarray(x)
-    if not np.issubdtype(a.dtype, np.floating):
+    if not jnp.issubdtype(a.dtype, jnp.floating):  # numpy's floats and bfloat16
         raise CheckpointError(f"{name}: cannot quantise dtype {a.dtype}; expected a float array")
     a = a.astype(np.float64)
     if not np.all(np.isfinite(a)):
@@ -613,13 +626,20 @@ def load_pretrained(
     config: ModelConfig | None = None,
     progress: bool = True,
     engram_tables: str = "auto",
+    weights_on_device: str = "dequantised",
 ) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """Load a released-format checkpoint directory into ``(config, params)``.
 
-    ``engram_tables``: where Engram's tables live: "device" (dequantised arrays like every
-    other tensor), "host" (`dsv4.engram.HostTable`: the checkpoint's fp8 bytes, memory-mapped,
-    rows fetched per step through the host), or "auto" (host for a table that would take more
-    than 1 GiB dequantised, such as the released ones: ~98 GB of fp8 each).
+    ``engram_tables``: where Engram's tables live: "device" (arrays like every other tensor),
+    "host" (`dsv4.engram.HostTable`: the checkpoint's fp8 bytes, memory-mapped, rows fetched
+    per step through the host), or "auto" (host for a table that would take more than 1 GiB on
+    device, such as the released ones: ~98 GB of fp8 each).
+
+    ``weights_on_device``: "dequantised" (float arrays in ``dtype``, the default) or
+    "released": every fp8 / FP4 tensor (and an Engram table on device) stays in the
+    checkpoint's bytes as a `dsv4.qweights.QuantisedWeight` that the model dequantises where it
+    reads it, standing for a ``dtype`` weight; the values the model computes with are the same
+    bit for bit, the params take the checkpoint's bytes (in bf16) instead of about twice them.
 
     ``config`` overrides the directory's ``config.json``. Quantised tensors are dequantised
     exactly (fp8 · tile scale, fp4 · group scale) and, like every tensor not stored as F32, cast
@@ -636,6 +656,7 @@ def load_pretrained(
         raise CheckpointError(
             f"engram_tables={engram_tables!r}: expected 'auto', 'device' or 'host'"
         )
+    released = check_weights_on_device(weights_on_device) == "released"
     np_dtype = np.dtype(jnp.dtype(dtype))
     if not jnp.issubdtype(np_dtype, jnp.floating):
         raise CheckpointError(f"dtype={dtype!r}: params must be a float dtype")
@@ -668,7 +689,8 @@ def load_pretrained(
             if spec.storage is Storage.DERIVED:
                 params[pname] = jnp.asarray(token_map)
                 continue
-            if spec.storage is Storage.FP8_ROWS and _on_host(engram_tables, spec, np_dtype):
+            stored = np.dtype(np.uint8) if released else np_dtype  # an Engram table's bytes
+            if spec.storage is Storage.FP8_ROWS and _on_host(engram_tables, spec, stored):
                 ts = {t.role: t for t in by_param[pname]}
                 w, s = entries[ts["weight"].name], entries[ts["scale"].name]
                 params[pname] = HostTable(
@@ -678,6 +700,10 @@ def load_pretrained(
                     pname,
                 )
                 bar.update(2)
+                continue
+            if released and spec.storage in STORAGE_FORMATS:
+                params[pname] = _load_released(files, cfg, spec, by_param[pname], entries, np_dtype)
+                bar.update(len(by_param[pname]))
                 continue
             target = np.float32 if spec.storage is Storage.F32 else np_dtype
             out = np.empty(spec.shape, target)
@@ -696,6 +722,41 @@ def load_pretrained(
         bar.close()
         files.close()
     return cfg, params
+
+
+def _load_released(
+    files: _Files,
+    cfg: ModelConfig,
+    spec,
+    tensors: list[CheckpointTensor],
+    entries: Mapping[str, _Entry],
+    dtype: np.dtype,
+) -> QuantisedWeight:
+    """One fp8 / FP4 / Engram-table param in its stored bytes (routed experts stacked), checked
+    for e4m3 and e8m0 NaN codes as the decoders check them, standing for a ``dtype`` weight."""
+    fmt = STORAGE_FORMATS[spec.storage]
+    vshape, vdtype, sshape = stored_shapes(fmt, spec.shape, cfg.fp8_block_size)
+    values, scales = np.empty(vshape, np.uint8), np.empty(sshape, np.uint8)
+    pairs: dict[int | None, dict[str, CheckpointTensor]] = collections.defaultdict(dict)
+    for t in tensors:
+        pairs[t.expert][t.role] = t
+    for expert, ts in pairs.items():
+        w, s = entries[ts["weight"].name], entries[ts["scale"].name]
+        raw = files.raw(w).reshape(ts["weight"].shape)
+        sraw = files.raw(s).reshape(ts["scale"].shape)
+        if fmt != "fp4":  # every e2m1 code is a number
+            _check_e4m3(raw, f"{w.name} (in {os.path.basename(w.file)})")
+        _check_e8m0(sraw, f"{s.name} (in {os.path.basename(s.file)})")
+        where = ... if expert is None else expert
+        values[where], scales[where] = raw, sraw
+    return QuantisedWeight(
+        jnp.asarray(values.view(vdtype)),
+        jnp.asarray(scales),
+        format=fmt,
+        shape=spec.shape,
+        dtype=dtype,
+        block=cfg.fp8_block_size,
+    )
 
 
 def _on_host(where: str, spec, dtype: np.dtype) -> bool:
@@ -758,13 +819,21 @@ def _encode(params: Mapping[str, Any], cfg: ModelConfig) -> Iterator[tuple[str, 
     stored dtypes. Each param (or expert) is quantised once, for its weight and its scale."""
     blk = cfg.fp8_block_size
     cache_key, cache = None, None
-    host: tuple[str, np.ndarray] | None = None
+    host: tuple[Any, np.ndarray] | None = None
     for t in checkpoint_tensors(cfg):
         if isinstance(params[t.param], HostTable):  # its stored bytes, as they are
             table = params[t.param]
             raw = table.values if t.role == "weight" else table.scales
             kind = ml_dtypes.float8_e4m3fn if t.role == "weight" else ml_dtypes.float8_e8m0fnu
             yield t.name, np.ascontiguousarray(raw.view(kind))
+            continue
+        if isinstance(params[t.param], QuantisedWeight):  # its stored bytes, as they are
+            if host is None or host[0] != t.param:
+                w = params[t.param]
+                host = (t.param, (np.asarray(w.values), np.asarray(w.scales)))
+            raw = host[1][0 if t.role == "weight" else 1]
+            raw = raw if t.expert is None else raw[t.expert]
+            yield t.name, np.ascontiguousarray(raw.view(np.uint8).view(_NUMPY_DTYPE[t.dtype]))
             continue
         if host is None or host[0] != t.param:
             host = (t.param, np.asarray(params[t.param]))
@@ -887,8 +956,9 @@ def quantize_params_like_checkpoint(
     blk = cfg.fp8_block_size
     out: dict[str, jax.Array] = {}
     for name, spec in param_specs(cfg).items():
-        if spec.storage is Storage.DERIVED or isinstance(params[name], HostTable):
-            out[name] = params[name]  # the token map; a host table's bytes are the stored ones
+        if spec.storage is Storage.DERIVED or isinstance(params[name], HostTable | QuantisedWeight):
+            # the token map; a host table's or a quantised weight's bytes are the stored ones
+            out[name] = params[name]
             continue
         x = np.asarray(params[name])
         if spec.storage is Storage.FP8:

@@ -36,6 +36,7 @@ import numpy as np
 from dsv4 import layers as L
 from dsv4.config import ModelConfig
 from dsv4.engram_hash import DEAD, EngramHashing
+from dsv4.qweights import QuantisedWeight
 
 __all__ = [
     "DEAD",
@@ -228,8 +229,11 @@ jax.tree_util.register_pytree_node(HostTable, lambda t: ((), t), lambda aux, _: 
 
 def table_rows(params, layer: int, rows: jax.Array) -> jax.Array:
     """Rows ``rows`` int32[..., columns] of layer ``layer``'s table: [..., columns, head_dim]
-    (from the device array in the params, or from a `HostTable` through the host)."""
+    (from the device array in the params, or from a `HostTable` through the host; a
+    `dsv4.qweights.QuantisedWeight` table gathers its codes and scales, then dequantises)."""
     table = params[f"layers.{layer}.engram.embed.weight"]
+    if isinstance(table, QuantisedWeight):
+        return table.take(rows, mode="clip").astype(table.dtype)
     if isinstance(table, HostTable):
         import ml_dtypes
 

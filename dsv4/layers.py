@@ -5,6 +5,11 @@ and knows nothing about caches. Numerics follow the official reference: the acti
 the dtype of the embedding; RMSNorm, rotary embedding, hyper-connection mixing, routing and the
 SwiGLU interior run in fp32 and cast back; with ``cfg.quant_sim`` the activations entering an
 fp8 or fp4 GEMM are fake-quantised to fp8 (power-of-two scales per ``fp8_block_size``).
+
+A weight is read as ``params[name].astype(dtype)`` (after indexing its leading expert axis, if
+any), never reshaped or used before that cast: a `dsv4.qweights.QuantisedWeight` (fp8 / FP4
+weights kept in their released bytes) dequantises there, so every path runs the same code on
+dequantised and on released params.
 """
 
 from __future__ import annotations
@@ -178,7 +183,7 @@ def attention_output(
     o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
     g = cfg.o_groups
     o = o.reshape(*o.shape[:-2], g, -1)
-    wo_a = params[prefix + "wo_a.weight"].reshape(g, cfg.o_lora_rank, -1).astype(o.dtype)
+    wo_a = params[prefix + "wo_a.weight"].astype(o.dtype).reshape(g, cfg.o_lora_rank, -1)
     z = jnp.einsum("...gd,grd->...gr", o, wo_a, preferred_element_type=jnp.float32)
     z = z.astype(o.dtype).reshape(*z.shape[:-2], g * cfg.o_lora_rank)
     return linear(z, params, prefix + "wo_b.weight", cfg)
@@ -226,7 +231,7 @@ def _all_experts(x, dense_w, w1, w2, w3, cfg: ModelConfig, *, quant: bool) -> ja
     e, inter, dim = w1.shape
 
     def up(w):  # [e, inter, n]
-        flat = w.reshape(e * inter, dim).astype(dt)
+        flat = w.astype(dt).reshape(e * inter, dim)
         y = jnp.einsum("od,nd->on", flat, x, preferred_element_type=jnp.float32)
         return y.reshape(e, inter, -1).astype(dt)
 
@@ -234,7 +239,7 @@ def _all_experts(x, dense_w, w1, w2, w3, cfg: ModelConfig, *, quant: bool) -> ja
     if quant:  # fp8 blocks run along inter
         act = jnp.swapaxes(fp8_qdq(jnp.swapaxes(act, 1, 2), cfg.fp8_block_size), 1, 2)
     if dt == jnp.float32:
-        return jnp.einsum("edi,ein->nd", w2, act, preferred_element_type=jnp.float32)
+        return jnp.einsum("edi,ein->nd", w2.astype(dt), act, preferred_element_type=jnp.float32)
     out = jnp.einsum("edi,ein->edn", w2.astype(dt), act, preferred_element_type=jnp.float32)
     return jnp.sum(out.astype(dt).astype(jnp.float32), axis=0).T
 

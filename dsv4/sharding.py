@@ -14,7 +14,10 @@ error, so a new tensor cannot silently end up replicated):
   over ``model``; the router replicated;
 * the vocabulary-split embedding, LM head and DSpark heads over ``model``; Engram replicated.
 
-`shard_params(params, cfg, mesh)` places a params dict into those shardings. XLA's SPMD
+`shard_params(params, cfg, mesh)` places a params dict into those shardings; a weight kept in
+its released format (`dsv4.qweights.QuantisedWeight`) has its codes and scales placed with the
+weight's spec, on each dim their (packed or per-tile) size lets the axis divide (`leaf_spec`),
+so each device dequantises its own slice. XLA's SPMD
 partitioner then runs `reference.forward` (or any jitted path) on the sharded params; the tests
 check the sharded forward equals the single-device one on a mesh of host devices.
 
@@ -23,8 +26,7 @@ axis (pick a mesh whose ``model`` divides the heads, index heads, output groups 
 and whose ``expert`` divides the routed experts).
 
 Not here yet (the scale-out issue): the cache pools' and step inputs' specs over ``data``,
-expert parallelism with a real token dispatch (all-to-all), quantised weights on device, and
-sharded loading.
+expert parallelism with a real token dispatch (all-to-all), and sharded loading.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4.config import ModelConfig
+from dsv4.qweights import QuantisedWeight
 
 __all__ = [
     "AXES",
     "PARAM_RULES",
+    "leaf_spec",
     "make_mesh",
     "param_partition_specs",
     "partition_spec_for",
@@ -148,14 +152,35 @@ def param_partition_specs(
     return {n: partition_spec_for(n, shape, mesh) for n, shape in shapes.items()}
 
 
+def leaf_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The spec of an array that stores a weight of spec ``spec`` dim for dim (a quantised
+    weight's codes or scales): the weight's axis on every dim of ``shape`` it divides, None on
+    the others (a packed or per-tile dim too short to split stays whole on each device)."""
+    axes = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return PartitionSpec(
+        *(
+            a if a is not None and shape[d] % mesh.shape[a] == 0 else None
+            for d, a in enumerate(axes)
+        )
+    )
+
+
 def shard_params(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
-    """``params`` placed into their shardings on ``mesh`` (leaves that are not arrays, such as
-    an Engram `HostTable`, stay where they are)."""
+    """``params`` placed into their shardings on ``mesh``; a `dsv4.qweights.QuantisedWeight`'s
+    codes and scales by `leaf_spec` (host-side nodes without leaves, such as an Engram
+    `HostTable`, stay where they are)."""
     specs = param_partition_specs(cfg, mesh, params)
     out = {}
     for name, value in params.items():
         if isinstance(value, jax.Array | np.ndarray):
             out[name] = jax.device_put(value, NamedSharding(mesh, specs[name]))
+        elif isinstance(value, QuantisedWeight):
+            out[name] = jax.tree.map(
+                lambda a, s=specs[name]: jax.device_put(
+                    a, NamedSharding(mesh, leaf_spec(s, a.shape, mesh))
+                ),
+                value,
+            )
         else:
             out[name] = value
     return out

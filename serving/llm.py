@@ -33,6 +33,7 @@ import numpy as np
 from dsv4.checkpoint import SHIPPED, shipped_checkpoint
 from dsv4.config import ModelConfig, tiny_v41, tiny_v41_full
 from dsv4.paged import records as R
+from dsv4.qweights import WEIGHTS_ON_DEVICE
 from serving.engine import Engine
 from serving.outputs import RequestOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
@@ -118,6 +119,10 @@ class LLM:
         enable_kv_cache_events: record KV events for `Engine.subscribe_kv_events`.
         compilation_cache_dir: JAX's persistent compilation cache (None: off).
         quant_sim: run the official reference's quantisation simulation (`ModelConfig`).
+        weights_on_device: "dequantised" (float params, the default) or "released": fp8 / FP4
+            weights stay in the checkpoint's bytes on device and are dequantised where the step
+            reads them (`dsv4.qweights`), same outputs; a preset's random weights are stored
+            as a saved checkpoint would hold them (`dsv4.qweights.quantise_params`).
         warm_up: compile every bucket now (else on first use).
         impl: attention kernels (None: by backend).
         debug: check every step's block ids and slots on the host.
@@ -150,6 +155,7 @@ class LLM:
         enable_kv_cache_events: bool = False,
         compilation_cache_dir: str | None = "default",
         quant_sim: bool = False,
+        weights_on_device: str = "dequantised",
         warm_up: bool = True,
         impl: str | None = None,
         debug: bool = False,
@@ -170,7 +176,9 @@ class LLM:
         if compilation_cache_dir == "default":
             compilation_cache_dir = default_compilation_cache_dir()
         enable_compilation_cache(compilation_cache_dir)
-        self.cfg, params, self.tokenizer = _load_model(model, dtype, seed, quant_sim)
+        self.cfg, params, self.tokenizer = _load_model(
+            model, dtype, seed, quant_sim, weights_on_device
+        )
         self._template = (
             None if model in _PRESETS or model in SHIPPED else _read_chat_template(model)
         )
@@ -401,6 +409,9 @@ def _check_args(args: Mapping[str, Any]) -> None:
         _positive(name, args[name], none_ok=True)
     for name in ("block_size", "swa_block_size"):
         _positive(name, args[name], none_ok=True)
+    if args["weights_on_device"] not in WEIGHTS_ON_DEVICE:
+        allowed = " or ".join(repr(v) for v in WEIGHTS_ON_DEVICE)
+        raise _fail("weights_on_device", args["weights_on_device"], allowed)
     if args["pool_layout"] not in ("aliased", "separate"):
         raise _fail("pool_layout", args["pool_layout"], "'aliased' or 'separate'")
     if isinstance(args["seed"], bool) or not isinstance(args["seed"], int):
@@ -413,15 +424,19 @@ def _check_args(args: Mapping[str, Any]) -> None:
         raise _fail("model", model, f"a preset ({names}) or a checkpoint directory")
 
 
-def _load_model(model: str, dtype: str, seed: int, quant_sim: bool):
+def _load_model(model: str, dtype: str, seed: int, quant_sim: bool, weights_on_device: str):
     from dsv4.tokenizer import load_tokenizer
 
     jdtype = jnp.dtype(dtype)
     if model in _PRESETS:
         from dsv4.params import init_params
+        from dsv4.qweights import quantise_params
 
         cfg = _PRESETS[model](quant_sim=quant_sim)
-        return cfg, init_params(cfg, jax.random.PRNGKey(seed), jdtype), load_tokenizer(None, cfg)
+        params = init_params(cfg, jax.random.PRNGKey(seed), jdtype)
+        if weights_on_device == "released":
+            params = quantise_params(params, cfg)
+        return cfg, params, load_tokenizer(None, cfg)
     from dsv4.checkpoint import load_pretrained
 
     if model in SHIPPED:
@@ -430,7 +445,9 @@ def _load_model(model: str, dtype: str, seed: int, quant_sim: bool):
     if quant_sim:
         cfg = dataclasses.replace(cfg, quant_sim=True)
     tokenizer = load_tokenizer(model, cfg)  # before the weights: its errors are cheap
-    cfg, params = load_pretrained(model, jdtype, config=cfg, progress=True)
+    cfg, params = load_pretrained(
+        model, jdtype, config=cfg, progress=True, weights_on_device=weights_on_device
+    )
     return cfg, params, tokenizer
 
 
