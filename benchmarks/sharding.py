@@ -15,18 +15,18 @@ It prints ONE JSON line:
 * ``collective_bytes_per_decode_step_per_chip``: `dsv4.plan.collective_bytes_per_decode_step`
   on the same mesh, for ``--max-num-seqs`` requests at ``--max-model-len`` (formulas in its
   docstring);
-* ``compiled``: a deviceless compile (libtpu's compile-only TPU topology of ``--topology``, 8
-  chips by default) of ``reference.forward`` on a reduced V4.1-Flash (`reduced_flash`: released
-  widths, 384 experts, 6 layers: two window-only, a full and a reuse layer of ratio 2, a full and
-  a reindex layer of ratio 1; no Engram, no drafter) with its params sharded by
-  `dsv4.sharding.PARAM_RULES` over ``--compile-mesh``. The params are the dequantised bf16 ones
-  ``reference.forward`` takes, so the comparison is with the planner's bf16 weight bytes of the
-  same reduced model and mesh: ``argument_size_in_bytes`` (params + tokens) less the tokens,
-  over the planner's figure, is ``weights_ratio`` (above 1 by XLA:TPU's tile padding of small
-  tensors: norms, sinks, biases). ``temp_size_in_bytes`` is the reference's own dense math (every
-  expert on every token, full causal attention), reported, not compared: the planner's
-  activation estimate is the serving step's. ``"skipped"`` with the reason when libtpu is
-  absent or ``--no-compile``.
+* ``compiled``: `dsv4.plan.compiled_memory`, a deviceless compile (libtpu's compile-only TPU
+  topology of ``--topology``, 8 chips by default) of ``reference.forward`` on a reduced
+  V4.1-Flash (`dsv4.plan.reduced_flash`: released widths, 384 experts, 6 layers: two
+  window-only, a full and a reuse layer of ratio 2, a full and a reindex layer of ratio 1; no
+  Engram, no drafter) with its params sharded by `dsv4.sharding.PARAM_RULES` over
+  ``--compile-mesh``. The params are the dequantised bf16 ones ``reference.forward`` takes, so
+  the comparison is with the planner's bf16 weight bytes of the same reduced model and mesh:
+  ``argument_size_in_bytes`` (params + tokens) less the tokens, over the planner's figure, is
+  ``weights_ratio`` (above 1 by XLA:TPU's tile padding of small tensors: norms, sinks,
+  biases). ``temp_size_in_bytes`` is the reference's own dense math (every expert on every
+  token, full causal attention), reported, not compared: the planner's activation estimate is
+  the serving step's. ``"skipped"`` with the reason when libtpu is absent or ``--no-compile``.
 
 The README's table (``--table``) is the planner's rows for v5e, v6e, v5p and H200 slices.
 """
@@ -55,79 +55,6 @@ TABLE_SLICES = (
 )
 TOPOLOGY = "v5p:2x2x2"  # 8 v5p chips
 COMPILE_MESH = P.MeshAxes(data=1, expert=4, model=2)  # both weight-splitting axes
-
-
-def reduced_flash(**overrides: Any) -> ModelConfig:
-    """V4.1-Flash at its released widths with 6 layers, one of each attention role (module
-    docstring); no Engram, no DSpark drafter."""
-    fields: dict[str, Any] = dict(
-        n_layers=6,
-        compress_ratios=(0, 0, 2, 2, 1, 1),
-        kv_source_layers=(2, 4),
-        index_source_layers=(2, 4, 5),
-        candidate_source_layer=4,
-        n_mtp_layers=0,
-        dspark_block_size=0,
-        engram_layer_ids=(),
-    )
-    fields.update(overrides)
-    return v41_flash(**fields)
-
-
-def compiled_memory(
-    cfg: ModelConfig, mesh: P.MeshAxes, *, topology: str = TOPOLOGY, num_tokens: int = 8
-) -> dict[str, Any]:
-    """XLA's per-device memory of ``reference.forward(params, cfg, tokens[data, num_tokens])``
-    compiled for the TPU ``topology`` (no device), params sharded by the rule table over
-    ``mesh``, next to the planner's bf16 weight bytes of the same model and mesh."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from dsv4 import reference, sharding
-    from dsv4.params import Storage, param_specs
-
-    devices = topologies.get_topology_desc(topology, platform="tpu").devices
-    if len(devices) != mesh.num_chips:
-        raise ValueError(
-            f"--compile-mesh {mesh} needs {mesh.num_chips} chips; topology {topology} has "
-            f"{len(devices)}"
-        )
-    grid = np.asarray(devices, dtype=object).reshape(mesh.data, mesh.expert, mesh.model)
-    jmesh = Mesh(grid, sharding.AXES)
-    specs = sharding.param_partition_specs(cfg, jmesh)
-    params = {
-        name: jax.ShapeDtypeStruct(
-            ps.shape,
-            jnp.float32 if ps.storage is Storage.F32 else jnp.bfloat16,
-            sharding=NamedSharding(jmesh, specs[name]),
-        )
-        for name, ps in param_specs(cfg).items()
-        if ps.storage is not Storage.DERIVED
-    }
-    tokens = jax.ShapeDtypeStruct(
-        (mesh.data, num_tokens), jnp.int32, sharding=NamedSharding(jmesh, PartitionSpec("data"))
-    )
-    t0 = time.perf_counter()
-    fwd = jax.jit(reference.forward, static_argnums=1)
-    stats = fwd.trace(params, cfg, tokens).lower().compile().memory_analysis()
-    planner = P.weight_bytes_per_chip(cfg, mesh, stored=False)["device"]
-    token_bytes = num_tokens * 4
-    return {
-        "topology": topology,
-        "device_kind": devices[0].device_kind,
-        "mesh": {"data": mesh.data, "expert": mesh.expert, "model": mesh.model},
-        "model": f"reduced v41_flash ({cfg.n_layers} layers, {cfg.n_routed_experts} experts)",
-        "argument_size_in_bytes": stats.argument_size_in_bytes,
-        "output_size_in_bytes": stats.output_size_in_bytes,
-        "temp_size_in_bytes": stats.temp_size_in_bytes,
-        "token_bytes": token_bytes,
-        "planner_weights_bf16_bytes": planner,
-        "weights_ratio": round((stats.argument_size_in_bytes - token_bytes) / planner, 6),
-        "compile_s": round(time.perf_counter() - t0, 2),
-    }
 
 
 def run(
@@ -164,8 +91,8 @@ def run(
     elif importlib.util.find_spec("libtpu") is None:
         out["compiled"] = {"skipped": "libtpu not installed (pip install -e '.[aot]')"}
     else:
-        cfg_c = compile_cfg or reduced_flash()
-        out["compiled"] = compiled_memory(cfg_c, compile_mesh, topology=topology)
+        cfg_c = compile_cfg or P.reduced_flash()
+        out["compiled"] = P.compiled_memory(cfg_c, compile_mesh, topology=topology)
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
 

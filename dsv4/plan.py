@@ -64,6 +64,7 @@ import dataclasses
 import functools
 import math
 import re
+import time
 from collections.abc import Sequence
 
 from jax.sharding import AbstractMesh
@@ -84,15 +85,20 @@ __all__ = [
     "SliceSpec",
     "activation_bytes",
     "collective_bytes_per_decode_step",
+    "compiled_check",
+    "compiled_memory",
     "default_mesh",
     "describe",
+    "describe_compiled",
     "kv_group_bytes_per_request",
     "kv_layout",
     "markdown_table",
     "parse_mesh",
     "parse_slice",
     "plan",
+    "reduced_flash",
     "stored_bytes_total",
+    "tpu_topology",
     "weight_bytes_per_chip",
 ]
 
@@ -503,6 +509,11 @@ def plan(
             raise ValueError(f"{flag}={value} must be >= 1")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom} must be in [0, 1)")
+    if max_model_len > cfg.max_seq_len:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}"
+        )
+    contexts = tuple(c for c in contexts if c <= cfg.max_seq_len)
     if mesh is None:
         mesh = default_mesh(
             cfg,
@@ -680,6 +691,129 @@ def collective_bytes_per_decode_step(
     return out
 
 
+# -- XLA's figures (deviceless compile) --------------------------------------------------------
+
+
+def tpu_topology(slice_: SliceSpec) -> str:
+    """libtpu's compile-only topology name of a TPU slice: ``v5e:2x4`` for 8 v5e chips,
+    ``v5p:2x2x2`` for 8 v5p chips (shapes doubled one dim at a time, smallest dim first).
+
+    Raises:
+        ValueError: a GPU slice, or a chip count that is not a power of two >= 4.
+    """
+    chip, n = slice_.chip, slice_.num_chips
+    if chip.name not in ("v5e", "v6e", "v5p"):
+        raise ValueError(f"{slice_.name}: no deviceless compile (libtpu compiles TPU slices only)")
+    if n < 4 or n & (n - 1):
+        raise ValueError(
+            f"{slice_.name}: {n} chips; a compile-only topology here is a power of 2 >= 4"
+        )
+    dims = [1, 1, 1] if chip.name == "v5p" else [1, 1]
+    while math.prod(dims) < n:
+        dims[dims.index(min(dims))] *= 2
+    return f"{chip.name}:{'x'.join(map(str, sorted(dims)))}"
+
+
+def reduced_flash(**overrides) -> ModelConfig:
+    """V4.1-Flash at its released widths (384 experts) with 6 layers, every attention role:
+    two window-only layers, a full and a reuse layer of ratio 2, a full and a reindex layer of
+    ratio 1; no Engram, no DSpark drafter. What `compiled_memory` compiles in place of the
+    40-layer model (whose compile takes far longer on a CPU)."""
+    fields: dict = dict(
+        n_layers=6,
+        compress_ratios=(0, 0, 2, 2, 1, 1),
+        kv_source_layers=(2, 4),
+        index_source_layers=(2, 4, 5),
+        candidate_source_layer=4,
+        n_mtp_layers=0,
+        dspark_block_size=0,
+        engram_layer_ids=(),
+    )
+    fields.update(overrides)
+    return v41_flash(**fields)
+
+
+def compiled_memory(
+    cfg: ModelConfig, mesh: MeshAxes, *, topology: str, num_tokens: int = 8
+) -> dict:
+    """XLA's per-device memory of ``reference.forward(params, cfg, tokens[data, num_tokens])``
+    compiled for the TPU ``topology`` (no device), params sharded by the rule table over
+    ``mesh``, next to the planner's bf16 weight bytes of the same model and mesh."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dsv4 import reference, sharding
+
+    devices = topologies.get_topology_desc(topology, platform="tpu").devices
+    if len(devices) != mesh.num_chips:
+        raise ValueError(
+            f"mesh {mesh} needs {mesh.num_chips} chips; the topology {topology} has {len(devices)}"
+        )
+    grid = np.asarray(devices, dtype=object).reshape(mesh.data, mesh.expert, mesh.model)
+    jmesh = Mesh(grid, sharding.AXES)
+    specs = sharding.param_partition_specs(cfg, jmesh)
+    params = {
+        name: jax.ShapeDtypeStruct(
+            ps.shape,
+            jnp.float32 if ps.storage is Storage.F32 else jnp.bfloat16,
+            sharding=NamedSharding(jmesh, specs[name]),
+        )
+        for name, ps in param_specs(cfg).items()
+        if ps.storage is not Storage.DERIVED
+    }
+    tokens = jax.ShapeDtypeStruct(
+        (mesh.data, num_tokens), jnp.int32, sharding=NamedSharding(jmesh, PartitionSpec("data"))
+    )
+    t0 = time.perf_counter()
+    fwd = jax.jit(reference.forward, static_argnums=1)
+    stats = fwd.trace(params, cfg, tokens).lower().compile().memory_analysis()
+    planner = weight_bytes_per_chip(cfg, mesh, stored=False)["device"]
+    token_bytes = num_tokens * 4
+    return {
+        "topology": topology,
+        "device_kind": devices[0].device_kind,
+        "mesh": {"data": mesh.data, "expert": mesh.expert, "model": mesh.model},
+        "model": f"{cfg.n_layers} layers, {cfg.n_routed_experts} experts, dim {cfg.dim}",
+        "argument_size_in_bytes": stats.argument_size_in_bytes,
+        "output_size_in_bytes": stats.output_size_in_bytes,
+        "temp_size_in_bytes": stats.temp_size_in_bytes,
+        "token_bytes": token_bytes,
+        "planner_weights_bf16_bytes": planner,
+        "weights_ratio": round((stats.argument_size_in_bytes - token_bytes) / planner, 6),
+        "compile_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def compiled_check(cfg: ModelConfig, p: ChipPlan) -> dict:
+    """`compiled_memory` of ``cfg`` on the plan's slice (its `tpu_topology`) and mesh, or
+    ``{"skipped": why}``: a GPU slice or a chip count without a topology, or no libtpu."""
+    import importlib.util
+
+    try:
+        topology = tpu_topology(p.slice)
+    except ValueError as exc:
+        return {"skipped": str(exc)}
+    if importlib.util.find_spec("libtpu") is None:
+        return {"skipped": "libtpu not installed (pip install -e '.[aot]')"}
+    return compiled_memory(cfg, p.mesh, topology=topology)
+
+
+def describe_compiled(got: dict) -> str:
+    """One line of `compiled_check`'s figures (what ``dsv4 plan --compiled`` adds)."""
+    if "skipped" in got:
+        return f"  compiled      skipped: {got['skipped']}"
+    return (
+        f"  compiled      reference.forward of the {got['model']} model on libtpu's "
+        f"{got['topology']} (no device): {got['argument_size_in_bytes'] / GiB:.2f} GiB of "
+        f"arguments per device = {got['weights_ratio']} x the planner's bf16 weights of that "
+        f"model ({got['planner_weights_bf16_bytes'] / GiB:.2f} GiB); temporaries "
+        f"{got['temp_size_in_bytes'] / GiB:.2f} GiB (the reference's dense math)"
+    )
+
+
 # -- the README table --------------------------------------------------------------------------
 
 
@@ -692,23 +826,31 @@ def describe(p: ChipPlan, model: str) -> str:
         f"({chip.hbm_bytes / GiB:.1f} GiB HBM each), mesh {p.mesh}; KV records {p.records}",
         f"per chip, for {p.max_num_seqs} requests of {p.max_model_len:,} tokens "
         f"({per_shard} per data shard), {p.max_num_batched_tokens} tokens per step:",
-        f"  weights       {_gib(p.weights):>8} GiB released formats "
-        f"({_gib(p.weights_bf16)} GiB dequantised to bf16); host: "
-        f"{_gib(p.host_bytes)} GiB of Engram tables",
+        f"  weights       {_size(p.weights):>10} released formats "
+        f"({_size(p.weights_bf16)} dequantised to bf16); host: "
+        f"{_size(p.host_bytes)} of Engram tables",
     ]
     for group, n in p.kv_groups.items():
-        lines.append(f"  KV {group:<36} {_gib(n):>8} GiB")
-    lines.append(f"  KV null block {p.kv_null_block:>12,} B")
-    acts = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in p.activations.items() if k != "peak")
-    lines.append(f"  activations   {_gib(p.activations['peak']):>8} GiB peak ({acts})")
+        lines.append(f"  KV {group:<36} {_size(n):>10}")
+    lines.append(f"  KV null block {'':<25} {_size(p.kv_null_block):>10}")
+    acts = ", ".join(f"{k} {_size(v)}" for k, v in p.activations.items() if k != "peak")
+    lines.append(f"  activations   {_size(p.activations['peak']):>10} peak ({acts})")
     verdict = "fits" if p.fits else "does NOT fit"
     lines.append(
-        f"  total         {_gib(p.total):>8} GiB of {_gib(p.budget)} GiB "
+        f"  total         {_size(p.total):>10} of {_size(p.budget)} "
         f"(HBM less {p.headroom:.0%} headroom): {verdict}"
     )
     most = ", ".join(f"{_ctx(c)} tokens: {n:,}" for c, n in p.largest)
     lines.append(f"most requests that fit, by context length: {most}")
     return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    """Bytes in GiB, MiB or KiB, whichever shows them with a leading digit."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
 
 
 def _gib(n: int) -> str:

@@ -150,12 +150,19 @@ def _plan(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     if args.markdown:
         print(P.markdown_table(plans))
-    elif args.json:
-        for p in plans:
-            print(json.dumps({"model": args.model, **p.as_dict()}, sort_keys=True))
-    else:
-        for p in plans:
+        return 0
+    # the compiled check: the 40-layer model takes too long to compile on a CPU; its 6-layer
+    # version has the same widths, experts and rules
+    compile_cfg = P.reduced_flash() if args.model == "v41_flash" else cfg
+    for p in plans:
+        compiled = P.compiled_check(compile_cfg, p) if args.compiled else None
+        if args.json:
+            extra = {} if compiled is None else {"compiled": compiled}
+            print(json.dumps({"model": args.model, **p.as_dict(), **extra}, sort_keys=True))
+        else:
             print(P.describe(p, args.model))
+            if compiled is not None:
+                print(P.describe_compiled(compiled))
     return 0
 
 
@@ -381,6 +388,11 @@ def _add_plan_command(sub) -> None:
     )
     plan.add_argument(
         "--headroom", type=float, default=0.1, help="fraction of HBM left unplanned (0.1)"
+    )
+    plan.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also XLA's memory of a deviceless compile on TPU slices (libtpu; minutes)",
     )
     out = plan.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON line per slice")

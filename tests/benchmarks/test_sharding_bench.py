@@ -52,7 +52,7 @@ def test_bad_mesh_exits_2_naming_the_value(capsys):
 
 @requires_libtpu
 def test_compiled_weights_match_the_planner_fast():
-    cfg = sharding.reduced_flash(
+    cfg = P.reduced_flash(
         n_layers=2,
         compress_ratios=(0, 1),
         kv_source_layers=(1,),
@@ -61,7 +61,7 @@ def test_compiled_weights_match_the_planner_fast():
         n_routed_experts=16,
         vocab_size=4096,
     )
-    got = sharding.compiled_memory(cfg, P.MeshAxes(2, 2, 2), topology="v5e:2x4")
+    got = P.compiled_memory(cfg, P.MeshAxes(2, 2, 2), topology="v5e:2x4")
     assert got["device_kind"] == "TPU v5 lite"
     assert abs(got["weights_ratio"] - 1) < 0.1, got
     assert got["planner_weights_bf16_bytes"] > 1e9  # released widths: real matrices

@@ -180,3 +180,33 @@ def test_markdown_table_has_a_row_per_slice(flash):
     lines = P.markdown_table(plans).splitlines()
     assert len(lines) == 4 and lines[2].startswith("| v5p-16 | 8 |")
     assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("text", "topology"),
+    [
+        ("v5p-16", "v5p:2x2x2"),
+        ("v5p-128", "v5p:4x4x4"),
+        ("v5e-64", "v5e:8x8"),
+        ("v6e-32", "v6e:4x8"),
+    ],
+)
+def test_tpu_topologies_of_slices(text, topology):
+    assert P.tpu_topology(P.parse_slice(text)) == topology
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("h200x8", "libtpu compiles TPU slices only"), ("v5e-2", "a power of 2 >= 4")],
+)
+def test_slices_without_a_topology_say_why(text, match):
+    with pytest.raises(ValueError, match=match):
+        P.tpu_topology(P.parse_slice(text))
+
+
+def test_contexts_stop_at_the_models_length():
+    cfg = tiny_v41_full()
+    p = P.plan(cfg, P.parse_slice("v5e-4"), max_model_len=256, records="BF16")
+    assert [c for c, _ in p.largest] == [c for c in P.CONTEXTS if c <= cfg.max_seq_len]
+    with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds the model's max_seq_len"):
+        P.plan(cfg, P.parse_slice("v5e-4"), max_model_len=4096, records="BF16")

@@ -4,6 +4,7 @@ message naming the value."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -37,6 +38,21 @@ def test_plan_markdown_is_one_row_per_slice(capsys):
     assert len(lines) == 4 and lines[0].startswith("| slice | chips |")
 
 
+def test_plan_compiled_says_why_a_gpu_slice_has_no_compile(capsys):
+    assert main(["plan", "--chips", "h200x8", "--compiled"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled      skipped: h200x8: no deviceless compile (libtpu compiles TPU" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+def test_plan_compiled_on_a_tpu_slice_matches_the_planner(capsys):
+    assert main(["plan", "--chips", "v5p-16", "--compiled", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["compiled"]
+    assert got["topology"] == "v5p:2x2x2" and got["mesh"] == {"data": 1, "expert": 8, "model": 1}
+    assert abs(got["weights_ratio"] - 1) < 0.1, got
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -50,6 +66,7 @@ def test_plan_markdown_is_one_row_per_slice(capsys):
         (["--headroom", "1.5"], "--headroom must be in [0, 1), got 1.5"),
         (["--records", "fp2"], "--records 'fp2': not a preset"),
         (["--model", "v5_pro"], "invalid choice: 'v5_pro'"),
+        (["--max-model-len", "2000000"], "max_model_len=2000000 exceeds the model's max_seq_len"),
     ],
 )
 def test_bad_plan_arguments_exit_2_naming_the_value(capsys, argv, message):
