@@ -7,12 +7,13 @@
   split by the one rule table `dsv4.sharding.PARAM_RULES` over the mesh's axis sizes. A split
   dim of ``n`` over an axis of ``a`` holds ``n / a`` rows per chip where ``a`` divides it and
   all ``n`` where not (a scale-tile dim too short to split stays whole, as `dsv4.sharding`
-  places quantised weights); stacked routed experts hold ``E / expert`` experts each. Replicated tensors
-  count on every chip. The bf16 column is the same split of the dequantised params (bf16, f32
-  where the checkpoint stores f32), what `dsv4.params.init_params` holds. Engram's tables
-  (``layers.L.engram.embed.weight``, 197B values) stay on the host (`dsv4.engram.HostTable`):
-  they are reported as ``host_bytes``, not on the chip. The Engram token map (derived, int32
-  per vocabulary id) is not counted.
+  places quantised weights); stacked routed experts hold ``E / expert`` experts each.
+  Replicated tensors count on every chip. The bf16 column is the same split of the
+  dequantised params (bf16, f32 where the checkpoint stores f32), what
+  `dsv4.params.init_params` holds. Engram's tables (``layers.L.engram.embed.weight``, most of
+  the release's bytes) stay on the host (`dsv4.engram.HostTable`): they are reported as
+  ``host_bytes``, not on the chip. The Engram token map (derived, int32 per vocabulary id) is
+  not counted.
 * **KV pages** per chip, per KV-cache group: the packed layout of `cache.layout.for_model` for
   the model's layer plan and the chip's record formats (`dsv4.paged.pools.cache_desc`);
   a request of ``max_model_len`` tokens holds `cache.layout.blocks_per_request` blocks of each
@@ -26,9 +27,10 @@
   ``attention = T (2 heads/model head_dim + index_heads/model index_head_dim) b`` (queries and
   outputs of the local heads) and ``moe = T k / expert (3 inter + 2 dim) b + 3 T inter/model b``
   (routed tokens under uniform routing: gate/up/product and dispatch/combine rows; the shared
-  expert) + ``logits = R vocab 4 (1 + 1/model)`` (f32 rows of the local vocabulary slice and
-  the gathered ones). Not counted: the indexer's score rows (the kernels tile them), XLA's
-  fragmentation, the runtime's own reserve (the ``headroom`` covers them).
+  expert) + ``logits = R vocab 4 / model`` (f32 rows of the local vocabulary slice; with
+  ``model > 1`` plus the gathered ``R vocab 4``), ``R = min(requests, T)``. Not counted: the
+  indexer's score rows (the kernels tile them), XLA's fragmentation, the runtime's own reserve
+  (the ``headroom`` covers them).
 * **largest batch**: for a few context lengths, the most requests (a multiple of ``data``)
   whose weights + KV + activations fit in ``(1 - headroom)`` of the chip's HBM.
 
@@ -51,10 +53,13 @@ Meshes (`MeshAxes`): ``data x expert x model`` = the slice's chips. The default 
 tries every such factorisation whose ``model`` divides the heads, index heads and output groups
 and whose axes divide every tensor they split, and takes the one that fits the most
 ``max_model_len`` requests (then fewer weight bytes, then a smaller ``model``). An explicit mesh
-that does not divide a tensor, or that needs more chips than the slice has, is an error naming
-the value.
+that does not divide a tensor, or that needs another number of chips than the slice has, is an
+error naming the value.
 
 `collective_bytes_per_decode_step` gives the bytes one chip sends per decode step.
+`compiled_memory` (``dsv4 plan --compiled``, `benchmarks.sharding`) compiles ``reference.forward``
+with params sharded over a mesh for a TPU topology without a device (libtpu's compile-only
+topologies) and sets XLA's per-device memory beside the planner's weight bytes.
 """
 
 from __future__ import annotations
@@ -121,7 +126,8 @@ class ChipKind:
     Fields:
         name: the slice prefix (``v5e``, ``h200``...); device: a readable name.
         hbm_bytes: HBM per chip.
-        cores_per_chip: units of the slice name's count per chip (v5p names count two cores a chip).
+        cores_per_chip: units of the slice name's count per chip (v5p names count its two
+            TensorCores).
         records: the `dsv4.paged.records.PRESETS` name of its KV records.
         block_size / swa_block_size / page_alignment: the cache geometry for those records.
     """
