@@ -986,9 +986,17 @@ def save_params(
     params: Mapping[str, Any], path: str | os.PathLike[str], *, overwrite: bool = False
 ) -> None:
     """Save the params unchanged (names, shapes, dtypes, exact values) with orbax's
-    StandardCheckpointer. ``path`` must not exist unless ``overwrite``."""
+    StandardCheckpointer. ``path`` must not exist unless ``overwrite``. Float params only:
+    released params (`dsv4.qweights.QuantisedWeight`s) are refused with a ValueError naming
+    one; `save_pretrained` writes their bytes as they are."""
     import orbax.checkpoint as ocp
 
+    quantised = [n for n, w in params.items() if isinstance(w, QuantisedWeight)]
+    if quantised:
+        raise CheckpointError(
+            f"save_params stores float arrays; {quantised[0]} (and {len(quantised) - 1} more) "
+            "is a QuantisedWeight: use save_pretrained, or qweights.dequantise_params first"
+        )
     path = os.path.abspath(os.fspath(path))
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(path, dict(params), force=overwrite)

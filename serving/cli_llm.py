@@ -33,6 +33,7 @@ _RANDOM = ("tiny_v41", "tiny_v41_full")  # seeded random weights
 _SHIPPED = ("tiny_v41_trained",)  # dsv4.checkpoint.SHIPPED (not imported here: it imports JAX)
 _PRESETS = _RANDOM + _SHIPPED
 _KV_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
+_WEIGHTS = ("dequantised", "released")  # dsv4.qweights.WEIGHTS_ON_DEVICE (imports JAX)
 # A module header every demo prompt shares (the prefix cache serves it after the first), then
 # the start of four definitions; the model is trained on the standard library's source. Each
 # prompt stops inside a line (a docstring or a call just opened): a byte-level BPE merges a
@@ -70,6 +71,12 @@ def add_commands(sub) -> None:
     )
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
     g.add_argument("--kv-cache-dtype", choices=_KV_DTYPES, default="auto")
+    g.add_argument(
+        "--weights-on-device",
+        choices=_WEIGHTS,
+        default="dequantised",
+        help="released: fp8 / FP4 weights stay in the checkpoint's bytes, dequantised per matmul",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=64, help="tokens per step")
@@ -197,6 +204,7 @@ def _llm(args: argparse.Namespace):
             args.model,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
+            weights_on_device=args.weights_on_device,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

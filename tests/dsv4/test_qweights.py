@@ -152,13 +152,19 @@ def test_released_load_is_quantise_params_and_dequantises_exactly(
         assert f.read() == g.read()
 
 
-def test_weights_on_device_values_are_checked(saved):
+def test_weights_on_device_values_are_checked(saved, both, tmp_path):
+    """Bad option values name themselves and the allowed ones; orbax's float format refuses
+    released params."""
+    _, released = both
+    with pytest.raises(ValueError, match=r"save_params stores float arrays; layers\.0\.attn\.wq_a"):
+        ck.save_params(released, tmp_path / "orbax")
     with pytest.raises(
         ValueError, match="weights_on_device='fp8' is not allowed: one of 'dequantised', 'released'"
     ):
         ck.load_pretrained(saved, progress=False, weights_on_device="fp8")
-    from serving import LLM
+    from serving import LLM, cli_llm
 
+    assert cli_llm._WEIGHTS == qweights.WEIGHTS_ON_DEVICE  # the CLI's choices (it has no JAX)
     with pytest.raises(
         ValueError, match="weights_on_device='int4' is not allowed: 'dequantised' or 'released'"
     ):
