@@ -115,6 +115,8 @@ def _check_plan_args(args: argparse.Namespace):
     _check_at_least("--max-num-batched-tokens", args.max_num_batched_tokens, 1)
     if not (math.isfinite(args.headroom) and 0 <= args.headroom < 1):
         raise UsageError(f"--headroom must be in [0, 1), got {args.headroom}")
+    if args.compiled and args.markdown:
+        raise UsageError("--compiled adds to the text or --json output; --markdown is the table")
     try:
         slices = [P.parse_slice(c) for c in args.chips]
         mesh = None if args.mesh is None else P.parse_mesh(args.mesh)

@@ -67,6 +67,7 @@ def test_plan_compiled_on_a_tpu_slice_matches_the_planner(capsys):
         (["--records", "fp2"], "--records 'fp2': not a preset"),
         (["--model", "v5_pro"], "invalid choice: 'v5_pro'"),
         (["--max-model-len", "2000000"], "max_model_len=2000000 exceeds the model's max_seq_len"),
+        (["--compiled", "--markdown"], "--compiled adds to the text or --json output"),
     ],
 )
 def test_bad_plan_arguments_exit_2_naming_the_value(capsys, argv, message):
