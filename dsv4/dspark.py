@@ -42,7 +42,12 @@ Forms:
   lengths);
 * `init_draft_cache` / `seed` / `step` — the incremental form over the drafter's own dense window
   rings: `seed` writes the stages' rings from the target hidden of a chunk of committed
-  positions, `step` drafts from the rings (optionally seeding the chunk just before it first).
+  positions, `step` drafts from the rings (optionally seeding the chunk just before it first);
+* the paged form (`dsv4.paged.draft`, what the serving engine runs): the stages' window caches
+  are the draft layers' KV-cache groups of the paged pools, written through the step's slot
+  mapping and read through its block tables; it shares `context_latents` and `run_drafter`
+  (the stages and heads, their attention passed in as an ``attend`` function) with the forms
+  above.
 
 The numerics follow `dsv4.reference` (fp32 where the official reference is; activation dtype =
 the embedding's dtype).
@@ -51,7 +56,7 @@ the embedding's dtype).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -69,11 +74,14 @@ Params = dict[str, jax.Array]
 Cache = dict[str, jax.Array]
 
 __all__ = [
+    "Attend",
     "DraftBlock",
+    "context_latents",
     "draft",
     "draft_from_hidden",
     "init_draft_cache",
     "param_specs",
+    "run_drafter",
     "seed",
     "step",
     "target_hidden",
@@ -222,18 +230,66 @@ def _main_x(params: Params, cfg: ModelConfig, main_hidden: jax.Array) -> jax.Arr
 
 
 def _context_latent(
-    params: Params, cfg: ModelConfig, i: int, main_x: jax.Array, pos: jax.Array
+    params: Params,
+    cfg: ModelConfig,
+    i: int,
+    main_x: jax.Array,
+    pos: jax.Array,
+    *,
+    qdq: bool | None = None,
 ) -> jax.Array:
-    """Stage i's window latents [.., head_dim] of main_x [.., dim] at positions pos [..]."""
+    """Stage i's window latents [.., head_dim] of main_x [.., dim] at positions pos [..],
+    fp8-QDQ'd when ``qdq`` (default ``cfg.quant_sim``; the paged path passes False when the
+    cache records quantise themselves)."""
     a = _stage(i) + "attn."
     kv = L.rms_norm(
         L.linear(main_x, params, a + "wkv.weight", cfg), params[a + "kv_norm.weight"], cfg.norm_eps
     )
     cos, sin = L.rope_tables(cfg, 0, pos)
     kv = L.apply_rope(kv, cos, sin)
-    if cfg.quant_sim:
+    if cfg.quant_sim if qdq is None else qdq:
         kv = fp8_qdq(kv, 32)
     return kv
+
+
+def context_latents(
+    params: Params,
+    cfg: ModelConfig,
+    main_hidden: jax.Array,
+    pos: jax.Array,
+    *,
+    qdq: bool | None = None,
+) -> list[jax.Array]:
+    """Every stage's context latents [.., head_dim] of the target hidden states main_hidden
+    [.., n_t * dim] (`target_hidden`) at positions pos [..]: what the stages' window caches
+    hold (stage 0's ``main_x`` projected with each stage's own ``wkv`` / ``kv_norm``, rotated
+    at pos). ``qdq`` as in `_context_latent`."""
+    main_x = _main_x(params, cfg, main_hidden)
+    return [_context_latent(params, cfg, i, main_x, pos, qdq=qdq) for i in range(cfg.n_mtp_layers)]
+
+
+# attend(i, q, kv, sink) -> f32[B, K, H, head_dim]: stage i's attention of the block queries
+# q [B, K, H, head_dim] over its context and the block latents kv [B, K, head_dim] (every query
+# sees all K of them), with the per-head sink in the denominator. The dense forms build it from
+# latents in memory (`_dense_attend`); `dsv4.paged.draft` reads the paged window caches.
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _dense_attend(cfg: ModelConfig, ctx: Sequence[jax.Array], ctx_mask: jax.Array) -> Attend:
+    """The block attention over context latents ``ctx[i]`` [B, N, hd] visible where ctx_mask
+    [B, N] is set, plus the K block latents: one softmax (`dsv4.reference.sink_attention`)."""
+
+    def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
+        b, k = q.shape[:2]
+        keys = jnp.concatenate([ctx[i].astype(kv.dtype), kv], axis=1)
+        n = ctx[i].shape[1]
+        mask = jnp.concatenate(
+            [jnp.broadcast_to(ctx_mask[:, None, :], (b, k, n)), jnp.ones((b, k, k), bool)],
+            axis=-1,
+        )
+        return sink_attention(q, keys, mask, sink, cfg.head_dim**-0.5)
+
+    return attend
 
 
 def _block_attention(
@@ -243,21 +299,13 @@ def _block_attention(
     i: int,
     cos: jax.Array,
     sin: jax.Array,
-    ctx: jax.Array,
-    ctx_mask: jax.Array,
+    attend: Attend,
 ) -> jax.Array:
     """Stage i's attention for the normed block inputs h [B, K, dim] at the rope of their
-    positions (cos/sin [B, K, rope/2]): every query sees the context latents ctx [B, N, hd]
-    where ctx_mask [B, N] is set, and all K block latents."""
+    positions (cos/sin [B, K, rope/2]), its keys given by ``attend``."""
     a = _stage(i) + "attn."
-    b, k, _ = h.shape
     _, q, kv = L.query_and_latent(h, params, a, cfg, cos, sin, qdq_latent=cfg.quant_sim)
-    keys = jnp.concatenate([ctx.astype(kv.dtype), kv], axis=1)
-    n = ctx.shape[1]
-    mask = jnp.concatenate(
-        [jnp.broadcast_to(ctx_mask[:, None, :], (b, k, n)), jnp.ones((b, k, k), bool)], axis=-1
-    )
-    o = sink_attention(q, keys, mask, params[a + "attn_sink"], cfg.head_dim**-0.5)
+    o = attend(i, q, kv, params[a + "attn_sink"])
     return L.attention_output(o.astype(h.dtype), cos, sin, params, a, cfg)
 
 
@@ -270,10 +318,26 @@ def _drafter(
     start: jax.Array,
     slot_tokens: jax.Array | None = None,
 ) -> DraftBlock:
-    """The stages and heads over context latents ``ctx[i]`` [B, N, hd] (one per stage, visible
-    where ctx_mask [B, N]) for the block ``[next_token, noise...]`` at positions
-    ``start[b] .. start[b] + K - 1``. ``slot_tokens`` int32[B, K-1] (training only: teacher
-    forcing) puts those tokens in slots 1..K-1 for the Markov bias instead of the drafts."""
+    """`run_drafter` over context latents ``ctx[i]`` [B, N, hd] (one per stage, visible where
+    ctx_mask [B, N]) held in memory."""
+    return run_drafter(
+        params, cfg, _dense_attend(cfg, ctx, ctx_mask), next_token, start, slot_tokens
+    )
+
+
+def run_drafter(
+    params: Params,
+    cfg: ModelConfig,
+    attend: Attend,
+    next_token: jax.Array,
+    start: jax.Array,
+    slot_tokens: jax.Array | None = None,
+) -> DraftBlock:
+    """The stages and heads for the block ``[next_token, noise...]`` at positions ``start[b] ..
+    start[b] + K - 1``, every stage's attention given by ``attend(i, q, kv, sink)`` (its
+    context and the block's own latents; see ``Attend``). ``slot_tokens`` int32[B, K-1]
+    (training only: teacher forcing) puts those tokens in slots 1..K-1 for the Markov bias
+    instead of the drafts."""
     k = cfg.dspark_block_size
     b = next_token.shape[0]
     pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, K]
@@ -287,7 +351,7 @@ def _drafter(
         p = _stage(i)
         a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
         h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], eps)
-        att = _block_attention(h, params, cfg, i, cos, sin, ctx[i], ctx_mask)
+        att = _block_attention(h, params, cfg, i, cos, sin, attend)
         x = L.hc_post(att, x, a_post, a_comb)
         f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
         h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], eps)
@@ -353,8 +417,7 @@ def draft_from_hidden(
         pos = jnp.arange(t, dtype=jnp.int32)
     pos = jnp.broadcast_to(pos[None, :], (b, pos.shape[0]))
     ctx_mask = (pos < lengths[:, None]) & (pos >= lengths[:, None] - w)
-    main_x = _main_x(params, cfg, main_hidden)
-    ctx = [_context_latent(params, cfg, i, main_x, pos) for i in range(cfg.n_mtp_layers)]
+    ctx = context_latents(params, cfg, main_hidden, pos)
     return _drafter(params, cfg, ctx, ctx_mask, next_token, lengths)
 
 

@@ -31,7 +31,7 @@ from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOu
 from serving.runner import ModelRunner, StepHandle, StepOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
 from serving.scheduler import RequestStatus, Scheduler, SchedulerStats, StopCriteria
-from serving.spec_decode import NgramProposer, SpeculativeConfig
+from serving.spec_decode import DSparkProposer, NgramProposer, SpeculativeConfig, next_drafts
 
 __all__ = ["Engine"]
 
@@ -142,7 +142,8 @@ class Engine:
         # from the cache are None): how the quality benchmark measures bounded replay.
         self.prompt_logprobs_on_hits = prompt_logprobs_on_hits
         self.scheduler = scheduler
-        # drafts for the next step (`serving.spec_decode.NgramProposer`), None: no speculation
+        # drafts for the next step (`serving.spec_decode`: NgramProposer, DSparkProposer, or
+        # any object `next_drafts` accepts), None: no speculation
         self.proposer = proposer
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
@@ -205,6 +206,12 @@ class Engine:
         formats = R.BF16 if formats is None else formats
         spec = _check_speculative(speculative_config, cfg, async_scheduling)
         k = spec.num_speculative_tokens if spec is not None else 0
+        if spec is None:
+            proposer = None
+        elif spec.method == "dspark":  # checks k against the drafter's block first
+            proposer = DSparkProposer(spec, cfg, max_model_len)
+        else:
+            proposer = NgramProposer(spec, max_model_len)
         desc = P.cache_desc(
             cfg,
             formats,
@@ -256,8 +263,8 @@ class Engine:
             debug=debug,
             fill=fill,
             num_speculative_tokens=k,
+            drafter=isinstance(proposer, DSparkProposer),
         )
-        proposer = None if spec is None else NgramProposer(spec, max_model_len)
         return cls(
             runner,
             scheduler,
@@ -472,7 +479,7 @@ class Engine:
             )
             outputs += self._apply(step_output, result, handle.scheduler_output)
             if self.proposer is not None:
-                self._propose()
+                self._propose(step_output)
         self._publish_kv_events()
         self._update_stats(time.perf_counter() - t0, wait)
         return outputs
@@ -505,14 +512,10 @@ class Engine:
                 seq.metrics.num_preemptions += 1
                 self._requests[seq.parent_id].metrics.num_preemptions += 1
 
-    def _propose(self) -> None:
+    def _propose(self, step_output: StepOutput) -> None:
         """Drafts for the next step of every running request (the scheduler keeps only those
-        of requests that decode)."""
-        drafts = {}
-        for request in self.scheduler.running:
-            tokens = self.proposer.propose(request.all_token_ids)
-            if tokens:
-                drafts[request.request_id] = tokens
+        of requests that decode); DSpark's came back with ``step_output``."""
+        drafts = next_drafts(self.proposer, self.scheduler.running, step_output)
         if drafts:
             self.scheduler.update_draft_token_ids(drafts)
 
@@ -686,19 +689,13 @@ def _check_speculative(config, cfg, async_scheduling: bool) -> SpeculativeConfig
         return None
     spec = SpeculativeConfig.from_dict(config)
     if spec.method == "dspark":
-        if not cfg.n_mtp_layers:
-            raise ValueError(
-                "speculative_config method='dspark': this model has no DSpark drafter "
-                "(n_mtp_layers=0); use method='ngram'"
-            )
-        raise ValueError(
-            "speculative_config method='dspark': the engine does not run the DSpark drafter "
-            "yet; use method='ngram'"
-        )
+        DSparkProposer(spec, cfg, cfg.max_seq_len)  # the model's drafter and k
     if async_scheduling:
         raise ValueError(
-            "speculative decoding (method='ngram') needs the sampled tokens on the host before "
-            "the next step is planned: pass async_scheduling=False"
+            f"speculative decoding (method={spec.method!r}) runs with synchronous scheduling "
+            "only (the drafts of step N+1 follow from the tokens step N accepts, and the "
+            "asynchronous loop plans step N+1 before they are known): pass "
+            "async_scheduling=False"
         )
     return spec
 

@@ -14,6 +14,13 @@ Tokens stay on the device between steps: each slot's last sampled token is kept 
 asynchronous engine plans a step before the previous one's tokens arrive) is read from there
 inside the next step, never through the host.
 
+Speculative decoding (``num_speculative_tokens`` k > 0): each request's 1 + d rows are verified
+in the step (`_verify`). With the DSpark drafter (``drafter=True``) the step also seeds the
+drafter's window caches (the draft layers' KV-cache groups) from the target layers' hidden states
+of every token it ran, and drafts the next block of every sampling row from the token it sampled
+last (`dsv4.paged.draft`); the drafts come back with the step's tokens
+(`StepOutput.draft_token_ids`).
+
 Buckets: one compilation per token bucket T and block-table width bucket W. The request rows R
 follow from T (``min(T, max_num_seqs) + 1`` rounded up to a power of two: one row is always free
 for padding). The tables are as wide as ``max_model_len`` needs, or, with ``table_buckets`` (the
@@ -35,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4 import dspark
 from dsv4 import layers as L
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
@@ -47,8 +55,9 @@ from dsv4.paged.batch import (
     group_infos,
     table_width_buckets,
 )
+from dsv4.paged.draft import draft_paged, seed_drafter
 from dsv4.paged.records import CacheFormats
-from dsv4.paged.step import paged_forward
+from dsv4.paged.step import paged_forward_streams
 from serving import sampler as S
 from serving.input_batch import InputBatch, RequestState
 from serving.sampling_params import SamplingParams
@@ -121,6 +130,8 @@ class StepOutput:
     logprobs: dict[str, list[tuple[float, int, list[int], list[float]]]]
     # request id -> {position p: (logprob, rank, top ids, top logprobs) of prompt token p}
     prompt_logprobs: dict[str, dict[int, tuple[float, int, list[int], list[float]]]]
+    # DSpark: sampling requests -> the k drafts the device made after their last sampled token
+    draft_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class StepHandle:
@@ -162,6 +173,10 @@ class ModelRunner:
         impl, interpret: the attention kernels (`pallas_kernels` dispatch).
         debug: check every batch's block ids and slots on the host (slow).
         fill: initial pool bytes, "zeros" or "nan" (tests: a wrong read poisons the logits).
+        num_speculative_tokens: drafts verified per request and step (0: none).
+        drafter: run the model's DSpark drafter in the step (needs num_speculative_tokens k in
+            1..dspark_block_size): every step seeds its caches and drafts k tokens per
+            sampling request (`StepOutput.draft_token_ids`).
     """
 
     def __init__(
@@ -184,7 +199,13 @@ class ModelRunner:
         debug: bool = False,
         fill: str = "zeros",
         num_speculative_tokens: int = 0,
+        drafter: bool = False,
     ) -> None:
+        if drafter and not 1 <= num_speculative_tokens <= cfg.dspark_block_size:
+            raise ValueError(
+                f"the DSpark drafter drafts num_speculative_tokens={num_speculative_tokens}; "
+                f"allowed: 1..dspark_block_size={cfg.dspark_block_size}"
+            )
         buckets = tuple(token_buckets or default_token_buckets(max_num_batched_tokens))
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"token_buckets must be ascending positive ints, got {buckets}")
@@ -208,6 +229,7 @@ class ModelRunner:
         # drafts verified per request and step (0: no speculative decoding; the step then
         # samples one row per request, else 1 + k rows, see `_engine_step`)
         self.num_spec = num_speculative_tokens
+        self.drafter = drafter
         self._static = dict(
             cfg=cfg,
             layout=self.layout,
@@ -215,6 +237,7 @@ class ModelRunner:
             impl=impl,
             interpret=interpret,
             num_spec=num_speculative_tokens,
+            drafter=drafter,
         )
         self.pools = P.init_pools(self.layout, fill=fill)
         self.padding_slot = max_num_seqs
@@ -382,10 +405,12 @@ class ModelRunner:
     def _collect(self, rows: Sequence[_Row], host) -> StepOutput:
         """Host copies of a fetched step -> per-request results; the runner learns the sampled
         tokens of requests it still runs."""
-        (ints, floats, accepted), plp = host
+        (ints, floats, accepted, drafts), plp = host
         ints, floats = ints.tolist(), floats.tolist()  # [R, 1 + k, ...] ([R, 1, ...] without k)
         accepted = accepted.tolist()
+        drafts = drafts.tolist()  # [R, k] with the drafter, else [R, 0]
         sampled: dict[str, list[int]] = {}
+        draft_token_ids: dict[str, list[int]] = {}
         logprobs = {}
         prompt_logprobs: dict[str, dict] = {}
         t = 0
@@ -400,6 +425,8 @@ class ModelRunner:
                 sampled[row.request_id] = tokens
                 logprobs[row.request_id] = entries
                 self.inputs.learn(row.request_id, tokens)
+                if self.drafter:
+                    draft_token_ids[row.request_id] = drafts[i]
             if row.prompt_logprobs:
                 p_ints, p_floats = plp
                 entries = {}
@@ -411,7 +438,7 @@ class ModelRunner:
                         entries[p + 1] = (logprob, rank, top_ids, top_logprobs)
                 prompt_logprobs[row.request_id] = entries
             t += row.num_tokens
-        return StepOutput(sampled, logprobs, prompt_logprobs)
+        return StepOutput(sampled, logprobs, prompt_logprobs, draft_token_ids)
 
     # ---------------------------------------------------------------- warm-up
 
@@ -521,7 +548,7 @@ def _verify(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "num_logprobs", "impl", "interpret", "num_spec"),
+    static_argnames=("cfg", "layout", "num_logprobs", "impl", "interpret", "num_spec", "drafter"),
     donate_argnames=("pools", "sampler_state", "last_tokens"),
 )
 def _engine_step(
@@ -540,13 +567,18 @@ def _engine_step(
     impl,
     interpret,
     num_spec: int = 0,
+    drafter: bool = False,
 ):
     """One engine step on the device: inputs (device-fed tokens), the paged step, the head on
-    the sampled rows, the sampler (with drafts: the verification, `_verify`), and prompt
-    logprobs when some position asks for them."""
+    the sampled rows, the sampler (with drafts: the verification, `_verify`), prompt logprobs
+    when some position asks for them, and with the drafter the next drafts (`_draft`)."""
     fed = last_tokens[jnp.maximum(feed, 0)]
     batch = dataclasses.replace(batch, token_ids=jnp.where(feed >= 0, fed, batch.token_ids))
-    h, pools = paged_forward(params, cfg, layout, pools, batch, impl=impl, interpret=interpret)
+    targets = cfg.dspark_target_layer_ids if drafter else ()
+    kern = dict(impl=impl, interpret=interpret)
+    h, pools, streams = paged_forward_streams(params, cfg, layout, pools, batch, targets, **kern)
+    if drafter:
+        pools = seed_drafter(params, cfg, layout, pools, batch, dspark.target_hidden(cfg, streams))
     if num_spec:
         sampling, spec = sampling
         out, accepted, sampler_state = _verify(
@@ -568,6 +600,11 @@ def _engine_step(
         last = out.token_ids[:, 0]
     keep = last_tokens[sampling.slot]
     last_tokens = last_tokens.at[sampling.slot].set(jnp.where(sampling.samples, last, keep))
+    if drafter:
+        drafts = _draft(params, cfg, layout, pools, batch, spec, accepted, last, sampling, kern)
+        drafts = drafts[:, :num_spec]
+    else:
+        drafts = jnp.zeros((accepted.shape[0], 0), jnp.int32)
 
     def prompt_logprobs():
         return S.logprobs_of(L.lm_head(params, h), jnp.maximum(plp_targets, 0), num_logprobs)
@@ -585,13 +622,23 @@ def _engine_step(
     sampled = _pack(out.token_ids, out.logprob, out.rank, out.top_ids, out.top_logprobs)
     return (
         (
-            (*sampled, accepted),
+            (*sampled, accepted, drafts),
             _pack(plp_targets, *plp),
         ),
         pools,
         sampler_state,
         last_tokens,
     )
+
+
+def _draft(params, cfg, layout, pools, batch, spec: SpecBatch, accepted, last, sampling, kern):
+    """i32[R, K] the DSpark drafts after each sampling row's last accepted token: its block
+    opens with the token sampled there (``last``) at the position after it,
+    ``(last verified position) + accepted + 1`` (rows that do not sample draft nothing)."""
+    verified = batch.positions[batch.logits_indices] - spec.num_drafts  # [R]
+    start = jnp.where(sampling.samples, verified + accepted + 1, 0)
+    block = draft_paged(params, cfg, layout, pools, batch, last, start, **kern)
+    return block.tokens
 
 
 def _pack(token_ids, logprob, rank, top_ids, top_logprobs) -> tuple[jax.Array, jax.Array]:

@@ -1,13 +1,23 @@
 """Speculative decoding: the configuration and the proposers (host side).
 
-`SpeculativeConfig` is vLLM's ``speculative_config`` dict, checked: ``method`` ("ngram"; "dspark"
-needs the model's drafter, which the engine does not run yet), ``num_speculative_tokens`` k, and
-for n-gram ``prompt_lookup_min`` / ``prompt_lookup_max`` (vLLM's defaults: both 5 when neither
-is given, else each defaults to the other).
+`SpeculativeConfig` is vLLM's ``speculative_config`` dict, checked: ``method`` ("ngram", or
+"dspark": the model's DSpark drafter), ``num_speculative_tokens`` k, and for n-gram
+``prompt_lookup_min`` / ``prompt_lookup_max`` (vLLM's defaults: both 5 when neither is given,
+else each defaults to the other).
 
-`NgramProposer` is vLLM's prompt lookup: find the longest n-gram (``prompt_lookup_min <= n <=
-prompt_lookup_max``) that ends the sequence and occurred before, take its earliest earlier
-occurrence, and propose the (at most k) tokens that followed it, never past ``max_model_len``.
+The engine asks its proposer one question after each step, `next_drafts`: the drafts of the
+running requests for the next step (the scheduler keeps those of requests that decode next).
+
+* `NgramProposer` is vLLM's prompt lookup, on the host: find the longest n-gram
+  (``prompt_lookup_min <= n <= prompt_lookup_max``) that ends the sequence and occurred before,
+  take its earliest earlier occurrence, and propose the (at most k) tokens that followed it,
+  never past ``max_model_len``. It answers per sequence (``propose(token_ids)``), as any
+  host-side proposer may (the tests' oracles do).
+* `DSparkProposer` is the model's drafter. It runs on the device inside the step
+  (`dsv4.paged.draft`, started by the model runner with ``drafter=True``): after verification
+  it drafts k = ``num_speculative_tokens`` (1..``dspark_block_size``) tokens after each sampling
+  request's last sampled token, and the drafts come back with the step's tokens; the proposer
+  hands them on, cut at ``max_model_len``.
 
 Verification runs in the model runner's step: the 1 + d rows of a request with d drafts are
 scored together, each position's token is drawn by the sampler with the key of its position (as
@@ -20,13 +30,19 @@ and it makes the output token-for-token the output without speculation, at any t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "NgramProposer", "SpeculativeConfig"]
+__all__ = [
+    "MAX_SPECULATIVE_TOKENS",
+    "DSparkProposer",
+    "NgramProposer",
+    "SpeculativeConfig",
+    "next_drafts",
+]
 
 # Most drafts per step: the compressor ring of a ratio-2 layer holds k + 2 rows rounded up to a
 # power of two (`cache.layout.ring_capacity`); 15 keeps it at 32 rows.
@@ -113,3 +129,64 @@ class NgramProposer:
                 start = int(hits[0]) + n  # the earliest occurrence; drafts follow it
                 return tokens[start : start + k].tolist()
         return []
+
+
+class DSparkProposer:
+    """The model's DSpark drafter (module docstring): its drafts are made on the device in the
+    step and come back in ``StepOutput.draft_token_ids``; `propose_step` passes them on.
+
+    Raises:
+        ValueError: the config's method is not "dspark", the model has no drafter, or
+            ``num_speculative_tokens`` exceeds the model's ``dspark_block_size``.
+    """
+
+    def __init__(self, config: SpeculativeConfig, model_cfg: Any, max_model_len: int) -> None:
+        if config.method != "dspark":
+            raise ValueError(f"DSparkProposer needs method 'dspark', got {config.method!r}")
+        if not (model_cfg.n_mtp_layers and model_cfg.dspark_block_size):
+            raise ValueError(
+                "speculative_config method='dspark': this model has no DSpark drafter "
+                f"(n_mtp_layers={model_cfg.n_mtp_layers}, dspark_block_size="
+                f"{model_cfg.dspark_block_size}); use method='ngram'"
+            )
+        k, block = config.num_speculative_tokens, model_cfg.dspark_block_size
+        if k > block:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens={k}: the DSpark drafter drafts blocks "
+                f"of dspark_block_size={block}; allowed: 1..{block}"
+            )
+        self.k = k
+        self.max_model_len = max_model_len
+
+    def propose_step(self, requests: Iterable[Any], step_output: Any) -> dict[str, list[int]]:
+        """The drafts the step made for ``requests`` (those that sampled in it), each cut so
+        that its positions stay below ``max_model_len``."""
+        out = {}
+        made = step_output.draft_token_ids
+        for request in requests:
+            drafts = made.get(request.request_id)
+            room = self.max_model_len - request.num_tokens
+            if drafts and room > 0:
+                out[request.request_id] = list(drafts[: min(self.k, room)])
+        return out
+
+
+def next_drafts(proposer: Any, requests: Iterable[Any], step_output: Any) -> dict[str, list[int]]:
+    """The engine's one question to a proposer after a step: drafts for the next step of the
+    running ``requests`` (`cache.request.Request`), request id -> tokens (empty ones left out).
+
+    A proposer with ``propose_step(requests, step_output)`` answers for all of them at once
+    (`DSparkProposer`: what the device drafted in the step); any other answers per sequence
+    with ``propose(token_ids) -> list[int]`` over the request's prompt and outputs
+    (`NgramProposer`, or a test's oracle)."""
+    propose_step = getattr(proposer, "propose_step", None)
+    if propose_step is not None:
+        return {
+            rid: tokens for rid, tokens in propose_step(requests, step_output).items() if tokens
+        }
+    drafts = {}
+    for request in requests:
+        tokens = proposer.propose(request.all_token_ids)
+        if tokens:
+            drafts[request.request_id] = tokens
+    return drafts

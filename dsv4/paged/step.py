@@ -50,7 +50,13 @@ from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.window_attention import window_attention
 
-__all__ = ["engram_rows", "paged_forward", "paged_step", "paged_step_jit"]
+__all__ = [
+    "engram_rows",
+    "paged_forward",
+    "paged_forward_streams",
+    "paged_step",
+    "paged_step_jit",
+]
 
 
 def _quantised(layout, kind: str) -> bool:
@@ -274,11 +280,37 @@ def paged_forward(
     by backend — the jnp references on CPU, the Pallas kernels on TPU and GPU).
     ``scaled_index_keys``: hand ``fp8_132`` index-key records to the indexer undecoded (e4m3
     rows + per-key scales; bit-exact with decoding them first, half the bytes streamed)."""
+    h, pools, _ = paged_forward_streams(
+        params, cfg, layout, pools, batch, (), impl=impl, interpret=interpret,
+        scaled_index_keys=scaled_index_keys,
+    )  # fmt: skip
+    return h, pools
+
+
+def paged_forward_streams(
+    params,
+    cfg: ModelConfig,
+    layout,
+    pools: dict[str, jax.Array],
+    batch: StepBatch,
+    layers: tuple[int, ...] = (),
+    *,
+    impl: str | None = None,
+    interpret: Any = False,
+    scaled_index_keys: bool = True,
+) -> tuple[jax.Array, dict[str, jax.Array], dict[int, jax.Array]]:
+    """`paged_forward`, and the residual stream [T, hc, dim] entering each layer of ``layers``
+    (after its Engram update, before its attention's mix; `dsv4.reference.forward_streams`'s
+    streams): what the DSpark drafter reads from its target layers (`dsv4.paged.draft`)."""
+    for layer in layers:
+        if not 0 <= layer < cfg.n_layers:
+            raise ValueError(f"layer {layer} is not a backbone layer (0..{cfg.n_layers - 1})")
     kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
     scaled = scaled_index_keys and layout.formats.record("index") in P.SCALED_RECORDS
     x = L.embed(params, batch.token_ids, cfg)  # [T, hc, D]
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     shared: dict[str, jax.Array] = {}
+    streams: dict[int, jax.Array] = {}
     if cfg.engram_layer_ids:
         rows, live = engram_rows(params, cfg, batch)
     for layer in range(cfg.n_layers):
@@ -286,6 +318,8 @@ def paged_forward(
         if layer in cfg.engram_layer_ids:
             values = engram.table_rows(params, layer, rows[:, cfg.engram_layer_ids.index(layer)])
             x = engram.apply(x, params, layer, cfg, values, live)
+        if layer in layers:
+            streams[layer] = x
         a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
         h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
         att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, kern, scaled)
@@ -294,7 +328,7 @@ def paged_forward(
         h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
         x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
         pre = f_pre
-    return L.final_hidden(params, x, pre, cfg), pools
+    return L.final_hidden(params, x, pre, cfg), pools, streams
 
 
 def paged_step(

@@ -1,0 +1,140 @@
+"""The DSpark drafter over the paged caches: what the serving engine runs after each step.
+
+`dsv4.dspark` drafts from context latents it is handed (from scratch) or keeps in dense rings
+(incremental). Here the stages' window caches are the draft layers' SWA caches
+(``swa_cache_name(n_layers + i)`` for stage i), KV-cache groups of the paged pools like the
+backbone's window layers (`v41_in_vllm.md` 4.3: draft layers are SWA-only layers of their own):
+
+* `seed_drafter` writes, for every token of a step, each stage's context latent
+  (`dsv4.dspark.context_latents` of the target layers' hidden states, rotated at the token's
+  position) at the token's slot of that stage's group, ``batch.window_slots[g]`` — the slot
+  mapping the backbone's window layers write through. Every step seeds: prefill chunks and the
+  verification of drafts alike.
+* `draft_paged` drafts the block ``[next_token, noise...]`` at positions ``start[r] ..
+  start[r] + K - 1`` for each request row of the step. Its context, positions ``start - W ..
+  start - 1`` (W the window), is exactly the window of position ``start - 1``: each stage reads
+  it through the row's block table of its group with the window attention kernel
+  (`pallas_kernels.window_attention`, the pages the step's windows cover,
+  `dsv4.paged.pools.read_for_table`), and merges that softmax state with the K block latents
+  (every block query sees all of them) before the sink enters the denominator. The stages and
+  heads are `dsv4.dspark.run_drafter`'s.
+
+Invariant (overwrite by position, as for the backbone's window caches): a verification step
+writes the drafter's latents of every row it runs, rejected drafts included, so after it the
+rows at positions >= start (start = the position after the last accepted token) may hold
+latents of tokens that are not the request's. The drafter only reads positions < start, and
+every later step writes the positions it runs (from its first, ``start``) before anything reads
+them, so a rejected row is rewritten by the committed token at its position before it can be
+read. Rows below start are the committed tokens' own, whichever step (or, after a prefix hit,
+whichever request) wrote them. The tests fill such rows with NaN to check it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from cache.layout import swa_cache_name
+from dsv4 import dspark
+from dsv4.config import ModelConfig
+from dsv4.paged import pools as P
+from dsv4.paged.batch import StepBatch
+from dsv4.paged.step import _quantised
+from pallas_kernels.window_attention import window_attention
+from pallas_kernels.window_attention.reference import finish, merge_states, softmax_state
+
+__all__ = ["draft_cache_names", "draft_paged", "seed_drafter"]
+
+
+def draft_cache_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The window cache of each drafter stage, in stage order (layers n_layers + i)."""
+    return tuple(swa_cache_name(cfg.n_layers + i) for i in range(cfg.n_mtp_layers))
+
+
+def _check(cfg: ModelConfig, layout) -> None:
+    if not (cfg.n_mtp_layers and cfg.dspark_block_size):
+        raise ValueError(
+            f"config has no DSpark drafter (n_mtp_layers={cfg.n_mtp_layers}, "
+            f"dspark_block_size={cfg.dspark_block_size}; both must be > 0)"
+        )
+    for name in draft_cache_names(cfg):
+        if layout.layer(name).kind != "swa":  # layer() names a missing layer itself
+            raise ValueError(f"{name!r} is not a window cache in this layout")
+
+
+def seed_drafter(
+    params,
+    cfg: ModelConfig,
+    layout,
+    pools: dict[str, jax.Array],
+    batch: StepBatch,
+    main_hidden: jax.Array,  # [T, n_t * dim] `dspark.target_hidden` of the step's tokens
+) -> dict[str, jax.Array]:
+    """Write every stage's context latent of the step's tokens into its window cache, at the
+    tokens' window slots (padding: slot -1, nothing written). Returns the updated pools."""
+    _check(cfg, layout)
+    pos = jnp.where(batch.positions >= 0, batch.positions, 0)
+    qdq = cfg.quant_sim and not _quantised(layout, "swa")
+    latents = dspark.context_latents(params, cfg, main_hidden, pos, qdq=qdq)
+    for name, kv in zip(draft_cache_names(cfg), latents, strict=True):
+        slots = batch.window_slots[layout.group_of(name)]
+        pools = P.write_layer(layout, pools, name, slots, kv)
+    return pools
+
+
+def draft_paged(
+    params,
+    cfg: ModelConfig,
+    layout,
+    pools: dict[str, jax.Array],
+    batch: StepBatch,
+    next_token: jax.Array,  # i32[R] the token at position start[r]
+    start: jax.Array,  # i32[R] the block's first position; <= 0: the row drafts nothing
+    *,
+    impl: str | None = None,
+    interpret: Any = False,
+) -> dspark.DraftBlock:
+    """The draft block of every request row of ``batch`` (see the module docstring), from the
+    caches `seed_drafter` wrote (this step's tokens included). ``start[r] - 1`` must be a
+    position row r ran in this step (the drafter drafts after one of its tokens: the pages read
+    are those the step's windows cover). Rows with ``start <= 0`` (padding, rows that do not
+    sample) get a block computed over no context, to be ignored.
+
+    Returns `dsv4.dspark.DraftBlock` with ``[R, K, ...]`` fields (K = dspark_block_size)."""
+    _check(cfg, layout)
+    kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
+    k = cfg.dspark_block_size
+    num_rows = start.shape[0]
+    names = draft_cache_names(cfg)
+    # every block query of row r attends to the window of position start[r] - 1
+    ctx_pos = jnp.repeat(jnp.where(start > 0, start - 1, -1), k)  # i32[R * K]
+    query_req = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), k)
+    scale = cfg.head_dim**-0.5
+
+    def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
+        _, _, h, d = q.shape  # [R, K, H, hd]
+        name = names[i]
+        pages, table = P.read_for_table(
+            layout,
+            pools,
+            name,
+            batch.block_tables[layout.group_of(name)],
+            dtype=q.dtype,
+            positions=batch.positions,
+            token_req=batch.token_req,
+            window=cfg.window_size,
+        )
+        qf = q.reshape(num_rows * k, h, d)
+        context = window_attention(
+            qf, pages, table, query_req, ctx_pos, sink, window=cfg.window_size, scale=scale,
+            replay_start=batch.replay_start, return_state=True, **kern,
+        )  # fmt: skip
+        own = jnp.repeat(kv.astype(jnp.float32), k, axis=0)  # [R * K, K, hd]: the row's block
+        block = softmax_state(qf, own, jnp.ones(own.shape[:2], bool), scale)
+        out = finish(merge_states(context, block), sink, jnp.zeros_like(ctx_pos), jnp.float32)
+        return out.reshape(num_rows, k, h, d)
+
+    next_token = jnp.where(start > 0, next_token, 0).astype(jnp.int32)
+    return dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(start, 0))
