@@ -1,0 +1,116 @@
+"""Multi-host: two processes on this machine (`jax.distributed.initialize` on localhost, CPU
+collectives over gloo, 4 host devices each) run the same host program over one global mesh of
+8 devices and generate the tokens one process generates alone.
+
+Every process builds the same params from the same seed, places them by the rule table
+(`shard_params` keeps the shards its own devices hold), splits the prompts over ``data`` and
+calls `dsv4.generate` under the ambient mesh: the expert axis spans both processes, so the
+routed experts' all-to-all crosses the process boundary. The output is a global array; each
+process gathers it (`multihost_utils.process_allgather`) and prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsv4
+from dsv4.config import tiny_v41
+from dsv4.params import init_params
+
+NEW_TOKENS = 5
+
+_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid
+    )
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import dsv4
+    from dsv4 import sharding
+    from dsv4.config import tiny_v41
+    from dsv4.params import init_params
+
+    assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
+    assert len(jax.local_devices()) == 4
+    cfg = tiny_v41()
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    prompts = np.asarray(json.loads(sys.argv[3]), np.int32)
+    lengths = json.loads(sys.argv[4])
+    mesh = sharding.make_mesh(data=2, expert=2, model=2)
+    local = {d.process_index for d in mesh.devices.flat}
+    assert local == {0, 1}, local  # the mesh spans both processes
+    sharded = sharding.shard_params(params, cfg, mesh)
+    tokens = jax.device_put(prompts, NamedSharding(mesh, P("data")))
+    with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
+        out = dsv4.generate(sharded, cfg, tokens, int(sys.argv[5]), prompt_lengths=lengths)
+    out = multihost_utils.process_allgather(out, tiled=True)
+    print("TOKENS " + json.dumps(np.asarray(out).tolist()), flush=True)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_generate_what_one_process_generates():
+    cfg = tiny_v41()
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, cfg.vocab_size, (8, 40)).astype(np.int32)
+    lengths = [int(v) for v in rng.integers(20, 41, 8)]
+    with jax.default_matmul_precision("highest"):
+        params = init_params(cfg, jax.random.PRNGKey(0))
+        want = np.asarray(
+            dsv4.generate(params, cfg, jnp.asarray(prompts), NEW_TOKENS, prompt_lengths=lengths)
+        )
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "")
+        + " --xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    port = str(_free_port())
+    args = [json.dumps(prompts.tolist()), json.dumps(lengths), str(NEW_TOKENS)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(pid), port, *args],
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in range(2)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=900)
+            assert p.returncode == 0, out
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for out in outputs:
+        line = next(x for x in out.splitlines() if x.startswith("TOKENS "))
+        got = np.asarray(json.loads(line[len("TOKENS ") :]))
+        np.testing.assert_array_equal(got, want)
