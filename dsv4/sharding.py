@@ -14,11 +14,11 @@ error, so a new tensor cannot silently end up replicated):
   over ``model``; the router replicated;
 * the vocabulary-split embedding, LM head and DSpark heads over ``model``; Engram replicated.
 
-`shard_params(params, cfg, mesh)` places a params dict into those shardings; a weight kept in
-its released format (`dsv4.qweights.QuantisedWeight`) has its codes and scales placed with the
-weight's spec, on each dim their (packed or per-tile) size lets the axis divide (`leaf_spec`),
-so each device dequantises its own slice. XLA's SPMD
-partitioner then runs `reference.forward` (or any jitted path) on the sharded params; the tests
+`shard_params(params, cfg, mesh)` places a params dict into those shardings (`param_shardings`
+gives them as a pytree of `NamedSharding`s, for jit). A weight kept in its released format
+(`dsv4.qweights.QuantisedWeight`) has its codes and scales placed with the weight's spec, on
+each dim their (packed or per-tile) size lets the axis divide (`leaf_spec`), so each device
+dequantises its own slice. XLA's SPMD partitioner then runs `reference.forward` (or any jitted path) on the sharded params; the tests
 check the sharded forward equals the single-device one on a mesh of host devices.
 
 A dimension an axis does not divide is refused with an error naming the tensor, the dim and the
@@ -48,6 +48,7 @@ __all__ = [
     "leaf_spec",
     "make_mesh",
     "param_partition_specs",
+    "param_shardings",
     "partition_spec_for",
     "shard_params",
 ]
@@ -165,22 +166,28 @@ def leaf_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partit
     )
 
 
-def shard_params(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
-    """``params`` placed into their shardings on ``mesh``; a `dsv4.qweights.QuantisedWeight`'s
-    codes and scales by `leaf_spec` (host-side nodes without leaves, such as an Engram
-    `HostTable`, stay where they are)."""
+def param_shardings(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """A `NamedSharding` for every leaf of ``params``, in the params' pytree structure (for
+    ``jax.jit``'s ``in_shardings`` / ``out_shardings`` or ``jax.device_put``): an array's
+    by its rule, a `dsv4.qweights.QuantisedWeight`'s codes and scales by `leaf_spec`; a node
+    without leaves (an Engram `HostTable`) is kept as it is."""
     specs = param_partition_specs(cfg, mesh, params)
+    return {
+        name: jax.tree.map(
+            lambda a, s=specs[name]: NamedSharding(mesh, leaf_spec(s, np.shape(a), mesh)), value
+        )
+        for name, value in params.items()
+    }
+
+
+def shard_params(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """``params`` placed into their `param_shardings` on ``mesh`` (host-side nodes without
+    leaves, such as an Engram `HostTable`, stay where they are)."""
+    shardings = param_shardings(params, cfg, mesh)
     out = {}
     for name, value in params.items():
-        if isinstance(value, jax.Array | np.ndarray):
-            out[name] = jax.device_put(value, NamedSharding(mesh, specs[name]))
-        elif isinstance(value, QuantisedWeight):
-            out[name] = jax.tree.map(
-                lambda a, s=specs[name]: jax.device_put(
-                    a, NamedSharding(mesh, leaf_spec(s, a.shape, mesh))
-                ),
-                value,
-            )
+        if isinstance(value, jax.Array | np.ndarray | QuantisedWeight):
+            out[name] = jax.device_put(value, shardings[name])
         else:
             out[name] = value
     return out

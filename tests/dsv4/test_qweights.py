@@ -377,6 +377,8 @@ _SHARDED = textwrap.dedent(
     assert w.scales.sharding.spec == jax.sharding.PartitionSpec("expert", None, None)
     q = sharded["layers.2.attn.wq_b.weight"]
     assert q.values.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    shardings = sharding.param_shardings(released, cfg, mesh)
+    assert jax.tree.structure(shardings) == jax.tree.structure(released)
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 24)), jnp.int32)
     fwd = jax.jit(reference.forward, static_argnums=1)
     with jax.default_matmul_precision("highest"):
