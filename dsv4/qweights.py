@@ -24,6 +24,12 @@ codes and scales first so that only the selected experts / rows are dequantised.
 therefore lives in its stored bytes between steps and is dequantised inside the jitted step, one
 projection at a time, where XLA can fuse the decode into its consumer.
 
+One cost stays: where the model runs every routed expert on every token (`dsv4.layers`'
+all-experts branch, taken when a step routes more tokens than there are experts), a layer's
+whole expert stack is dequantised inside the step, a transient buffer of that layer's experts
+in the activation dtype (the gather branch of small steps dequantises only the selected ones).
+A grouped matmul that decodes tiles inside its kernel would avoid it; there is none here yet.
+
 The two arrays are the pytree's leaves and the format, logical shape, dtype and block size its
 static metadata, so quantised params pass through `jax.jit` (as arguments, donated or not) and
 `dsv4.sharding.shard_params` places codes and scales like the weight they encode.
