@@ -157,6 +157,8 @@ def leaf_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partit
     """The spec of an array that stores a weight of spec ``spec`` dim for dim (a quantised
     weight's codes or scales): the weight's axis on every dim of ``shape`` it divides, None on
     the others (a packed or per-tile dim too short to split stays whole on each device)."""
+    if spec == PartitionSpec():
+        return spec
     axes = tuple(spec) + (None,) * (len(shape) - len(spec))
     return PartitionSpec(
         *(
@@ -172,12 +174,18 @@ def param_shardings(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> 
     by its rule, a `dsv4.qweights.QuantisedWeight`'s codes and scales by `leaf_spec`; a node
     without leaves (an Engram `HostTable`) is kept as it is."""
     specs = param_partition_specs(cfg, mesh, params)
-    return {
-        name: jax.tree.map(
-            lambda a, s=specs[name]: NamedSharding(mesh, leaf_spec(s, np.shape(a), mesh)), value
-        )
-        for name, value in params.items()
-    }
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if isinstance(value, QuantisedWeight):
+            out[name] = jax.tree.map(
+                lambda a, s=specs[name]: NamedSharding(mesh, leaf_spec(s, np.shape(a), mesh)),
+                value,
+            )
+        elif jax.tree.leaves(value):
+            out[name] = NamedSharding(mesh, specs[name])
+        else:
+            out[name] = value
+    return out
 
 
 def shard_params(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
