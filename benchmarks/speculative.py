@@ -1,7 +1,9 @@
-"""Speculative decoding on ``tiny_v41`` (fp32, CPU by default): tokens/s with and without it.
+"""Speculative decoding (fp32, CPU by default): tokens/s with and without it, n-gram drafts on
+``tiny_v41`` and the DSpark drafter of the shipped ``tiny_v41_trained``.
 
     python -m benchmarks.speculative                    # batches 1, 8; k = 3; 64 new tokens
     python -m benchmarks.speculative --batches 1 --k 5 --repeats 3
+    python -m benchmarks.speculative --no-ngram --dspark-k 5 --prefixes 64   # DSpark only
 
 Prints ONE JSON line. For each batch size B, B prompts made of a few repeated phrases (a
 repetitive workload: n-gram lookup finds matches in them), greedy, no EOS; measured side by side
@@ -18,9 +20,20 @@ in one process, interleaved, best of ``--repeats`` warm runs each:
   plain one (``outputs_equal``).
 
 The random tiny weights almost never continue a phrase of the prompt, so n-gram drafts are
-nearly all rejected here and speculation costs time; the trained small model (issue 12) is
-where n-gram and DSpark acceptance become meaningful. The oracle row shows what the engine
+nearly all rejected here and speculation costs time. The oracle row shows what the engine
 gains per accepted draft.
+
+DSpark (``results["dspark"]``, unless ``--dspark-k 0``): the shipped ``tiny_v41_trained`` with
+its trained 2-stage drafter, on prefixes of ``--prompt-len`` held-out tokens of the standard
+library (`dsv4.data`), greedy, measured the same way:
+
+* ``trained_plain_sync_tokens_per_s`` and ``dspark_tokens_per_s`` (``{"method": "dspark",
+  "num_speculative_tokens": dspark_k}``) with the acceptance figures and ``outputs_equal``;
+* ``first_block``: the engine's mean accepted drafts of the FIRST verification after each of
+  ``--prefixes`` held-out prefixes of 128 tokens (one verification per request: max_tokens=2)
+  beside `dsv4.train_dspark.acceptance` on the same prefixes, the offline figure (reference
+  forward, drafting from scratch): the two measure the same thing, the engine through its paged
+  drafter (the README's 0.69 of 5 is the offline figure on 64 prefixes).
 """
 
 from __future__ import annotations
@@ -82,6 +95,116 @@ def _run(llm, prompts, sp) -> tuple[float, list[list[int]], dict[str, Any]]:
     }
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return sum(map(len, tokens)) / wall, tokens, delta
+
+
+def heldout_prefixes(tokenizer, prefix_len: int, num: int) -> list[list[int]]:
+    """``num`` held-out prefixes of ``prefix_len`` tokens, the ones `dsv4.train_dspark.acceptance`
+    takes (consecutive windows of the held-out stream, evenly spread)."""
+    import numpy as np
+
+    from dsv4 import data as D
+
+    split = D.split_files(D.source_files(), root=D.stdlib_root())
+    windows = D.consecutive_windows(D.load_split(split, "heldout", tokenizer), prefix_len)
+    if len(windows) < num:
+        raise ValueError(f"the held-out stream holds {len(windows)} prefixes, fewer than {num}")
+    picked = windows[np.linspace(0, len(windows) - 1, num).astype(int)]
+    return [row.tolist() for row in picked]
+
+
+def first_block_acceptance(llm, prefixes: Sequence[Sequence[int]]) -> float:
+    """Mean drafts accepted by the first verification after each prefix (greedy): every request
+    stops after two tokens, so it verifies exactly one block."""
+    from serving.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    _, _, delta = _run(llm, [list(p) for p in prefixes], sp)
+    if delta["spec_num_drafts"] != len(prefixes):
+        raise RuntimeError(
+            f"{delta['spec_num_drafts']} verifications for {len(prefixes)} prefixes (expected one "
+            "each)"
+        )
+    return delta["spec_num_accepted_tokens"] / delta["spec_num_drafts"]
+
+
+def measure_dspark(
+    batches: Sequence[int],
+    k: int,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    num_prefixes: int,
+) -> dict[str, Any]:
+    """The DSpark rows of the module docstring."""
+    import numpy as np
+
+    from dsv4 import train_dspark
+    from serving.llm import LLM
+    from serving.sampling_params import SamplingParams
+
+    max_seqs = max(batches)
+    common = dict(
+        dtype="float32",
+        max_model_len=max(prompt_len + new_tokens, 128 + 2) + k + 8,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max(64, max_seqs * (k + 1)),
+        num_gpu_blocks_override=96 * max_seqs,
+        compilation_cache_dir=None,
+    )
+    spec = {"method": "dspark", "num_speculative_tokens": k}
+    llms = {
+        "trained_plain_sync": LLM("tiny_v41_trained", async_scheduling=False, **common),
+        "dspark": LLM("tiny_v41_trained", speculative_config=spec, **common),
+    }
+    tok = llms["dspark"].get_tokenizer()
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    out: dict[str, Any] = {"model": "tiny_v41_trained", "k": k}
+    for b in batches:
+        prompts = heldout_prefixes(tok, prompt_len, b)
+        _, plain, _ = _run(llms["trained_plain_sync"], prompts, sp)
+        for llm in llms.values():  # warm
+            _run(llm, prompts, sp)
+        best: dict[str, float] = {}
+        stats: dict[str, dict] = {}
+        equal = True
+        for _ in range(repeats):
+            for mode, llm in llms.items():
+                rate, tokens, delta = _run(llm, prompts, sp)
+                equal &= tokens == plain
+                if rate > best.get(mode, 0.0):
+                    best[mode], stats[mode] = rate, delta
+        s = stats["dspark"]
+        out[f"batch_{b}"] = {
+            "outputs_equal": bool(equal),
+            "trained_plain_sync_tokens_per_s": round(best["trained_plain_sync"], 1),
+            "dspark_tokens_per_s": round(best["dspark"], 1),
+            "dspark_over_plain_sync": round(best["dspark"] / best["trained_plain_sync"], 3),
+            "trained_plain_sync_steps": stats["trained_plain_sync"]["num_steps"],
+            "dspark_steps": s["num_steps"],
+            "dspark_acceptance_rate": round(
+                s["spec_num_accepted_tokens"] / max(s["spec_num_draft_tokens"], 1), 4
+            ),
+            "dspark_mean_acceptance_length": round(
+                1 + s["spec_num_accepted_tokens"] / max(s["spec_num_drafts"], 1), 3
+            ),
+        }
+    per_pos = llms["dspark"].engine.stats.spec_acceptance_per_pos
+    out["dspark_acceptance_per_pos"] = [round(x, 4) for x in per_pos]
+    if num_prefixes:
+        prefixes = heldout_prefixes(tok, 128, num_prefixes)
+        engine = first_block_acceptance(llms["dspark"], prefixes)
+        cfg, params = llms["dspark"].cfg, llms["dspark"].engine.runner.params
+        heldout = [t for p in prefixes for t in p]  # the same prefixes, back to back
+        offline = train_dspark.acceptance(
+            params, cfg, np.asarray(heldout), prefix_len=128, num_prefixes=num_prefixes
+        )
+        out["first_block"] = {
+            "prefixes": num_prefixes,
+            "engine_mean_accepted": round(engine, 4),
+            "offline_mean_accepted": round(offline["mean_acceptance_length"], 4),
+            "offline_per_position": [round(x, 4) for x in offline["per_position_acceptance"]],
+        }
+    return out
 
 
 def measure(batches: Sequence[int], k: int, prompt_len: int, new_tokens: int, repeats: int):
@@ -170,6 +293,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--no-ngram", action="store_true", help="skip the n-gram rows (tiny_v41)")
+    p.add_argument(
+        "--dspark-k",
+        type=int,
+        default=5,
+        help="DSpark drafts per step on tiny_v41_trained (0: skip)",
+    )
+    p.add_argument(
+        "--prefixes",
+        type=int,
+        default=64,
+        help="held-out prefixes of the first-block figure (0: skip)",
+    )
     args = p.parse_args(argv)
     batches = batch_sizes(p, args.batches)
     for flag, value in (
@@ -180,11 +316,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         if value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.dspark_k <= 5:
+        p.error(f"--dspark-k must be in 0..5 (the shipped drafter's block), got {args.dspark_k}")
+    if args.prefixes < 0:
+        p.error(f"--prefixes must be >= 0, got {args.prefixes}")
     t0 = time.perf_counter()
-    out = {
-        "benchmark": "speculative",
-        **measure(batches, args.k, args.prompt_len, args.new_tokens, args.repeats),
-    }
+    out: dict[str, Any] = {"benchmark": "speculative"}
+    if not args.no_ngram:
+        out.update(measure(batches, args.k, args.prompt_len, args.new_tokens, args.repeats))
+    if args.dspark_k:
+        out["dspark"] = measure_dspark(
+            batches, args.dspark_k, args.prompt_len, args.new_tokens, args.repeats, args.prefixes
+        )
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(out))
     return 0

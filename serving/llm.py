@@ -104,10 +104,13 @@ class LLM:
         enable_prefix_caching: reuse cached prefixes across requests.
         swa_bounded_replay: V4.1's approximate window replay on prefix hits (vLLM option).
         async_scheduling: plan step N+1 while step N runs (default: on, off with speculative
-            decoding, whose n-gram drafts need the sampled tokens on the host).
+            decoding, which runs synchronously: step N+1's drafts follow from the tokens step N
+            accepts).
         speculative_config: vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens":
-            3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}`` (`serving.spec_decode`);
-            outputs equal those without it, token for token.
+            3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``, or ``{"method": "dspark",
+            "num_speculative_tokens": k}`` for the model's DSpark drafter (k in
+            1..``dspark_block_size``; ``tiny_v41_trained`` and ``tiny_v41_full`` have one)
+            (`serving.spec_decode`); outputs equal those without it, token for token.
         seed: random tiny weights and the sampling seed of requests that give none.
         block_size / swa_block_size: tokens per compressed / window block (default: 16 / 4
             for a model whose window is under 128 tokens, the tiny family; 64 / 32 otherwise).
@@ -170,8 +173,8 @@ class LLM:
                 raise _fail(
                     "async_scheduling",
                     True,
-                    "False with speculative decoding (n-gram drafts need the sampled tokens on "
-                    "the host before the next step is planned)",
+                    "False with speculative decoding (the drafts of step N+1 follow from the "
+                    "tokens step N accepts, known only once it has run)",
                 )
         if compilation_cache_dir == "default":
             compilation_cache_dir = default_compilation_cache_dir()

@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 from paged_harness import Harness, Seq, random_schedule
 
-from dsv4 import dspark, reference
+from dsv4 import dspark
 from dsv4 import layers as L
 from dsv4.paged import pools as P
 from dsv4.paged import records as R
 from dsv4.paged.batch import build_batch
 from dsv4.paged.draft import draft_cache_names, draft_paged, seed_drafter
 from dsv4.paged.step import paged_forward_streams
+from tests.dspark_scratch import reference_streams, scratch_blocks
 
 TOL = 1e-4
 WIDTH = 64  # every test sequence is at most this long
@@ -111,19 +112,9 @@ class DraftHarness(Harness):
 
 def _from_scratch(params, cfg, seqs, blocks):
     """`dspark.draft_from_hidden` of every recorded row, over the reference's streams."""
-    toks = np.zeros((len(seqs), WIDTH), np.int32)
-    for i, s in enumerate(seqs):
-        toks[i, : len(s.tokens)] = s.tokens  # the forward is causal: padding after is harmless
-    targets = cfg.dspark_target_layer_ids
-    _, streams = jax.jit(reference.forward_streams, static_argnums=(1, 3))(
-        params, cfg, jnp.asarray(toks), targets
-    )
-    hidden = dspark.target_hidden(cfg, streams)
-    sid = np.array([b[0] for b in blocks])
-    start = np.array([b[1] for b in blocks], np.int32)
-    nxt = np.array([b[2] for b in blocks], np.int32)
-    scratch = jax.jit(dspark.draft_from_hidden, static_argnums=1)
-    return scratch(params, cfg, hidden[sid], jnp.asarray(nxt), lengths=jnp.asarray(start))
+    _, hidden = reference_streams(params, cfg, [s.tokens for s in seqs])
+    rows, starts, nexts = ([b[j] for b in blocks] for j in range(3))
+    return scratch_blocks(params, cfg, hidden, rows, starts, nexts)
 
 
 @pytest.mark.parametrize(
@@ -149,6 +140,6 @@ def test_paged_drafter_equals_drafting_from_scratch(engram_params, engram_cfg, l
     assert h.num_poisoned > 0
     want = _from_scratch(params, cfg, seqs, h.blocks)
     got = [np.stack([b[3][j] for b in h.blocks]) for j in range(3)]
-    np.testing.assert_allclose(got[0], np.asarray(want.logits), atol=TOL)
-    np.testing.assert_array_equal(got[1], np.asarray(want.tokens))
-    np.testing.assert_allclose(got[2], np.asarray(want.confidence), atol=TOL)
+    np.testing.assert_allclose(got[0], want.logits, atol=TOL)
+    np.testing.assert_array_equal(got[1], want.tokens)
+    np.testing.assert_allclose(got[2], want.confidence, atol=TOL)
