@@ -9,7 +9,8 @@ prompts) on the V4.1-Flash layout for ``--max-steps`` steps, replayed twice: thr
 loop with the Scheduler and the allocator alone (``scheduler_allocator_steps_per_s``), and as a
 whole `serving.lab.run` with its per-step metering (``lab_run_steps_per_s``); then a pool-size
 sweep of ``--sweep-points`` points over the allocator benchmark's chat workload
-(``--sweep-conversations`` conversations, 200 by default). Prints one JSON line.
+(``--sweep-conversations`` conversations, 200 by default), in ``--sweep-workers`` processes
+(1 by default). Prints one JSON line.
 
 Table: every `serving.lab.LAYOUTS` layout on each default workload (`serving.lab.WORKLOADS`, at
 their default sizes; model length 64k, 128k for the long-context one) at 16 GiB and 0.5 GiB of
@@ -41,7 +42,12 @@ _TABLE_FIELDS = (
 
 
 def speed(
-    requests: int, max_steps: int | None, sweep_points: int, sweep_conversations: int, seed: int
+    requests: int,
+    max_steps: int | None,
+    sweep_points: int,
+    sweep_conversations: int,
+    seed: int,
+    sweep_workers: int = 1,
 ) -> dict:
     conversations = max(1, requests // 3)
     wl = lab.make_workload(
@@ -76,11 +82,18 @@ def speed(
     base_wl = lab.make_workload("chat", seed, num_conversations=sweep_conversations)
     pools = [1000 + 500 * i for i in range(sweep_points)]
     t0 = time.perf_counter()
-    rows = lab.sweep(base_wl, lab.LabConfig(pool_blocks=pools[0]), knob="pool_blocks", values=pools)
+    rows = lab.sweep(
+        base_wl,
+        lab.LabConfig(pool_blocks=pools[0]),
+        knob="pool_blocks",
+        values=pools,
+        workers=sweep_workers,
+    )
     sweep_wall = time.perf_counter() - t0
     out["sweep"] = {
         "workload": base_wl.summary(),
         "points": len(rows),
+        "workers": sweep_workers,
         "pool_blocks": pools,
         "wall_s": round(sweep_wall, 2),
         "steps": sum(r["steps"] for r in rows),
@@ -122,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sweep-conversations", type=int, default=200, help="of the sweep's chat workload"
     )
+    p.add_argument(
+        "--sweep-workers", type=int, default=1, help="processes running the sweep's points"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="the layout table instead")
     args = p.parse_args(argv)
@@ -130,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--max-steps", args.max_steps, 0),
         ("--sweep-points", args.sweep_points, 1),
         ("--sweep-conversations", args.sweep_conversations, 1),
+        ("--sweep-workers", args.sweep_workers, 1),
     ):
         if value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
@@ -148,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.sweep_points,
                 args.sweep_conversations,
                 args.seed,
+                args.sweep_workers,
             ),
         }
     result["wall_s"] = round(time.perf_counter() - t0, 2)

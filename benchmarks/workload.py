@@ -159,17 +159,22 @@ class TimedManager:
         return self.manager.usage
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], **kwargs: Any) -> Any:
-        """The manager's request, hashed (timed); its output appends are timed too."""
+        """The manager's request, hashed (timed: our requests hash lazily, so the hashes are
+        read here, where vLLM computes them); its output appends are timed too, with the
+        hashing of the blocks they complete."""
         result = self._result
         t0 = perf_counter_ns()
         request = self.manager.new_request(request_id, prompt_token_ids, **kwargs)
+        request.block_hashes  # noqa: B018 (our requests hash on first read; vLLM's on creation)
         result.t_hash_ns += perf_counter_ns() - t0
         result.n_hashed_tokens += len(prompt_token_ids)
         # The Scheduler appends sampled tokens itself; time them on the request.
-        request.append_output_token_ids = self._timed_append(request.append_output_token_ids)
+        request.append_output_token_ids = self._timed_append(
+            request, request.append_output_token_ids
+        )
         return request
 
-    def _timed_append(self, append: Callable[[Any], None]) -> Callable[[Any], None]:
+    def _timed_append(self, request: Any, append: Callable[[Any], None]) -> Callable[[Any], None]:
         result = self._result
 
         def timed_append(token_ids: int | Iterable[int]) -> None:
@@ -177,6 +182,7 @@ class TimedManager:
                 token_ids = list(token_ids)
             t0 = perf_counter_ns()
             append(token_ids)
+            request.block_hashes  # noqa: B018 (hashes the blocks completed, as vLLM's append)
             result.t_hash_ns += perf_counter_ns() - t0
             result.n_hashed_tokens += 1 if isinstance(token_ids, int) else len(token_ids)
 

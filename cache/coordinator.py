@@ -72,6 +72,9 @@ def validate_retention_interval(
         )
 
 
+_UNBOUNDED = 1 << 62  # above any token count
+
+
 class KVCacheCoordinator:
     """Owns the block pool and one manager per group; fans operations out to them."""
 
@@ -158,11 +161,23 @@ class KVCacheCoordinator:
         for every request in every step (tests compare both paths decision for decision).
         """
         rid = request.request_id
+        processed = num_computed_tokens - request.num_in_flight_tokens
+        if processed < 0:
+            processed = 0
+        quiet = self._quiet.get(rid)
+        if quiet is not None:
+            if (
+                num_tokens_need_slot < quiet[0]
+                and processed < quiet[1]
+                and num_tokens_to_cache < quiet[2]
+                and reserved_blocks <= self.block_pool.free_block_queue.num_free_blocks
+            ):
+                # Nothing to free, allocate or register below these limits (`_quiet_limits`);
+                # the request's tables are as the call that set them left them.
+                return self.no_new_blocks
+            del self._quiet[rid]
         if self._freeing:
             null = self.block_pool.null_block
-            processed = num_computed_tokens - request.num_in_flight_tokens
-            if processed < 0:
-                processed = 0
             for m, tables, block_size, offset in self._freeing:
                 if offset is None:
                     m.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
@@ -223,11 +238,75 @@ class KVCacheCoordinator:
                     if boundaries is None:
                         boundaries = self._boundaries(request)
                     m.cache_blocks(request, n, self.retention_interval, boundaries)
+        if self._quiet_ok:
+            limits = self._quiet_limits(rid, processed)
+            if limits is not None:
+                self._quiet[rid] = limits
         return new_blocks
+
+    def _quiet_limits(self, rid: str, processed: int) -> tuple[int, int, int] | None:
+        """Bounds under which `allocate_plain` for ``rid`` has nothing to do, from its tables
+        as they are now: (slots needed, processed tokens, tokens to cache), each exclusive.
+
+        Below all three a call frees nothing (every window block it would release is already
+        the null block), needs no block (each group holds enough for the slots), and registers
+        nothing (no group gains a full block to cache). Every quantity only matters through
+        these thresholds, and smaller values (rejected drafts) stay below them. The bounds are
+        dropped whenever anything else changes the request's tables or cache progress (every
+        other coordinator method that does pops them; `forget_quiet_limits` drops all).
+        """
+        slots = _UNBOUNDED
+        for _, _, tables, block_size, fixed, _, _ in self._plan:
+            blocks = tables.get(rid)
+            held = len(blocks) if blocks else 0
+            if fixed:
+                if fixed > held:
+                    return None
+                continue
+            limit = held * block_size + 1  # the first slot count that needs another block
+            if limit < slots:
+                slots = limit
+        proc = _UNBOUNDED
+        null = self.block_pool.null_block
+        for _, tables, block_size, offset in self._freeing:
+            blocks = tables.get(rid)
+            if not blocks:
+                continue
+            skipped = (processed - offset) // block_size
+            if skipped < 0:
+                skipped = 0
+            elif skipped > len(blocks):
+                skipped = len(blocks)
+            if skipped and blocks[skipped - 1] is not null:
+                return None
+            # entries below `skipped` are null (nulls form a prefix): the next block leaves
+            # the window when the processed tokens skip one more block
+            limit = offset + (skipped + 1) * block_size
+            if limit < proc:
+                proc = limit
+        cache = _UNBOUNDED
+        align = self._cache_alignment
+        for _, cached, block_size, use_eagle, below, settled in self._cache_plan:
+            if use_eagle or (below and rid not in settled):
+                return None
+            target = (cached.get(rid, 0) + 1) * block_size  # a cacheable prefix this long
+            if align:
+                target = -(-target // align) * align
+            if target < cache:
+                cache = target
+        return slots, proc, cache
+
+    def forget_quiet_limits(self) -> None:
+        """Drops every request's `_quiet_limits` (for changes outside the request's own
+        calls, e.g. `KVCacheManager.evict_blocks` unsettling prompt-tail entries)."""
+        self._quiet.clear()
 
     def _build_plans(self) -> None:
         """Per-manager constants of the fused path (refreshed when EAGLE flags change)."""
         managers = self.single_type_managers
+        # request id -> `_quiet_limits`; only where every freeing kind skips by an offset
+        self._quiet: dict[str, tuple[int, int, int]] = {}
+        self._quiet_ok = all(m.skip_offset is not None for m in managers if m.frees_blocks)
         self.no_new_blocks = tuple(() for _ in managers)
         self._freeing = tuple(
             (m, m.req_to_blocks, m.block_size, m.skip_offset) for m in managers if m.frees_blocks
@@ -298,6 +377,7 @@ class KVCacheCoordinator:
         num_local_computed_tokens: int,
     ) -> None:
         """Touches every group's hits (all groups first, then nothing else can evict them)."""
+        self._quiet.pop(request_id, None)
         managers = self.single_type_managers
         if any(request_id in m.num_cached_block for m in managers):
             if any(new_computed_blocks):
@@ -311,6 +391,7 @@ class KVCacheCoordinator:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
     ) -> tuple[list[KVCacheBlock], ...]:
+        self._quiet.pop(request_id, None)
         return tuple(
             m.allocate_new_blocks(
                 request_id,
@@ -337,6 +418,7 @@ class KVCacheCoordinator:
         return aligned
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self._quiet.pop(request.request_id, None)
         boundaries = self._boundaries(request)
         for manager in self.single_type_managers:
             if manager.enable_caching:
@@ -348,12 +430,14 @@ class KVCacheCoordinator:
                 )
 
     def free(self, request_id: str) -> None:
+        self._quiet.pop(request_id, None)
         for manager in self.single_type_managers:
             manager.free(request_id)
 
     def remove_skipped_blocks(
         self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int
     ) -> None:
+        self._quiet.pop(request_id, None)
         for manager in self.single_type_managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
 

@@ -52,7 +52,7 @@ class KVCacheBlocks:
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         """Block ids per group."""
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([[b.block_id for b in group] for group in self.blocks])
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of group 0's blocks that carry no hash (single-group callers)."""
@@ -442,6 +442,7 @@ class KVCacheManager:
         self.block_pool.evict_blocks(block_ids)
         for m in self.coordinator.single_type_managers:
             m.tail_settled.clear()  # a running request's tail entry may be gone: re-register
+        self.coordinator.forget_quiet_limits()
 
     def reset_prefix_cache(self) -> bool:
         """Clears the prefix cache; only possible (returns True) when no block is in use."""

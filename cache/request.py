@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 
 from cache.hashing import BlockHash, BlockHashes, HashFn, get_request_block_hasher, sha256
+
+_NEVER = sys.maxsize  # a token count no request reaches
 
 
 class Request:
     """One request as the KV-cache manager sees it, mirroring vLLM's ``Request``.
 
-    Block hashes are computed incrementally: every full block of the prompt when the request is
-    created, and each newly completed block when output tokens are appended. They live on the
-    request, so a preempted request reuses them when it resumes.
+    Block hashes are computed incrementally and lazily: each full block once, the first time
+    `block_hashes` is read after it completed (vLLM hashes the prompt on arrival and each block
+    as it completes; the values are the same, only later). They live on the request, so a
+    preempted request reuses them when it resumes.
 
     Args:
         request_id: unique id.
@@ -77,17 +81,36 @@ class Request:
         self.hash_block_size: int | None = (
             getattr(block_hasher, "hash_block_size", hash_block_size) if block_hasher else None
         )
-        self.block_hashes: BlockHashes = BlockHashes()
-        self._next_hash_boundary = 0
-        if block_hasher is not None:
-            self.block_hashes.extend(block_hasher(self))
+        self._block_hashes: BlockHashes = BlockHashes()
+        # Hashes are computed when first read (`block_hashes`), not here: a request that waits
+        # behind thousands of others costs nothing until a lookup or caching reads its hashes.
+        # Token count at which the next block completes: the hasher runs only from there
+        # (0: unknown granularity, always ask; _NEVER: no hasher, or a hasher is running).
+        self._next_hash_boundary = 0 if block_hasher is not None else _NEVER
+
+    @property
+    def block_hashes(self) -> BlockHashes:
+        """Chained hashes of every full block of ``all_token_ids`` (computed on first read
+        and extended as tokens are appended; the values are those of hashing eagerly)."""
+        if len(self.all_token_ids) >= self._next_hash_boundary:
+            self._next_hash_boundary = _NEVER  # a hasher that reads `block_hashes` gets the list
+            try:
+                self._block_hashes.extend(self._block_hasher(self))
+            finally:
+                self._next_hash_boundary = self._hash_boundary()
+        return self._block_hashes
+
+    @block_hashes.setter
+    def block_hashes(self, hashes: BlockHashes) -> None:
+        self._block_hashes = hashes if isinstance(hashes, BlockHashes) else BlockHashes(hashes)
+        if self._block_hasher is not None:
             self._next_hash_boundary = self._hash_boundary()
 
     def _hash_boundary(self) -> int:
         """Token count at which the next block completes (0: unknown granularity, always ask)."""
         if self.hash_block_size is None:
             return 0
-        return (len(self.block_hashes) + 1) * self.hash_block_size
+        return (len(self._block_hashes) + 1) * self.hash_block_size
 
     @property
     def num_tokens(self) -> int:
@@ -107,16 +130,12 @@ class Request:
         return len(self.all_token_ids) + len(self.spec_token_ids)
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
-        """Appends generated tokens and hashes every block they complete."""
-        tokens = self.all_token_ids
+        """Appends generated tokens; the blocks they complete are hashed when `block_hashes`
+        is next read."""
         if isinstance(token_ids, int):
-            tokens.append(token_ids)
+            self.all_token_ids.append(token_ids)
         else:
-            tokens.extend(token_ids)
-        # Hash only when a block completes (the hasher would find nothing new otherwise).
-        if self._block_hasher is not None and len(tokens) >= self._next_hash_boundary:
-            self.block_hashes.extend(self._block_hasher(self))
-            self._next_hash_boundary = self._hash_boundary()
+            self.all_token_ids.extend(token_ids)
 
     def __repr__(self) -> str:
         return (

@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CHIPS", "MODELS", "Chip", "ModelCost", "StepCost", "step_cost"]
+__all__ = ["CHIPS", "MODELS", "Chip", "ModelCost", "StepCost", "step_cost", "step_cost_by_layer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +152,114 @@ def step_cost(
 ) -> StepCost:
     """Cost of one step that computes, per request, ``n`` tokens ending at context ``end``
     (``requests`` yields ``(n, end)``). ``ratios`` are the backbone layers' compress ratios,
-    ``index_layers`` the layers that run an indexer (kv and index sources)."""
+    ``index_layers`` the layers that run an indexer (kv and index sources).
+
+    The per-layer terms of `step_cost_by_layer` summed once per distinct compress ratio, in
+    integers: with integer record sizes every partial sum there is an integer, exact in a
+    float below 2**53, so both give the same floats (checked here; beyond it, or with
+    non-integer sizes, the per-layer loop runs).
+    """
+    if not isinstance(requests, list | tuple):
+        requests = list(requests)  # (read twice when the per-layer loop takes over)
+    plan = _layer_plan(model, tuple(ratios), tuple(index_layers))
+    records = (swa_record_bytes, compressed_record_bytes, indexer_key_bytes)
+    if plan is None or any(type(b) is not int for b in records):
+        return step_cost_by_layer(
+            model,
+            requests,
+            ratios=ratios,
+            index_layers=index_layers,
+            swa_record_bytes=swa_record_bytes,
+            compressed_record_bytes=compressed_record_bytes,
+            indexer_key_bytes=indexer_key_bytes,
+        )
+    num_layers, per_ratio = plan
+    window, topk = model.window, model.topk
+    index_flops = 2 * model.index_heads * model.index_head_dim
+    total_tokens = kv = flops = attn_keys = 0
+    for n, end in requests:
+        if n <= 0:
+            continue
+        total_tokens += n
+        if n == 1:
+            tiles = 1
+            window_rows = window if window < end else end
+        else:
+            tiles = -(-n // _TILE)
+            window_rows = tiles * (_TILE + window)
+        if window_rows > n * window:
+            window_rows = n * window
+        kv += num_layers * (window_rows + n) * swa_record_bytes
+        attn_keys += num_layers * n * (window if window < end else end)
+        for r, count, indexed in per_ratio:
+            entries = end // r
+            selected = topk if topk < entries else entries
+            kv += count * n * selected * compressed_record_bytes
+            attn_keys += count * n * selected
+            if indexed:
+                kv += indexed * tiles * entries * indexer_key_bytes
+                flops += indexed * n * entries * index_flops
+    if total_tokens == 0:
+        return StepCost(0.0, 0.0, 0.0)
+    flops += 4 * model.heads * model.head_dim * attn_keys
+    if kv >= _EXACT or flops >= _EXACT:  # a float sum would have rounded
+        return step_cost_by_layer(
+            model,
+            requests,
+            ratios=ratios,
+            index_layers=index_layers,
+            swa_record_bytes=swa_record_bytes,
+            compressed_record_bytes=compressed_record_bytes,
+            indexer_key_bytes=indexer_key_bytes,
+        )
+    experts = model.num_routed_experts
+    touched = experts * (1 - (1 - model.experts_per_token / experts) ** total_tokens)
+    weights = model.dense_weight_bytes + model.num_layers * touched * model.expert_weight_bytes
+    return StepCost(
+        weights, float(kv), float(flops) + 2 * model.active_params_per_token * total_tokens
+    )
+
+
+_EXACT = 2**53  # integers below it add exactly in floats
+_PLANS: dict[tuple, tuple[int, tuple[tuple[int, int, int], ...]] | None] = {}
+
+
+def _layer_plan(
+    model: ModelCost, ratios: tuple[int, ...], index_layers: tuple[int, ...]
+) -> tuple[int, tuple[tuple[int, int, int], ...]] | None:
+    """(layers, ((ratio, layers with it, of them running an indexer), ...)) of a layer plan;
+    None when a size of the model is not an int (`step_cost` then runs the per-layer loop)."""
+    key = (model, ratios, index_layers)
+    plan = _PLANS.get(key, False)
+    if plan is False:
+        sizes = (model.num_layers, model.window, model.topk, model.heads, model.head_dim)
+        sizes += (model.index_heads, model.index_head_dim, *ratios)
+        if any(type(v) is not int for v in sizes):
+            _PLANS[key] = None
+            return None
+        index = set(index_layers)
+        counts: dict[int, list[int]] = {}
+        for layer in range(model.num_layers):
+            r = ratios[layer] if layer < len(ratios) else 0
+            if r:
+                c = counts.setdefault(r, [0, 0])
+                c[0] += 1
+                c[1] += layer in index
+        plan = _PLANS[key] = (model.num_layers, tuple((r, c, i) for r, (c, i) in counts.items()))
+    return plan
+
+
+def step_cost_by_layer(
+    model: ModelCost,
+    requests: Iterable[tuple[int, int]],
+    *,
+    ratios: tuple[int, ...],
+    index_layers: tuple[int, ...],
+    swa_record_bytes: int,
+    compressed_record_bytes: int,
+    indexer_key_bytes: int,
+) -> StepCost:
+    """`step_cost` written layer by layer (its definition; tests compare both)."""
     total_tokens, kv, flops = 0, 0.0, 0.0
     layer_ratios = [ratios[i] if i < len(ratios) else 0 for i in range(model.num_layers)]
     for n, end in requests:

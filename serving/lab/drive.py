@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -201,10 +202,36 @@ def drive(
         RuntimeError: a step schedules nothing while nothing is in flight (the pool cannot hold
             the request at the head of the queue even when idle).
     """
+    # Automatic garbage collection is off while a model-free loop runs: a collection traverses
+    # every live object it covers, and a large workload keeps hundreds of thousands of token
+    # lists alive (measured: 40% of a 100k-request run). The loop and the allocator make few
+    # reference cycles (thousands over tens of thousands of steps); a young-generation
+    # collection every `_COLLECT_EVERY` steps still frees them. The engine's loop keeps the
+    # interpreter's settings (device buffers may hang on cycles).
+    if not isinstance(backend, ModelFreeBackend) or not gc.isenabled():
+        return _drive(workload, backend, max_steps, on_add, collect=False)
+    gc.disable()
+    try:
+        return _drive(workload, backend, max_steps, on_add, collect=True)
+    finally:
+        gc.enable()
+
+
+_COLLECT_EVERY = 1000
+
+
+def _drive(
+    workload: Workload,
+    backend: ModelFreeBackend | EngineBackend,
+    max_steps: int | None,
+    on_add: Callable[[str, int], None] | None,
+    *,
+    collect: bool,
+) -> DriveResult:
     pending = sorted(workload.sessions, key=lambda s: s.arrival)  # stable: workload order
     live: dict[str, _Live] = {}
     traces: dict[int, list[tuple[int, ...]]] = {s.session_id: [] for s in workload.sessions}
-    next_arrival, step, finished_turns = 0, 0, 0
+    next_arrival, step, finished_turns, calls = 0, 0, 0, 0
 
     def add(state: _Live) -> None:
         session, k = state.session, state.turn
@@ -230,6 +257,9 @@ def drive(
             next_arrival += 1
         finished = backend.step()
         step += 1
+        calls += 1
+        if collect and calls % _COLLECT_EVERY == 0:
+            gc.collect(1)
         for request_id, output in finished.items():
             state = live.pop(request_id)
             finished_turns += 1

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import random
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -554,6 +556,38 @@ class _Meter:
         self.records = (desc.swa_record_bytes, desc.compressed_record_bytes, desc.indexer_key_bytes)
         self.group_managers = manager.coordinator.single_type_managers
         self.null_block = manager.block_pool.null_block
+        self.block_pool = manager.block_pool
+        # Per group: its block lists per request; whether its blocks can be shared (only
+        # through prefix hits, so only in a prefix-cacheable group); for window kinds how
+        # many trailing entries of a list usually hold all its live blocks (the window's
+        # blocks and two more; 0: look at the whole list).
+        self._groups = [
+            (
+                m.req_to_blocks,
+                m.enable_caching and m.supports_prefix_caching and m.kv_cache_spec.prefix_cacheable,
+                -(-m.skip_offset // m.block_size) + 2
+                if m.skips_tokens and m.skip_offset is not None
+                else 0,
+            )
+            for m in self.group_managers
+        ]
+        # Window groups that cannot share blocks and have the same kind, block size and
+        # window get the same operations for every request (the allocator decides per group
+        # only from these), so their lists always have equal lengths and null prefixes and
+        # they hold equally many blocks: one of each such family is counted (`check_counts`
+        # verifies it against sets).
+        self._same_as: list[int | None] = []
+        first: dict[tuple, int] = {}
+        for g, (m, (_, cacheable, tail)) in enumerate(zip(self.group_managers, self._groups)):
+            key = (type(m), m.block_size, m.skip_offset, m.max_admission_blocks_per_request)
+            same = first.setdefault(key, g) if tail and not cacheable else g
+            self._same_as.append(same if same != g else None)
+        shared = [g for g, (_, cacheable, _) in enumerate(self._groups) if cacheable]
+        # With one such group, its count is the pool's blocks in use less the others' (every
+        # block a request holds is in exactly one group; `cache` tests check ref counts).
+        self._by_difference = shared[0] if len(shared) == 1 else None
+        self._count_null = operator.methodcaller("count", self.null_block)
+        self.check_counts = False  # also count by sets and compare (tests)
         self.per_block = bytes_per_block(manager.kv_cache_config, cfg)
         self.peak_total_bytes = 0
         self.peak_blocks = [0] * len(self.group_managers)
@@ -587,17 +621,65 @@ class _Meter:
         self.output_tokens += len(output.sampling_req_ids)
         self.steps += 1
         total = 0
-        for g, m in enumerate(self.group_managers):
-            blocks: set = set()  # distinct blocks: prefix-shared ones count once
-            for held_blocks in m.req_to_blocks.values():
-                blocks.update(held_blocks)
-            blocks.discard(self.null_block)
-            held = len(blocks)
+        held_blocks = self.held_blocks()
+        if self.check_counts and held_blocks != self.held_blocks_by_sets():
+            raise AssertionError(
+                f"step {self.steps}: blocks held per group {held_blocks}, by sets "
+                f"{self.held_blocks_by_sets()}"
+            )
+        for g, held in enumerate(held_blocks):
             total += held * self.per_block[g]
             self.sum_blocks[g] += held
             if held > self.peak_blocks[g]:
                 self.peak_blocks[g] = held
         self.peak_total_bytes = max(self.peak_total_bytes, total)
+
+    def held_blocks(self) -> list[int]:
+        """Distinct blocks each group holds now (a prefix block shared by several requests
+        counts once); the same counts as `held_blocks_by_sets`, without building sets where
+        blocks cannot be shared."""
+        null = self.null_block
+        counts = []
+        for (tables, cacheable, tail), same in zip(self._groups, self._same_as):
+            if same is not None:
+                counts.append(counts[same])
+            elif cacheable:
+                if self._by_difference is not None:
+                    counts.append(0)  # filled in below
+                    continue
+                blocks: set = set().union(*tables.values())
+                blocks.discard(null)
+                counts.append(len(blocks))
+            elif tail:
+                # a window group's nulls form a prefix of each list: when the entry before
+                # the last `tail` ones is null, those hold every live block
+                n = 0
+                for held in tables.values():
+                    if len(held) > tail and held[-tail - 1] is null:
+                        n += tail - held[-tail:].count(null)
+                    else:
+                        n += len(held) - held.count(null)
+                counts.append(n)
+            else:
+                lists = tables.values()
+                counts.append(sum(map(len, lists)) - sum(map(self._count_null, lists)))
+        g = self._by_difference
+        if g is not None:
+            pool = self.block_pool
+            in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+            counts[g] = in_use - sum(counts)
+        return counts
+
+    def held_blocks_by_sets(self) -> list[int]:
+        """`held_blocks` by its definition: the set of each group's blocks."""
+        counts = []
+        for m in self.group_managers:
+            blocks: set = set()
+            for held in m.req_to_blocks.values():
+                blocks.update(held)
+            blocks.discard(self.null_block)
+            counts.append(len(blocks))
+        return counts
 
 
 def run(workload: Workload, cfg: LabConfig, *, max_steps: int | None = None) -> dict[str, Any]:
@@ -742,9 +824,17 @@ def sweep(
     knob: str | None = None,
     values: Iterable[Any] = (None,),
     progress: bool = False,
+    workers: int = 1,
 ) -> list[dict[str, Any]]:
     """One row per (layout, value): ``base`` with ``layout`` and ``knob = value``. Every point
-    is validated before the first one runs, so a bad value fails fast and nothing runs."""
+    is validated before the first one runs, so a bad value fails fast and nothing runs.
+
+    ``workers`` > 1 runs the points in that many processes (they are independent: each has
+    its own scheduler and allocator); the rows and their order are those of a sequential run
+    except ``sim_wall_s`` / ``sim_steps_per_s``.
+    """
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise LabError(f"workers={workers!r}: allowed an int >= 1")
     layouts, values = list(layouts), list(values)
     for name in layouts:
         if name not in LAYOUTS:
@@ -758,6 +848,29 @@ def sweep(
             cfg = base.replace(**knobs)
             check_fits(workload, cfg)  # a layout that cannot be grouped fails here too
             points.append(cfg)
+    if workers > 1 and len(points) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        # fork where the platform has it (the workload reaches the workers without pickling),
+        # unless JAX is loaded: its threads make forking unsafe, so spawn then
+        fork = "fork" in multiprocessing.get_all_start_methods() and "jax" not in sys.modules
+        context = multiprocessing.get_context("fork" if fork else "spawn")
+        with concurrent.futures.ProcessPoolExecutor(
+            min(workers, len(points)), mp_context=context
+        ) as pool:
+            futures = [pool.submit(run, workload, cfg) for cfg in points]
+            if progress:
+                from tqdm import tqdm
+
+                for _ in tqdm(
+                    concurrent.futures.as_completed(futures),
+                    total=len(futures),
+                    desc=f"lab {workload.kind}",
+                    unit="run",
+                ):
+                    pass
+            return [f.result() for f in futures]
     iterator: Iterable[LabConfig] = points
     if progress:
         from tqdm import tqdm

@@ -241,6 +241,57 @@ def test_cost_model_matches_the_kernels_cost_models():
     assert keys["bytes"] >= 8192 * 132  # the kernel reads every visible key once
 
 
+def test_step_cost_is_the_per_layer_sum():
+    """`step_cost` (per distinct ratio, in integers) gives the per-layer loop's floats bit for
+    bit, on both models' layer plans, and falls back to it for non-integer record sizes."""
+    import random
+
+    from cache.layout import tiny_v41_desc, v41_flash_desc
+    from serving.lab.cost import MODELS, step_cost, step_cost_by_layer
+
+    rng = random.Random(0)
+    for name, desc in (("v41_flash", v41_flash_desc()), ("tiny_v41", tiny_v41_desc())):
+        plan = {
+            "ratios": tuple(desc.compress_ratios[: desc.num_hidden_layers]),
+            "index_layers": tuple(desc.index_source_layer_ids),
+        }
+        for records in ((584, 584, 132), (1024, 292, 68), (584.5, 584, 132)):
+            sizes = dict(
+                zip(("swa_record_bytes", "compressed_record_bytes", "indexer_key_bytes"), records)
+            )
+            for _ in range(200):
+                work = [
+                    (rng.choice([0, 1, 1, 3, 8, 9, 2048]), rng.randint(1, 70_000))
+                    for _ in range(rng.randint(0, 64))
+                ]
+                fast = step_cost(MODELS[name], iter(work), **plan, **sizes)
+                slow = step_cost_by_layer(MODELS[name], work, **plan, **sizes)
+                assert fast == slow, (name, records, work)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"layout": "v41"},
+        {"layout": "v41_noreplay"},
+        {"layout": "v41_dense_retention", "pools": "separate"},
+        {"layout": "v41_sm100", "async_scheduling": True, "lookahead": 3},
+        {"layout": "v41", "enable_prefix_caching": False},
+        {"layout": "v41", "model": "tiny_v41", "records": "bf16", "max_num_seqs": 8},
+    ],
+)
+def test_meter_counts_held_blocks_as_sets_do(chat, knobs):
+    """The meter's block counts (window families counted once, the shared group by
+    difference from the pool) equal the sets of each group's blocks at every step."""
+    cfg = lab.LabConfig(pool_blocks=300, **knobs)
+    manager = X._manager(lab.build_layout(cfg), cfg)
+    meter = X._Meter(cfg, manager, X.model_desc(cfg))
+    meter.check_counts = True
+    result = drive(chat, ModelFreeBackend(X._scheduler(manager, cfg), hooks=meter))
+    assert result.finished_turns == chat.num_turns and meter.steps == result.steps
+    assert max(meter.peak_blocks) > 0
+
+
 # -- runs --------------------------------------------------------------------------------------
 
 
@@ -275,6 +326,18 @@ def test_rows_within_their_definitions(pool_sweep, chat):
         assert 1 <= row["max_running"] <= cfg.max_num_seqs
         assert row["modelled_time_s"] > 0 and row["ttft_p50_s"] <= row["ttft_p90_s"]
         assert row["steps"] > 0 and row["sim_steps_per_s"] > 0
+
+
+def test_sweep_in_worker_processes_gives_the_same_rows(chat):
+    base = lab.LabConfig(pool_blocks=1500)
+    kwargs = dict(layouts=["v41", "v41_noreplay"], knob="pool_blocks", values=[600, 1500])
+    timing = ("sim_wall_s", "sim_steps_per_s")
+    rows = [lab.sweep(chat, base, **kwargs, workers=w) for w in (1, 2)]
+    assert [[{k: v for k, v in r.items() if k not in timing} for r in x] for x in rows] == [
+        [{k: v for k, v in r.items() if k not in timing} for r in rows[0]]
+    ] * 2
+    with pytest.raises(lab.LabError, match="workers"):
+        lab.sweep(chat, base, workers=0)
 
 
 def test_bounded_replay_and_memory_pressure(pool_sweep):
