@@ -12,6 +12,12 @@ next step; a request that stops by length costs nothing (the scheduler knows it 
 Synchronous scheduling waits for each step before planning the next. Both run the same
 scheduler, runner and sampler, and sample each token with a key fixed by the request and the
 token's position, so they produce the same tokens (the tests check it on random workloads).
+
+Speculative decoding (``speculative_config``, `serving.spec_decode`) runs synchronously: after
+each step the engine asks its proposer for the running requests' drafts (`next_drafts`: n-gram
+lookup on the host, or the DSpark drafts the runner's step made on the device and returned with
+its tokens), the scheduler attaches them to requests that decode next, and the next step
+verifies them.
 """
 
 from __future__ import annotations

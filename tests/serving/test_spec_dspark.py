@@ -84,14 +84,8 @@ def _check_greedy_and_drafts(params, cfg, arrivals, finals, proposals):
 
 
 def _run(params, cfg, arrivals, *, spec=None, aborts=None, record=False, **kw):
-    engine = make_engine(
-        params,
-        cfg,
-        async_scheduling=False,
-        speculative_config=spec,
-        num_gpu_blocks_override=NUM_BLOCKS,
-        **kw,
-    )
+    kw.setdefault("num_gpu_blocks_override", NUM_BLOCKS)
+    engine = make_engine(params, cfg, async_scheduling=False, speculative_config=spec, **kw)
     recorder = None
     if record:
         recorder = engine.proposer = _Recorder(engine.proposer)
@@ -105,15 +99,17 @@ def _tokens(finals):
 
 
 @pytest.mark.parametrize(
-    ("k", "pool_layout", "budget"),
+    ("k", "pool_layout", "budget", "seed", "blocks"),
     [
-        pytest.param(3, "aliased", 32, id="k3-aliased"),
-        pytest.param(1, "separate", 13, id="k1-separate-budget13", marks=pytest.mark.slow),
-        pytest.param(5, "aliased", 32, id="k5-block5", marks=pytest.mark.slow),
+        pytest.param(3, "aliased", 32, 6, NUM_BLOCKS, id="k3-aliased"),
+        pytest.param(
+            1, "separate", 13, 11, NUM_BLOCKS, id="k1-separate-budget13", marks=pytest.mark.slow
+        ),
+        pytest.param(5, "aliased", 32, 6, NUM_BLOCKS, id="k5-block5", marks=pytest.mark.slow),
     ],
 )
 def test_greedy_drafts_equal_drafting_from_scratch(engram_params, engram_cfg, k, pool_layout,
-                                                   budget):  # fmt: skip
+                                                   budget, seed, blocks):  # fmt: skip
     """tiny_v41_full (Engram, 3-stage drafter) on a workload with chunked prefill, prefix hits,
     preemption and an abort, NaN-filled pools: the engine's greedy outputs are the reference's
     greedy tokens (what the engine without speculation decodes, tests/serving/test_engine.py),
@@ -121,12 +117,12 @@ def test_greedy_drafts_equal_drafting_from_scratch(engram_params, engram_cfg, k,
     k = 5 drafts blocks of 5 (the config's dspark_block_size raised: the params do not depend
     on it)."""
     cfg = engram_cfg.replace(dspark_block_size=max(k, engram_cfg.dspark_block_size))
-    arrivals = workload(cfg, 6, num_requests=10)
+    arrivals = workload(cfg, seed, num_requests=10)  # seeds and pools chosen to preempt
     victim = max(arrivals[:4], key=lambda a: a.params.max_tokens)
     aborts = {victim.step + 2: victim.request_id}
     finals, engine, recorder = _run(
         engram_params, cfg, arrivals, spec=_spec(k), aborts=aborts, record=True,
-        pool_layout=pool_layout, max_num_batched_tokens=budget,
+        pool_layout=pool_layout, max_num_batched_tokens=budget, num_gpu_blocks_override=blocks,
     )  # fmt: skip
     st = engine.stats
     assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
