@@ -19,7 +19,14 @@ shards it names. Linear weights are fp8 e4m3 with one e8m0 (power-of-two) scale 
 * `save_pretrained` writes our params in that released format (quantising fp8 tiles and fp4
   groups with power-of-two scales), optionally sharded; `quantize_params_like_checkpoint` gives
   the values a save + load round trip would give, without touching disk.
-* `save_params` / `restore_params` store the float params as they are (orbax), for our own use.
+* ``load_pretrained(path, mesh=)`` builds each param as a global `jax.Array` in its rule-table
+  sharding (`dsv4.sharding.param_shardings`) with `jax.make_array_from_callback`: a process
+  decodes only the slices its own devices hold, straight from the memory maps (fp8 the tiles
+  covering a slice, routed experts only the per-expert tensors in its range), so a multi-host
+  load reads each host's share of the checkpoint and never the whole of it on one host.
+* `save_params` / `restore_params` store the params as they are (orbax), sharded or not,
+  released `QuantisedWeight`s included (codes and scales as arrays, their format in the
+  checkpoint's metadata); ``restore_params(..., mesh=)`` restores into the rule-table shardings.
 
 The low-level codecs (`dequant_fp8`, `dequant_fp4`, `e8m0_to_float`, `quant_fp8`, `quant_fp4`)
 are public so tests can check them on hand-built bytes.
@@ -56,7 +63,13 @@ from dsv4.params import (
     param_specs,
 )
 from dsv4.quant import E2M1_VALUES
-from dsv4.qweights import STORAGE_FORMATS, QuantisedWeight, check_weights_on_device, stored_shapes
+from dsv4.qweights import (
+    STORAGE_FORMATS,
+    QuantisedWeight,
+    check_weights_on_device,
+    released_weight_spec,
+    stored_shapes,
+)
 
 __all__ = [
     "CheckpointError",
@@ -445,18 +458,30 @@ def _checkpoint_files(path: str) -> tuple[list[str], dict[str, str] | None]:
             by_file[fname].append(name)
         missing = [f for f in sorted(by_file) if not os.path.isfile(os.path.join(path, f))]
         if missing:
-            lines = [
-                f"{f} (holds {len(by_file[f])} tensors, e.g. {sorted(by_file[f])[0]})"
-                for f in missing
-            ]
             raise CheckpointError(
-                f"{index} names shard files missing from {path}:\n  " + "\n  ".join(lines)
+                f"{index} names shard files missing from {path}{_on_process()}:\n  "
+                + "\n  ".join(f"{f} (holds {_listed(by_file[f])})" for f in missing)
             )
         return [os.path.join(path, f) for f in sorted(by_file)], wmap
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
         return [single], None
     raise CheckpointError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}")
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    """``n tensors: a, b, ...`` with the first ``most`` names (sorted) and the count of the rest."""
+    names = sorted(names)
+    shown = ", ".join(names[:most])
+    more = f", ... and {len(names) - most} more" if len(names) > most else ""
+    return f"{len(names)} tensor{'' if len(names) == 1 else 's'}: {shown}{more}"
+
+
+def _on_process() -> str:
+    """`` on process k of n`` when JAX runs several processes (else nothing): which host of a
+    multi-host load lacks a file."""
+    n = jax.process_count()
+    return f" on process {jax.process_index()} of {n}" if n > 1 else ""
 
 
 def _format_problems(title: str, groups: list[tuple[str, list[str]]]) -> str:
@@ -549,11 +574,21 @@ def _index_checkpoint(
 # -- loading ---------------------------------------------------------------------------------
 
 
+# numpy views of the stored dtypes for slicing a tensor in place (1-byte codes stay raw bytes)
+_VIEW = {"BF16": ml_dtypes.bfloat16, "F32": np.dtype("<f4")}
+
+# Tests set this to a list to see what a sharded load reads: one (param, slice, tensor, bytes)
+# tuple per slice copied out of a memory map (slice: ((start, stop), ...) of the param's leaf).
+_read_log: list[tuple[str, tuple[tuple[int, int], ...], str, int]] | None = None
+
+
 class _Files:
     """Read-only memory maps of the checkpoint's files, opened on first use."""
 
     def __init__(self) -> None:
         self._maps: dict[str, np.memmap] = {}
+        self.log = _read_log
+        self.context: tuple[str, tuple[tuple[int, int], ...]] | None = None
 
     def raw(self, e: _Entry) -> np.ndarray:
         """The entry's bytes as a uint8 view of the memory map, shaped like the tensor for
@@ -564,6 +599,15 @@ class _Files:
         if mm is None:
             mm = self._maps[e.file] = np.memmap(e.file, dtype=np.uint8, mode="r")
         return mm[e.start : e.start + e.nbytes]
+
+    def read(self, e: _Entry, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        """A copy of the tensor's values at ``index`` (slices over its stored ``shape``): only
+        those bytes of the map are touched (1-byte dtypes as raw uint8)."""
+        view = self.raw(e).view(_VIEW.get(e.dtype, np.uint8)).reshape(shape)
+        out = np.array(view[index])
+        if self.log is not None and self.context is not None:
+            self.log.append((*self.context, e.name, out.nbytes))
+        return out
 
     def close(self) -> None:
         self._maps.clear()
@@ -594,6 +638,198 @@ def _decode(
     if weight.dtype == "BF16":
         return raw.view(ml_dtypes.bfloat16).reshape(weight.shape)
     return raw.view("<f4").reshape(weight.shape)
+
+
+# -- sharded loading -------------------------------------------------------------------------
+
+Bounds = tuple[tuple[int, int], ...]  # (start, stop) per dim of a shard's slice
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
+    """A shard's index (slices, as `jax.make_array_from_callback` gives it) as (start, stop)."""
+    out = []
+    for k, size in enumerate(shape):
+        sl = index[k] if k < len(index) else slice(None)
+        start, stop, step = sl.indices(size)
+        if step != 1:  # pragma: no cover - shardings give contiguous blocks
+            raise CheckpointError(f"shard index {index} has a step; expected contiguous slices")
+        out.append((start, stop))
+    return tuple(out)
+
+
+def _slices(bounds: Bounds) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in bounds)
+
+
+def _covering(lo: int, hi: int, block: int, size: int) -> tuple[slice, slice, slice]:
+    """The whole blocks covering [lo, hi) of a dim of ``size``: (their elements, their block
+    indices, [lo, hi) within those elements)."""
+    b0, b1 = lo // block, max(-(-hi // block), lo // block)
+    start = b0 * block
+    return slice(start, min(b1 * block, size)), slice(b0, b1), slice(lo - start, hi - start)
+
+
+def _decode_slice(
+    files: _Files,
+    cfg: ModelConfig,
+    weight: CheckpointTensor,
+    scale: CheckpointTensor | None,
+    entries: Mapping[str, _Entry],
+    bounds: Bounds,
+) -> np.ndarray:
+    """`_decode` of the rows / columns ``bounds`` of one stored tensor, reading only them: fp8
+    the tiles that cover them with their scales, FP4 and Engram tables the rows (all their
+    inputs: no rule splits those), the rest the slice itself. Equal to ``_decode(...)[bounds]``
+    bit for bit: every decoder is elementwise."""
+    e = entries[weight.name]
+    where = f"{weight.name} (in {os.path.basename(e.file)})"
+    if weight.storage not in (Storage.FP8, Storage.FP4, Storage.FP8_ROWS):
+        return files.read(e, weight.shape, _slices(bounds))
+    s = entries[scale.name]
+    swhere = f"{scale.name} (in {os.path.basename(s.file)})"
+    blk = cfg.fp8_block_size
+    (r0, r1), (c0, c1) = bounds
+    if weight.storage is Storage.FP8:
+        rows, trows, rcrop = _covering(r0, r1, blk, weight.shape[0])
+        cols, tcols, ccrop = _covering(c0, c1, blk, weight.shape[1])
+        raw = files.read(e, weight.shape, (rows, cols))
+        sraw = files.read(s, scale.shape, (trows, tcols))
+        return dequant_fp8(raw, sraw, blk, where, swhere)[rcrop, ccrop]
+    raw = files.read(e, weight.shape, (slice(r0, r1), slice(None)))
+    sraw = files.read(s, scale.shape, (slice(r0, r1), slice(None)))
+    if weight.storage is Storage.FP8_ROWS:
+        return dequant_fp8_rows(raw, sraw, blk, where, swhere)[:, c0:c1]
+    return dequant_fp4(raw, sraw, where, swhere)[:, c0:c1]
+
+
+def _released_slice(
+    files: _Files,
+    role: str,
+    pairs: Mapping[int | None, Mapping[str, CheckpointTensor]],
+    entries: Mapping[str, _Entry],
+    bounds: Bounds,
+    check_e4m3: bool,
+) -> np.ndarray:
+    """The codes (``role`` "weight") or e8m0 scales ("scale") of a quantised param at
+    ``bounds`` of the stored leaf (a leading expert dim for stacked experts: only the per-expert
+    tensors in its range are read), checked for NaN codes as `_load_released` checks them."""
+    stacked = None not in pairs
+    parts = range(*bounds[0]) if stacked else [None]
+    rest = bounds[1:] if stacked else bounds
+    out = []
+    for expert in parts:
+        t = pairs[expert][role]
+        e = entries[t.name]
+        raw = files.read(e, t.shape, _slices(rest))
+        where = f"{t.name} (in {os.path.basename(e.file)})"
+        if role == "scale":
+            _check_e8m0(raw, where)
+        elif check_e4m3:
+            _check_e4m3(raw, where)
+        out.append(raw)
+    return np.stack(out) if stacked else out[0]
+
+
+def _resolve_mesh(mesh: Any, caller: str = "load_pretrained") -> jax.sharding.Mesh:
+    """A `jax.sharding.Mesh` with the rule table's axes, or a mapping of axis sizes for
+    `dsv4.sharding.make_mesh`; anything else is a ValueError naming it."""
+    from dsv4.sharding import AXES, make_mesh
+
+    if isinstance(mesh, Mapping):
+        unknown = sorted(set(mesh) - set(AXES))
+        if unknown:
+            raise ValueError(
+                f"{caller}(mesh={dict(mesh)!r}): unknown axes {unknown}; allowed: "
+                + ", ".join(AXES)
+            )
+        try:
+            return make_mesh(**mesh)
+        except ValueError as exc:
+            raise ValueError(f"{caller}(mesh={dict(mesh)!r}): {exc}") from None
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(
+            f"{caller}(mesh={mesh!r}): expected a jax.sharding.Mesh (dsv4.sharding."
+            "make_mesh) or a mapping of axis sizes such as {'expert': 8}"
+        )
+    lacking = [a for a in ("expert", "model") if a not in mesh.axis_names]
+    if lacking:
+        raise ValueError(
+            f"{caller}: the mesh's axes {mesh.axis_names} lack {lacking}; the rule "
+            f"table splits over {AXES} (dsv4.sharding.make_mesh builds such a mesh)"
+        )
+    return mesh
+
+
+def _from_callback(
+    files: _Files,
+    pname: str,
+    shape: tuple[int, ...],
+    sharding: jax.sharding.NamedSharding,
+    dtype: np.dtype,
+    read: Any,
+) -> jax.Array:
+    """`jax.make_array_from_callback` over ``read(bounds) -> np.ndarray``, each distinct slice
+    read once (devices that hold the same slice share it), the reads logged under ``pname``."""
+    done: dict[Bounds, np.ndarray] = {}
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        key = _bounds(index, shape)
+        if key not in done:
+            files.context = (pname, key)
+            done[key] = np.asarray(read(key), dtype)
+            files.context = None
+        return done[key]
+
+    return jax.make_array_from_callback(shape, sharding, callback, dtype=dtype)
+
+
+def _load_sharded(
+    files: _Files,
+    cfg: ModelConfig,
+    pname: str,
+    spec,
+    tensors: list[CheckpointTensor],
+    entries: Mapping[str, _Entry],
+    target: np.dtype,
+    released: bool,
+    sharding: Any,
+) -> Any:
+    """One param as global arrays in ``sharding`` (a `NamedSharding`, or a `QuantisedWeight` of
+    them for a released weight), each process decoding only its devices' slices."""
+    pairs: dict[int | None, dict[str, CheckpointTensor]] = collections.defaultdict(dict)
+    for t in tensors:
+        pairs[t.expert][t.role] = t
+    fmt = STORAGE_FORMATS.get(spec.storage)
+    if released and fmt is not None:
+        vshape, vdtype, sshape = stored_shapes(fmt, spec.shape, cfg.fp8_block_size)
+        leaves = []
+        for role, shape, dt, sh in (
+            ("weight", vshape, vdtype, sharding.values),
+            ("scale", sshape, np.dtype(np.uint8), sharding.scales),
+        ):
+
+            def read(bounds, role=role, dt=dt):
+                raw = _released_slice(files, role, pairs, entries, bounds, fmt != "fp4")
+                return raw.view(np.uint8).view(dt)
+
+            leaves.append(_from_callback(files, pname, shape, sh, dt, read))
+        return QuantisedWeight(
+            *leaves, format=fmt, shape=spec.shape, dtype=target, block=cfg.fp8_block_size
+        )
+    stacked = None not in pairs
+
+    def read(bounds):
+        out = np.empty([b - a for a, b in bounds], target)
+        if not stacked:
+            ts = pairs[None]
+            out[...] = _decode_slice(files, cfg, ts["weight"], ts.get("scale"), entries, bounds)
+            return out
+        for k, expert in enumerate(range(*bounds[0])):
+            ts = pairs[expert]
+            out[k] = _decode_slice(files, cfg, ts["weight"], ts.get("scale"), entries, bounds[1:])
+        return out
+
+    return _from_callback(files, pname, spec.shape, sharding, target, read)
 
 
 # Checkpoints that ship inside the package, in the released format (`shipped_checkpoint`).
@@ -627,6 +863,7 @@ def load_pretrained(
     progress: bool = True,
     engram_tables: str = "auto",
     weights_on_device: str = "dequantised",
+    mesh: Any = None,
 ) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """Load a released-format checkpoint directory into ``(config, params)``.
 
@@ -648,10 +885,24 @@ def load_pretrained(
     wrong shape, corrupt byte ranges, inconsistent index) is reported in one `CheckpointError`
     (a ValueError) before any value is read; tensors of the vision tower and the image router
     bias (and of Engram / DSpark when the config has none) are skipped with one log line.
-    Files are memory-mapped and read one tensor at a time."""
+    Files are memory-mapped and read one tensor at a time.
+
+    ``mesh`` (a `jax.sharding.Mesh` with the axes of `dsv4.sharding.make_mesh`, or a mapping
+    of axis sizes for it such as ``{"expert": 8}``): every param becomes a global `jax.Array`
+    in its rule-table sharding (`dsv4.sharding.param_shardings`), built by
+    `jax.make_array_from_callback`: each process decodes only the slices its own devices hold,
+    straight from the memory maps (fp8: the tiles covering the slice and their scales; routed
+    experts: only the per-expert tensors in the slice's range; released weights: the slices of
+    codes and scales), each distinct slice once. The result equals
+    ``shard_params(load_pretrained(path, ...), cfg, mesh)`` bit for bit. Every process still
+    reads all headers and checks the whole structure first, so a shard file missing on one
+    process fails there, naming the file and its tensors, before any value is read. A mesh that
+    needs more devices than are present, an axis that does not divide a tensor, or a mesh
+    without the rule table's axes is a ValueError naming the sizes / the tensor."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
+    mesh = None if mesh is None else _resolve_mesh(mesh)
     if engram_tables not in ("auto", "device", "host"):
         raise CheckpointError(
             f"engram_tables={engram_tables!r}: expected 'auto', 'device' or 'host'"
@@ -679,6 +930,7 @@ def load_pretrained(
     for t in expected:
         by_param[t.param].append(t)
     specs = param_specs(cfg)
+    shardings = None if mesh is None else _abstract_shardings(cfg, mesh, released, np_dtype)
     # the tokenizer is checked against the config before any tensor is read
     token_map = engram_token_map(path, cfg) if cfg.engram_layer_ids else None
     files = _Files()
@@ -687,7 +939,12 @@ def load_pretrained(
     try:
         for pname, spec in specs.items():
             if spec.storage is Storage.DERIVED:
-                params[pname] = jnp.asarray(token_map)
+                if mesh is None:
+                    params[pname] = jnp.asarray(token_map)
+                else:
+                    params[pname] = jax.make_array_from_callback(
+                        token_map.shape, shardings[pname], lambda i: token_map[i]
+                    )
                 continue
             stored = np.dtype(np.uint8) if released else np_dtype  # an Engram table's bytes
             if spec.storage is Storage.FP8_ROWS and _on_host(engram_tables, spec, stored):
@@ -700,6 +957,21 @@ def load_pretrained(
                     pname,
                 )
                 bar.update(2)
+                continue
+            if mesh is not None:
+                target = np.float32 if spec.storage is Storage.F32 else np_dtype
+                params[pname] = _load_sharded(
+                    files,
+                    cfg,
+                    pname,
+                    spec,
+                    by_param[pname],
+                    entries,
+                    target,
+                    released,
+                    shardings[pname],
+                )
+                bar.update(len(by_param[pname]))
                 continue
             if released and spec.storage in STORAGE_FORMATS:
                 params[pname] = _load_released(files, cfg, spec, by_param[pname], entries, np_dtype)
@@ -757,6 +1029,20 @@ def _load_released(
         dtype=dtype,
         block=cfg.fp8_block_size,
     )
+
+
+def _abstract_shardings(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh, released: bool, dtype: np.dtype
+) -> dict[str, Any]:
+    """`dsv4.sharding.param_shardings` of the params `load_pretrained` builds (a
+    `QuantisedWeight` of shardings for a released weight), from shapes alone."""
+    from dsv4.sharding import param_shardings
+
+    abstract: dict[str, Any] = {}
+    for name, spec in param_specs(cfg).items():
+        w = released_weight_spec(spec, dtype, cfg.fp8_block_size) if released else None
+        abstract[name] = w if w is not None else jax.ShapeDtypeStruct(spec.shape, dtype)
+    return param_shardings(abstract, cfg, mesh)
 
 
 def _on_host(where: str, spec, dtype: np.dtype) -> bool:
@@ -985,21 +1271,33 @@ def quantize_params_like_checkpoint(
 def save_params(
     params: Mapping[str, Any], path: str | os.PathLike[str], *, overwrite: bool = False
 ) -> None:
-    """Save the params unchanged (names, shapes, dtypes, exact values) with orbax's
-    StandardCheckpointer. ``path`` must not exist unless ``overwrite``. Float params only:
-    released params (`dsv4.qweights.QuantisedWeight`s) are refused with a ValueError naming
-    one; `save_pretrained` writes their bytes as they are."""
+    """Save the params unchanged (names, shapes, dtypes, exact values, and their shardings)
+    with orbax's StandardCheckpointer. ``path`` must not exist unless ``overwrite``.
+
+    Sharded params (global `jax.Array`s, e.g. of ``load_pretrained(..., mesh=)``) are written
+    by the processes that hold their shards (every process must call this, as orbax requires).
+    A released weight (`dsv4.qweights.QuantisedWeight`) is stored as its two arrays, codes
+    (float8_e4m3fn for fp8, uint8 for fp4) and uint8 scales, under ``<name>/values`` and
+    ``<name>/scales``; its format, logical shape, dtype and block go in the checkpoint's custom
+    metadata, from which `restore_params` rebuilds it."""
     import orbax.checkpoint as ocp
 
-    quantised = [n for n, w in params.items() if isinstance(w, QuantisedWeight)]
-    if quantised:
-        raise CheckpointError(
-            f"save_params stores float arrays; {quantised[0]} (and {len(quantised) - 1} more) "
-            "is a QuantisedWeight: use save_pretrained, or qweights.dequantise_params first"
-        )
+    tree: dict[str, Any] = {}
+    quantised: dict[str, dict[str, Any]] = {}
+    for name, w in params.items():
+        if isinstance(w, QuantisedWeight):
+            tree[name] = {"values": w.values, "scales": w.scales}
+            quantised[name] = {
+                "format": w.format,
+                "shape": list(w.shape),
+                "dtype": w.dtype.name,
+                "block": w.block,
+            }
+        else:
+            tree[name] = w
     path = os.path.abspath(os.fspath(path))
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path, dict(params), force=overwrite)
+    ckptr.save(path, tree, force=overwrite, custom_metadata={"quantised": quantised})
     ckptr.wait_until_finished()
 
 
@@ -1008,13 +1306,17 @@ def restore_params(
     *,
     cfg: ModelConfig | None = None,
     dtype: Any = None,
-) -> dict[str, jax.Array]:
-    """Restore params written by `save_params` onto the default device.
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict[str, Any]:
+    """Restore params written by `save_params`: onto the default device, or with ``mesh``
+    straight into their rule-table shardings (`dsv4.sharding.param_shardings` on that mesh;
+    each process reads the shards its devices hold), `QuantisedWeight`s rebuilt as saved.
 
-    With ``cfg`` the saved names and shapes are first checked against ``param_specs(cfg)`` and
-    every difference is reported in one `CheckpointError`. ``dtype`` casts the restored values;
-    with ``cfg`` the tensors the released checkpoint stores as F32 stay float32, without ``cfg``
-    every float tensor is cast.
+    With ``cfg`` the saved names and (logical) shapes are first checked against
+    ``param_specs(cfg)`` and every difference is reported in one `CheckpointError`. ``dtype``
+    casts the restored float arrays and is what a restored `QuantisedWeight` stands for (its
+    codes and scales are kept); with ``cfg`` the tensors the released checkpoint stores as F32
+    stay float32, without ``cfg`` every float array is cast.
     """
     import orbax.checkpoint as ocp
 
@@ -1022,32 +1324,69 @@ def restore_params(
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such orbax checkpoint directory")
     ckptr = ocp.StandardCheckpointer()
-    tree = ckptr.metadata(path).item_metadata.tree
+    meta = ckptr.metadata(path)
+    tree = meta.item_metadata.tree
     if not isinstance(tree, Mapping):
         raise CheckpointError(f"{path}: expected a flat dict of arrays, found {type(tree)}")
+    quantised = (meta.custom_metadata or {}).get("quantised", {})
+    shapes = {
+        n: tuple(quantised[n]["shape"]) if n in quantised else tuple(m.shape)
+        for n, m in tree.items()
+    }
     if cfg is not None:
         specs = param_specs(cfg)
         missing = [n for n in specs if n not in tree]
         unexpected = [n for n in tree if n not in specs]
         wrong = [
-            f"{n}: config expects {list(specs[n].shape)}, saved {list(tree[n].shape)}"
+            f"{n}: config expects {list(specs[n].shape)}, saved {list(shapes[n])}"
             for n in specs
-            if n in tree and tuple(tree[n].shape) != specs[n].shape
+            if n in tree and shapes[n] != specs[n].shape
         ]
         groups = [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
         if missing or unexpected or wrong:
             raise CheckpointError(
                 _format_problems(f"orbax checkpoint {path} does not match the config", groups)
             )
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = {
-        n: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding) for n, m in tree.items()
+    abstract: dict[str, Any] = {}
+    for n, m in tree.items():
+        if n in quantised:
+            q = quantised[n]
+            abstract[n] = QuantisedWeight(
+                jax.ShapeDtypeStruct(tuple(m["values"].shape), m["values"].dtype),
+                jax.ShapeDtypeStruct(tuple(m["scales"].shape), m["scales"].dtype),
+                format=q["format"],
+                shape=tuple(q["shape"]),
+                dtype=jnp.dtype(q["dtype"]) if dtype is None else dtype,
+                block=q["block"],
+            )
+        else:
+            abstract[n] = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype)
+    if mesh is None:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: single, abstract)
+    else:
+        from dsv4.sharding import param_shardings
+
+        shardings = param_shardings(abstract, cfg, _resolve_mesh(mesh, "restore_params"))
+    target = jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings
+    )
+    as_saved = {
+        n: {"values": w.values, "scales": w.scales} if isinstance(w, QuantisedWeight) else w
+        for n, w in target.items()
     }
-    params = dict(ckptr.restore(path, abstract))
-    if dtype is not None:
-        specs = param_specs(cfg) if cfg is not None else {}
-        for n, x in params.items():
-            keep = n in specs and specs[n].storage is Storage.F32
-            if not keep and jnp.issubdtype(x.dtype, jnp.floating):
-                params[n] = x.astype(dtype)
+    restored = ckptr.restore(path, as_saved)
+    params: dict[str, Any] = {}
+    specs = param_specs(cfg) if cfg is not None else {}
+    for n, w in target.items():
+        x = restored[n]
+        if isinstance(w, QuantisedWeight):
+            params[n] = QuantisedWeight.tree_unflatten(
+                w.tree_flatten()[1], (x["values"], x["scales"])
+            )
+            continue
+        keep = n in specs and specs[n].storage is Storage.F32
+        if dtype is not None and not keep and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(dtype)
+        params[n] = x
     return params

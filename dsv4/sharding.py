@@ -25,8 +25,12 @@ A dimension an axis does not divide is refused with an error naming the tensor, 
 axis (pick a mesh whose ``model`` divides the heads, index heads, output groups and vocabulary,
 and whose ``expert`` divides the routed experts).
 
+``dsv4.load_pretrained(path, mesh=)`` places each param straight into these shardings, every
+process decoding only its devices' slices of the checkpoint (`param_shardings` of the abstract
+params gives them).
+
 Not here yet (the scale-out issue): the cache pools' and step inputs' specs over ``data``,
-expert parallelism with a real token dispatch (all-to-all), and sharded loading.
+expert parallelism with a real token dispatch (all-to-all).
 """
 
 from __future__ import annotations
