@@ -6,6 +6,7 @@ Usage::
     python -m benchmarks.sharding                          # v5p-16, the planner's default mesh
     python -m benchmarks.sharding --chips h200x8 --no-compile
     python -m benchmarks.sharding --table                  # the README's table (markdown)
+    JAX_PLATFORMS=cpu python -m benchmarks.sharding --no-reference --describe  # step compiles
 
 It prints ONE JSON line:
 
@@ -26,7 +27,18 @@ It prints ONE JSON line:
   ``weights_ratio`` (above 1 by XLA:TPU's tile padding of small tensors: norms, sinks,
   biases). ``temp_size_in_bytes`` is the reference's own dense math (every expert on every
   token, full causal attention), reported, not compared: the planner's activation estimate is
-  the serving step's. ``"skipped"`` with the reason when libtpu is absent or ``--no-compile``.
+  the serving step's. ``"skipped"`` with the reason when libtpu is absent, ``--no-compile`` or
+  ``--no-reference``;
+* ``compiled_step``: `dsv4.compiled_step.compiled_step_memory` for each ``--step``
+  ``TARGET/WEIGHTS`` (default: v5p 2x2x2 and eight H100s, released and bf16 weights): the
+  sharded paged step (real kernels, expert dispatch under ``jax.set_mesh``, pools replicated)
+  of `dsv4.compiled_step.reduced_flash_roles` (12 layers, two of every attention role, 384
+  experts, released widths) over ``--step-mesh`` for ``--step-seqs`` requests of
+  ``--step-len`` tokens and ``--step-tokens`` tokens a step, compiled without devices; XLA's
+  per-device arguments, outputs, temporaries and code beside the planner's weights, KV and
+  activations (`dsv4.plan.plan` of the same model, mesh and sizes), with their ratios. A target
+  whose compiler package is absent is ``{"skipped": why}``. Run with ``JAX_PLATFORMS=cpu``
+  (the CUDA plugin then skips its check for CUDA libraries).
 
 The README's table (``--table``) is the planner's rows for v5e, v6e, v5p and H200 slices.
 """
@@ -55,6 +67,35 @@ TABLE_SLICES = (
 )
 TOPOLOGY = "v5p:2x2x2"  # 8 v5p chips
 COMPILE_MESH = P.MeshAxes(data=1, expert=4, model=2)  # both weight-splitting axes
+STEP = (
+    "tpu:v5p:2x2x2/released",
+    "tpu:v5p:2x2x2/bf16",
+    "h100x8/released",
+    "h100x8/bf16",
+)
+STEP_SIZES = {"max_num_seqs": 16, "max_model_len": 65_536, "num_tokens": 256}
+
+
+def _target_weights(item: str) -> tuple[str, str]:
+    target, sep, weights = item.rpartition("/")
+    if not sep or weights not in ("released", "bf16"):
+        raise ValueError(f"--step {item!r}: expected TARGET/released or TARGET/bf16")
+    return target, weights
+
+
+def compiled_step(
+    target: str, weights: str, mesh: P.MeshAxes = COMPILE_MESH, **sizes: int
+) -> dict[str, Any]:
+    """`dsv4.compiled_step.compiled_step_memory` of `reduced_flash_roles` on ``target``, or
+    ``{"skipped": why}`` when its compiler package (libtpu, the CUDA plugin) is absent."""
+    from dsv4 import compiled_step as C
+
+    package = "jax_plugins.xla_cuda12" if target == C.H100X8 else "libtpu"
+    if importlib.util.find_spec(package) is None:
+        return {"target": target, "skipped": f"{package} not installed (pip install -e '.[aot]')"}
+    return C.compiled_step_memory(
+        C.reduced_flash_roles(), mesh, target=target, weights=weights, **(STEP_SIZES | sizes)
+    )
 
 
 def run(
@@ -67,6 +108,10 @@ def run(
     topology: str = TOPOLOGY,
     compile_mesh: P.MeshAxes = COMPILE_MESH,
     compile_cfg: ModelConfig | None = None,
+    reference: bool = True,
+    step: tuple[str, ...] = STEP,
+    step_mesh: P.MeshAxes = COMPILE_MESH,
+    step_sizes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The JSON line's dict (module docstring)."""
     t0 = time.perf_counter()
@@ -88,11 +133,19 @@ def run(
     }
     if not compile_:
         out["compiled"] = {"skipped": "--no-compile"}
+    elif not reference:
+        out["compiled"] = {"skipped": "--no-reference"}
     elif importlib.util.find_spec("libtpu") is None:
         out["compiled"] = {"skipped": "libtpu not installed (pip install -e '.[aot]')"}
     else:
         cfg_c = compile_cfg or P.reduced_flash()
         out["compiled"] = P.compiled_memory(cfg_c, compile_mesh, topology=topology)
+    if not compile_:
+        out["compiled_step"] = {"skipped": "--no-compile"}
+    else:
+        out["compiled_step"] = [
+            compiled_step(*_target_weights(item), step_mesh, **(step_sizes or {})) for item in step
+        ]
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
 
@@ -112,6 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip XLA's compiled figures")
     ap.add_argument("--topology", default=TOPOLOGY, help="libtpu topology of the compile")
     ap.add_argument("--compile-mesh", default=str(COMPILE_MESH), help="mesh of the compile")
+    ap.add_argument(
+        "--no-reference", action="store_true", help="skip the reference.forward compile"
+    )
+    ap.add_argument(
+        "--step",
+        default=",".join(STEP),
+        help="TARGET/WEIGHTS,... of the paged-step compiles ('' for none)",
+    )
+    ap.add_argument("--step-mesh", default=str(COMPILE_MESH), help="mesh of the step compiles")
+    ap.add_argument("--step-seqs", type=int, default=STEP_SIZES["max_num_seqs"])
+    ap.add_argument("--step-len", type=int, default=STEP_SIZES["max_model_len"])
+    ap.add_argument("--step-tokens", type=int, default=STEP_SIZES["num_tokens"])
+    ap.add_argument(
+        "--describe",
+        action="store_true",
+        help="after the JSON line, each paged-step compile in words (dsv4.compiled_step.describe)",
+    )
     ap.add_argument("--table", action="store_true", help="print the README's markdown table")
     args = ap.parse_args(argv)
     try:
@@ -127,11 +197,34 @@ def main(argv: list[str] | None = None) -> int:
             compile_=not args.no_compile,
             topology=args.topology,
             compile_mesh=P.parse_mesh(args.compile_mesh),
+            reference=not args.no_reference,
+            step=tuple(x for x in args.step.split(",") if x and _target_weights(x)),
+            step_mesh=P.parse_mesh(args.step_mesh),
+            step_sizes={
+                "max_num_seqs": args.step_seqs,
+                "max_model_len": args.step_len,
+                "num_tokens": args.step_tokens,
+            },
         )
     except ValueError as exc:
         ap.error(str(exc))
     print(json.dumps(res, sort_keys=True))
+    if args.describe:
+        print(describe_steps(res))
     return 0
+
+
+def describe_steps(res: dict[str, Any]) -> str:
+    """The JSON line's paged-step compiles in words, one block each (skipped ones named)."""
+    from dsv4.compiled_step import describe
+
+    steps = res.get("compiled_step", [])
+    if isinstance(steps, dict):
+        return f"paged-step compiles skipped: {steps['skipped']}"
+    return "\n".join(
+        describe(s) if "skipped" not in s else f"{s['target']}: skipped: {s['skipped']}"
+        for s in steps
+    )
 
 
 if __name__ == "__main__":

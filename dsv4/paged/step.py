@@ -27,7 +27,10 @@ slot of -1 writes nothing; an out-of-range id reads NaN, and the builder's debug
 it).
 Caches are whatever `dsv4.paged.pools` holds (aliased or separate pools of f32 / bf16 / fp8 /
 FP4 records); the attention math runs through `pallas_kernels` (the jnp references on CPU, the
-Pallas kernels on TPU and GPU).
+Pallas kernels on TPU and GPU). Under an ambient mesh of more than one device (`jax.set_mesh`)
+each kernel runs inside a `jax.shard_map` (XLA cannot partition a Pallas call): the window and
+sparse attention with their heads split over ``model``, the indexer and the compressor whole on
+every device (`_local_kernel`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cache_name
 from dsv4 import engram
@@ -62,6 +66,49 @@ __all__ = [
 def _quantised(layout, kind: str) -> bool:
     """Whether the cache records of this kind already quantise (so the step must not QDQ)."""
     return layout.formats.record(kind) not in ("f32", "bf16")
+
+
+def _local_kernel(kernel, args: tuple, kwargs: dict, heads: dict | None = None):
+    """``kernel(*args, **kwargs)``, inside a `jax.shard_map` over the ambient mesh when there is
+    one of more than one device (`jax.set_mesh`): XLA's SPMD partitioner cannot partition a
+    Pallas call (Mosaic or Triton custom call), so in a sharded program each device runs the
+    kernel on its own operands. ``heads`` maps an argument (its position, or a keyword's name)
+    to its head dim: those arguments, and every output at dim 1, are split over ``model`` when
+    it divides the heads of ``args[0]`` (attention is independent per head: each device runs
+    its heads against the whole, replicated pages); everything else is replicated (each device
+    runs the whole kernel: the indexer, whose top-k reads the sum over its heads, and the
+    compressor). Without such a mesh the kernel is called as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel(*args, **kwargs)
+    model = dict(mesh.shape).get("model", 1)
+    split = bool(heads) and model > 1 and args[0].shape[1] % model == 0
+    heads = {str(k): d for k, d in (heads or {}).items()}  # pytree dict keys: one type
+    named = {str(i): a for i, a in enumerate(args)} | kwargs
+
+    def is_operand(v) -> bool:
+        leaves = jax.tree.leaves(v)
+        return bool(leaves) and all(isinstance(leaf, jax.Array) for leaf in leaves)
+
+    operands = {k: v for k, v in named.items() if is_operand(v)}
+
+    def spec(key):
+        d = heads.get(key)
+        return PartitionSpec() if not split or d is None else PartitionSpec(*[None] * d, "model")
+
+    def body(local):
+        merged = named | local
+        return kernel(*(merged[str(i)] for i in range(len(args))), **{k: merged[k] for k in kwargs})
+
+    return jax.shard_map(
+        body,
+        in_specs=({k: jax.tree.map(lambda _, k=k: spec(k), v) for k, v in operands.items()},),
+        out_specs=PartitionSpec(None, "model") if split else PartitionSpec(),
+        check_vma=False,
+    )(operands)
+
+
+_HEADS = {0: 1, 5: 0}  # window / sparse attention: q [T, H, D], sink [H]
 
 
 def _attention(
@@ -105,7 +152,9 @@ def _attention(
         **kern,
     )
     if not r:
-        o = window_attention(q, swa_pages, swa_table, tok_req, pos, sink, **win_kwargs)
+        o = _local_kernel(
+            window_attention, (q, swa_pages, swa_table, tok_req, pos, sink), win_kwargs, _HEADS
+        )
         return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
     src = info.kv_source
@@ -138,39 +187,31 @@ def _attention(
                 candidate_topk_blocks=cfg.candidate_topk_blocks,
                 candidates=shared["candidates"],
             )
-        out = indexer_topk(
-            qi.astype(x.dtype),
-            w.astype(jnp.float32),
-            ikey_pages,
-            ikey_table,
-            tok_req,
-            pos,
-            visible,
-            **kw,
-        )
+        out = _local_kernel(
+            indexer_topk,
+            (qi.astype(x.dtype), w.astype(jnp.float32), ikey_pages, ikey_table, tok_req, pos,
+             visible),
+            kw,
+        )  # fmt: skip
         if info.is_candidate_source:
             shared["topk"], shared["candidates"] = out
         else:
             shared["topk"] = out
-    state = window_attention(
-        q, swa_pages, swa_table, tok_req, pos, sink, return_state=True, **win_kwargs
+    state = _local_kernel(
+        window_attention,
+        (q, swa_pages, swa_table, tok_req, pos, sink),
+        dict(win_kwargs, return_state=True),
+        _HEADS,
     )
     # entries closed in this step were written by _compress above, so they are visible here
     comp_pages, comp_table = P.read_for_table(
         layout, pools, comp_name, batch.block_tables[g_comp], dtype=q.dtype
     )
-    o = sparse_attention(
-        q,
-        comp_pages,
-        comp_table,
-        tok_req,
-        pos,
-        shared["topk"],
-        sink,
-        entries_per_block=e_comp,
-        scale=scale,
-        state=state,
-        **kern,
+    o = _local_kernel(
+        sparse_attention,
+        (q, comp_pages, comp_table, tok_req, pos, shared["topk"], sink),
+        dict(entries_per_block=e_comp, scale=scale, state=state, **kern),
+        {0: 1, 6: 0, "state": 1},
     )
     return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
@@ -187,10 +228,11 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
     # gets no slots and no pages, and gives the latents in the activation dtype
     if r == 1:
         kv = L.linear(x, params, a + "compressor.wkv.weight", cfg)
-        latent, _, _ = compressor(
-            kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
-            inv_freq, None, None, None, None, ratio=1, eps=cfg.norm_eps, latent_dtype=x.dtype,
-            **kern,
+        latent, _, _ = _local_kernel(
+            compressor,
+            (kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
+             inv_freq, None, None, None, None),
+            dict(ratio=1, eps=cfg.norm_eps, latent_dtype=x.dtype, **kern),
         )  # fmt: skip
     else:
         xf = x.astype(jnp.float32)
@@ -206,10 +248,11 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         # the ring rows are read before this chunk's rows overwrite them: the writes wait for
         # the read, so XLA updates the pool in place instead of copying all of it first
         ring, ring_block, pools = jax.lax.optimization_barrier((ring, ring_block, pools))
-        latent, _, _ = compressor(
-            kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
-            inv_freq, None, ring_block, None, ring, ratio=2, eps=cfg.norm_eps,
-            latent_dtype=x.dtype, **kern,
+        latent, _, _ = _local_kernel(
+            compressor,
+            (kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
+             inv_freq, None, ring_block, None, ring),
+            dict(ratio=2, eps=cfg.norm_eps, latent_dtype=x.dtype, **kern),
         )  # fmt: skip
         pools = P.write_ring(layout, pools, rname, batch.ring_slots[g_ring], kv)
     latent = latent.astype(x.dtype)

@@ -33,7 +33,7 @@ def test_json_line_has_planner_and_collective_figures(capsys):
     )
     coll = out["collective_bytes_per_decode_step_per_chip"]
     assert coll["total"] == sum(v for k, v in coll.items() if k != "total") > 0
-    assert out["compiled"] == {"skipped": "--no-compile"}
+    assert out["compiled"] == out["compiled_step"] == {"skipped": "--no-compile"}
 
 
 def test_table_rows_are_the_planners(capsys):
@@ -70,8 +70,24 @@ def test_compiled_weights_match_the_planner_fast():
 @requires_libtpu
 @pytest.mark.slow
 def test_compiled_weights_match_the_planner_reduced_flash(capsys):
-    assert sharding.main(["--chips", "v5p-16"]) == 0
+    assert sharding.main(["--chips", "v5p-16", "--step", ""]) == 0
     out = json.loads(capsys.readouterr().out.strip())
     compiled = out["compiled"]
     assert compiled["mesh"] == {"data": 1, "expert": 4, "model": 2}
     assert abs(compiled["weights_ratio"] - 1) < 0.1, compiled
+
+
+def test_bad_step_exits_2_naming_the_value(capsys):
+    with pytest.raises(SystemExit) as exc:
+        sharding.main(["--chips", "v5p-16", "--step", "h100x8/fp16"])
+    assert exc.value.code == 2
+    assert "--step 'h100x8/fp16': expected TARGET/released or TARGET/bf16" in (
+        capsys.readouterr().err
+    )
+
+
+def test_describe_names_skipped_step_compiles(capsys):
+    assert sharding.main(["--chips", "v5p-16", "--no-compile", "--describe"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[0])["compiled_step"] == {"skipped": "--no-compile"}
+    assert lines[1:] == ["paged-step compiles skipped: --no-compile"]
