@@ -198,6 +198,7 @@ class Engine:
         fill: str = "zeros",
         speculative_config: dict | SpeculativeConfig | None = None,
         prompt_logprobs_on_hits: bool = False,
+        mesh: Any = None,
     ) -> Engine:
         """An engine over ``params``: the cache layout of ``formats`` records (default bf16)
         with ``num_gpu_blocks_override`` blocks or as many as ``kv_cache_memory_bytes`` hold
@@ -270,6 +271,7 @@ class Engine:
             fill=fill,
             num_speculative_tokens=k,
             drafter=isinstance(proposer, DSparkProposer),
+            mesh=mesh,
         )
         return cls(
             runner,

@@ -36,6 +36,7 @@ from dsv4.paged import records as R
 from dsv4.qweights import WEIGHTS_ON_DEVICE
 from serving.engine import Engine
 from serving.outputs import RequestOutput
+from serving.runner import check_mesh
 from serving.sampling_params import RequestOutputKind, SamplingParams
 from serving.spec_decode import SpeculativeConfig
 
@@ -129,6 +130,10 @@ class LLM:
         warm_up: compile every bucket now (else on first use).
         impl: attention kernels (None: by backend).
         debug: check every step's block ids and slots on the host.
+        mesh: run on a device mesh (`dsv4.sharding.make_mesh(data=, expert=, model=)`): params
+            split by `dsv4.sharding`'s rule table, heads over ``model``, routed experts over
+            ``expert`` with a token dispatch (`dsv4.expert_parallel`), the pools replicated
+            (see `serving.runner`); the same tokens as one device.
 
     Raises:
         ValueError: any argument out of range, naming it and what is allowed.
@@ -163,10 +168,12 @@ class LLM:
         impl: str | None = None,
         debug: bool = False,
         speculative_config: dict | None = None,
+        mesh: Any = None,
     ) -> None:
         if async_scheduling is None:
             async_scheduling = speculative_config is None
         _check_args(locals())
+        check_mesh(mesh)
         if speculative_config is not None:  # checked before any weights are loaded
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
             if async_scheduling:
@@ -219,6 +226,7 @@ class LLM:
             impl=impl,
             debug=debug,
             speculative_config=speculative_config,
+            mesh=mesh,
         )
         self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = max_model_len

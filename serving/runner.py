@@ -21,6 +21,14 @@ of every token it ran, and drafts the next block of every sampling row from the 
 last (`dsv4.paged.draft`); the drafts come back with the step's tokens
 (`StepOutput.draft_token_ids`).
 
+On a mesh (``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by the rule table
+(`dsv4.sharding.shard_params`), the pools, the sampler state and the slots' last tokens are
+replicated over the mesh (one allocator hands out block ids for the whole mesh), and every step
+runs under the mesh as JAX's ambient mesh, so XLA's SPMD partitioner splits heads over
+``model`` and `dsv4.expert_parallel` sends tokens to their experts' devices over ``expert``.
+Requests and their pages are not split over ``data`` (vLLM's data-parallel attention, one
+allocator per data shard, is not built): the data axis only replicates.
+
 Buckets: one compilation per token bucket T and block-table width bucket W. The request rows R
 follow from T (``min(T, max_num_seqs) + 1`` rounded up to a power of two: one row is always free
 for padding). The tables are as wide as ``max_model_len`` needs, or, with ``table_buckets`` (the
@@ -33,6 +41,7 @@ count compilations).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
@@ -42,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4 import dspark
+from dsv4 import dspark, sharding
 from dsv4 import layers as L
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
@@ -177,6 +186,7 @@ class ModelRunner:
         drafter: run the model's DSpark drafter in the step (needs num_speculative_tokens k in
             1..dspark_block_size): every step seeds its caches and drafts k tokens per
             sampling request (`StepOutput.draft_token_ids`).
+        mesh: run on this device mesh (see the module docstring); None: one device.
     """
 
     def __init__(
@@ -200,6 +210,7 @@ class ModelRunner:
         fill: str = "zeros",
         num_speculative_tokens: int = 0,
         drafter: bool = False,
+        mesh: Any = None,
     ) -> None:
         if drafter and not 1 <= num_speculative_tokens <= cfg.dspark_block_size:
             raise ValueError(
@@ -214,6 +225,9 @@ class ModelRunner:
                 f"the largest token bucket {buckets[-1]} is smaller than "
                 f"max_num_batched_tokens={max_num_batched_tokens}"
             )
+        self.mesh = check_mesh(mesh)
+        if mesh is not None:
+            params = sharding.shard_params(params, cfg, mesh)
         self.params, self.cfg = params, cfg
         self.kv_cache_config = kv_cache_config
         self.layout = P.PoolLayout.build(cfg, kv_cache_config, formats, pool_layout)
@@ -239,14 +253,27 @@ class ModelRunner:
             num_spec=num_speculative_tokens,
             drafter=drafter,
         )
-        self.pools = P.init_pools(self.layout, fill=fill)
+        self.pools = self._replicated(P.init_pools(self.layout, fill=fill))
         self.padding_slot = max_num_seqs
-        self.sampler_state = S.init_state(max_num_seqs + 1, cfg.vocab_size)
-        self.last_tokens = jnp.zeros((max_num_seqs + 1,), jnp.int32)
+        self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
+        self.last_tokens = self._replicated(jnp.zeros((max_num_seqs + 1,), jnp.int32))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
         self._groups = group_infos(kv_cache_config)
         # what the engine registered for requests that may (re)enter the batch
         self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
+
+    def _replicated(self, tree):
+        """``tree`` replicated over the mesh (as it is without one)."""
+        if self.mesh is None:
+            return tree
+        return jax.device_put(
+            tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        )
+
+    def _on_mesh(self):
+        """The mesh as JAX's ambient mesh while a step is traced and run (nothing without
+        one)."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     # ---------------------------------------------------------------- requests
 
@@ -284,7 +311,8 @@ class ModelRunner:
                 tokens[num_prompt:],
                 self.eos_token_id,
             )
-            self.sampler_state = _write_slot(self.sampler_state, np.int32(state.slot), *rows)
+            with self._on_mesh():
+                self.sampler_state = _write_slot(self.sampler_state, np.int32(state.slot), *rows)
 
     # ---------------------------------------------------------------- one step
 
@@ -343,17 +371,18 @@ class ModelRunner:
         """Run the jitted engine step on prepared inputs (numpy or device arrays; see
         `_engine_step`), updating the pools and per-slot state; returns its device results
         without waiting."""
-        out, self.pools, self.sampler_state, self.last_tokens = _engine_step(
-            self.params,
-            self.pools,
-            self.sampler_state,
-            self.last_tokens,
-            batch,
-            feed,
-            sampling,
-            plp_targets,
-            **self._static,
-        )
+        with self._on_mesh():
+            out, self.pools, self.sampler_state, self.last_tokens = _engine_step(
+                self.params,
+                self.pools,
+                self.sampler_state,
+                self.last_tokens,
+                batch,
+                feed,
+                sampling,
+                plp_targets,
+                **self._static,
+            )
         return out
 
     @staticmethod
@@ -450,7 +479,8 @@ class ModelRunner:
         v = self.cfg.vocab_size
         slot = np.int32(self.padding_slot)
         rows = (np.zeros(v, np.int32), np.zeros(v, bool), np.zeros(v, bool))
-        self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
+        with self._on_mesh():
+            self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
         widths = table_width_buckets(
             self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
         )
@@ -475,6 +505,19 @@ class ModelRunner:
     @property
     def num_free_slots(self) -> int:
         return self.inputs.num_free_slots
+
+
+def check_mesh(mesh):
+    """``mesh`` if it is None or a `jax.sharding.Mesh` with `dsv4.sharding.AXES`, else a
+    ValueError naming it."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh) or tuple(mesh.axis_names) != sharding.AXES:
+        raise ValueError(
+            f"mesh={mesh!r} is not allowed: a jax.sharding.Mesh with axes {sharding.AXES} "
+            "(dsv4.sharding.make_mesh)"
+        )
+    return mesh
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
