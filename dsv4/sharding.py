@@ -29,8 +29,10 @@ and whose ``expert`` divides the routed experts).
 process decoding only its devices' slices of the checkpoint (`param_shardings` of the abstract
 params gives them).
 
-Not here yet (the scale-out issue): the cache pools' and step inputs' specs over ``data``,
-expert parallelism with a real token dispatch (all-to-all).
+Under a mesh set with `jax.set_mesh`, the routed experts dispatch their tokens over ``expert``
+(`dsv4.expert_parallel`); the engine takes a mesh (`serving.LLM(mesh=)`) and replicates its
+pools. Not here yet (the scale-out issue): pools and step inputs split over ``data`` (one
+allocator per data shard, vLLM's data-parallel attention).
 """
 
 from __future__ import annotations

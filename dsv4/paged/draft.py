@@ -41,7 +41,7 @@ from dsv4 import dspark
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepBatch
-from dsv4.paged.step import _quantised
+from dsv4.paged.step import _HEADS, _local_kernel, _quantised
 from pallas_kernels.window_attention import window_attention
 from pallas_kernels.window_attention.reference import finish, merge_states, softmax_state
 
@@ -127,9 +127,12 @@ def draft_paged(
             window=cfg.window_size,
         )
         qf = q.reshape(num_rows * k, h, d)
-        context = window_attention(
-            qf, pages, table, query_req, ctx_pos, sink, window=cfg.window_size, scale=scale,
-            replay_start=batch.replay_start, return_state=True, **kern,
+        context = _local_kernel(  # under a multi-device mesh: per device, heads over model
+            window_attention,
+            (qf, pages, table, query_req, ctx_pos, sink),
+            dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start,
+                 return_state=True, **kern),
+            _HEADS,
         )  # fmt: skip
         own = jnp.repeat(kv.astype(jnp.float32), k, axis=0)  # [R * K, K, hd]: the row's block
         block = softmax_state(qf, own, jnp.ones(own.shape[:2], bool), scale)

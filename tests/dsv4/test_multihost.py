@@ -51,9 +51,12 @@ _WORKER = textwrap.dedent(
     params = init_params(cfg, jax.random.PRNGKey(0))
     prompts = np.asarray(json.loads(sys.argv[3]), np.int32)
     lengths = json.loads(sys.argv[4])
-    mesh = sharding.make_mesh(data=2, expert=2, model=2)
-    local = {d.process_index for d in mesh.devices.flat}
-    assert local == {0, 1}, local  # the mesh spans both processes
+    # the expert axis spans the processes: the routed experts' all-to-all crosses them
+    by_process = [[d for d in jax.devices() if d.process_index == p] for p in (0, 1)]
+    order = [by_process[p][2 * i + m] for i in (0, 1) for p in (0, 1) for m in (0, 1)]
+    mesh = sharding.make_mesh(data=2, expert=2, model=2, devices=order)
+    for row in mesh.devices:  # [expert, model] of one data index
+        assert [d.process_index for d in row[:, 0]] == [0, 1], mesh.devices
     sharded = sharding.shard_params(params, cfg, mesh)
     tokens = jax.device_put(prompts, NamedSharding(mesh, P("data")))
     with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
