@@ -80,3 +80,45 @@ def test_llm_refuses_a_mesh_it_cannot_use():
 
     with pytest.raises(ValueError, match="mesh='2x4' is not allowed"):
         LLM("tiny_v41", mesh="2x4", warm_up=False)
+
+
+_DSPARK = textwrap.dedent(
+    """
+    import json
+    import jax, numpy as np
+    from dsv4 import sharding
+    from serving import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(5, 40, 4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = dict(dtype="float32", kv_cache_dtype="exact", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, token_buckets=(32,), num_gpu_blocks_override=64,
+              compilation_cache_dir=None, async_scheduling=False,
+              speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    with jax.default_matmul_precision("highest"):
+        rows = []
+        for mesh in (None, sharding.make_mesh(data=2, expert=2, model=2)):
+            llm = LLM("tiny_v41_full", mesh=mesh, **kw)
+            out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            rows.append((out, llm.engine.stats.spec_num_draft_tokens))
+    print(json.dumps({"equal": rows[0] == rows[1], "drafts": rows[1][1]}), flush=True)
+    """
+)
+
+
+@pytest.mark.slow  # fast representative: test_engine_on_a_mesh_equals_one_device
+def test_dspark_on_a_mesh_equals_one_device():
+    """The drafter's window attention runs per device too (heads over model)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "")
+        + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", _DSPARK], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    row = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("{")))
+    assert row["equal"] and row["drafts"] > 0, row
