@@ -6,7 +6,9 @@ Every process builds the same params from the same seed, places them by the rule
 (`shard_params` keeps the shards its own devices hold), splits the prompts over ``data`` and
 calls `dsv4.generate` under the ambient mesh: the expert axis spans both processes, so the
 routed experts' all-to-all crosses the process boundary. The output is a global array; each
-process gathers it (`multihost_utils.process_allgather`) and prints it.
+process gathers it (`multihost_utils.process_allgather`) and prints it. A long variant runs
+`serving.LLM(mesh=)` the same way: both processes run the same engine loop and print the tokens
+of the one-process engine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import dsv4
 from dsv4.config import tiny_v41
@@ -57,6 +60,16 @@ _WORKER = textwrap.dedent(
     mesh = sharding.make_mesh(data=2, expert=2, model=2, devices=order)
     for row in mesh.devices:  # [expert, model] of one data index
         assert [d.process_index for d in row[:, 0]] == [0, 1], mesh.devices
+    if sys.argv[6] == "engine":  # every process runs the same engine loop
+        from serving import LLM, SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[5]), ignore_eos=True)
+        with jax.default_matmul_precision("highest"):
+            llm = LLM("tiny_v41", mesh=mesh, **json.loads(sys.argv[7]))
+            outs = llm.generate([p[:n] for p, n in zip(prompts.tolist(), lengths)], sp,
+                                use_tqdm=False)
+        print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+        sys.exit(0)
     sharded = sharding.shard_params(params, cfg, mesh)
     tokens = jax.device_put(prompts, NamedSharding(mesh, P("data")))
     with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
@@ -73,17 +86,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_generate_what_one_process_generates():
+def _prompts():
     cfg = tiny_v41()
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, cfg.vocab_size, (8, 40)).astype(np.int32)
     lengths = [int(v) for v in rng.integers(20, 41, 8)]
-    with jax.default_matmul_precision("highest"):
-        params = init_params(cfg, jax.random.PRNGKey(0))
-        want = np.asarray(
-            dsv4.generate(params, cfg, jnp.asarray(prompts), NEW_TOKENS, prompt_lengths=lengths)
-        )
+    return cfg, prompts, lengths
 
+
+def _two_processes(what: str, prompts, lengths, engine_kw=None) -> list[np.ndarray]:
+    """Each process's printed tokens."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "")
@@ -91,7 +103,8 @@ def test_two_processes_generate_what_one_process_generates():
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     port = str(_free_port())
-    args = [json.dumps(prompts.tolist()), json.dumps(lengths), str(NEW_TOKENS)]
+    args = [json.dumps(prompts.tolist()), json.dumps(lengths), str(NEW_TOKENS), what,
+            json.dumps(engine_kw or {})]  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _WORKER, str(pid), port, *args],
@@ -113,7 +126,41 @@ def test_two_processes_generate_what_one_process_generates():
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    got = []
     for out in outputs:
         line = next(x for x in out.splitlines() if x.startswith("TOKENS "))
-        got = np.asarray(json.loads(line[len("TOKENS ") :]))
+        got.append(np.asarray(json.loads(line[len("TOKENS ") :])))
+    return got
+
+
+def test_two_processes_generate_what_one_process_generates():
+    cfg, prompts, lengths = _prompts()
+    with jax.default_matmul_precision("highest"):
+        params = init_params(cfg, jax.random.PRNGKey(0))
+        want = np.asarray(
+            dsv4.generate(params, cfg, jnp.asarray(prompts), NEW_TOKENS, prompt_lengths=lengths)
+        )
+    for got in _two_processes("generate", prompts, lengths):
+        np.testing.assert_array_equal(got, want)
+
+
+ENGINE_KW = dict(dtype="float32", kv_cache_dtype="exact", max_model_len=128, max_num_seqs=4,
+                 max_num_batched_tokens=32, token_buckets=[32], num_gpu_blocks_override=64,
+                 compilation_cache_dir=None)  # fmt: skip
+
+
+@pytest.mark.slow  # fast representative: the two-process generate above
+def test_two_processes_run_the_engine_of_one_process():
+    """Every process runs the same host program: the same scheduler decisions follow from the
+    same requests (its rules read no clock and no randomness but the requests' seeds), and the
+    sampled tokens, replicated over the mesh, reach every process's host."""
+    from serving import LLM, SamplingParams
+
+    _, prompts, lengths = _prompts()
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with jax.default_matmul_precision("highest"):
+        llm = LLM("tiny_v41", **ENGINE_KW)
+        outs = llm.generate([p[:n] for p, n in zip(prompts.tolist(), lengths)], sp, use_tqdm=False)
+    want = np.asarray([o.outputs[0].token_ids for o in outs])
+    for got in _two_processes("engine", prompts, lengths, ENGINE_KW):
         np.testing.assert_array_equal(got, want)
