@@ -40,6 +40,14 @@ It prints ONE JSON line:
   whose compiler package is absent is ``{"skipped": why}``. Run with ``JAX_PLATFORMS=cpu``
   (the CUDA plugin then skips its check for CUDA libraries).
 
+* ``cpu_step_ratio`` (with ``--cpu-step-ratio``; for information): the engine's seconds per
+  step on ``tiny_v41`` over a mesh of 8 fake CPU devices (``data=2, expert=2, model=2``, in a
+  subprocess started with ``--xla_force_host_platform_device_count=8``) over the same on one
+  device, the same workload after warm-up in both (`cpu_step_ratio`; fp32 with exact records,
+  so ``same_tokens`` checks the two give the same greedy tokens). The 8 "devices" share
+  this machine's cores, so the ratio measures the partitioned program's overheads
+  (collectives, per-device kernels), not a speed-up.
+
 The README's table (``--table``) is the planner's rows for v5e, v6e, v5p and H200 slices.
 """
 
@@ -48,7 +56,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -112,6 +123,7 @@ def run(
     step: tuple[str, ...] = STEP,
     step_mesh: P.MeshAxes = COMPILE_MESH,
     step_sizes: dict[str, int] | None = None,
+    cpu_ratio: bool = False,
 ) -> dict[str, Any]:
     """The JSON line's dict (module docstring)."""
     t0 = time.perf_counter()
@@ -146,8 +158,57 @@ def run(
         out["compiled_step"] = [
             compiled_step(*_target_weights(item), step_mesh, **(step_sizes or {})) for item in step
         ]
+    out["cpu_step_ratio"] = (
+        cpu_step_ratio() if cpu_ratio else {"skipped": "pass --cpu-step-ratio to measure it"}
+    )
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+_CPU_RATIO = textwrap.dedent(
+    """
+    import json, time
+    import jax
+    import numpy as np
+    from dsv4 import sharding
+    from serving import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(8, 48, 8)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    jax.config.update("jax_default_matmul_precision", "highest")  # fp32: the same tokens
+    kw = dict(dtype="float32", kv_cache_dtype="exact", max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=64,
+              token_buckets=(64,), num_gpu_blocks_override=128, compilation_cache_dir=None,
+              async_scheduling=False)
+    per_step = {}
+    for name, mesh in (("one_device", None),
+                       ("mesh_2x2x2", sharding.make_mesh(data=2, expert=2, model=2))):
+        llm = LLM("tiny_v41", mesh=mesh, **kw)
+        llm.generate(prompts, sp, use_tqdm=False)  # warm
+        steps0, t0 = llm.engine.stats.num_steps, time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        per_step[name] = (time.perf_counter() - t0) / (llm.engine.stats.num_steps - steps0)
+        per_step[name + "_tokens"] = [o.outputs[0].token_ids for o in outs]
+    same = per_step.pop("one_device_tokens") == per_step.pop("mesh_2x2x2_tokens")
+    print(json.dumps({"s_per_step": per_step, "same_tokens": same,
+                      "ratio": per_step["mesh_2x2x2"] / per_step["one_device"]}))
+    """
+)
+
+
+def cpu_step_ratio() -> dict[str, Any]:
+    """The engine's step time on 8 fake CPU devices over one device (module docstring)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run_ = subprocess.run(
+        [sys.executable, "-c", _CPU_RATIO], env=env, cwd=root, capture_output=True, text=True
+    )
+    if run_.returncode:
+        raise RuntimeError(f"the CPU step-ratio run failed:\n{run_.stdout}{run_.stderr}")
+    line = next(x for x in run_.stdout.splitlines() if x.startswith("{"))
+    return json.loads(line)
 
 
 def table(slices=TABLE_SLICES, **kwargs: Any) -> str:
@@ -182,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="after the JSON line, each paged-step compile in words (dsv4.compiled_step.describe)",
     )
+    ap.add_argument(
+        "--cpu-step-ratio",
+        action="store_true",
+        help="also time the engine's step on 8 fake CPU devices against one (a subprocess)",
+    )
     ap.add_argument("--table", action="store_true", help="print the README's markdown table")
     args = ap.parse_args(argv)
     try:
@@ -205,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_model_len": args.step_len,
                 "num_tokens": args.step_tokens,
             },
+            cpu_ratio=args.cpu_step_ratio,
         )
     except ValueError as exc:
         ap.error(str(exc))

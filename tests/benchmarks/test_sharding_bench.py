@@ -91,3 +91,18 @@ def test_describe_names_skipped_step_compiles(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[0])["compiled_step"] == {"skipped": "--no-compile"}
     assert lines[1:] == ["paged-step compiles skipped: --no-compile"]
+
+
+@pytest.mark.slow  # about a minute: two engines, one on 8 fake CPU devices
+def test_cpu_step_ratio_runs_the_engine_on_a_mesh_and_on_one_device():
+    res = sharding.cpu_step_ratio()
+    assert res["same_tokens"], res
+    steps = res["s_per_step"]
+    assert steps["one_device"] > 0 and steps["mesh_2x2x2"] > 0
+    assert res["ratio"] == pytest.approx(steps["mesh_2x2x2"] / steps["one_device"])
+
+
+def test_cpu_step_ratio_is_opt_in(capsys):
+    assert sharding.main(["--no-compile"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert "skipped" in line["cpu_step_ratio"]
