@@ -14,10 +14,6 @@ of the one-process engine.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -28,6 +24,7 @@ import pytest
 import dsv4
 from dsv4.config import tiny_v41
 from dsv4.params import init_params
+from tests.multidevice import run_processes
 
 NEW_TOKENS = 5
 
@@ -80,12 +77,6 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _prompts():
     cfg = tiny_v41()
     rng = np.random.default_rng(0)
@@ -96,36 +87,9 @@ def _prompts():
 
 def _two_processes(what: str, prompts, lengths, engine_kw=None) -> list[np.ndarray]:
     """Each process's printed tokens."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    port = str(_free_port())
     args = [json.dumps(prompts.tolist()), json.dumps(lengths), str(NEW_TOKENS), what,
             json.dumps(engine_kw or {})]  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(pid), port, *args],
-            env=env,
-            cwd=root,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=900)
-            assert p.returncode == 0, out
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outputs = run_processes(_WORKER, *args)
     got = []
     for out in outputs:
         line = next(x for x in out.splitlines() if x.startswith("TOKENS "))

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -31,6 +29,7 @@ from dsv4 import layers as L
 from dsv4.config import v41_flash
 from dsv4.params import Storage, param_specs
 from dsv4.qweights import QuantisedWeight
+from tests.multidevice import run_script
 
 
 def _bytes(x) -> np.ndarray:
@@ -396,11 +395,4 @@ def test_sharded_released_forward_equals_single_device():
     """On 8 host devices (data 2, expert 2, model 2) codes and scales take their weight's spec
     and the sharded forward over released params equals the single-device dequantised one
     (within 1e-4: the sharded matmuls add in another order)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                        " --xla_backend_optimization_level=0")  # fmt: skip
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run([sys.executable, "-c", _SHARDED], env=env, cwd=root,
-                         capture_output=True, text=True)  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "max_abs_diff" in run.stdout
+    assert "max_abs_diff" in run_script(_SHARDED)

@@ -13,12 +13,11 @@ expert splits are long variants.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.multidevice import run_script
 
 _SCRIPT = textwrap.dedent(
     """
@@ -61,22 +60,9 @@ _SCRIPT = textwrap.dedent(
 
 
 def _run(case: dict) -> list[dict]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(case)],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(case["meshes"]), run.stdout
+    out = run_script(_SCRIPT, json.dumps(case))
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(rows) == len(case["meshes"]), out
     return rows
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -24,6 +22,7 @@ import pytest
 from dsv4 import checkpoint as ck
 from dsv4.config import tiny_v41
 from dsv4.params import param_specs
+from tests.multidevice import run_processes, run_script
 
 _SCRIPT = textwrap.dedent(
     """
@@ -125,21 +124,8 @@ _SCRIPT = textwrap.dedent(
 
 
 def _run(case: dict, tmp_path) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(case), str(tmp_path)],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    line = next(x for x in run.stdout.splitlines() if x.startswith("REPORT "))
+    out = run_script(_SCRIPT, json.dumps(case), str(tmp_path))
+    line = next(x for x in out.splitlines() if x.startswith("REPORT "))
     return json.loads(line[len("REPORT ") :])
 
 
@@ -295,7 +281,6 @@ def test_two_processes_load_their_slices_and_generate_what_one_process_generates
     shards equal the one-process load's slices, and greedy generation on the global mesh gives
     the tokens one process gives alone; a process whose copy lacks a shard file is told which,
     and which process it is."""
-    import socket
 
     import jax
     import jax.numpy as jnp
@@ -318,37 +303,8 @@ def test_two_processes_load_their_slices_and_generate_what_one_process_generates
         if f != "model-00003-of-00004.safetensors":
             os.symlink(os.path.join(sharded_ckpt, f), broken / f)
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = str(s.getsockname()[1])
     args = [str(sharded_ckpt), str(broken), json.dumps(prompts.tolist()), json.dumps(lengths)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(pid), port, *args, str(new_tokens)],
-            env=env,
-            cwd=root,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=900)
-            assert p.returncode == 0, out
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outputs = run_processes(_WORKER, *args, str(new_tokens))
     for out in outputs:
         line = next(x for x in out.splitlines() if x.startswith("TOKENS "))
         np.testing.assert_array_equal(np.asarray(json.loads(line[len("TOKENS ") :])), want)

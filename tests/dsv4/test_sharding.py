@@ -5,9 +5,6 @@ The multi-device checks run in a subprocess: the host device count is fixed when
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -16,6 +13,7 @@ from jax.sharding import PartitionSpec
 
 from dsv4 import sharding
 from dsv4.config import tiny_v41_full, v41_flash
+from tests.multidevice import run_script
 
 
 def _fake_mesh(**axes):
@@ -75,15 +73,5 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_sharded_forward_equals_single_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "max_abs_diff" in run.stdout
+    assert "max_abs_diff" in run_script(_SCRIPT)
     assert tiny_v41_full().n_heads % 2 == 0

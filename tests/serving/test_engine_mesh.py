@@ -6,12 +6,11 @@ fixed when JAX starts. A mesh that is not a `dsv4.sharding` mesh is refused at `
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.multidevice import run_script
 
 _SCRIPT = textwrap.dedent(
     """
@@ -56,18 +55,9 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_engine_on_a_mesh_equals_one_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert [r["async"] for r in rows] == [True, False], run.stdout
+    out = run_script(_SCRIPT)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["async"] for r in rows] == [True, False], out
     for row in rows:
         assert row["equal"] and row["free"], row
         assert row["compilations"] == 0, row
@@ -110,15 +100,6 @@ _DSPARK = textwrap.dedent(
 @pytest.mark.slow  # fast representative: test_engine_on_a_mesh_equals_one_device
 def test_dspark_on_a_mesh_equals_one_device():
     """The drafter's window attention runs per device too (heads over model)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, "-c", _DSPARK], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    row = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("{")))
+    out = run_script(_DSPARK)
+    row = json.loads(next(x for x in out.splitlines() if x.startswith("{")))
     assert row["equal"] and row["drafts"] > 0, row
