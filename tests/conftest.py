@@ -44,3 +44,22 @@ def engram_params(engram_cfg):
     from dsv4.params import init_params
 
     return init_params(engram_cfg, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _persistent_cache_read_only():
+    """The test process reads JAX's persistent compilation cache (the directory `LLM` uses by
+    default) but never writes it: once, late in a full run, XLA:CPU crashed the process
+    (SIGSEGV) inside ``executable.serialize()`` while writing an entry. Subprocesses (the
+    start-up benchmark's second start, the multi-device scripts) keep their own settings."""
+    import jax
+
+    from serving.llm import default_compilation_cache_dir
+
+    path = default_compilation_cache_dir()
+    if path is not None and not jax.config.jax_compilation_cache_dir:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+    # nothing compiles for longer than this: no entry is ever written
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
