@@ -108,7 +108,7 @@ def _target_config(path: str, description: str) -> str:
         start = data.rfind(b"\x00", 0, match.start()) + 1
         end = data.find(b"\x00", match.end())
         text = data[start:end].decode()
-        if "gpu_device_info" in text:
+        if text.rstrip().endswith(marker.decode().rstrip()) and "gpu_device_info" in text:
             return text
     raise RuntimeError(f"no target config for {description!r} in {path}")
 

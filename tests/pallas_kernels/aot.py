@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import pathlib
-import re
 from typing import Any
 
 import jax
 import pytest
 from jax.sharding import SingleDeviceSharding
+
+from dsv4.compiled_step import h100_target_config  # one reader of the plugin's spec
 
 TPU_TOPOLOGIES = ("v5e:1x1", "v6e:1x1")
 MEGACORE_TOPOLOGY = "v5p:1x1x1"  # one chip, two TensorCores driven as one device
@@ -84,28 +84,6 @@ def compile_for_tpu(fn, *args, topology: str = "v6e:1x1"):
     with abstract_device("tpu", dev.device_kind, getattr(dev, "num_cores", 1) or 1):
         lowered = jax.jit(fn).trace(*_abstract(args, SingleDeviceSharding(dev))).lower()
     return lowered.compile()
-
-
-def h100_target_config() -> str:
-    """XLA's GpuTargetConfigProto text for an H100 SXM, cut out of the installed CUDA plugin
-    (it embeds XLA's own spec files), so no copy lives in the repository."""
-    spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
-    assert spec is not None and spec.submodule_search_locations
-    so = pathlib.Path(next(iter(spec.submodule_search_locations))) / "xla_cuda_plugin.so"
-    return _target_config_from(str(so), "NVIDIA H100 80GB HBM3")
-
-
-@functools.cache
-def _target_config_from(path: str, description: str) -> str:
-    data = pathlib.Path(path).read_bytes()
-    marker = f'device_description_str: "{description}"\n'.encode()
-    for match in re.finditer(re.escape(marker), data):
-        start = data.rfind(b"\x00", 0, match.start()) + 1
-        end = data.find(b"\x00", match.end())
-        text = data[start:end].decode()
-        if text.rstrip().endswith(marker.decode().rstrip()) and "gpu_device_info" in text:
-            return text
-    raise RuntimeError(f"no target config for {description!r} in {path}")
 
 
 @functools.cache
