@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -471,6 +473,9 @@ class Engine:
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             self._note_scheduled(scheduler_output)
+            stalled = self.scheduler.stalled_request(scheduler_output, len(self._in_flight))
+            if stalled is not None:
+                outputs += self._fail_stalled(stalled)
             handle = self.runner.execute(scheduler_output)
             if handle is not None:
                 self._in_flight.append(handle)
@@ -491,6 +496,28 @@ class Engine:
         self._publish_kv_events()
         self._update_stats(time.perf_counter() - t0, wait)
         return outputs
+
+    def _fail_stalled(self, request) -> list[RequestOutput]:
+        """Finish a request the pool can never hold (`Scheduler.stalled_request`) with
+        finish_reason "error", keeping the tokens it has, instead of waiting forever; the
+        requests behind it go on. A warning names it and the sizes involved."""
+        request_id = request.request_id
+        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
+        warnings.warn(
+            f"request {request_id!r} finished with 'error': at {request.num_tokens} tokens "
+            f"it does not fit the KV-cache pool even alone ({usable} blocks over "
+            f"{self.kv_cache_manager.num_kv_cache_groups} groups). Give the engine more blocks "
+            "(num_gpu_blocks_override / kv_cache_memory_bytes) or lower max_tokens",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+        seq = self._sequences[request_id]
+        self._finish(seq, "error", None)
+        req = self._requests[seq.parent_id]
+        if req.num_unfinished == 0 or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            return [self._output(req)]
+        return []
 
     def _note_scheduled(self, output) -> None:
         now = time.monotonic()

@@ -30,7 +30,8 @@ class CompletionOutput:
     """One generated sequence (vLLM `CompletionOutput`).
 
     ``finish_reason``: None while running, then "stop" (EOS, a stop token id or a stop string),
-    "length" (max_tokens or max_model_len) or "abort". ``stop_reason``: the stop token id or
+    "length" (max_tokens or max_model_len), "abort", or "error" (the KV-cache pool cannot hold
+    the request even alone; it keeps the tokens it had). ``stop_reason``: the stop token id or
     stop string that ended it (None for EOS and length).
     """
 

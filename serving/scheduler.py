@@ -65,6 +65,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # vLLM's FINISHED_ERROR; here: a request the whole pool cannot hold (`stalled_request`)
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -471,6 +473,28 @@ class Scheduler:
                 and request_id not in self._in_prefill
             )
             request.spec_token_ids = list(spec_token_ids) if runs_decode else []
+
+    def stalled_request(self, output: SchedulerOutput, steps_in_flight: int) -> Request | None:
+        """The request that can never run, if ``output`` (the last `schedule()`) shows one.
+
+        vLLM refuses at start-up a pool that cannot hold one ``max_model_len`` request, so its
+        scheduler never meets this; a tighter pool (tests, the lab) can. Two cases, both with
+        nothing scheduled and nothing left running, so every block not in flight is free or
+        evictable and no later step can do better:
+
+        * the only running request preempted itself: it cannot grow past its length here (it
+          would be admitted again, recompute, and preempt itself again, forever);
+        * nothing was preempted, no step is in flight, and the head of ``waiting`` was not
+          admitted: it does not fit an empty pool (and blocks everyone behind it).
+
+        Returns that request (the head of ``waiting``), else None. Decisions are unchanged:
+        the caller decides what to do with it (the engine finishes it with "error").
+        """
+        if output.total_num_scheduled_tokens or self.running or not self.waiting:
+            return None
+        if not output.preempted_req_ids and steps_in_flight:
+            return None
+        return self.waiting.peek_request()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running (vLLM `has_unfinished_requests`)."""

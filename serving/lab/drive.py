@@ -115,6 +115,13 @@ class ModelFreeBackend:
                 self.lookup_hits += prefix.hits
             if hook := _hook(hooks, "on_schedule"):
                 hook(output)
+            head = scheduler.stalled_request(output, len(self._in_flight))
+            if head is not None:
+                raise RuntimeError(
+                    f"step {self.stats.steps} schedules nothing: {head.request_id} "
+                    f"({head.num_tokens} tokens) does not fit into an idle pool; the pool is too "
+                    "small"
+                )
             if output.total_num_scheduled_tokens:
                 self._in_flight.append(output)
                 dispatched = True
@@ -136,12 +143,6 @@ class ModelFreeBackend:
                 request = self._requests.pop(request_id)
                 del self._outputs[request_id]
                 finished[request_id] = tuple(request.output_token_ids)
-        elif not dispatched and scheduler.has_unfinished_requests():
-            head = scheduler.waiting.peek_request() if scheduler.waiting else scheduler.running[0]
-            raise RuntimeError(
-                f"step {self.stats.steps} schedules nothing: {head.request_id} "
-                f"({head.num_tokens} tokens) does not fit into an idle pool; the pool is too small"
-            )
         return finished
 
 
@@ -199,8 +200,8 @@ def drive(
     the next arrival. ``on_add(request_id, num_prompt_tokens)`` is called for every turn added.
 
     Raises:
-        RuntimeError: a step schedules nothing while nothing is in flight (the pool cannot hold
-            the request at the head of the queue even when idle).
+        RuntimeError: the pool cannot hold a request even alone
+            (`serving.Scheduler.stalled_request`).
     """
     # Automatic garbage collection is off while a model-free loop runs: a collection traverses
     # every live object it covers, and a large workload keeps hundreds of thousands of token
