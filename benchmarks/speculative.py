@@ -20,8 +20,9 @@ in one process, interleaved, best of ``--repeats`` warm runs each:
   plain one (``outputs_equal``).
 
 The random tiny weights almost never continue a phrase of the prompt, so n-gram drafts are
-nearly all rejected here and speculation costs time. The oracle row shows what the engine
-gains per accepted draft.
+nearly all rejected there and speculation costs time; ``--ngram-model tiny_v41_trained`` runs
+the same rows on the shipped trained model, which does continue them. The oracle row shows what
+the engine gains per accepted draft.
 
 DSpark (``results["dspark"]``, unless ``--dspark-k 0``): the shipped ``tiny_v41_trained`` with
 its trained 2-stage drafter, on prefixes of ``--prompt-len`` held-out tokens of the standard
@@ -207,7 +208,14 @@ def measure_dspark(
     return out
 
 
-def measure(batches: Sequence[int], k: int, prompt_len: int, new_tokens: int, repeats: int):
+def measure(
+    batches: Sequence[int],
+    k: int,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    model: str = "tiny_v41",
+):
     import jax
     import numpy as np
 
@@ -231,10 +239,10 @@ def measure(batches: Sequence[int], k: int, prompt_len: int, new_tokens: int, re
         "prompt_lookup_max": 3,
     }
     llms = {
-        "plain_sync": LLM("tiny_v41", async_scheduling=False, **common),
-        "plain_async": LLM("tiny_v41", async_scheduling=True, **common),
-        "ngram": LLM("tiny_v41", speculative_config=spec, **common),
-        "oracle": LLM("tiny_v41", speculative_config=spec, **common),
+        "plain_sync": LLM(model, async_scheduling=False, **common),
+        "plain_async": LLM(model, async_scheduling=True, **common),
+        "ngram": LLM(model, speculative_config=spec, **common),
+        "oracle": LLM(model, speculative_config=spec, **common),
     }
     ngram_proposer = llms["oracle"].engine.proposer
     rng = np.random.default_rng(0)
@@ -279,6 +287,7 @@ def measure(batches: Sequence[int], k: int, prompt_len: int, new_tokens: int, re
         results[f"batch_{b}"] = row
     return {
         "backend": jax.default_backend(),
+        "model": model,
         "k": k,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -293,7 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--no-ngram", action="store_true", help="skip the n-gram rows (tiny_v41)")
+    p.add_argument("--no-ngram", action="store_true", help="skip the n-gram rows")
+    p.add_argument(
+        "--ngram-model",
+        choices=("tiny_v41", "tiny_v41_trained"),
+        default="tiny_v41",
+        help="the model of the n-gram rows (the trained one continues repeated phrases)",
+    )
     p.add_argument(
         "--dspark-k",
         type=int,
@@ -323,7 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     out: dict[str, Any] = {"benchmark": "speculative"}
     if not args.no_ngram:
-        out.update(measure(batches, args.k, args.prompt_len, args.new_tokens, args.repeats))
+        out.update(
+            measure(
+                batches, args.k, args.prompt_len, args.new_tokens, args.repeats, args.ngram_model
+            )
+        )
     if args.dspark_k:
         out["dspark"] = measure_dspark(
             batches, args.dspark_k, args.prompt_len, args.new_tokens, args.repeats, args.prefixes
