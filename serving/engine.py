@@ -498,14 +498,14 @@ class Engine:
         return outputs
 
     def _fail_stalled(self, request) -> list[RequestOutput]:
-        """Finish a request the pool can never hold (`Scheduler.stalled_request`) with
+        """Finish a request an idle pool cannot admit (`Scheduler.stalled_request`) with
         finish_reason "error", keeping the tokens it has, instead of waiting forever; the
         requests behind it go on. A warning names it and the sizes involved."""
         request_id = request.request_id
         usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         warnings.warn(
-            f"request {request_id!r} finished with 'error': at {request.num_tokens} tokens "
-            f"it does not fit the KV-cache pool even alone ({usable} blocks over "
+            f"request {request_id!r} finished with 'error': its {request.num_tokens} tokens do "
+            f"not fit the KV-cache pool even alone ({usable} blocks over "
             f"{self.kv_cache_manager.num_kv_cache_groups} groups). Give the engine more blocks "
             "(num_gpu_blocks_override / kv_cache_memory_bytes) or lower max_tokens",
             RuntimeWarning,

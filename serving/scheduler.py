@@ -65,7 +65,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    # vLLM's FINISHED_ERROR; here: a request the whole pool cannot hold (`stalled_request`)
+    # vLLM's FINISHED_ERROR; here: a request an idle pool cannot admit (`stalled_request`)
     FINISHED_ERROR = enum.auto()
 
     @property
@@ -475,24 +475,23 @@ class Scheduler:
             request.spec_token_ids = list(spec_token_ids) if runs_decode else []
 
     def stalled_request(self, output: SchedulerOutput, steps_in_flight: int) -> Request | None:
-        """The request that can never run, if ``output`` (the last `schedule()`) shows one.
+        """The request at the head of ``waiting`` if ``output`` (the last `schedule()`) shows
+        that it can never be admitted, else None.
 
-        vLLM refuses at start-up a pool that cannot hold one ``max_model_len`` request, so its
-        scheduler never meets this; a tighter pool (tests, the lab) can. Two cases, both with
-        nothing scheduled and nothing left running, so every block not in flight is free or
-        evictable and no later step can do better:
-
-        * the only running request preempted itself: it cannot grow past its length here (it
-          would be admitted again, recompute, and preempt itself again, forever);
-        * nothing was preempted, no step is in flight, and the head of ``waiting`` was not
-          admitted: it does not fit an empty pool (and blocks everyone behind it).
-
-        Returns that request (the head of ``waiting``), else None. Decisions are unchanged:
-        the caller decides what to do with it (the engine finishes it with "error").
+        That is the case when the step scheduled nothing, nothing runs, nothing was preempted
+        (so admission was tried) and no step is in flight (so no block is held for one): the
+        head did not fit a pool in which every block is free or evictable, and no later step
+        can do better; it would wait forever, and everyone behind it too. vLLM refuses at
+        start-up a pool that cannot hold one ``max_model_len`` request, so its scheduler never
+        meets this; a tighter pool (tests, the lab, a small ``num_gpu_blocks_override``) can,
+        with a long prompt, or with a request that outgrew the pool: alone, it preempts itself,
+        and each readmission recomputes it and samples one token more, until its recompute no
+        longer fits. Decisions are unchanged: the caller decides (the engine finishes it with
+        "error", the lab raises).
         """
         if output.total_num_scheduled_tokens or self.running or not self.waiting:
             return None
-        if not output.preempted_req_ids and steps_in_flight:
+        if output.preempted_req_ids or steps_in_flight:
             return None
         return self.waiting.peek_request()
 

@@ -2,13 +2,16 @@
 
 vLLM refuses at start-up a pool that cannot hold one ``max_model_len`` request, so its scheduler
 never meets such a request; this engine accepts tight pools, and before this check it waited
-forever (the head of ``waiting`` never admitted) or looped forever (a lone request preempting
-itself, recomputing, and preempting itself again). Both cases are checked synchronously and
-asynchronously, next to requests that fit: their tokens are the reference's, the stalled
-request keeps the tokens it had (a prefix of the reference's), and every block is free after.
+forever when the head of ``waiting`` did not fit an idle pool: a long prompt, or a request that
+outgrew the pool (alone, it preempts itself; each readmission recomputes it and samples one
+token more, until the recompute no longer fits). Both are checked next to requests that fit:
+their tokens are the reference's, the stalled request keeps the tokens it had (a prefix of the
+reference's), and every block is free after.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -43,7 +46,7 @@ def test_requests_the_pool_cannot_hold_finish_with_error(tiny_params, tiny_cfg, 
         tiny_params, tiny_cfg, num_gpu_blocks_override=NUM_BLOCKS, async_scheduling=async_scheduling
     )
     before = compilation_count()
-    with pytest.warns(RuntimeWarning, match=r"'huge' finished with 'error': at 40 tokens"):
+    with pytest.warns(RuntimeWarning, match=r"'huge' finished with 'error': its 40 tokens"):
         finals, _ = drive(engine, arrivals)
     assert compilation_count() == before
     assert_pool_is_whole(engine)
@@ -61,18 +64,22 @@ def test_requests_the_pool_cannot_hold_finish_with_error(tiny_params, tiny_cfg, 
     assert out.finish_reason == "error"
     assert 16 < len(out.token_ids) < 110
     assert out.token_ids[:16] == expected["grow"]
+    assert finals["grow"].metrics.num_preemptions > 0  # it outgrew the pool, then stalled
     assert engine.stats.num_requests_finished == 5
 
 
 def test_stalled_request_is_none_while_anything_can_move(tiny_params, tiny_cfg):
     """`Scheduler.stalled_request` is a pure query: None while a step is scheduled, a request
-    runs, nothing waits, or (without a preemption) a step is still in flight."""
+    runs, nothing waits, a step is in flight (it may hold blocks), or a preemption in the step
+    skipped admission."""
     engine = make_engine(tiny_params, tiny_cfg, num_gpu_blocks_override=NUM_BLOCKS)
     scheduler = engine.scheduler
     engine.add_request("huge", list(range(3, 43)), _greedy(4))
     output = scheduler.schedule()
     assert scheduler.stalled_request(output, steps_in_flight=1) is None  # may still free blocks
     assert scheduler.stalled_request(output, steps_in_flight=0).request_id == "huge"
+    preempting = dataclasses.replace(output, preempted_req_ids={"huge"})
+    assert scheduler.stalled_request(preempting, steps_in_flight=0) is None
     engine.abort_request("huge")
     engine.add_request("ok", list(range(3, 9)), _greedy(2))
     output = scheduler.schedule()
