@@ -4,10 +4,11 @@ Each case runs in a subprocess (the host device count is fixed when JAX starts):
 by `dsv4.sharding.shard_params`, the prompts split over ``data``, the ambient mesh set with
 `jax.set_mesh` (so an ``expert`` axis > 1 dispatches tokens to their experts' devices,
 `dsv4.expert_parallel`); `reference.forward`'s logits within 1e-5 of one device's and
-`dsv4.generate`'s greedy tokens identical. The default run covers expert parallelism together
-with data and tensor parallelism; the meshes of the
-issue (data x model 2x4, 4x2, 8x1, and 1x8 for a config with 8 heads and 8 experts) and more
-expert splits are long variants.
+`dsv4.generate`'s greedy tokens identical: expert parallelism together with data and tensor
+parallelism, the meshes of the issue (data x model 2x4, 4x2, 8x1, and 1x8 for a config with 8
+heads and 8 experts) and more expert splits. All are long variants (`make test-slow`); the
+default run covers the same paths in tests/dsv4/test_sharding.py, test_multihost.py and
+tests/serving/test_engine_mesh.py.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def _check(rows):
         assert row["all_to_all"] == (row["mesh"].get("expert", 1) > 1), row
 
 
+# fast representatives: test_sharding (the forward, also expert-parallel under the mesh),
+# test_multihost (generate on this mesh across two processes), test_engine_mesh (the engine)
+@pytest.mark.slow
 def test_expert_data_and_tensor_parallel_equal_one_device():
     _check(_run({"model": "tiny_v41", "meshes": [{"data": 2, "expert": 2, "model": 2}]}))
 

@@ -1,5 +1,7 @@
 """dsv4.sharding: every parameter has a rule, the released model's shapes divide a real mesh,
-and on a mesh of 8 host devices the sharded reference forward equals the single-device one.
+and on a mesh of 8 host devices the sharded reference forward equals the single-device one, by
+XLA's partitioner and, under the mesh as JAX's ambient mesh, with the routed experts dispatched
+to their devices by all-to-all (`dsv4.expert_parallel`).
 
 The multi-device checks run in a subprocess: the host device count is fixed when JAX starts."""
 
@@ -68,10 +70,19 @@ _SCRIPT = textwrap.dedent(
     err = float(np.max(np.abs(got - want)))
     print("max_abs_diff", err)
     assert err < 1e-4, err
+    # under the ambient mesh the routed experts run expert-parallel (dsv4.expert_parallel)
+    with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
+        f = jax.jit(reference.forward, static_argnums=1)
+        got = np.asarray(f(sharded, cfg, tokens))
+        assert "all_to_all" in f.lower(sharded, cfg, tokens).as_text()
+    err = float(np.max(np.abs(got - want)))
+    print("expert_parallel_max_abs_diff", err)
+    assert err < 1e-5, err
     """
 )
 
 
 def test_sharded_forward_equals_single_device():
-    assert "max_abs_diff" in run_script(_SCRIPT)
+    out = run_script(_SCRIPT)
+    assert "max_abs_diff" in out and "expert_parallel_max_abs_diff" in out
     assert tiny_v41_full().n_heads % 2 == 0
