@@ -514,10 +514,7 @@ class Engine:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
         seq = self._sequences[request_id]
         self._finish(seq, "error", None)
-        req = self._requests[seq.parent_id]
-        if req.num_unfinished == 0 or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-            return [self._output(req)]
-        return []
+        return self._outputs_due([seq.parent_id])
 
     def _note_scheduled(self, output) -> None:
         now = time.monotonic()
@@ -595,8 +592,13 @@ class Engine:
             if seq.finish_reason is None:
                 self._finish(seq, _FINISH_REASONS[status], result.stop_reasons.get(request_id))
             touched[seq.parent_id] = None
+        return self._outputs_due(touched)
+
+    def _outputs_due(self, parent_ids: Iterable[str]) -> list[RequestOutput]:
+        """The outputs of these requests that are due now: every request that finished, and
+        the unfinished ones unless they asked for the final output only."""
         outputs = []
-        for parent_id in touched:
+        for parent_id in parent_ids:
             req = self._requests[parent_id]
             if (
                 req.num_unfinished == 0
