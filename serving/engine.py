@@ -38,7 +38,13 @@ from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOu
 from serving.runner import ModelRunner, StepHandle, StepOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
 from serving.scheduler import RequestStatus, Scheduler, SchedulerStats, StopCriteria
-from serving.spec_decode import DSparkProposer, NgramProposer, SpeculativeConfig, next_drafts
+from serving.spec_decode import (
+    DSparkProposer,
+    NgramProposer,
+    SpeculativeConfig,
+    next_drafts,
+    next_drafts_ahead,
+)
 
 __all__ = ["Engine"]
 
@@ -213,7 +219,7 @@ class Engine:
         from dsv4.paged import records as R
 
         formats = R.BF16 if formats is None else formats
-        spec = _check_speculative(speculative_config, cfg, async_scheduling)
+        spec = _check_speculative(speculative_config, cfg)
         k = spec.num_speculative_tokens if spec is not None else 0
         if spec is None:
             proposer = None
@@ -253,6 +259,7 @@ class Engine:
             eos_token_id=eos,
             async_scheduling=async_scheduling,
             num_spec_tokens=k,
+            drafts_on_device=async_scheduling and isinstance(proposer, DSparkProposer),
         )
         runner = ModelRunner(
             params,
@@ -546,10 +553,25 @@ class Engine:
 
     def _propose(self, step_output: StepOutput) -> None:
         """Drafts for the next step of every running request (the scheduler keeps only those
-        of requests that decode); DSpark's came back with ``step_output``."""
-        drafts = next_drafts(self.proposer, self.scheduler.running, step_output)
-        if drafts:
-            self.scheduler.update_draft_token_ids(drafts)
+        of requests that decode); DSpark's came back with ``step_output``. Asynchronously,
+        DSpark's stay on the device (the scheduler plans placeholders), and a host proposer
+        proposes past the step in flight (`next_drafts_ahead`)."""
+        if not self.async_scheduling:
+            drafts = next_drafts(self.proposer, self.scheduler.running, step_output)
+            if drafts:
+                self.scheduler.update_draft_token_ids(drafts)
+            return
+        if self.scheduler.drafts_on_device:
+            return
+        in_flight: dict[str, list[int]] = {}
+        for handle in self._in_flight:
+            out = handle.scheduler_output
+            for request_id in out.sampling_req_ids:
+                in_flight[request_id] = list(out.scheduled_spec_decode_tokens.get(request_id, ()))
+        k = self.scheduler.num_spec_tokens
+        ahead = next_drafts_ahead(self.proposer, self.scheduler.running, in_flight, k)
+        self.scheduler.update_draft_token_ids({rid: d for rid, (_, d) in ahead.items()})
+        self.runner.set_draft_guesses({rid: g for rid, (g, _) in ahead.items()})
 
     def _apply(self, step_output: StepOutput, result, scheduled=None) -> list[RequestOutput]:
         """Tokens into sequences (text, logprobs, stop strings); finished sequences out."""
@@ -720,20 +742,13 @@ class Engine:
         return out
 
 
-def _check_speculative(config, cfg, async_scheduling: bool) -> SpeculativeConfig | None:
+def _check_speculative(config, cfg) -> SpeculativeConfig | None:
     """The parsed speculative config, or None; errors name what cannot run."""
     if config is None:
         return None
     spec = SpeculativeConfig.from_dict(config)
     if spec.method == "dspark":
         DSparkProposer(spec, cfg, cfg.max_seq_len)  # the model's drafter and k
-    if async_scheduling:
-        raise ValueError(
-            f"speculative decoding (method={spec.method!r}) runs with synchronous scheduling "
-            "only (the drafts of step N+1 follow from the tokens step N accepts, and the "
-            "asynchronous loop plans step N+1 before they are known): pass "
-            "async_scheduling=False"
-        )
     return spec
 
 

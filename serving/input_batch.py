@@ -12,6 +12,7 @@ runner and the paged-step test harness both use it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
@@ -30,21 +31,51 @@ class RequestState:
     num_prompt_tokens: int
     tokens: list[int]  # prompt + outputs the host knows
     block_ids: list[list[int]]  # per KV-cache group
-    num_pending: int = 0  # sampled tokens still only on the device (in flight)
+    # per sampling step in flight (oldest first): the drafts it verifies; its tokens are only
+    # on the device until `learn` (1 + those drafts, counted as if all were accepted)
+    pending: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
+    # the same steps' drafts when the host proposed them (None: made on the device)
+    pending_drafts: collections.deque[tuple[int, ...] | None] = dataclasses.field(
+        default_factory=collections.deque
+    )
     replay_start: int = 0  # bounded replay: windows start here
     write_from: int = 0  # bounded replay: compressed / index writes from here
+    # the drafts the device made in its last sampling step that the host has learned (with
+    # device-made drafts: what its next step verified)
+    last_drafts: tuple[int, ...] = ()
+    # a host proposer's guess of the token its step in flight samples: the drafts of its next
+    # step follow that token (`serving.spec_decode.next_drafts_ahead`); None: no guess
+    guess: int | None = None
     extra: object = None  # what the owner attaches (the runner: sampling parameters)
 
     @property
+    def num_pending(self) -> int:
+        """Sampling steps in flight."""
+        return len(self.pending)
+
+    @property
     def num_tokens(self) -> int:
-        """Every token it has, known or in flight."""
-        return len(self.tokens) + self.num_pending
+        """Every token it has, known or in flight (drafts in flight counted as accepted)."""
+        return len(self.tokens) + len(self.pending) + sum(self.pending)
+
+    @property
+    def num_shifted(self) -> int:
+        """Drafts its step in flight verifies: positions planned past them are optimistic, and
+        the device moves them back by the drafts it rejected (at most one step in flight has
+        drafts: the engine plans one step ahead)."""
+        return self.pending[-1] if self.pending else 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledRow:
     """One request's row of a step: where its tokens start, how many, whether it samples, and
-    for each token the slot whose last sampled token it is on the device (-1: host-known)."""
+    for each token the slot whose last sampled token it is on the device (-1: host-known).
+
+    With drafts made on the device (``device_drafts``), the row's drafts are the slot's last
+    drafts there. With ``shifted`` drafts in flight (`RequestState.num_shifted`), ``start`` is
+    optimistic: the device moves the row back by the drafts of that step it rejected, and
+    ``history`` holds the tokens of the ``shifted`` positions before the Engram look-back
+    (newest first; -1 before position 0), which a moved row's look-back reaches."""
 
     request_id: str
     start: int
@@ -52,6 +83,9 @@ class ScheduledRow:
     samples: bool
     num_drafts: int
     device_slots: tuple[int, ...]
+    device_drafts: bool = False
+    shifted: int = 0
+    history: tuple[int, ...] = ()
 
 
 class InputBatch:
@@ -120,8 +154,30 @@ class InputBatch:
         for request_id, n in output.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = starts[request_id]  # tokens in its cache before this step
-            drafts = output.scheduled_spec_decode_tokens.get(request_id, [])
+            drafts = list(output.scheduled_spec_decode_tokens.get(request_id, []))
+            # -1 drafts are placeholders: the device drafted them (async scheduling)
+            device_drafts = bool(drafts) and drafts[0] < 0
             tokens, device = self._inputs(state, start, n - len(drafts))
+            shifted = state.num_shifted
+            known = state.tokens
+            if shifted:  # the positions before start hold the drafts in flight
+                in_flight = state.pending_drafts[-1]
+                if in_flight is None:  # made on the device: learned with the step before
+                    in_flight = state.last_drafts[:shifted]
+                known = state.tokens + list(in_flight)
+                if len(known) != start:
+                    raise RuntimeError(
+                        f"{request_id!r}: scheduled from position {start} with {shifted} drafts "
+                        f"in flight, but the host knows {len(state.tokens)} tokens and "
+                        f"{len(state.last_drafts)} drafts"
+                    )
+            m = self.engram_lookback
+            history = ()
+            if shifted and m:
+                history = tuple(
+                    known[p] if p >= 0 else -1
+                    for p in range(start - m - 1, start - m - 1 - shifted, -1)
+                )
             rows.append(
                 ScheduledRow(
                     request_id,
@@ -130,53 +186,66 @@ class InputBatch:
                     request_id in output.sampling_req_ids,
                     len(drafts),
                     (*device, *[-1] * len(drafts)),
+                    device_drafts,
+                    shifted,
+                    history,
                 )
             )
             step_requests.append(
                 StepRequest(
-                    token_ids=tokens + list(drafts),
+                    token_ids=tokens + ([0] * len(drafts) if device_drafts else drafts),
                     start=start,
                     block_ids=state.block_ids,
                     replay_start=state.replay_start,
                     cache_write_from=state.write_from,
                     req_id=request_id,
                     # every position before start is known to the host (only the newest
-                    # token can be in flight, and it is at start or later)
-                    prev_tokens=state.tokens[max(0, start - self.engram_lookback) : start]
-                    if self.engram_lookback
-                    else (),
+                    # token can be in flight, and it is at start or later), or is a draft in
+                    # flight that the host learned (see ScheduledRow)
+                    prev_tokens=known[max(0, start - m) : start] if m else (),
                 )
             )
-        for row in rows:
+        for row, step_request in zip(rows, step_requests, strict=True):
             if row.samples:
-                self.requests[row.request_id].num_pending += 1
+                state = self.requests[row.request_id]
+                state.pending.append(row.num_drafts)
+                drafts = step_request.token_ids[row.num_tokens - row.num_drafts :]
+                state.pending_drafts.append(None if row.device_drafts else tuple(drafts))
         return rows, step_requests
 
     def _inputs(self, state: RequestState, start: int, n: int) -> tuple[list[int], list[int]]:
         """The tokens of positions start..start+n-1 and, for each, the slot to read it from on
         the device (-1: the host has it). Only the newest token may be unknown to the host: it
-        was sampled by a step still in flight."""
-        if start + n > state.num_tokens:
+        was sampled by a step still in flight (after the drafts that step verifies, which are
+        no input: the row starts after them)."""
+        end = start + n
+        if end > state.num_tokens:
             raise RuntimeError(
-                f"{state.request_id!r}: positions {start}..{start + n - 1} scheduled, but it has "
+                f"{state.request_id!r}: positions {start}..{end - 1} scheduled, but it has "
                 f"{state.num_tokens} tokens"
             )
-        tokens = state.tokens[start : start + n]
-        device = [-1] * len(tokens)
-        missing = start + n - len(state.tokens)
-        if missing > 0:
-            if missing > 1 or state.num_pending < 1:
-                raise RuntimeError(
-                    f"{state.request_id!r}: {missing} scheduled tokens are neither known nor "
-                    "the last sampled one"
-                )
-            tokens.append(0)  # the device puts the slot's last sampled token here
-            device.append(state.slot)
-        return tokens, device
+        if end <= len(state.tokens):
+            return state.tokens[start:end], [-1] * n
+        if (
+            state.num_pending < 1
+            or end != state.num_tokens
+            or end - 1 < len(state.tokens) + (state.num_shifted)
+        ):
+            raise RuntimeError(
+                f"{state.request_id!r}: positions {start}..{end - 1} scheduled; the host knows "
+                f"{len(state.tokens)} tokens and only the last of {state.num_tokens} may be on "
+                "the device"
+            )
+        tokens = state.tokens[start : end - 1]
+        # the device puts the slot's last sampled token at the end
+        return tokens + [0], [-1] * len(tokens) + [state.slot]
 
-    def learn(self, request_id: str, tokens: Sequence[int]) -> None:
-        """A step's sampled tokens reached the host (ignored for requests no longer here)."""
+    def learn(self, request_id: str, tokens: Sequence[int], drafts: Sequence[int] = ()) -> None:
+        """A step's sampled tokens (and, from a device drafter, the drafts it made after them)
+        reached the host (ignored for requests no longer here)."""
         state = self.requests.get(request_id)
-        if state is not None and state.num_pending:
+        if state is not None and state.pending:
             state.tokens.extend(tokens)
-            state.num_pending -= 1
+            state.pending.popleft()
+            state.pending_drafts.popleft()
+            state.last_drafts = tuple(drafts)

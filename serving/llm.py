@@ -104,9 +104,10 @@ class LLM:
             256 MiB on a device that reports none (the CPU).
         enable_prefix_caching: reuse cached prefixes across requests.
         swa_bounded_replay: V4.1's approximate window replay on prefix hits (vLLM option).
-        async_scheduling: plan step N+1 while step N runs (default: on, off with speculative
-            decoding, which runs synchronously: step N+1's drafts follow from the tokens step N
-            accepts).
+        async_scheduling: plan step N+1 while step N runs (default: on). With speculative
+            decoding step N+1 is planned as if step N accepted every draft, and the device
+            moves it back by those it rejected; DSpark drafts on the device, n-gram proposes
+            on the host one token ahead (`serving.spec_decode.next_drafts_ahead`).
         speculative_config: vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens":
             3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``, or ``{"method": "dspark",
             "num_speculative_tokens": k}`` for the model's DSpark drafter (k in
@@ -170,19 +171,12 @@ class LLM:
         speculative_config: dict | None = None,
         mesh: Any = None,
     ) -> None:
-        if async_scheduling is None:
-            async_scheduling = speculative_config is None
-        _check_args(locals())
-        check_mesh(mesh)
         if speculative_config is not None:  # checked before any weights are loaded
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
-            if async_scheduling:
-                raise _fail(
-                    "async_scheduling",
-                    True,
-                    "False with speculative decoding (the drafts of step N+1 follow from the "
-                    "tokens step N accepts, known only once it has run)",
-                )
+        if async_scheduling is None:
+            async_scheduling = True
+        _check_args(locals())
+        check_mesh(mesh)
         if compilation_cache_dir == "default":
             compilation_cache_dir = default_compilation_cache_dir()
         enable_compilation_cache(compilation_cache_dir)

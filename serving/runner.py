@@ -74,6 +74,7 @@ from serving.scheduler import SchedulerOutput
 
 __all__ = [
     "ModelRunner",
+    "SlotState",
     "SpecBatch",
     "StepHandle",
     "StepOutput",
@@ -252,11 +253,12 @@ class ModelRunner:
             interpret=interpret,
             num_spec=num_speculative_tokens,
             drafter=drafter,
+            groups=group_infos(kv_cache_config),
         )
         self.pools = self._replicated(P.init_pools(self.layout, fill=fill))
         self.padding_slot = max_num_seqs
         self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
-        self.last_tokens = self._replicated(jnp.zeros((max_num_seqs + 1,), jnp.int32))
+        self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, num_speculative_tokens))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
         self._groups = group_infos(kv_cache_config)
         # what the engine registered for requests that may (re)enter the batch
@@ -295,6 +297,14 @@ class ModelRunner:
     def requests(self) -> dict[str, RequestState]:
         """The running requests' host state, by id."""
         return self.inputs.requests
+
+    def set_draft_guesses(self, guesses) -> None:
+        """A host proposer's guesses of the token each request's step in flight samples
+        (request id -> token or None; see `serving.spec_decode.next_drafts_ahead`)."""
+        for request_id, guess in guesses.items():
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.guess = guess
 
     def _admit(self, new) -> None:
         """A request (re)entering the batch, and its sampler rows when it needs them
@@ -343,9 +353,15 @@ class ModelRunner:
         t, r = batch.token_ids.shape[0], batch.seq_lens.shape[0]
         sampling = self._sampling_batch(rows, r)
         if self.num_spec:
-            sampling = (sampling, self._spec_batch(rows, r))
+            sampling = (sampling, self._spec_batch(rows, scheduled, r))
         feed = np.full(t, -1, np.int32)
-        devices = [slot for row in scheduled for slot in row.device_slots]
+        width = self.num_spec + 1  # a slot's device tokens: its last sampled one, its drafts
+        devices = []
+        for row in scheduled:
+            d = row.num_drafts
+            devices += [-1 if s < 0 else s * width for s in row.device_slots[: row.num_tokens - d]]
+            slot = self.requests[row.request_id].slot
+            devices += [slot * width + 1 + j for j in range(d)] if row.device_drafts else [-1] * d
         feed[: len(devices)] = devices
         plp_targets = np.full(t, -1, np.int32)
         plp_targets[: len(targets)] = targets
@@ -372,11 +388,11 @@ class ModelRunner:
         `_engine_step`), updating the pools and per-slot state; returns its device results
         without waiting."""
         with self._on_mesh():
-            out, self.pools, self.sampler_state, self.last_tokens = _engine_step(
+            out, self.pools, self.sampler_state, self.slots = _engine_step(
                 self.params,
                 self.pools,
                 self.sampler_state,
-                self.last_tokens,
+                self.slots,
                 batch,
                 feed,
                 sampling,
@@ -393,9 +409,9 @@ class ModelRunner:
 
     def _num_outputs(self, row: _Row) -> int:
         """Outputs a request had before this step's first sampled token (the row was counted
-        in flight already)."""
+        in flight already; drafts in flight as accepted: the device corrects a moved row)."""
         state = self.requests[row.request_id]
-        return state.num_tokens - state.num_prompt_tokens - row.samples
+        return state.num_tokens - state.num_prompt_tokens - row.samples * (1 + len(row.drafts))
 
     def _sampling_batch(self, rows: Sequence[_Row], num_rows: int) -> S.SamplingBatch:
         sampling_rows = []
@@ -415,21 +431,31 @@ class ModelRunner:
             )
         return S.build_sampling_batch(sampling_rows, num_rows, self.padding_slot)
 
-    def _spec_batch(self, rows: Sequence[_Row], num_rows: int) -> SpecBatch:
-        """The drafts of each row and, per verified position, whether min_tokens still masks
-        the stop tokens there."""
+    def _spec_batch(self, rows: Sequence[_Row], scheduled, num_rows: int) -> SpecBatch:
+        """Each row's draft count, how far min_tokens still masks the stop tokens, and whether
+        its positions are optimistic (then the Engram history a moved row needs)."""
         k = self.num_spec
-        drafts = np.full((num_rows, k), -1, np.int32)
         num_drafts = np.zeros(num_rows, np.int32)
-        suppress = np.zeros((num_rows, k + 1), bool)
-        for i, row in enumerate(rows):
-            d = len(row.drafts)
-            drafts[i, :d] = row.drafts
-            num_drafts[i] = d
-            min_tokens = self.requests[row.request_id].extra[0].min_tokens
-            outputs = self._num_outputs(row)
-            suppress[i] = [outputs + j < min_tokens for j in range(k + 1)]
-        return SpecBatch(drafts=drafts, num_drafts=num_drafts, suppress_stop=suppress)
+        min_tokens_left = np.zeros(num_rows, np.int32)
+        shifted = np.zeros(num_rows, bool)
+        history = np.full((num_rows, k), -1, np.int32)
+        guess = np.full(num_rows, -1, np.int32)
+        for i, (row, sched) in enumerate(zip(rows, scheduled, strict=True)):
+            state = self.requests[row.request_id]
+            num_drafts[i] = len(row.drafts)
+            min_tokens_left[i] = state.extra[0].min_tokens - self._num_outputs(row)
+            shifted[i] = sched.shifted > 0
+            history[i, : len(sched.history)] = sched.history
+            if row.drafts and not sched.device_drafts and state.guess is not None:
+                guess[i] = state.guess
+            state.guess = None  # a guess serves the step right after its proposal only
+        return SpecBatch(
+            num_drafts=num_drafts,
+            min_tokens_left=min_tokens_left,
+            shifted=shifted,
+            engram_history=history,
+            guess=guess,
+        )
 
     def _collect(self, rows: Sequence[_Row], host) -> StepOutput:
         """Host copies of a fetched step -> per-request results; the runner learns the sampled
@@ -453,7 +479,7 @@ class ModelRunner:
                     entries.append((logprob, rank, top_ids, top_logprobs))
                 sampled[row.request_id] = tokens
                 logprobs[row.request_id] = entries
-                self.inputs.learn(row.request_id, tokens)
+                self.inputs.learn(row.request_id, tokens, drafts[i])
                 if self.drafter:
                     draft_token_ids[row.request_id] = drafts[i]
             if row.prompt_logprobs:
@@ -498,7 +524,7 @@ class ModelRunner:
             )
             sampling = S.build_sampling_batch([], r, self.padding_slot)
             if self.num_spec:
-                sampling = (sampling, self._spec_batch([], r))
+                sampling = (sampling, self._spec_batch([], [], r))
             none = np.full(t, -1, np.int32)
             jax.block_until_ready(self.dispatch(batch, none, sampling, none))
 
@@ -529,19 +555,96 @@ def _write_slot(state: S.SamplerState, slot, counts, prompt_mask, stop_mask) -> 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpecBatch:
-    """The drafts a step verifies (rows as in `StepBatch`; k = num_speculative_tokens)."""
+    """The drafts a step verifies (rows as in `StepBatch`; k = num_speculative_tokens). The
+    drafts themselves are the row's last ``num_drafts`` tokens of the step."""
 
-    drafts: Any  # i32[R, k] each row's draft tokens, -1 = none
-    num_drafts: Any  # i32[R] drafts of the row (its last num_drafts tokens are them)
-    suppress_stop: Any  # bool[R, 1 + k] min_tokens masks the stop tokens at that position
+    num_drafts: Any  # i32[R] drafts of the row
+    # i32[R] min_tokens minus the outputs before the row's first sampled token (as planned):
+    # position j masks the stop tokens while j - (rejected drafts moved back) < this
+    min_tokens_left: Any
+    # bool[R] the row was planned after drafts in flight as if all were accepted: the device
+    # moves it back by the drafts its slot's last step rejected (`_move_back`)
+    shifted: Any
+    # i32[R, k] Engram: tokens of the positions before the planned look-back (newest first,
+    # -1 = none), which a moved row's look-back reaches
+    engram_history: Any
+    # i32[R] host drafts proposed past a step in flight: the token that step must sample (and
+    # accept all its drafts) for them to be verified; -1 = none needed
+    guess: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlotState:
+    """What the device keeps per slot between steps (S = max_num_seqs + 1 slots, the last one
+    for padding; k = num_speculative_tokens)."""
+
+    last: Any  # i32[S] the token sampled last
+    drafts: Any  # i32[S, k] the drafts made after it (a device drafter)
+    rejected: Any  # i32[S] drafts its last verifying step rejected
+
+    @classmethod
+    def zeros(cls, num_slots: int, k: int) -> SlotState:
+        return cls(
+            last=jnp.zeros((num_slots,), jnp.int32),
+            drafts=jnp.zeros((num_slots, k), jnp.int32),
+            rejected=jnp.zeros((num_slots,), jnp.int32),
+        )
+
+
+def _move_back(batch: StepBatch, back: jax.Array, groups, history) -> StepBatch:
+    """The batch with each row's positions moved back by ``back`` (i32[R], 0 = unchanged):
+    positions, sequence lengths and every slot mapping recomputed from the block tables
+    (which hold the blocks of the planned positions, so of the earlier ones too), and the
+    Engram look-back taken ``back`` tokens further back (from ``history``). A row's ring rows
+    stay the same tokens of its chunk, the written compressed states those that close at the
+    new positions. Moved rows are decode rows past any bounded replay: every position writes."""
+    req = batch.token_req
+    moved = back[req] > 0  # [T]; padding rows never move
+    pos = jnp.where(moved, batch.positions - back[req], batch.positions)
+    window, state, ring = dict(batch.window_slots), dict(batch.state_slots), dict(batch.ring_slots)
+    for g in groups:
+        table = batch.block_tables[g.index]
+        size = g.block_size
+        if g.kind == "window":
+            slot = table[req, pos // size] * size + pos % size
+            window[g.index] = jnp.where(moved, slot, window[g.index])
+        elif g.kind == "ring":
+            old = ring[g.index]
+            slot = table[req, 0] * size + pos % size
+            ring[g.index] = jnp.where(moved & (old >= 0), slot, old)
+        else:
+            for r in g.ratios:
+                per_block = size // r
+                j = pos // r
+                slot = table[req, j // per_block] * per_block + j % per_block
+                new = jnp.where((pos + 1) % r == 0, slot, -1)
+                state[(g.index, r)] = jnp.where(moved, new, state[(g.index, r)])
+    prev = batch.engram_prev
+    m = prev.shape[1]
+    if m:
+        longer = jnp.concatenate([prev, history], axis=1)  # [R, m + k], newest first
+        prev = jnp.take_along_axis(longer, back[:, None] + jnp.arange(m)[None, :], axis=1)
+    return dataclasses.replace(
+        batch,
+        positions=pos,
+        seq_lens=batch.seq_lens - back,
+        window_slots=window,
+        state_slots=state,
+        ring_slots=ring,
+        engram_prev=prev,
+    )
 
 
 def _verify(
     params,
     h: jax.Array,  # [T, D] the step's hidden states
+    token_ids: jax.Array,  # i32[T] the step's tokens
     logits_indices: jax.Array,  # i32[R] each row's last token
     sampling: S.SamplingBatch,
     spec: SpecBatch,
+    back: jax.Array,  # i32[R] how far each row was moved back
+    drafts_ok: jax.Array,  # bool[R] the row's drafts may be accepted (SpecBatch.guess)
     sampler_state: S.SamplerState,
     *,
     num_spec: int,
@@ -550,15 +653,23 @@ def _verify(
     """Score the 1 + d verified positions of every row and accept drafts while they equal the
     token the sampler draws at their position (serving.spec_decode): position j of a row is
     sampled with the key of its position and the penalty counts of the tokens accepted before
-    it, so the emitted tokens are those the step-by-step engine would sample. Returns the
-    sampler outputs of every position [R, 1 + k], the accepted draft counts i32[R] and the
-    state (counts added for the emitted tokens only)."""
+    it, so the emitted tokens are those the step-by-step engine would sample. ``back`` (i32[R])
+    is how far each row was moved back (`_move_back`; ``sampling.counter`` is as planned).
+    Returns the sampler outputs of every position [R, 1 + k], the accepted draft counts i32[R]
+    and the state (counts added for the emitted tokens only)."""
     j = jnp.arange(num_spec + 1)
     rows = logits_indices[:, None] - spec.num_drafts[:, None] + j  # [R, 1 + k]
     valid = j[None, :] <= spec.num_drafts[:, None]
     r = rows.shape[0]
-    logits = L.lm_head(params, h[jnp.where(valid, rows, 0).reshape(-1)])
+    safe = jnp.where(valid, rows, 0)
+    logits = L.lm_head(params, h[safe.reshape(-1)])
     logits = logits.reshape(r, num_spec + 1, -1)
+    # the drafts are the row's tokens after its first verified one (none accepted when they
+    # were proposed past a guess that failed)
+    usable = valid[:, 1:] & drafts_ok[:, None]
+    drafts = jnp.where(usable, token_ids[safe[:, 1:]], -1)  # [R, k]
+    sampling = dataclasses.replace(sampling, counter=sampling.counter - back)
+    suppress = j[None, :] - back[:, None] < spec.min_tokens_left[:, None]  # [R, 1 + k]
 
     def position(carry, xs):
         state, alive = carry
@@ -573,34 +684,45 @@ def _verify(
         out, state = S.sample(logits_j, batch_j, state, num_logprobs=num_logprobs)
         return (state, alive & (out.token_ids == draft_j)), out
 
-    drafts = jnp.concatenate([spec.drafts, jnp.full((r, 1), -1, jnp.int32)], axis=1)
+    padded = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=1)
     xs = (
         jnp.swapaxes(logits, 0, 1),
         j,
-        jnp.swapaxes(spec.suppress_stop, 0, 1),
-        jnp.swapaxes(drafts, 0, 1),
+        jnp.swapaxes(suppress, 0, 1),
+        jnp.swapaxes(padded, 0, 1),
         jnp.swapaxes(valid, 0, 1),
     )
     alive = jnp.ones((r,), bool)
     (sampler_state, _), outs = jax.lax.scan(position, (sampler_state, alive), xs)
     outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [R, 1 + k, ...]
-    match = (outs.token_ids[:, :num_spec] == spec.drafts) & (spec.drafts >= 0)
+    match = (outs.token_ids[:, :num_spec] == drafts) & (drafts >= 0)
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
     return outs, accepted.astype(jnp.int32), sampler_state
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "num_logprobs", "impl", "interpret", "num_spec", "drafter"),
-    donate_argnames=("pools", "sampler_state", "last_tokens"),
+    static_argnames=(
+        "cfg",
+        "layout",
+        "num_logprobs",
+        "impl",
+        "interpret",
+        "num_spec",
+        "drafter",
+        "groups",
+    ),
+    donate_argnames=("pools", "sampler_state", "slots"),
 )
 def _engine_step(
     params,
     pools,
     sampler_state: S.SamplerState,
-    last_tokens: jax.Array,  # i32[S] each slot's last sampled token
+    slots: SlotState,
     batch: StepBatch,
-    feed: jax.Array,  # i32[T] slot whose last token is this token's id, -1 = batch.token_ids
+    # i32[T] where this token's id is on the device, -1 = batch.token_ids: slot s's last
+    # sampled token at s * (k + 1), its draft j at s * (k + 1) + 1 + j
+    feed: jax.Array,
     sampling,  # S.SamplingBatch, or (S.SamplingBatch, SpecBatch) when num_spec > 0
     plp_targets: jax.Array,  # i32[T] prompt token each position predicts, -1 = none
     *,
@@ -611,25 +733,36 @@ def _engine_step(
     interpret,
     num_spec: int = 0,
     drafter: bool = False,
+    groups=(),
 ):
-    """One engine step on the device: inputs (device-fed tokens), the paged step, the head on
-    the sampled rows, the sampler (with drafts: the verification, `_verify`), prompt logprobs
-    when some position asks for them, and with the drafter the next drafts (`_draft`)."""
-    fed = last_tokens[jnp.maximum(feed, 0)]
+    """One engine step on the device: inputs (device-fed tokens; rows planned after drafts in
+    flight moved back by the drafts rejected, `_move_back`), the paged step, the head on the
+    sampled rows, the sampler (with drafts: the verification, `_verify`), prompt logprobs when
+    some position asks for them, and with the drafter the next drafts (`_draft`)."""
+    on_device = jnp.concatenate([slots.last[:, None], slots.drafts], axis=1).reshape(-1)
+    fed = on_device[jnp.maximum(feed, 0)]
     batch = dataclasses.replace(batch, token_ids=jnp.where(feed >= 0, fed, batch.token_ids))
+    if num_spec:
+        sampling, spec = sampling
+        back = jnp.where(spec.shifted, slots.rejected[sampling.slot], 0)
+        guessed = (slots.rejected[sampling.slot] == 0) & (slots.last[sampling.slot] == spec.guess)
+        drafts_ok = (spec.guess < 0) | guessed  # bool[R]
+        batch = _move_back(batch, back, groups, spec.engram_history)
     targets = cfg.dspark_target_layer_ids if drafter else ()
     kern = dict(impl=impl, interpret=interpret)
     h, pools, streams = paged_forward_streams(params, cfg, layout, pools, batch, targets, **kern)
     if drafter:
         pools = seed_drafter(params, cfg, layout, pools, batch, dspark.target_hidden(cfg, streams))
     if num_spec:
-        sampling, spec = sampling
         out, accepted, sampler_state = _verify(
             params,
             h,
+            batch.token_ids,
             batch.logits_indices,
             sampling,
             spec,
+            back,
+            drafts_ok,
             sampler_state,
             num_spec=num_spec,
             num_logprobs=num_logprobs,
@@ -641,13 +774,20 @@ def _engine_step(
         out = jax.tree.map(lambda x: x[:, None], out)  # one sampled position per row
         accepted = jnp.zeros(out.token_ids.shape[:1], jnp.int32)
         last = out.token_ids[:, 0]
-    keep = last_tokens[sampling.slot]
-    last_tokens = last_tokens.at[sampling.slot].set(jnp.where(sampling.samples, last, keep))
+    slot, samples = sampling.slot, sampling.samples
+    new_last = slots.last.at[slot].set(jnp.where(samples, last, slots.last[slot]))
+    new_drafts, rejected = slots.drafts, slots.rejected
+    if num_spec:
+        keep = rejected[slot]
+        rejected = rejected.at[slot].set(jnp.where(samples, spec.num_drafts - accepted, keep))
     if drafter:
         drafts = _draft(params, cfg, layout, pools, batch, spec, accepted, last, sampling, kern)
         drafts = drafts[:, :num_spec]
+        keep = new_drafts[slot]
+        new_drafts = new_drafts.at[slot].set(jnp.where(samples[:, None], drafts, keep))
     else:
         drafts = jnp.zeros((accepted.shape[0], 0), jnp.int32)
+    slots = SlotState(last=new_last, drafts=new_drafts, rejected=rejected)
 
     def prompt_logprobs():
         return S.logprobs_of(L.lm_head(params, h), jnp.maximum(plp_targets, 0), num_logprobs)
@@ -670,7 +810,7 @@ def _engine_step(
         ),
         pools,
         sampler_state,
-        last_tokens,
+        slots,
     )
 
 

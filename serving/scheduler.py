@@ -283,6 +283,7 @@ class _StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    held_back: bool = False  # a running request waits for its step in flight (no admission)
 
 
 def _check_count(name: str, value: int, minimum: int = 0) -> None:
@@ -311,6 +312,10 @@ class Scheduler:
             (vLLM 0.32's `scheduler_reserve_full_isl`, default on); False checks one chunk.
         async_scheduling: plan the next step before this one's tokens are known (output
             placeholders, see the module docstring).
+        drafts_on_device: (asynchronous speculative decoding) the drafter runs on the device
+            in every step: a sampling request's next drafts are planned as k placeholders
+            (-1) at once (vLLM's AsyncScheduler with EAGLE / MTP); else the engine attaches
+            drafts with `update_draft_token_ids`.
 
     Raises:
         ValueError: a count is negative or zero where at least one is needed.
@@ -331,6 +336,7 @@ class Scheduler:
         eos_token_id: int | None = None,
         reserve_full_isl: bool = True,
         async_scheduling: bool = False,
+        drafts_on_device: bool = False,
     ) -> None:
         _check_count("max_num_seqs", max_num_seqs, 1)
         _check_count("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -354,12 +360,16 @@ class Scheduler:
         # fits (window kinds at their admission cap), not just the first chunk.
         self.reserve_full_isl = reserve_full_isl
         self.async_scheduling = async_scheduling
+        self.drafts_on_device = drafts_on_device
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.status: dict[str, RequestStatus] = {}  # same keys as `requests`
         self.stop_criteria: dict[str, StopCriteria] = {}  # same keys as `requests`
         # Sampling steps in flight per request (vLLM num_output_placeholders); async only.
         self.num_output_placeholders: dict[str, int] = {}  # same keys as `requests`
+        # Drafts those steps verify (async only): optimistically counted as accepted until
+        # the step's output says how many were (see the module docstring).
+        self.num_draft_placeholders: dict[str, int] = {}  # same keys as `requests`
         self.waiting = create_request_queue(policy)
         self.running: list[Request] = []  # admission order; FCFS preempts from the back
         # Finished since the last schedule(): reported once in the next SchedulerOutput.
@@ -410,6 +420,7 @@ class Scheduler:
         self.status[request_id] = RequestStatus.WAITING
         self.stop_criteria[request_id] = stop
         self.num_output_placeholders[request_id] = 0
+        self.num_draft_placeholders[request_id] = 0
         self.waiting.add_request(request)
 
     def finish_requests(
@@ -519,7 +530,7 @@ class Scheduler:
         """
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         self._schedule_running(plan)
-        if not plan.preempted:
+        if not plan.preempted and not plan.held_back:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
         self._update_after_schedule(output)
@@ -543,6 +554,15 @@ class Scheduler:
                 )
                 if new_blocks is not None:
                     break
+                if request.num_in_flight_tokens and len(self.running) == 1:
+                    # Deviation from vLLM: it would preempt the request itself, the only one
+                    # running, but its step in flight holds blocks for it (a window it has
+                    # left, vLLM 0.32's in-flight rule) that the step's output releases.
+                    # Recomputing would put that step back in flight and fail the same way
+                    # forever (a lone long prompt in a tight pool, asynchronous scheduling).
+                    # It waits one step instead, and so does admission.
+                    plan.held_back = True
+                    return
                 victim, index = self._preempt_for(plan, index)
                 if victim is request:
                     break
@@ -557,7 +577,12 @@ class Scheduler:
         placeholders = self.num_output_placeholders[request.request_id]
         if placeholders and self._finished_in_flight(request, placeholders):
             return 0
-        num_new_tokens = request.num_tokens_with_spec + placeholders - request.num_computed_tokens
+        num_new_tokens = (
+            request.num_tokens_with_spec
+            + placeholders
+            + self.num_draft_placeholders[request.request_id]
+            - request.num_computed_tokens
+        )
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
         num_new_tokens = min(num_new_tokens, token_budget)
@@ -567,7 +592,8 @@ class Scheduler:
 
     def _finished_in_flight(self, request: Request, placeholders: int) -> bool:
         """vLLM AsyncScheduler: the in-flight steps will reach max_tokens or max_model_len
-        (whatever they sample), so scheduling the request again would be wasted."""
+        (whatever they sample, and even if every draft they verify is rejected: each step
+        counts one token), so scheduling the request again would be wasted."""
         max_tokens = request.max_tokens
         if request.num_tokens + placeholders >= self.max_model_len:
             return True
@@ -624,8 +650,9 @@ class Scheduler:
         plan.num_scheduled_tokens[request_id] = num_new_tokens
         plan.token_budget -= num_new_tokens
         if request.spec_token_ids:
-            # Tokens past num_tokens are drafts; the budget cap may have cut some off.
-            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+            # Tokens past the request's last one (in flight included) are drafts; the budget
+            # cap may have cut some off.
+            num_spec = num_new_tokens + request.num_computed_tokens - self._frontier(request)
             if num_spec > 0:
                 plan.spec_decode_tokens[request_id] = list(request.spec_token_ids[:num_spec])
             # vLLM clears drafts once scheduled; the drafter proposes fresh ones next step.
@@ -715,7 +742,7 @@ class Scheduler:
             request_id
             for request_id, n in plan.num_scheduled_tokens.items()
             if self.requests[request_id].num_computed_tokens + n
-            >= self.requests[request_id].num_tokens + self.num_output_placeholders[request_id]
+            >= self._frontier(self.requests[request_id])
         )
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -732,9 +759,24 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
+    def _frontier(self, request: Request) -> int:
+        """Tokens the request has, counting those its in-flight steps will sample as if every
+        draft they verify were accepted (the optimistic frontier; its known tokens when
+        synchronous)."""
+        request_id = request.request_id
+        return (
+            request.num_tokens
+            + self.num_output_placeholders[request_id]
+            + self.num_draft_placeholders[request_id]
+        )
+
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         """vLLM `_update_after_schedule`: advance `num_computed_tokens` (and the in-flight
-        count) by the scheduled tokens, and note who is still mid-prefill."""
+        count) by the scheduled tokens, and note who is still mid-prefill. Asynchronously, a
+        sampling request gets its output placeholders (one token, plus the drafts it verifies,
+        optimistically all accepted) and, with speculative decoding, k placeholder drafts
+        (-1): the device drafts them in this step and feeds them to the next one (vLLM's
+        AsyncScheduler with EAGLE / MTP)."""
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
@@ -744,6 +786,10 @@ class Scheduler:
                 self._in_prefill.discard(request_id)
                 if self.async_scheduling:
                     self.num_output_placeholders[request_id] += 1
+                    drafts = output.scheduled_spec_decode_tokens.get(request_id, ())
+                    self.num_draft_placeholders[request_id] += len(drafts)
+                    if self.drafts_on_device:
+                        request.spec_token_ids = [-1] * self.num_spec_tokens
             else:
                 self._in_prefill.add(request_id)
 
@@ -798,6 +844,8 @@ class Scheduler:
                 request.num_in_flight_tokens -= num_tokens
                 if self.async_scheduling and request_id in scheduler_output.sampling_req_ids:
                     self.num_output_placeholders[request_id] -= 1
+                    drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, ())
+                    self.num_draft_placeholders[request_id] -= len(drafts)
         new_token_ids: dict[str, list[int]] = {}
         finished: dict[str, RequestStatus] = {}
         stop_reasons: dict[str, int] = {}
@@ -896,6 +944,7 @@ class Scheduler:
         del self.status[request_id]
         del self.stop_criteria[request_id]
         del self.num_output_placeholders[request_id]
+        del self.num_draft_placeholders[request_id]
         self._in_prefill.discard(request_id)
         request.spec_token_ids = []
         self.finished_req_ids.add(request_id)

@@ -8,6 +8,14 @@ else each defaults to the other).
 The engine asks its proposer one question after each step, `next_drafts`: the drafts of the
 running requests for the next step (the scheduler keeps those of requests that decode next).
 
+With asynchronous scheduling the next step is planned while the request's current step is still
+in flight, so a host-side proposer (`next_drafts_ahead`) proposes one token further: from the
+request's tokens and the drafts in flight, as if all were accepted, it proposes a *guess* of the
+token the step in flight samples and the k drafts after it. The device uses the drafts only if
+the step in flight accepted all its drafts and sampled the guess (else the row's drafts are not
+accepted and it moves back: `serving.runner`); outputs never depend on drafts. DSpark needs no
+guess: the device drafts after the token it sampled.
+
 * `NgramProposer` is vLLM's prompt lookup, on the host: find the longest n-gram
   (``prompt_lookup_min <= n <= prompt_lookup_max``) that ends the sequence and occurred before,
   take its earliest earlier occurrence, and propose the (at most k) tokens that followed it,
@@ -42,6 +50,7 @@ __all__ = [
     "NgramProposer",
     "SpeculativeConfig",
     "next_drafts",
+    "next_drafts_ahead",
 ]
 
 # Most drafts per step: the compressor ring of a ratio-2 layer holds k + 2 rows rounded up to a
@@ -114,10 +123,11 @@ class NgramProposer:
         self.max_n = config.prompt_lookup_max
         self.max_model_len = max_model_len
 
-    def propose(self, token_ids: Sequence[int]) -> list[int]:
-        """Draft tokens for a sequence (prompt + outputs so far); [] when nothing matches."""
+    def propose(self, token_ids: Sequence[int], num_tokens: int | None = None) -> list[int]:
+        """Draft tokens for a sequence (prompt + outputs so far); [] when nothing matches.
+        ``num_tokens``: how many to propose at most (default k)."""
         total = len(token_ids)
-        k = min(self.k, self.max_model_len - total)
+        k = min(self.k if num_tokens is None else num_tokens, self.max_model_len - total)
         if total < self.min_n or k <= 0:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
@@ -190,3 +200,26 @@ def next_drafts(proposer: Any, requests: Iterable[Any], step_output: Any) -> dic
         if tokens:
             drafts[request.request_id] = tokens
     return drafts
+
+
+def next_drafts_ahead(
+    proposer: Any,
+    requests: Iterable[Any],
+    in_flight: Mapping[str, Sequence[int]],
+    k: int,
+) -> dict[str, tuple[int | None, list[int]]]:
+    """A host-side proposer's drafts for the step after the one in flight (module docstring):
+    request id -> (guess, drafts) for every running request. ``in_flight``: the requests that
+    sample in the step in flight -> the drafts it verifies; their proposal starts one token
+    further (the guess of that step's token, then k drafts); others get (None, drafts) after
+    their known tokens. The proposer answers ``propose(token_ids, num_tokens)``."""
+    out = {}
+    for request in requests:
+        tokens = list(request.all_token_ids)
+        drafts = in_flight.get(request.request_id)
+        if drafts is None:
+            out[request.request_id] = (None, list(proposer.propose(tokens, k)))
+            continue
+        ahead = list(proposer.propose(tokens + list(drafts), k + 1))
+        out[request.request_id] = (ahead[0], ahead[1:]) if len(ahead) > 1 else (None, [])
+    return out

@@ -110,13 +110,6 @@ def test_lookup_defaults_follow_vllm():
 def test_llm_refuses_what_it_cannot_run(tiny_params, tiny_cfg):
     from serving import LLM
 
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(
-            "tiny_v41",
-            async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-            warm_up=False,
-        )
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         LLM("tiny_v41", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="dspark"):
@@ -180,7 +173,8 @@ class _Oracle:
         self.k, self.vocab = k, vocab_size
         self.rng = random.Random(k)
 
-    def propose(self, tokens):
+    def propose(self, tokens, num_tokens=None):
+        n = self.k if num_tokens is None else num_tokens  # k + 1 past a step in flight
         for prompt, out in self.known:
             done = len(tokens) - len(prompt)
             if (
@@ -188,17 +182,17 @@ class _Oracle:
                 and tokens[: len(prompt)] == prompt
                 and list(tokens[len(prompt) :]) == list(out[:done])
             ):
-                draft = list(out[done : done + self.k])
-                draft += [self.rng.randrange(3, self.vocab) for _ in range(self.k - len(draft))]
-                wrong = self.rng.randrange(self.k + 1)
-                if wrong < self.k:
+                draft = list(out[done : done + n])
+                draft += [self.rng.randrange(3, self.vocab) for _ in range(n - len(draft))]
+                wrong = self.rng.randrange(n + 1)
+                if wrong < n:
                     draft[wrong] = (draft[wrong] + 1) % self.vocab
                 return draft
         return []
 
 
-def _run(params, cfg, arrivals, *, spec=None, aborts=None, proposer=None, **kw):
-    engine = make_engine(params, cfg, async_scheduling=False, speculative_config=spec, **kw)
+def _run(params, cfg, arrivals, *, spec=None, aborts=None, proposer=None, async_=False, **kw):
+    engine = make_engine(params, cfg, async_scheduling=async_, speculative_config=spec, **kw)
     if proposer is not None:
         engine.proposer = proposer
     finals, _ = drive(engine, arrivals, aborts=aborts)
@@ -207,14 +201,21 @@ def _run(params, cfg, arrivals, *, spec=None, aborts=None, proposer=None, **kw):
 
 
 @pytest.mark.parametrize(
-    ("k", "pool_layout", "budget"),
+    ("k", "pool_layout", "budget", "async_"),
     [
-        pytest.param(3, "aliased", 32, id="k3-aliased"),
-        pytest.param(5, "separate", 32, id="k5-separate", marks=pytest.mark.slow),
-        pytest.param(1, "aliased", 13, id="k1-budget13"),
+        pytest.param(3, "aliased", 32, False, id="k3-aliased"),
+        pytest.param(5, "separate", 32, False, id="k5-separate", marks=pytest.mark.slow),
+        pytest.param(1, "aliased", 13, False, id="k1-budget13"),
+        pytest.param(3, "aliased", 32, True, id="k3-aliased-async"),
+        pytest.param(
+            2, "separate", 13, True, id="k2-separate-budget13-async", marks=pytest.mark.slow
+        ),
     ],
 )
-def test_greedy_outputs_equal_plain_decoding(tiny_params, tiny_cfg, k, pool_layout, budget):
+def test_greedy_outputs_equal_plain_decoding(tiny_params, tiny_cfg, k, pool_layout, budget, async_):
+    """n-gram and an oracle drafter, synchronous or asynchronous (drafts proposed past the step
+    in flight, positions moved back on the device by the drafts it rejected), against the
+    synchronous engine without speculation."""
     arrivals = _repetitive_workload(tiny_cfg, seed=k)
     victim = max(arrivals[:4], key=lambda a: a.params.max_tokens)  # still running then
     aborts = {victim.step + 2: victim.request_id}
@@ -240,6 +241,7 @@ def test_greedy_outputs_equal_plain_decoding(tiny_params, tiny_cfg, k, pool_layo
         aborts=aborts,
         pool_layout=pool_layout,
         max_num_batched_tokens=budget,
+        async_=async_,
     )
     _assert_same(fast, plain, victim.request_id)
     assert engine.stats.spec_num_draft_tokens > 0, "the repetitive prompts should give drafts"
@@ -256,6 +258,7 @@ def test_greedy_outputs_equal_plain_decoding(tiny_params, tiny_cfg, k, pool_layo
         proposer=oracle,
         pool_layout=pool_layout,
         max_num_batched_tokens=budget,
+        async_=async_,
     )
     _assert_same(fast, plain, victim.request_id)
     st = engine.stats
@@ -271,13 +274,20 @@ def test_greedy_outputs_equal_plain_decoding(tiny_params, tiny_cfg, k, pool_layo
     per_request = sum(o.metrics.spec_num_accepted_tokens for o in fast.values())
     assert per_request == st.spec_num_accepted_tokens
     assert st.num_preemptions > 0 or base.stats.num_preemptions == 0
+    if async_:  # fewer steps than the asynchronous engine without speculation
+        _, base = _run(
+            tiny_params, tiny_cfg, arrivals, aborts=aborts, pool_layout=pool_layout,
+            max_num_batched_tokens=budget, async_=True,
+        )  # fmt: skip
     assert st.num_steps < base.stats.num_steps
 
 
-def test_sampled_outputs_equal_plain_decoding(tiny_params, tiny_cfg):
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_sampled_outputs_equal_plain_decoding(tiny_params, tiny_cfg, async_):
     """Temperature, top-k / top-p, penalties, min_tokens and logprobs: each verified position
     draws with its own key and the penalty counts of the tokens before it, so the tokens (and
-    their logprobs) are those of the plain engine."""
+    their logprobs) are those of the plain engine (synchronous), with the speculative engine
+    synchronous or asynchronous (min_tokens then counted on the device after the move back)."""
     arrivals = _repetitive_workload(
         tiny_cfg,
         seed=11,
@@ -295,7 +305,7 @@ def test_sampled_outputs_equal_plain_decoding(tiny_params, tiny_cfg):
     plain, _ = _run(tiny_params, tiny_cfg, arrivals)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     oracle = _Oracle(arrivals, plain, 3, tiny_cfg.vocab_size)
-    fast, engine = _run(tiny_params, tiny_cfg, arrivals, spec=spec, proposer=oracle)
+    fast, engine = _run(tiny_params, tiny_cfg, arrivals, spec=spec, proposer=oracle, async_=async_)
     _assert_same(fast, plain)
     assert engine.stats.spec_num_accepted_tokens > 0
     for rid, out in fast.items():

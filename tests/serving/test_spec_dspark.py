@@ -36,8 +36,6 @@ def test_refusals_name_the_value(tiny_params, tiny_cfg, engram_params, engram_cf
         make_engine(engram_params, engram_cfg, async_scheduling=False, speculative_config=_spec(4))
     with pytest.raises(ValueError, match="no DSpark drafter"):
         make_engine(tiny_params, tiny_cfg, async_scheduling=False, speculative_config=_spec(2))
-    with pytest.raises(ValueError, match=r"method='dspark'.*async_scheduling=False"):
-        make_engine(engram_params, engram_cfg, async_scheduling=True, speculative_config=_spec(2))
     config = SpeculativeConfig.from_dict(_spec(3))
     with pytest.raises(ValueError, match="needs method 'dspark'"):
         DSparkProposer(dataclasses.replace(config, method="ngram"), engram_cfg, 64)

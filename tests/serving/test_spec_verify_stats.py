@@ -85,11 +85,16 @@ def _sampling(seeds: np.ndarray, temperature: float, top_k: int) -> S.SamplingBa
 
 
 @jax.jit
-def _spec_run(h, logits_indices, sampling, spec, state):
+def _spec_run(h, drafts, logits_indices, sampling, spec, state):
     params = {"head.weight": jnp.eye(V, dtype=jnp.float32)}  # logits = hidden states
+    n = logits_indices.shape[0]
+    # the step's tokens: row r's drafts follow its first verified position
+    token_ids = jnp.tile(jnp.concatenate([jnp.zeros((1,), jnp.int32), drafts]), n)
+    no = jnp.zeros((n,), jnp.int32)
     outs, accepted, _ = _verify(
-        params, h, logits_indices, sampling, spec, state, num_spec=K, num_logprobs=0
-    )
+        params, h, token_ids, logits_indices, sampling, spec, no, no == 0, state,
+        num_spec=K, num_logprobs=0,
+    )  # fmt: skip
     return outs.token_ids, accepted
 
 
@@ -99,12 +104,16 @@ def _speculative(drafts, seeds, temperature, top_k) -> list[tuple[int, ...]]:
     h = jnp.asarray(np.tile(LOGITS, (n, 1)), jnp.float32)  # row r's 1 + K rows, in order
     logits_indices = jnp.arange(n, dtype=jnp.int32) * (K + 1) + K
     spec = SpecBatch(
-        drafts=jnp.asarray(np.tile(drafts, (n, 1)), jnp.int32),
         num_drafts=jnp.full((n,), K, jnp.int32),
-        suppress_stop=jnp.zeros((n, K + 1), bool),
+        min_tokens_left=jnp.zeros((n,), jnp.int32),
+        shifted=jnp.zeros((n,), bool),
+        engram_history=jnp.full((n, K), -1, jnp.int32),
+        guess=jnp.full((n,), -1, jnp.int32),
     )
     sampling = jax.tree.map(jnp.asarray, _sampling(seeds, temperature, top_k))
-    tokens, accepted = _spec_run(h, logits_indices, sampling, spec, S.init_state(n + 1, V))
+    state = S.init_state(n + 1, V)
+    drafts = jnp.asarray(drafts, jnp.int32)
+    tokens, accepted = _spec_run(h, drafts, logits_indices, sampling, spec, state)
     tokens, accepted = np.asarray(tokens), np.asarray(accepted)
     return [tuple(tokens[r, : accepted[r] + 1]) for r in range(n)]
 
