@@ -11,8 +11,10 @@ in one process, interleaved, best of ``--repeats`` warm runs each:
 
 * ``plain_sync_tokens_per_s`` / ``plain_async_tokens_per_s``: `LLM.generate` without drafts;
 * ``ngram_tokens_per_s``: with ``{"method": "ngram", "num_speculative_tokens": k}`` (lookup
-  lengths 1..3), and its ``acceptance_rate``, ``mean_acceptance_length`` and per-position
-  acceptance;
+  lengths 1..3), synchronous, and its ``acceptance_rate``, ``mean_acceptance_length`` and
+  per-position acceptance;
+* ``ngram_async_tokens_per_s``: the same, asynchronous (drafts proposed one token past the step
+  in flight, used only when that step accepted every draft and sampled the guessed token);
 * ``oracle_tokens_per_s``: the same engine with a drafter that proposes the true continuation
   (known from the plain run), every draft accepted: the ceiling of the verification step at
   this k, not a method one could serve with;
@@ -28,8 +30,11 @@ DSpark (``results["dspark"]``, unless ``--dspark-k 0``): the shipped ``tiny_v41_
 its trained 2-stage drafter, on prefixes of ``--prompt-len`` held-out tokens of the standard
 library (`dsv4.data`), greedy, measured the same way:
 
-* ``trained_plain_sync_tokens_per_s`` and ``dspark_tokens_per_s`` (``{"method": "dspark",
-  "num_speculative_tokens": dspark_k}``) with the acceptance figures and ``outputs_equal``;
+* ``trained_plain_sync_tokens_per_s``, ``trained_plain_async_tokens_per_s``,
+  ``dspark_tokens_per_s`` (``{"method": "dspark", "num_speculative_tokens": dspark_k}``,
+  synchronous) and ``dspark_async_tokens_per_s`` (asynchronous: the device feeds each step the
+  drafts the previous one made, and moves it back by the drafts that one rejected) with the
+  acceptance figures and ``outputs_equal``;
 * ``first_block``: the engine's mean accepted drafts of the FIRST verification after each of
   ``--prefixes`` held-out prefixes of 128 tokens (one verification per request: max_tokens=2)
   beside `dsv4.train_dspark.acceptance` on the same prefixes, the offline figure (reference
@@ -58,13 +63,14 @@ class OracleProposer:
         )
         self.k = k
 
-    def propose(self, tokens: Sequence[int]) -> list[int]:
+    def propose(self, tokens: Sequence[int], num_tokens: int | None = None) -> list[int]:
         tokens = list(tokens)
+        n = self.k if num_tokens is None else num_tokens
         for prompt, out in self.known:
             done = len(tokens) - len(prompt)
             ok = 0 <= done <= len(out) and tokens[: len(prompt)] == prompt
             if ok and tokens[len(prompt) :] == out[:done]:
-                return out[done : done + self.k]
+                return out[done : done + n]
         return []
 
 
@@ -155,7 +161,13 @@ def measure_dspark(
     spec = {"method": "dspark", "num_speculative_tokens": k}
     llms = {
         "trained_plain_sync": LLM("tiny_v41_trained", async_scheduling=False, **common),
-        "dspark": LLM("tiny_v41_trained", speculative_config=spec, **common),
+        "trained_plain_async": LLM("tiny_v41_trained", async_scheduling=True, **common),
+        "dspark": LLM(
+            "tiny_v41_trained", speculative_config=spec, async_scheduling=False, **common
+        ),
+        "dspark_async": LLM(
+            "tiny_v41_trained", speculative_config=spec, async_scheduling=True, **common
+        ),
     }
     tok = llms["dspark"].get_tokenizer()
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -174,21 +186,21 @@ def measure_dspark(
                 equal &= tokens == plain
                 if rate > best.get(mode, 0.0):
                     best[mode], stats[mode] = rate, delta
-        s = stats["dspark"]
-        out[f"batch_{b}"] = {
-            "outputs_equal": bool(equal),
-            "trained_plain_sync_tokens_per_s": round(best["trained_plain_sync"], 1),
-            "dspark_tokens_per_s": round(best["dspark"], 1),
-            "dspark_over_plain_sync": round(best["dspark"] / best["trained_plain_sync"], 3),
-            "trained_plain_sync_steps": stats["trained_plain_sync"]["num_steps"],
-            "dspark_steps": s["num_steps"],
-            "dspark_acceptance_rate": round(
+        row: dict[str, Any] = {"outputs_equal": bool(equal)}
+        for mode in llms:
+            row[f"{mode}_tokens_per_s"] = round(best[mode], 1)
+            row[f"{mode}_steps"] = stats[mode]["num_steps"]
+        for mode in ("dspark", "dspark_async"):
+            s = stats[mode]
+            for base in ("plain_sync", "plain_async"):
+                row[f"{mode}_over_{base}"] = round(best[mode] / best[f"trained_{base}"], 3)
+            row[f"{mode}_acceptance_rate"] = round(
                 s["spec_num_accepted_tokens"] / max(s["spec_num_draft_tokens"], 1), 4
-            ),
-            "dspark_mean_acceptance_length": round(
+            )
+            row[f"{mode}_mean_acceptance_length"] = round(
                 1 + s["spec_num_accepted_tokens"] / max(s["spec_num_drafts"], 1), 3
-            ),
-        }
+            )
+        out[f"batch_{b}"] = row
     per_pos = llms["dspark"].engine.stats.spec_acceptance_per_pos
     out["dspark_acceptance_per_pos"] = [round(x, 4) for x in per_pos]
     if num_prefixes:
@@ -241,8 +253,9 @@ def measure(
     llms = {
         "plain_sync": LLM(model, async_scheduling=False, **common),
         "plain_async": LLM(model, async_scheduling=True, **common),
-        "ngram": LLM(model, speculative_config=spec, **common),
-        "oracle": LLM(model, speculative_config=spec, **common),
+        "ngram": LLM(model, speculative_config=spec, async_scheduling=False, **common),
+        "ngram_async": LLM(model, speculative_config=spec, async_scheduling=True, **common),
+        "oracle": LLM(model, speculative_config=spec, async_scheduling=False, **common),
     }
     ngram_proposer = llms["oracle"].engine.proposer
     rng = np.random.default_rng(0)
@@ -268,7 +281,7 @@ def measure(
         for mode in llms:
             row[f"{mode}_tokens_per_s"] = round(best[mode], 1)
             row[f"{mode}_steps"] = stats[mode]["num_steps"]
-        for mode in ("ngram", "oracle"):
+        for mode in ("ngram", "ngram_async", "oracle"):
             s = stats[mode]
             row[f"{mode}_acceptance_rate"] = (
                 round(s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"], 4)

@@ -13,11 +13,14 @@ Synchronous scheduling waits for each step before planning the next. Both run th
 scheduler, runner and sampler, and sample each token with a key fixed by the request and the
 token's position, so they produce the same tokens (the tests check it on random workloads).
 
-Speculative decoding (``speculative_config``, `serving.spec_decode`) runs synchronously: after
-each step the engine asks its proposer for the running requests' drafts (`next_drafts`: n-gram
-lookup on the host, or the DSpark drafts the runner's step made on the device and returned with
-its tokens), the scheduler attaches them to requests that decode next, and the next step
-verifies them.
+Speculative decoding (``speculative_config``, `serving.spec_decode`): synchronously, after each
+step the engine asks its proposer for the running requests' drafts (`next_drafts`: n-gram lookup
+on the host, or the DSpark drafts the runner's step made on the device and returned with its
+tokens), the scheduler attaches them to requests that decode next, and the next step verifies
+them. Asynchronously, step N+1 is planned as if step N accepted every draft and the device moves
+it back by those rejected (`serving.runner`); DSpark's drafts stay on the device (the scheduler
+plans placeholders), and a host proposer proposes past the step in flight
+(`next_drafts_ahead`).
 """
 
 from __future__ import annotations
@@ -563,11 +566,13 @@ class Engine:
             return
         if self.scheduler.drafts_on_device:
             return
-        in_flight: dict[str, list[int]] = {}
+        in_flight: dict[str, tuple[list[int], bool]] = {}
         for handle in self._in_flight:
             out = handle.scheduler_output
             for request_id in out.sampling_req_ids:
-                in_flight[request_id] = list(out.scheduled_spec_decode_tokens.get(request_id, ()))
+                drafts = list(out.scheduled_spec_decode_tokens.get(request_id, ()))
+                usable = self.runner.in_flight_drafts_usable(request_id)
+                in_flight[request_id] = (drafts, usable)
         k = self.scheduler.num_spec_tokens
         ahead = next_drafts_ahead(self.proposer, self.scheduler.running, in_flight, k)
         self.scheduler.update_draft_token_ids({rid: d for rid, (_, d) in ahead.items()})

@@ -43,9 +43,24 @@ class RequestState:
     # the drafts the device made in its last sampling step that the host has learned (with
     # device-made drafts: what its next step verified)
     last_drafts: tuple[int, ...] = ()
-    # a host proposer's guess of the token its step in flight samples: the drafts of its next
-    # step follow that token (`serving.spec_decode.next_drafts_ahead`); None: no guess
-    guess: int | None = None
+    # a host proposer's guess of what its step in flight does: (the token it samples, the
+    # drafts it rejects); the drafts of its next step follow that outcome
+    # (`serving.spec_decode.next_drafts_ahead`); None: no guess
+    guess: tuple[int, int] | None = None
+    # per sampling step in flight: the guess its drafts were proposed under (None: none)
+    pending_guesses: collections.deque[tuple[int, int] | None] = dataclasses.field(
+        default_factory=collections.deque
+    )
+    # what its last learned sampling step did: (the token it sampled last, drafts rejected)
+    last_outcome: tuple[int, int] | None = None
+
+    @property
+    def in_flight_usable(self) -> bool:
+        """Whether the drafts of its oldest step in flight can be accepted at all: the guess
+        they were proposed under (if any) is what the step before did."""
+        guess = self.pending_guesses[0] if self.pending_guesses else None
+        return guess is None or guess == self.last_outcome
+
     extra: object = None  # what the owner attaches (the runner: sampling parameters)
 
     @property
@@ -211,7 +226,12 @@ class InputBatch:
                 state.pending.append(row.num_drafts)
                 drafts = step_request.token_ids[row.num_tokens - row.num_drafts :]
                 state.pending_drafts.append(None if row.device_drafts else tuple(drafts))
+                state.pending_guesses.append(None)  # the runner sets it (`note_guess`)
         return rows, step_requests
+
+    def note_guess(self, request_id: str, guess: tuple[int, int] | None) -> None:
+        """The guess the request's newest step in flight was given (the runner's SpecBatch)."""
+        self.requests[request_id].pending_guesses[-1] = guess
 
     def _inputs(self, state: RequestState, start: int, n: int) -> tuple[list[int], list[int]]:
         """The tokens of positions start..start+n-1 and, for each, the slot to read it from on
@@ -246,6 +266,8 @@ class InputBatch:
         state = self.requests.get(request_id)
         if state is not None and state.pending:
             state.tokens.extend(tokens)
-            state.pending.popleft()
+            num_drafts = state.pending.popleft()
             state.pending_drafts.popleft()
+            state.pending_guesses.popleft()
             state.last_drafts = tuple(drafts)
+            state.last_outcome = (tokens[-1], num_drafts + 1 - len(tokens))

@@ -10,9 +10,19 @@ them — and returns at once (JAX dispatches asynchronously); `StepHandle.fetch`
 tokens.
 
 Tokens stay on the device between steps: each slot's last sampled token is kept in
-``last_tokens`` (i32[S]), and a scheduled position whose token the host does not know yet (the
-asynchronous engine plans a step before the previous one's tokens arrive) is read from there
-inside the next step, never through the host.
+``slots.last`` (`SlotState`), and a scheduled position whose token the host does not know yet
+(the asynchronous engine plans a step before the previous one's tokens arrive) is read from there
+inside the next step, never through the host; so are the DSpark drafts a step made
+(``slots.drafts``), which the next step verifies.
+
+Asynchronous speculation: a row planned after drafts still in flight assumes they were all
+accepted. The step reads how many its slot's last step rejected (``slots.rejected``) and moves
+the row back by that many before anything runs (`_move_back`): positions, sequence lengths,
+every slot mapping (recomputed from the block tables, which hold the blocks of the planned
+positions and so of the earlier ones), the sampler's position keys, min_tokens and the Engram
+look-back. Drafts a host proposer made past a step in flight carry a guess of that step's
+outcome (its token, and how many drafts it rejects: none, or all once its own guess is known to
+have failed); the device verifies them only if the guess held.
 
 Speculative decoding (``num_speculative_tokens`` k > 0): each request's 1 + d rows are verified
 in the step (`_verify`). With the DSpark drafter (``drafter=True``) the step also seeds the
@@ -299,12 +309,20 @@ class ModelRunner:
         return self.inputs.requests
 
     def set_draft_guesses(self, guesses) -> None:
-        """A host proposer's guesses of the token each request's step in flight samples
-        (request id -> token or None; see `serving.spec_decode.next_drafts_ahead`)."""
+        """A host proposer's guesses of what each request's step in flight does: request id
+        -> (the token it samples, the drafts it rejects), or None (see
+        `serving.spec_decode.next_drafts_ahead`)."""
         for request_id, guess in guesses.items():
             state = self.requests.get(request_id)
             if state is not None:
                 state.guess = guess
+
+    def in_flight_drafts_usable(self, request_id: str) -> bool:
+        """Whether the drafts of the request's step in flight can be accepted: False once the
+        guess they were proposed under is known to have failed (then that step rejects them
+        all)."""
+        state = self.requests.get(request_id)
+        return state is None or state.in_flight_usable
 
     def _admit(self, new) -> None:
         """A request (re)entering the batch, and its sampler rows when it needs them
@@ -440,6 +458,7 @@ class ModelRunner:
         shifted = np.zeros(num_rows, bool)
         history = np.full((num_rows, k), -1, np.int32)
         guess = np.full(num_rows, -1, np.int32)
+        guess_rejected = np.zeros(num_rows, np.int32)
         for i, (row, sched) in enumerate(zip(rows, scheduled, strict=True)):
             state = self.requests[row.request_id]
             num_drafts[i] = len(row.drafts)
@@ -447,7 +466,9 @@ class ModelRunner:
             shifted[i] = sched.shifted > 0
             history[i, : len(sched.history)] = sched.history
             if row.drafts and not sched.device_drafts and state.guess is not None:
-                guess[i] = state.guess
+                guess[i], guess_rejected[i] = state.guess
+                if row.samples:
+                    self.inputs.note_guess(row.request_id, state.guess)
             state.guess = None  # a guess serves the step right after its proposal only
         return SpecBatch(
             num_drafts=num_drafts,
@@ -455,6 +476,7 @@ class ModelRunner:
             shifted=shifted,
             engram_history=history,
             guess=guess,
+            guess_rejected=guess_rejected,
         )
 
     def _collect(self, rows: Sequence[_Row], host) -> StepOutput:
@@ -568,9 +590,10 @@ class SpecBatch:
     # i32[R, k] Engram: tokens of the positions before the planned look-back (newest first,
     # -1 = none), which a moved row's look-back reaches
     engram_history: Any
-    # i32[R] host drafts proposed past a step in flight: the token that step must sample (and
-    # accept all its drafts) for them to be verified; -1 = none needed
+    # i32[R] host drafts proposed past a step in flight: the token that step must sample, and
+    # i32[R] how many drafts it must reject, for them to be verified; guess -1 = none needed
     guess: Any
+    guess_rejected: Any
 
 
 @jax.tree_util.register_dataclass
@@ -745,7 +768,8 @@ def _engine_step(
     if num_spec:
         sampling, spec = sampling
         back = jnp.where(spec.shifted, slots.rejected[sampling.slot], 0)
-        guessed = (slots.rejected[sampling.slot] == 0) & (slots.last[sampling.slot] == spec.guess)
+        rejected = slots.rejected[sampling.slot]
+        guessed = (rejected == spec.guess_rejected) & (slots.last[sampling.slot] == spec.guess)
         drafts_ok = (spec.guess < 0) | guessed  # bool[R]
         batch = _move_back(batch, back, groups, spec.engram_history)
     targets = cfg.dspark_target_layer_ids if drafter else ()

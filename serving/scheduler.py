@@ -13,9 +13,16 @@ preemption by recompute and speculative-decoding reservation all fall out of tha
 Asynchronous scheduling: the engine plans step N+1 before step N's tokens reach the host. A
 request whose step will sample gets an *output placeholder* at schedule time (vLLM
 ``num_output_placeholders``), so the next plan already gives it its next decode token (whose id
-stays on the device); the placeholder is consumed when the token arrives. A request that is
-certain to be finished by its in-flight steps (``max_tokens``, ``max_model_len``) is not
-scheduled again. Deviation from vLLM, on purpose: a request preempted while one of its steps is
+stays on the device); the placeholder is consumed when the token arrives. With speculative
+decoding the drafts a step verifies are placeholders too, counted as accepted (the optimistic
+frontier of vLLM's AsyncScheduler): the next step is planned 1 + k tokens past them, its slots
+reserved there, and when the output arrives the rejected ones are taken back from
+`num_computed_tokens` (the device has already moved that next step back by them; the blocks
+stay with the request). A request that is certain to be finished by its in-flight steps
+(``max_tokens``, ``max_model_len``; each step counted as one token, whatever it accepts) is not
+scheduled again. A lone running request whose next chunk does not fit while its own step is in
+flight waits for that step instead of preempting itself (a deviation: vLLM would recompute it
+and fail the same way again). Deviation from vLLM, on purpose: a request preempted while one of its steps is
 in flight keeps the token that step samples (vLLM discards it, `discard_latest_async_tokens`,
 and samples it again after the recompute); the token was computed from intact state, and keeping
 it makes the asynchronous engine's tokens those of the synchronous one. A preempted request is

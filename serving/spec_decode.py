@@ -9,12 +9,14 @@ The engine asks its proposer one question after each step, `next_drafts`: the dr
 running requests for the next step (the scheduler keeps those of requests that decode next).
 
 With asynchronous scheduling the next step is planned while the request's current step is still
-in flight, so a host-side proposer (`next_drafts_ahead`) proposes one token further: from the
-request's tokens and the drafts in flight, as if all were accepted, it proposes a *guess* of the
-token the step in flight samples and the k drafts after it. The device uses the drafts only if
-the step in flight accepted all its drafts and sampled the guess (else the row's drafts are not
-accepted and it moves back: `serving.runner`); outputs never depend on drafts. DSpark needs no
-guess: the device drafts after the token it sampled.
+in flight, so a host-side proposer (`next_drafts_ahead`) proposes one token further, under a
+*guess* of what the step in flight does: that it accepts all its drafts (the proposal then
+continues the request's tokens and those drafts), or, once its drafts are known to be unusable,
+that it rejects them all (the proposal continues the known tokens). The first proposed token is
+the guess of the token that step samples, the k after it are the drafts. The device verifies
+the drafts only if the guess held (else none is accepted and the row moves back:
+`serving.runner`); outputs never depend on drafts. DSpark needs no guess: the device drafts
+after the token it sampled.
 
 * `NgramProposer` is vLLM's prompt lookup, on the host: find the longest n-gram
   (``prompt_lookup_min <= n <= prompt_lookup_max``) that ends the sequence and occurred before,
@@ -205,21 +207,28 @@ def next_drafts(proposer: Any, requests: Iterable[Any], step_output: Any) -> dic
 def next_drafts_ahead(
     proposer: Any,
     requests: Iterable[Any],
-    in_flight: Mapping[str, Sequence[int]],
+    in_flight: Mapping[str, tuple[Sequence[int], bool]],
     k: int,
-) -> dict[str, tuple[int | None, list[int]]]:
+) -> dict[str, tuple[tuple[int, int] | None, list[int]]]:
     """A host-side proposer's drafts for the step after the one in flight (module docstring):
-    request id -> (guess, drafts) for every running request. ``in_flight``: the requests that
-    sample in the step in flight -> the drafts it verifies; their proposal starts one token
-    further (the guess of that step's token, then k drafts); others get (None, drafts) after
-    their known tokens. The proposer answers ``propose(token_ids, num_tokens)``."""
+    request id -> (guess, drafts) for every running request, the guess being (the token the
+    step in flight samples, the drafts it rejects). ``in_flight``: the requests that sample in
+    the step in flight -> (the drafts it verifies, whether they can be accepted at all); their
+    proposal starts one token further. Others get (None, drafts) after their known tokens. The
+    proposer answers ``propose(token_ids, num_tokens)``."""
     out = {}
     for request in requests:
         tokens = list(request.all_token_ids)
-        drafts = in_flight.get(request.request_id)
-        if drafts is None:
+        flight = in_flight.get(request.request_id)
+        if flight is None:
             out[request.request_id] = (None, list(proposer.propose(tokens, k)))
             continue
-        ahead = list(proposer.propose(tokens + list(drafts), k + 1))
-        out[request.request_id] = (ahead[0], ahead[1:]) if len(ahead) > 1 else (None, [])
+        drafts, usable = flight
+        assumed = list(drafts) if usable else []  # accepted by the step in flight
+        ahead = list(proposer.propose(tokens + assumed, k + 1))
+        if len(ahead) < 2:
+            out[request.request_id] = (None, [])
+        else:
+            guess = (ahead[0], len(drafts) - len(assumed))
+            out[request.request_id] = (guess, ahead[1:])
     return out

@@ -34,24 +34,25 @@ def _tokens(finals):
 
 
 @pytest.mark.parametrize(
-    ("k", "pool_layout", "budget"),
+    ("k", "pool_layout", "budget", "seed"),
     [
-        pytest.param(3, "aliased", 32, id="k3-aliased"),
-        pytest.param(1, "separate", 13, id="k1-separate-budget13", marks=pytest.mark.slow),
-        pytest.param(3, "separate", 32, id="k3-separate", marks=pytest.mark.slow),
+        pytest.param(3, "aliased", 32, 11, id="k3-aliased"),
+        pytest.param(1, "separate", 13, 11, id="k1-separate-budget13", marks=pytest.mark.slow),
+        pytest.param(3, "separate", 32, 11, id="k3-separate", marks=pytest.mark.slow),
     ],
 )
 def test_dspark_async_greedy_equals_the_reference(engram_params, engram_cfg, k, pool_layout,
-                                                  budget):  # fmt: skip
+                                                  budget, seed):  # fmt: skip
     """tiny_v41_full (Engram, 3-stage drafter, ratio-2 layers), NaN-filled pools, a workload
     with chunked prefill, prefix hits, preemption and an abort: the asynchronous engine with
     DSpark gives `dsv4.generate`'s greedy tokens. The random drafter's drafts are all
     rejected, so every decode step after a verification is moved back by k on the device."""
-    arrivals = workload(engram_cfg, 2, num_requests=10)
+    arrivals = workload(engram_cfg, seed, num_requests=10)  # seeds chosen to preempt
     victim = max(arrivals[:4], key=lambda a: a.params.max_tokens)
     aborts = {victim.step + 2: victim.request_id}
+    # 28 blocks, as tests/serving/test_spec_dspark.py: the same compiled step
     engine = make_engine(
-        engram_params, engram_cfg, async_scheduling=True, num_gpu_blocks_override=32,
+        engram_params, engram_cfg, async_scheduling=True, num_gpu_blocks_override=28,
         speculative_config={"method": "dspark", "num_speculative_tokens": k},
         pool_layout=pool_layout, max_num_batched_tokens=budget,
     )  # fmt: skip
@@ -118,7 +119,7 @@ def test_host_drafts_rejected_at_every_offset_from_a_pair_boundary(engram_params
         prompt = tuple(int(t) for t in rng.integers(3, engram_cfg.vocab_size, n_prompt))
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, logprobs=2)
         arrivals.append(Arrival(i, f"r{i}", prompt, params))
-    blocks = 48
+    blocks = 28
     plain_engine = make_engine(engram_params, engram_cfg, async_scheduling=False,
                                num_gpu_blocks_override=blocks)  # fmt: skip
     plain, _ = drive(plain_engine, arrivals)

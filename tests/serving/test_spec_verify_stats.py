@@ -109,6 +109,7 @@ def _speculative(drafts, seeds, temperature, top_k) -> list[tuple[int, ...]]:
         shifted=jnp.zeros((n,), bool),
         engram_history=jnp.full((n, K), -1, jnp.int32),
         guess=jnp.full((n,), -1, jnp.int32),
+        guess_rejected=jnp.zeros((n,), jnp.int32),
     )
     sampling = jax.tree.map(jnp.asarray, _sampling(seeds, temperature, top_k))
     state = S.init_state(n + 1, V)
