@@ -30,7 +30,9 @@ from test_indexer import (
 
 from pallas_kernels.indexer import gpu, reference
 
-TILES = [1, 2, 3, 4, 8]
+# 1 and 3 run token by token (3 pads the last tile), 8 stacks a tile in one matmul; 2 and 4 take
+# the stacked path too and run as long variants
+TILES = [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow), 8]
 # One request, 24 consecutive prefill tokens; token i (1..24) sees i * 11 entries, so the tiles
 # cross the 128-entry chunk boundaries; pages of 8 entries in random order, NaN unused pages.
 RATIO = 11
