@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import types
 
 import pytest
 
@@ -14,18 +15,25 @@ from benchmarks import engram as bench
 
 @pytest.fixture
 def fake_decode(monkeypatch):
+    """Stand-ins that cost 40 and 30 ms on the benchmark's clock without sleeping: the clock is
+    the real one plus a virtual offset the stand-ins advance, so the decode figures differ by
+    10 ms give or take microseconds of real overhead (sleeps drifted by a millisecond under a
+    loaded CI and flipped the order)."""
+    virtual = [0.0]
+
     def cases(batch, prompt_len):
-        def slow():
-            time.sleep(0.004)
-            return 0
+        def cost(seconds):
+            def call():
+                virtual[0] += seconds
+                return 0
 
-        def fast():
-            time.sleep(0.003)
-            return 0
+            return call
 
-        return {"with_engram": slow, "without_engram": fast}
+        return {"with_engram": cost(0.040), "without_engram": cost(0.030)}
 
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + virtual[0])
     monkeypatch.setattr(bench, "_decode_cases", cases)
+    monkeypatch.setattr(bench, "time", clock)
 
 
 def test_json_line(fake_decode, capsys):
@@ -35,7 +43,7 @@ def test_json_line(fake_decode, capsys):
     assert out["benchmark"] == "engram"
     decode = out["decode"]
     assert decode["with_engram_ms"] > decode["without_engram_ms"] > 0
-    assert 0.1 < decode["engram_share"] < 0.4  # 1 - 3/4 ms, give or take the sleeps
+    assert 0.1 < decode["engram_share"] < 0.4  # 1 - 30/40, give or take real overhead
     released = out["released_gather"]
     assert released["stored_bytes_per_token"] == 2 * 24 * (256 + 8)
     assert released["bf16_bytes_per_token"] == 2 * 24 * 256 * 2
