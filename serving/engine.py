@@ -284,6 +284,7 @@ class Engine:
             num_speculative_tokens=k,
             drafter=isinstance(proposer, DSparkProposer),
             mesh=mesh,
+            plans_ahead=async_scheduling,
         )
         return cls(
             runner,

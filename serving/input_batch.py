@@ -174,23 +174,27 @@ class InputBatch:
             device_drafts = bool(drafts) and drafts[0] < 0
             tokens, device = self._inputs(state, start, n - len(drafts))
             shifted = state.num_shifted
-            known = state.tokens
+            m = self.engram_lookback
+            # the tokens of positions lo..start-1 (Engram's look-back and, for a moved row, the
+            # history before it): host-known tokens, then the drafts in flight if any
+            lo = max(0, start - m - shifted)
             if shifted:  # the positions before start hold the drafts in flight
                 in_flight = state.pending_drafts[-1]
                 if in_flight is None:  # made on the device: learned with the step before
                     in_flight = state.last_drafts[:shifted]
-                known = state.tokens + list(in_flight)
-                if len(known) != start:
+                if len(state.tokens) + len(in_flight) != start:
                     raise RuntimeError(
                         f"{request_id!r}: scheduled from position {start} with {shifted} drafts "
                         f"in flight, but the host knows {len(state.tokens)} tokens and "
                         f"{len(state.last_drafts)} drafts"
                     )
-            m = self.engram_lookback
+                tail = [*state.tokens[lo:], *in_flight] if m else []
+            else:
+                tail = state.tokens[lo:start] if m else []
             history = ()
             if shifted and m:
                 history = tuple(
-                    known[p] if p >= 0 else -1
+                    tail[p - lo] if p >= 0 else -1
                     for p in range(start - m - 1, start - m - 1 - shifted, -1)
                 )
             rows.append(
@@ -217,7 +221,7 @@ class InputBatch:
                     # every position before start is known to the host (only the newest
                     # token can be in flight, and it is at start or later), or is a draft in
                     # flight that the host learned (see ScheduledRow)
-                    prev_tokens=known[max(0, start - m) : start] if m else (),
+                    prev_tokens=tail[max(0, start - m) - lo :] if m else (),
                 )
             )
         for row, step_request in zip(rows, step_requests, strict=True):

@@ -72,7 +72,10 @@ from dsv4.paged.batch import (
     build_batch,
     empty_batch,
     group_infos,
+    ring_slots_at,
+    state_slots_at,
     table_width_buckets,
+    window_slots_at,
 )
 from dsv4.paged.draft import draft_paged, seed_drafter
 from dsv4.paged.records import CacheFormats
@@ -198,6 +201,9 @@ class ModelRunner:
             1..dspark_block_size): every step seeds its caches and drafts k tokens per
             sampling request (`StepOutput.draft_token_ids`).
         mesh: run on this device mesh (see the module docstring); None: one device.
+        plans_ahead: steps are scheduled while the step before is still in flight
+            (asynchronous scheduling): with drafts, a row may be planned past drafts in flight
+            and the device moves it back (`_move_back`). False compiles the step without that.
     """
 
     def __init__(
@@ -222,6 +228,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         drafter: bool = False,
         mesh: Any = None,
+        plans_ahead: bool = False,
     ) -> None:
         if drafter and not 1 <= num_speculative_tokens <= cfg.dspark_block_size:
             raise ValueError(
@@ -255,6 +262,7 @@ class ModelRunner:
         # samples one row per request, else 1 + k rows, see `_engine_step`)
         self.num_spec = num_speculative_tokens
         self.drafter = drafter
+        self.plans_ahead = plans_ahead
         self._static = dict(
             cfg=cfg,
             layout=self.layout,
@@ -264,6 +272,7 @@ class ModelRunner:
             num_spec=num_speculative_tokens,
             drafter=drafter,
             groups=group_infos(kv_cache_config),
+            plans_ahead=plans_ahead,
         )
         self.pools = self._replicated(P.init_pools(self.layout, fill=fill))
         self.padding_slot = max_num_seqs
@@ -371,7 +380,8 @@ class ModelRunner:
         t, r = batch.token_ids.shape[0], batch.seq_lens.shape[0]
         sampling = self._sampling_batch(rows, r)
         if self.num_spec:
-            sampling = (sampling, self._spec_batch(rows, scheduled, r))
+            guesses = self._take_guesses(rows, scheduled)
+            sampling = (sampling, self._spec_batch(rows, scheduled, r, guesses))
         feed = np.full(t, -1, np.int32)
         width = self.num_spec + 1  # a slot's device tokens: its last sampled one, its drafts
         devices = []
@@ -449,9 +459,27 @@ class ModelRunner:
             )
         return S.build_sampling_batch(sampling_rows, num_rows, self.padding_slot)
 
-    def _spec_batch(self, rows: Sequence[_Row], scheduled, num_rows: int) -> SpecBatch:
-        """Each row's draft count, how far min_tokens still masks the stop tokens, and whether
-        its positions are optimistic (then the Engram history a moved row needs)."""
+    def _take_guesses(self, rows: Sequence[_Row], scheduled) -> dict[str, tuple[int, int]]:
+        """The guess each row's host drafts were proposed under (`set_draft_guesses`), by
+        request id. A guess serves the step right after its proposal only: every scheduled
+        request's is taken, and a sampling row's is recorded with its step in flight (the
+        host needs it to know whether that step's drafts can be accepted)."""
+        guesses = {}
+        for row, sched in zip(rows, scheduled, strict=True):
+            state = self.requests[row.request_id]
+            if row.drafts and not sched.device_drafts and state.guess is not None:
+                guesses[row.request_id] = state.guess
+                if row.samples:
+                    self.inputs.note_guess(row.request_id, state.guess)
+            state.guess = None
+        return guesses
+
+    def _spec_batch(
+        self, rows: Sequence[_Row], scheduled, num_rows: int, guesses=None
+    ) -> SpecBatch:
+        """Each row's draft count, how far min_tokens still masks the stop tokens, whether its
+        positions are optimistic (then the Engram history a moved row needs), and the guess
+        its drafts were proposed under (``guesses``, from `_take_guesses`)."""
         k = self.num_spec
         num_drafts = np.zeros(num_rows, np.int32)
         min_tokens_left = np.zeros(num_rows, np.int32)
@@ -464,12 +492,14 @@ class ModelRunner:
             num_drafts[i] = len(row.drafts)
             min_tokens_left[i] = state.extra[0].min_tokens - self._num_outputs(row)
             shifted[i] = sched.shifted > 0
+            if sched.shifted and not self.plans_ahead:
+                raise RuntimeError(
+                    f"{row.request_id!r} was planned past {sched.shifted} drafts in flight, but "
+                    "this runner was built with plans_ahead=False (its step cannot move it back)"
+                )
             history[i, : len(sched.history)] = sched.history
-            if row.drafts and not sched.device_drafts and state.guess is not None:
-                guess[i], guess_rejected[i] = state.guess
-                if row.samples:
-                    self.inputs.note_guess(row.request_id, state.guess)
-            state.guess = None  # a guess serves the step right after its proposal only
+            if guesses and row.request_id in guesses:
+                guess[i], guess_rejected[i] = guesses[row.request_id]
         return SpecBatch(
             num_drafts=num_drafts,
             min_tokens_left=min_tokens_left,
@@ -628,21 +658,18 @@ def _move_back(batch: StepBatch, back: jax.Array, groups, history) -> StepBatch:
     window, state, ring = dict(batch.window_slots), dict(batch.state_slots), dict(batch.ring_slots)
     for g in groups:
         table = batch.block_tables[g.index]
-        size = g.block_size
         if g.kind == "window":
-            slot = table[req, pos // size] * size + pos % size
-            window[g.index] = jnp.where(moved, slot, window[g.index])
-        elif g.kind == "ring":
+            slots = window_slots_at(table, req, pos, g.block_size)
+            window[g.index] = jnp.where(moved, slots, window[g.index])
+        elif g.kind == "ring":  # the same tokens of the chunk keep their rows
             old = ring[g.index]
-            slot = table[req, 0] * size + pos % size
-            ring[g.index] = jnp.where(moved & (old >= 0), slot, old)
+            ring[g.index] = jnp.where(
+                moved, ring_slots_at(table, req, pos, g.block_size, old >= 0), old
+            )
         else:
             for r in g.ratios:
-                per_block = size // r
-                j = pos // r
-                slot = table[req, j // per_block] * per_block + j % per_block
-                new = jnp.where((pos + 1) % r == 0, slot, -1)
-                state[(g.index, r)] = jnp.where(moved, new, state[(g.index, r)])
+                slots = state_slots_at(table, req, pos, g.block_size, r, True)
+                state[(g.index, r)] = jnp.where(moved, slots, state[(g.index, r)])
     prev = batch.engram_prev
     m = prev.shape[1]
     if m:
@@ -734,6 +761,7 @@ def _verify(
         "num_spec",
         "drafter",
         "groups",
+        "plans_ahead",
     ),
     donate_argnames=("pools", "sampler_state", "slots"),
 )
@@ -757,6 +785,7 @@ def _engine_step(
     num_spec: int = 0,
     drafter: bool = False,
     groups=(),
+    plans_ahead: bool = False,
 ):
     """One engine step on the device: inputs (device-fed tokens; rows planned after drafts in
     flight moved back by the drafts rejected, `_move_back`), the paged step, the head on the
@@ -767,11 +796,13 @@ def _engine_step(
     batch = dataclasses.replace(batch, token_ids=jnp.where(feed >= 0, fed, batch.token_ids))
     if num_spec:
         sampling, spec = sampling
-        back = jnp.where(spec.shifted, slots.rejected[sampling.slot], 0)
         rejected = slots.rejected[sampling.slot]
+        # only a step planned while the one before was in flight has rows to move back
+        back = jnp.where(spec.shifted, rejected, 0) if plans_ahead else jnp.zeros_like(rejected)
         guessed = (rejected == spec.guess_rejected) & (slots.last[sampling.slot] == spec.guess)
         drafts_ok = (spec.guess < 0) | guessed  # bool[R]
-        batch = _move_back(batch, back, groups, spec.engram_history)
+        if plans_ahead:
+            batch = _move_back(batch, back, groups, spec.engram_history)
     targets = cfg.dspark_target_layer_ids if drafter else ()
     kern = dict(impl=impl, interpret=interpret)
     h, pools, streams = paged_forward_streams(params, cfg, layout, pools, batch, targets, **kern)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cache.spec import (
@@ -48,7 +49,10 @@ __all__ = [
     "build_batch",
     "empty_batch",
     "group_infos",
+    "ring_slots_at",
+    "state_slots_at",
     "table_width_buckets",
+    "window_slots_at",
 ]
 
 
@@ -223,21 +227,53 @@ def build_batch(
         if g.kind == "window":
             blk = pos // g.block_size
             _need_blocks(requests, g, counts, req, blk, np.ones(n_tok, bool))
-            batch.window_slots[g.index][:n_tok] = (
-                ids[req, np.minimum(blk, ids.shape[1] - 1)] * g.block_size + pos % g.block_size
-            )
+            batch.window_slots[g.index][:n_tok] = window_slots_at(ids, req, pos, g.block_size)
             continue
         for r in g.ratios:
-            e = g.block_size // r
-            j = pos // r
-            closes = ((pos + 1) % r == 0) & (pos >= write_from[req])
-            blk = j // e
-            _need_blocks(requests, g, counts, req, blk, closes)
-            slot = ids[req, np.minimum(blk, ids.shape[1] - 1)] * e + j % e
-            batch.state_slots[(g.index, r)][:n_tok] = np.where(closes, slot, -1)
+            writes = pos >= write_from[req]
+            closes = ((pos + 1) % r == 0) & writes
+            _need_blocks(requests, g, counts, req, pos // r // (g.block_size // r), closes)
+            slots = state_slots_at(ids, req, pos, g.block_size, r, writes)
+            batch.state_slots[(g.index, r)][:n_tok] = slots
     if debug:
         check_batch(batch, config)
     return batch
+
+
+# The slot formulas of each group kind, written once for numpy (`build_batch`) and jax (the
+# engine's step moves rows planned past drafts in flight back on the device). ``table`` is a
+# group's block table [R, W], ``req`` / ``pos`` the request row and position of every token.
+# A block column past the table is clipped: the builder checks first that every token that
+# writes finds its block (`_need_blocks`), and a moved row only goes back to blocks it holds.
+
+
+def _xp(x):
+    return np if isinstance(x, np.ndarray) else jnp
+
+
+def window_slots_at(table, req, pos, block_size: int):
+    """Token slots of a sliding-window group: ``table[req, p // S] * S + p % S``."""
+    xp = _xp(table)
+    column = xp.minimum(pos // block_size, table.shape[1] - 1)
+    return table[req, column] * block_size + pos % block_size
+
+
+def state_slots_at(table, req, pos, block_size: int, ratio: int, writes):
+    """Compressed-state slots of ratio r in a full group (E = B / r states per block): state
+    ``j = p // r`` goes to ``table[req, j // E] * E + j % E``, written by the token that
+    closes it (``(p + 1) % r == 0``) where ``writes`` holds; -1 elsewhere."""
+    xp = _xp(table)
+    per_block = block_size // ratio
+    j = pos // ratio
+    column = xp.minimum(j // per_block, table.shape[1] - 1)
+    slot = table[req, column] * per_block + j % per_block
+    return xp.where(((pos + 1) % ratio == 0) & writes, slot, -1)
+
+
+def ring_slots_at(table, req, pos, capacity: int, writes):
+    """Ring rows of a circular-buffer group (one ring block per request, column 0):
+    ``ring * C + p % C`` where ``writes`` holds, -1 elsewhere."""
+    return _xp(table).where(writes, table[req, 0] * capacity + pos % capacity, -1)
 
 
 def _check_requests(requests, lens, starts, max_model_len: int, num_groups: int) -> None:
@@ -304,7 +340,7 @@ def _ring_slots(requests, g: GroupInfo, counts, table, slots, req, pos, lens, en
     c = g.block_size
     index = np.arange(len(req)) - (ends - lens)[req]  # token's index inside its chunk
     last = (index >= lens[req] - c) & (ring[req] != 0)
-    slots[: len(req)] = np.where(last, ring[req] * c + pos % c, -1)
+    slots[: len(req)] = ring_slots_at(table[:n_req], req, pos, c, last)
 
 
 def _need_blocks(requests, g: GroupInfo, counts, req, blk, used) -> None:
