@@ -3,6 +3,8 @@
 SHELL := /bin/bash
 VENV := .venv
 BIN := $(VENV)/bin
+# pytest-xdist workers for `make test` / `make test-slow` (0 runs the suite in this process)
+TEST_WORKERS ?= 2
 
 # python3.12 from PATH, or from a pyenv install when the pyenv shim is not activated.
 PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
@@ -33,11 +35,11 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # the long variants (marked slow) that `make test` leaves to their fast representatives
 test-slow: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

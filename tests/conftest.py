@@ -10,6 +10,11 @@ import os
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `make test` runs the suite in two pytest-xdist workers. libtpu's deviceless client takes a
+# machine-wide lockfile by default, so a second process compiling for TPU at the same moment
+# failed ("Internal error when accessing libtpu multi-process lockfile"); compile-only clients
+# share no chip, so each process may load its own.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 @pytest.fixture(scope="session")
