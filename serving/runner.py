@@ -263,6 +263,7 @@ class ModelRunner:
         self.num_spec = num_speculative_tokens
         self.drafter = drafter
         self.plans_ahead = plans_ahead
+        self._groups = group_infos(kv_cache_config)
         self._static = dict(
             cfg=cfg,
             layout=self.layout,
@@ -271,7 +272,7 @@ class ModelRunner:
             interpret=interpret,
             num_spec=num_speculative_tokens,
             drafter=drafter,
-            groups=group_infos(kv_cache_config),
+            groups=self._groups,
             plans_ahead=plans_ahead,
         )
         self.pools = self._replicated(P.init_pools(self.layout, fill=fill))
@@ -279,7 +280,6 @@ class ModelRunner:
         self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
         self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, num_speculative_tokens))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
-        self._groups = group_infos(kv_cache_config)
         # what the engine registered for requests that may (re)enter the batch
         self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
 

@@ -231,8 +231,8 @@ def build_batch(
             continue
         for r in g.ratios:
             writes = pos >= write_from[req]
-            closes = ((pos + 1) % r == 0) & writes
-            _need_blocks(requests, g, counts, req, pos // r // (g.block_size // r), closes)
+            blk, closes = _state_blocks(pos, g.block_size, r)
+            _need_blocks(requests, g, counts, req, blk, closes & writes)
             slots = state_slots_at(ids, req, pos, g.block_size, r, writes)
             batch.state_slots[(g.index, r)][:n_tok] = slots
     if debug:
@@ -258,16 +258,21 @@ def window_slots_at(table, req, pos, block_size: int):
     return table[req, column] * block_size + pos % block_size
 
 
+def _state_blocks(pos, block_size: int, ratio: int):
+    """For each position: the block column holding its compressed state of ratio r
+    (``(p // r) // (B / r)``), and whether it closes that state (``(p + 1) % r == 0``)."""
+    return pos // ratio // (block_size // ratio), (pos + 1) % ratio == 0
+
+
 def state_slots_at(table, req, pos, block_size: int, ratio: int, writes):
     """Compressed-state slots of ratio r in a full group (E = B / r states per block): state
     ``j = p // r`` goes to ``table[req, j // E] * E + j % E``, written by the token that
-    closes it (``(p + 1) % r == 0``) where ``writes`` holds; -1 elsewhere."""
+    closes it where ``writes`` holds; -1 elsewhere."""
     xp = _xp(table)
-    per_block = block_size // ratio
-    j = pos // ratio
-    column = xp.minimum(j // per_block, table.shape[1] - 1)
-    slot = table[req, column] * per_block + j % per_block
-    return xp.where(((pos + 1) % ratio == 0) & writes, slot, -1)
+    blk, closes = _state_blocks(pos, block_size, ratio)
+    column = xp.minimum(blk, table.shape[1] - 1)
+    slot = table[req, column] * (block_size // ratio) + pos // ratio % (block_size // ratio)
+    return xp.where(closes & writes, slot, -1)
 
 
 def ring_slots_at(table, req, pos, capacity: int, writes):

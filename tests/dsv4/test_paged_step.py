@@ -317,3 +317,44 @@ def test_bounded_replay_follows_its_definition(tiny_params, tiny_cfg):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     full = reference_logits(tiny_params, tiny_cfg, [b])[0, start : len(b.tokens)]
     assert np.abs(got - full).max() > 1e-3  # the replay approximation is visible
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_formulas_agree_in_numpy_and_jax(seed):
+    """`build_batch` evaluates the slot helpers on numpy arrays and the engine's step moves
+    rows back with the same helpers on jax arrays: both give the slots the layout defines,
+    written here token by token (a block column past the table clips to its last column)."""
+    from dsv4.paged.batch import ring_slots_at, state_slots_at, window_slots_at
+
+    rng = np.random.default_rng(seed)
+    rows, width, block, n = 5, 6, 16, 64
+    table = rng.permutation(rows * width * 3)[: rows * width].reshape(rows, width)
+    req = rng.integers(0, rows, n)
+    pos = rng.integers(0, block * width + 8, n)  # a few past the table: clipped
+    writes = rng.random(n) < 0.8
+
+    def both(fn, *args):
+        got_np = fn(table, req, pos, *args)
+        got_jnp = fn(*(jnp.asarray(a) for a in (table, req, pos)), *map(_jnp_or, args))
+        assert isinstance(got_np, np.ndarray)
+        np.testing.assert_array_equal(got_np, np.asarray(got_jnp))
+        return got_np
+
+    col = lambda c: min(c, width - 1)  # noqa: E731
+    want = [table[r, col(p // block)] * block + p % block for r, p in zip(req, pos)]
+    np.testing.assert_array_equal(both(window_slots_at, block), want)
+    for ratio in (4, 16):
+        e = block // ratio
+        want = [
+            table[r, col(p // ratio // e)] * e + p // ratio % e
+            if (p + 1) % ratio == 0 and w
+            else -1
+            for r, p, w in zip(req, pos, writes)
+        ]
+        np.testing.assert_array_equal(both(state_slots_at, block, ratio, writes), want)
+    want = [table[r, 0] * 24 + p % 24 if w else -1 for r, p, w in zip(req, pos, writes)]
+    np.testing.assert_array_equal(both(ring_slots_at, 24, writes), want)
+
+
+def _jnp_or(a):
+    return jnp.asarray(a) if isinstance(a, np.ndarray) else a

@@ -155,6 +155,33 @@ def test_host_drafts_rejected_at_every_offset_from_a_pair_boundary(engram_params
     assert st.compilations_after_warm_up == 0
 
 
+class _Always:
+    """Proposes ``num_tokens`` copies of one token whatever the sequence (never empty)."""
+
+    def propose(self, tokens, num_tokens=None):
+        return [3] * (K if num_tokens is None else num_tokens)
+
+
+def test_a_runner_that_does_not_plan_ahead_refuses_rows_planned_past_drafts(
+    engram_params, engram_cfg
+):
+    """The synchronous engine's runner compiles its step without the move back
+    (``plans_ahead=False``). A row the scheduler planned past drafts in flight must then stop
+    the step with an error naming the request, not run at optimistic positions. The asynchronous
+    engine (the same compiled step as the test above) is made to feed such rows to a runner
+    marked as not planning ahead."""
+    prompt = tuple(range(3, 16))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": K}
+    engine = make_engine(engram_params, engram_cfg, async_scheduling=True,
+                         num_gpu_blocks_override=28, speculative_config=spec)  # fmt: skip
+    engine.proposer = _Always()
+    engine.runner.plans_ahead = False
+    with pytest.raises(RuntimeError, match=r"'r0' was planned past \d drafts in flight.*"
+                       r"plans_ahead=False"):  # fmt: skip
+        drive(engine, [Arrival(0, "r0", prompt, params)])
+
+
 # -- the trained drafter: partial acceptance, batches that drain ---------------------------------
 
 
