@@ -1034,15 +1034,16 @@ def _load_released(
 def _abstract_shardings(
     cfg: ModelConfig, mesh: jax.sharding.Mesh, released: bool, dtype: np.dtype
 ) -> dict[str, Any]:
-    """`dsv4.sharding.param_shardings` of the params `load_pretrained` builds (a
-    `QuantisedWeight` of shardings for a released weight), from shapes alone."""
-    from dsv4.sharding import param_shardings
+    """`dsv4.sharding.param_formats` of the params `load_pretrained` builds (a
+    `QuantisedWeight` of shardings for a released weight; the routed experts' device layout
+    under an ``expert`` axis), from shapes alone."""
+    from dsv4.sharding import param_formats
 
     abstract: dict[str, Any] = {}
     for name, spec in param_specs(cfg).items():
         w = released_weight_spec(spec, dtype, cfg.fp8_block_size) if released else None
         abstract[name] = w if w is not None else jax.ShapeDtypeStruct(spec.shape, dtype)
-    return param_shardings(abstract, cfg, mesh)
+    return param_formats(abstract, cfg, mesh)
 
 
 def _on_host(where: str, spec, dtype: np.dtype) -> bool:
@@ -1309,7 +1310,7 @@ def restore_params(
     mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, Any]:
     """Restore params written by `save_params`: onto the default device, or with ``mesh``
-    straight into their rule-table shardings (`dsv4.sharding.param_shardings` on that mesh;
+    straight into their rule-table shardings (`dsv4.sharding.param_formats` on that mesh;
     each process reads the shards its devices hold), `QuantisedWeight`s rebuilt as saved.
 
     With ``cfg`` the saved names and (logical) shapes are first checked against
@@ -1367,7 +1368,8 @@ def restore_params(
     else:
         from dsv4.sharding import param_shardings
 
-        shardings = param_shardings(abstract, cfg, _resolve_mesh(mesh, "restore_params"))
+        mesh = _resolve_mesh(mesh, "restore_params")
+        shardings = param_shardings(abstract, cfg, mesh)
     target = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings
     )
@@ -1389,4 +1391,12 @@ def restore_params(
         if dtype is not None and not keep and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(dtype)
         params[n] = x
+    if mesh is not None:  # the routed experts' device layout (`dsv4.sharding.param_formats`)
+        from dsv4.sharding import param_formats
+
+        formats = param_formats(abstract, cfg, mesh)
+        for n, f in formats.items():
+            if isinstance(f, jax.sharding.Sharding) or isinstance(params[n], QuantisedWeight):
+                continue
+            params[n] = jax.device_put(params[n], f)
     return params

@@ -137,6 +137,7 @@ def target_devices(target: str) -> tuple[list, str, str, P.SliceSpec]:
 def _sharded_params(cfg: ModelConfig, jmesh, weights: str):
     import jax
     import jax.numpy as jnp
+    from jax.experimental.layout import Format
     from jax.sharding import NamedSharding
 
     from dsv4 import sharding
@@ -150,8 +151,11 @@ def _sharded_params(cfg: ModelConfig, jmesh, weights: str):
     else:
         raise ValueError(f"weights={weights!r}: 'bf16' or 'released'")
     specs = sharding.param_partition_specs(cfg, jmesh)
+    formats = sharding.param_formats(params, cfg, jmesh)  # the routed experts' device layout
 
     def place(name, value):
+        if isinstance(formats[name], Format):
+            return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=formats[name])
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
                 a.shape,

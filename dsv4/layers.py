@@ -259,8 +259,14 @@ def moe(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig) -> jax.Arra
     dt = x.dtype
     mesh = ambient_expert_mesh(cfg)
     if mesh is not None:
-        # an expert-parallel mesh: tokens travel to their experts' devices and back
-        ws = tuple(w.astype(dt) for w in (w1, w2, w3))
+        # an expert-parallel mesh: tokens travel to their experts' devices and back. Weights
+        # kept in their released formats are dequantised whole (each device its experts); the
+        # barrier makes that wait for this layer's input, else XLA:GPU scheduled many layers'
+        # dequantisations at once (tens of GiB of temporaries at V4.1-Flash's widths).
+        ws = (w1, w2, w3)
+        if not all(isinstance(w, jax.Array) for w in ws):
+            xq, ws = jax.lax.optimization_barrier((xq, ws))
+        ws = tuple(w.astype(dt) for w in ws)
         y = routed_experts(xq, weights, ids, *ws, cfg, mesh, quant=quant)
     elif n * k <= e:
         # few tokens: gather each token's selected experts

@@ -59,10 +59,11 @@ _SCRIPT = textwrap.dedent(
             lb += jax.tree.leaves(b[n])
         for x, y in zip(la, lb, strict=True):
             assert x.sharding == y.sharding and x.dtype == y.dtype, (what, x.sharding, y.sharding)
+            assert x.format == y.format, (what, x.format, y.format)  # routed experts' layout
+            bits = lambda s: np.ascontiguousarray(s.data).view(np.uint8)
             for sx, sy in zip(x.addressable_shards, y.addressable_shards):
                 assert sx.device == sy.device and sx.index == sy.index, what
-                assert np.array_equal(np.asarray(sx.data).view(np.uint8),
-                                      np.asarray(sy.data).view(np.uint8)), what
+                assert np.array_equal(bits(sx), bits(sy)), what
         return len(la)
 
     for axes, mode, dtype, tables in case["equal"]:

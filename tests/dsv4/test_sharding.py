@@ -62,6 +62,12 @@ _SCRIPT = textwrap.dedent(
     w = sharded["layers.2.attn.wq_b.weight"]
     assert w.sharding.spec == jax.sharding.PartitionSpec("model", None)
     assert len(w.addressable_shards) == 8 and w.addressable_shards[0].data.shape[0] == w.shape[0] // 2
+    # the routed experts sit on the devices as [e, in, out] (what the expert dispatch reads),
+    # the same values; everything else in the default layout
+    name = next(n for n in sharded if n.endswith("ffn.experts.w1.weight"))
+    assert sharded[name].format.layout.major_to_minor == (0, 2, 1), sharded[name].format
+    assert np.array_equal(np.asarray(sharded[name]), np.asarray(params[name]))
+    assert w.format.layout.major_to_minor == (0, 1), w.format
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 24)), jnp.int32)
     fwd = jax.jit(reference.forward, static_argnums=1)
     with jax.default_matmul_precision("highest"):
