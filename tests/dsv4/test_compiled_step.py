@@ -8,8 +8,10 @@ Default run: the tiny V4.1 (every layer role) on a v5e 2x4 topology (about 30 s)
 sharded step's logits equal one device's on 8 host devices; the
 12-layer V4.1-Flash at its released widths with 384 experts (`reduced_flash_roles`), bf16 and
 released weights, on v5p 2x2x2 and on eight H100s (several minutes each on a CPU); their
-weights and KV match the planner within 10 %. Never run two libtpu compiles at once (libtpu's
-multi-process lockfile)."""
+weights and KV match the planner within 10 %. Two processes may compile for TPU at once:
+tests/conftest.py sets ALLOW_MULTIPLE_LIBTPU_LOAD (libtpu otherwise holds a machine-wide
+lockfile); a released-shape compile takes several GiB of host memory, so `make test-slow` on a
+small machine may want TEST_WORKERS=1."""
 
 from __future__ import annotations
 
