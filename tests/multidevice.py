@@ -83,3 +83,19 @@ def run_processes(
             if p.poll() is None:
                 p.kill()
     return outputs
+
+
+def expert_parallel_forward(params, cfg, tokens, mesh):
+    """``reference.forward`` (fp32 matmuls) under ``mesh`` as JAX's ambient mesh, for the
+    scripts: the routed experts go through the expert dispatch, whose all-to-all the lowered
+    program must contain. Returns the logits as numpy."""
+    import jax
+    import numpy as np
+
+    from dsv4 import reference
+
+    with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
+        f = jax.jit(reference.forward, static_argnums=1)
+        got = np.asarray(f(params, cfg, tokens))
+        assert "all_to_all" in f.lower(params, cfg, tokens).as_text()
+    return got
