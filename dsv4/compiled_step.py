@@ -283,7 +283,15 @@ def compiled_step_memory(
     )
     planner_w = plan.weights if weights == "released" else plan.weights_bf16
     planner_args = planner_w + plan.kv + batch_bytes
-    acts = plan.activations["peak"]
+    activations = P.activation_bytes(  # the plan's, for the weights this step holds
+        cfg,
+        mesh,
+        num_tokens=num_tokens,
+        num_requests=min(max_num_seqs, num_tokens),
+        released_weights=weights == "released",
+    )
+    assert weights == "bf16" or activations == plan.activations
+    acts = activations["peak"]
     return {
         "target": target,
         "device_kind": devices[0].device_kind,
@@ -322,7 +330,7 @@ def compiled_step_memory(
             "weights_bytes": planner_w,
             "kv_bytes": plan.kv,
             "activation_bytes": acts,
-            "activation_terms": {k: v for k, v in plan.activations.items() if k != "peak"},
+            "activation_terms": {k: v for k, v in activations.items() if k != "peak"},
         },
         "ratios": {
             "arguments": round(stats.argument_size_in_bytes / planner_args, 6),

@@ -28,9 +28,14 @@
   outputs of the local heads) and ``moe = T k / expert (3 inter + 2 dim) b + 3 T inter/model b``
   (routed tokens under uniform routing: gate/up/product and dispatch/combine rows; the shared
   expert) + ``logits = R vocab 4 / model`` (f32 rows of the local vocabulary slice; with
-  ``model > 1`` plus the gathered ``R vocab 4``), ``R = min(requests, T)``. Not counted: the
-  indexer's score rows (the kernels tile them), XLA's fragmentation, the runtime's own reserve
-  (the ``headroom`` covers them).
+  ``model > 1`` plus the gathered ``R vocab 4``), ``R = min(requests, T)``; with the weights
+  in their released formats on the device the MoE term adds ``dequantised_experts = 3 E' inter
+  dim b``, the routed experts a MoE layer dequantises (``E' = E / expert`` under the expert
+  dispatch; on one device the selected ``min(T k, E)``). Not counted: the
+  indexer's score rows (the kernels tile them), the pages a layer decodes for its kernels
+  (`dsv4.paged.pools.read_for_table`: every page the step's tables reference; at long contexts
+  the bulk of XLA's temporaries in the TPU step compiles, `dsv4.compiled_step`), XLA's
+  fragmentation, the runtime's own reserve (the ``headroom`` covers them).
 * **largest batch**: for a few context lengths, the most requests (a multiple of ``data``)
   whose weights + KV + activations fit in ``(1 - headroom)`` of the chip's HBM.
 
@@ -113,6 +118,7 @@ GiB = 2**30
 ACT_BYTES = 2  # bf16 activations
 LOGIT_BYTES = 4  # f32 logits
 CONTEXTS = (8192, 131_072, 1_048_576)  # context lengths of the largest-batch column
+_QUANTISED = (Storage.FP8, Storage.FP4)  # stored formats a weight is dequantised from
 MODELS = {
     "v41_flash": v41_flash,
     "tiny_v41": tiny_v41,
@@ -401,21 +407,51 @@ def _block_bytes(config: KVCacheConfig) -> int:
 # -- activations -------------------------------------------------------------------------------
 
 
+@functools.cache
+def _experts_quantised(cfg: ModelConfig) -> bool:
+    """Whether the checkpoint stores the routed experts in a quantised format."""
+    return any(
+        name.endswith("ffn.experts.w1.weight") and spec.storage in _QUANTISED
+        for name, spec in param_specs(cfg).items()
+    )
+
+
 def activation_bytes(
-    cfg: ModelConfig, mesh: MeshAxes, *, num_tokens: int, num_requests: int
+    cfg: ModelConfig,
+    mesh: MeshAxes,
+    *,
+    num_tokens: int,
+    num_requests: int,
+    released_weights: bool = True,
 ) -> dict[str, int]:
     """The step's peak activation estimate per chip, by term (formulas in the module
-    docstring); ``peak = residual + max(attention, moe) + logits``."""
+    docstring); ``peak = residual + max(attention, moe + dequantised_experts) + logits``.
+    ``released_weights``: the weights stay in their released formats on the device (what the
+    plan's weight bytes assume), so a MoE layer dequantises the routed experts it reads."""
     t, b, m, e = num_tokens, ACT_BYTES, mesh.model, mesh.expert
     residual = 2 * t * cfg.hc_mult * cfg.dim * b
     attention = t * (2 * cfg.n_heads * cfg.head_dim + cfg.index_n_heads * cfg.index_head_dim)
     attention = attention * b // m
     routed = -(-t * cfg.n_activated_experts // e) * (3 * cfg.moe_inter_dim + 2 * cfg.dim) * b
     moe = routed + 3 * t * cfg.moe_inter_dim * cfg.n_shared_experts * b // m
+    # the expert dispatch dequantises a device's experts whole; one device alone, the selected
+    # experts (a few tokens) or all of them (`dsv4.layers.moe`'s branches)
+    quantised = _experts_quantised(cfg)
+    n_experts = cfg.n_routed_experts
+    read = n_experts // e if e > 1 else min(t * cfg.n_activated_experts, n_experts)
+    dequantised = (
+        3 * read * cfg.moe_inter_dim * cfg.dim * b if released_weights and quantised else 0
+    )
     logits = num_requests * cfg.vocab_size * LOGIT_BYTES
     logits = logits // m + (logits if m > 1 else 0)
-    out = {"residual": residual, "attention": attention, "moe": moe, "logits": logits}
-    out["peak"] = residual + max(attention, moe) + logits
+    out = {
+        "residual": residual,
+        "attention": attention,
+        "moe": moe,
+        "dequantised_experts": dequantised,
+        "logits": logits,
+    }
+    out["peak"] = residual + max(attention, moe + dequantised) + logits
     return out
 
 

@@ -87,8 +87,10 @@ def test_kv_bytes_are_cache_layouts(flash):
 
 
 def test_largest_batch_is_the_edge_of_what_fits(flash):
-    slice_ = P.parse_slice("v5p-16")
-    mesh = P.MeshAxes(data=2, expert=4)
+    # (on v5p-16, data=2 x expert=4 holds no 128K request: 96 local experts, 6.3 GiB once
+    # dequantised, do not fit beside their released bytes)
+    slice_ = P.parse_slice("v5p-32")
+    mesh = P.MeshAxes(data=2, expert=8)
     p = P.plan(flash, slice_, mesh=mesh, contexts=(131_072,))
     ((context, most),) = p.largest
     assert most > 0 and most % mesh.data == 0
@@ -130,7 +132,19 @@ def test_activation_peak_is_its_formula(flash):
     a = P.activation_bytes(flash, P.MeshAxes(model=2), num_tokens=16, num_requests=4)
     assert a["residual"] == 2 * 16 * 4 * 5120 * 2
     assert a["logits"] == 4 * flash.vocab_size * 4 * 3 // 2
-    assert a["peak"] == a["residual"] + max(a["attention"], a["moe"]) + a["logits"]
+    # released weights on the device: the MoE layer dequantises the experts it reads (here,
+    # one device's view of a model split, all 16 x 6 selected of the 384)
+    assert a["dequantised_experts"] == 3 * 16 * 6 * flash.moe_inter_dim * 5120 * 2
+    assert (
+        a["peak"]
+        == a["residual"] + max(a["attention"], a["moe"] + a["dequantised_experts"]) + a["logits"]
+    )
+    e = P.activation_bytes(flash, P.MeshAxes(expert=8), num_tokens=16, num_requests=4)
+    assert e["dequantised_experts"] == 3 * 48 * flash.moe_inter_dim * 5120 * 2  # 384 / 8 whole
+    b = P.activation_bytes(
+        flash, P.MeshAxes(model=2), num_tokens=16, num_requests=4, released_weights=False
+    )
+    assert b["dequantised_experts"] == 0 and b["peak"] < a["peak"]
 
 
 @pytest.mark.parametrize(
