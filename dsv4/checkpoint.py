@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.experimental.layout import Format
 from tqdm.auto import tqdm
 
 from dsv4.config import ModelConfig
@@ -1362,14 +1363,16 @@ def restore_params(
             )
         else:
             abstract[n] = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype)
+    formats: dict[str, Any] = {}
     if mesh is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: single, abstract)
     else:
-        from dsv4.sharding import param_shardings
+        from dsv4.sharding import param_formats
 
-        mesh = _resolve_mesh(mesh, "restore_params")
-        shardings = param_shardings(abstract, cfg, mesh)
+        # orbax restores into shardings; the routed experts' layout is applied after
+        formats = param_formats(abstract, cfg, _resolve_mesh(mesh, "restore_params"))
+        shardings = {n: f.sharding if isinstance(f, Format) else f for n, f in formats.items()}
     target = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings
     )
@@ -1391,12 +1394,7 @@ def restore_params(
         if dtype is not None and not keep and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(dtype)
         params[n] = x
-    if mesh is not None:  # the routed experts' device layout (`dsv4.sharding.param_formats`)
-        from dsv4.sharding import param_formats
-
-        formats = param_formats(abstract, cfg, mesh)
-        for n, f in formats.items():
-            if isinstance(f, jax.sharding.Sharding) or isinstance(params[n], QuantisedWeight):
-                continue
+    for n, f in formats.items():  # the routed experts' device layout
+        if isinstance(f, Format):
             params[n] = jax.device_put(params[n], f)
     return params

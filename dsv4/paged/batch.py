@@ -269,9 +269,9 @@ def state_slots_at(table, req, pos, block_size: int, ratio: int, writes):
     ``j = p // r`` goes to ``table[req, j // E] * E + j % E``, written by the token that
     closes it where ``writes`` holds; -1 elsewhere."""
     xp = _xp(table)
+    per_block = block_size // ratio
     blk, closes = _state_blocks(pos, block_size, ratio)
-    column = xp.minimum(blk, table.shape[1] - 1)
-    slot = table[req, column] * (block_size // ratio) + pos // ratio % (block_size // ratio)
+    slot = table[req, xp.minimum(blk, table.shape[1] - 1)] * per_block + pos // ratio % per_block
     return xp.where(closes & writes, slot, -1)
 
 
