@@ -33,8 +33,10 @@ params gives them).
 
 Under a mesh set with `jax.set_mesh`, the routed experts dispatch their tokens over ``expert``
 (`dsv4.expert_parallel`); the engine takes a mesh (`serving.LLM(mesh=)`) and replicates its
-pools. Not here yet (the scale-out issue): pools and step inputs split over ``data`` (one
-allocator per data shard, vLLM's data-parallel attention).
+pools. The data-parallel step (`dsv4.paged.step.paged_step_data_parallel`, vLLM's
+data-parallel attention: one allocator, one set of pools and one batch per data shard) takes
+pools and batches with a leading shard axis, which `data_parallel_sharding` splits over
+``data``; the engine does not drive it yet (it has one allocator).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "AXES",
     "EXPERT_WEIGHT_LAYOUT",
     "PARAM_RULES",
+    "data_parallel_sharding",
     "leaf_spec",
     "make_mesh",
     "param_formats",
@@ -236,3 +239,27 @@ def shard_params(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> dic
         else:
             out[name] = value
     return out
+
+
+def data_parallel_sharding(tree: Any, mesh: Mesh) -> Any:
+    """A `NamedSharding` per leaf of ``tree`` (arrays or abstract arrays with a leading shard
+    axis: `dsv4.paged.step.stack_shards` of per-shard pools or batches) that splits that axis
+    over ``data`` and replicates the rest: each data shard's devices hold its own pages and
+    step inputs.
+
+    Raises:
+        ValueError: a leaf whose leading axis the ``data`` axis does not divide, naming it.
+    """
+    n = dict(mesh.shape).get("data", 1)
+    split = NamedSharding(mesh, PartitionSpec("data"))
+
+    def one(path, leaf):
+        shape = np.shape(leaf)
+        if not shape or shape[0] % n:
+            raise ValueError(
+                f"{jax.tree_util.keystr(path) or 'leaf'} of shape {list(shape)}: its leading "
+                f"(shard) axis must be a multiple of the mesh's data axis ({n})"
+            )
+        return split
+
+    return jax.tree_util.tree_map_with_path(one, tree)

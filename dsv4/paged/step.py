@@ -55,11 +55,15 @@ from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.window_attention import window_attention
 
 __all__ = [
+    "data_shards",
     "engram_rows",
     "paged_forward",
     "paged_forward_streams",
     "paged_step",
+    "paged_step_data_parallel",
+    "paged_step_data_parallel_jit",
     "paged_step_jit",
+    "stack_shards",
 ]
 
 
@@ -345,31 +349,65 @@ def paged_forward_streams(
     impl: str | None = None,
     interpret: Any = False,
     scaled_index_keys: bool = True,
+    shard_axis: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array], dict[int, jax.Array]]:
     """`paged_forward`, and the residual stream [T, hc, dim] entering each layer of ``layers``
     (after its Engram update, before its attention's mix; `dsv4.reference.forward_streams`'s
-    streams): what the DSpark drafter reads from its target layers (`dsv4.paged.draft`)."""
+    streams): what the DSpark drafter reads from its target layers (`dsv4.paged.draft`).
+
+    ``shard_axis`` (`paged_step_data_parallel`): the pools and every batch field carry a
+    leading axis of D data shards, and so do the results ([D, T, ..]). What reads the pools or
+    the batch's per-request fields (the attention, Engram's look-back) runs per shard under
+    `jax.vmap` (``spmd_axis_name="data"`` under a mesh with a ``data`` axis); everything per
+    token, the MoE's expert dispatch included, runs on all D x T tokens at once."""
     for layer in layers:
         if not 0 <= layer < cfg.n_layers:
             raise ValueError(f"layer {layer} is not a backbone layer (0..{cfg.n_layers - 1})")
     kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
     scaled = scaled_index_keys and layout.formats.record("index") in P.SCALED_RECORDS
-    x = L.embed(params, batch.token_ids, cfg)  # [T, hc, D]
+
+    def attention(layer, h, pools, batch, shared):
+        shared = dict(shared)
+        att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, kern, scaled)
+        return att, pools, shared
+
+    def rows_of(batch):
+        return engram_rows(params, cfg, batch)
+
+    if shard_axis:
+        split = "data" if data_shards() > 1 else None
+        per_shard = jax.vmap(attention, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=split)
+        rows_of = jax.vmap(rows_of, spmd_axis_name=split)
+
+        def attention(layer, h, pools, batch, shared):
+            if split is None:
+                return per_shard(layer, h, pools, batch, shared)
+            # a shard's tokens whole on each of its devices (the MoE leaves them split over
+            # every axis): otherwise XLA splits the page writes over the shard's devices and
+            # gathers the shard's whole pools back
+            on_data = functools.partial(
+                jax.lax.with_sharding_constraint, shardings=PartitionSpec(split)
+            )
+            att, pools, shared = per_shard(layer, on_data(h), pools, on_data(batch), shared)
+            return on_data(att), on_data(pools), shared
+
+    x = L.embed(params, batch.token_ids, cfg)  # [T, hc, D] ([D, T, hc, D] with shard_axis)
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     shared: dict[str, jax.Array] = {}
     streams: dict[int, jax.Array] = {}
     if cfg.engram_layer_ids:
-        rows, live = engram_rows(params, cfg, batch)
+        rows, live = rows_of(batch)
     for layer in range(cfg.n_layers):
         p = f"layers.{layer}."
         if layer in cfg.engram_layer_ids:
-            values = engram.table_rows(params, layer, rows[:, cfg.engram_layer_ids.index(layer)])
+            li = cfg.engram_layer_ids.index(layer)
+            values = engram.table_rows(params, layer, rows[..., li, :])
             x = engram.apply(x, params, layer, cfg, values, live)
         if layer in layers:
             streams[layer] = x
         a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
         h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
-        att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, kern, scaled)
+        att, pools, shared = attention(layer, h, pools, batch, shared)
         x = L.hc_post(att, x, a_post, a_comb)
         f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
         h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
@@ -423,6 +461,140 @@ def paged_step_jit(
 ):
     """`paged_step` under jit; the pools are donated (updated in place on device)."""
     return paged_step(
+        params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl,
+        interpret=interpret, scaled_index_keys=scaled_index_keys,
+    )  # fmt: skip
+
+
+# -- data-parallel attention: one set of pools and one batch per data shard --------------------
+
+
+def data_shards(mesh=None) -> int:
+    """The ``data`` axis size of ``mesh`` (default: the ambient mesh, `jax.set_mesh`); 1 when
+    there is no mesh or no such axis."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh.empty:
+        return 1
+    return dict(mesh.shape).get("data", 1)
+
+
+def stack_shards(trees) -> Any:
+    """One pytree of ``D`` pytrees of equal structure and shapes (per-shard pools, or per-shard
+    `StepBatch`es built with the same buckets): every leaf stacked on a new leading axis of
+    size ``D``, the layout `paged_step_data_parallel` takes.
+
+    Raises:
+        ValueError: no trees, or trees whose structures or leaf shapes differ (shards of a batch
+            must share their token, request and table-width buckets), naming the shard.
+    """
+    trees = list(trees)
+    if not trees:
+        raise ValueError("stack_shards: no shards")
+    first, treedef = jax.tree.flatten(trees[0])
+    leaves = [first]
+    for i, tree in enumerate(trees[1:], 1):
+        got, other = jax.tree.flatten(tree)
+        if other != treedef:
+            raise ValueError(f"stack_shards: shard {i} has another structure than shard 0")
+        for a, b in zip(first, got):
+            if np.shape(a) != np.shape(b):
+                raise ValueError(
+                    f"stack_shards: shard {i} has a leaf of shape {np.shape(b)} where shard 0 "
+                    f"has {np.shape(a)}: build every shard's batch with the same buckets"
+                )
+        leaves.append(got)
+    stack = np.stack if all(isinstance(x, np.ndarray) for x in first) else jnp.stack
+    return jax.tree.unflatten(treedef, [stack(xs) for xs in zip(*leaves)])
+
+
+def paged_step_data_parallel(
+    params,
+    cfg: ModelConfig,
+    layout,
+    pools: dict[str, jax.Array],
+    batch: StepBatch,
+    *,
+    all_logits: bool = False,
+    impl: str | None = None,
+    interpret: Any = False,
+    scaled_index_keys: bool = True,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """vLLM's data-parallel attention: ``D`` independent steps in one program, each over its own
+    requests and its own pools, sharing the params.
+
+    ``pools`` and ``batch`` carry a leading shard axis (`stack_shards` of ``D`` pools of
+    ``layout`` and of ``D`` batches built with the same buckets; each shard's block ids index its
+    own pools, handed out by its own allocator). Returns logits f32[D, R, vocab] (f32[D, T, vocab]
+    with ``all_logits``) and the updated pools [D, ...]; shard ``i``'s results are exactly
+    `paged_step` of shard ``i``'s pools and batch.
+
+    What reads pages or per-request fields (each layer's attention, Engram's look-back) runs per
+    shard (`jax.vmap`); everything per token runs on all ``D x T`` tokens at once, the MoE
+    included, as vLLM's data-parallel attention hands every rank's tokens to one expert-parallel
+    MoE. Under an ambient mesh with a ``data`` axis (`jax.set_mesh`), the shard axis is split
+    over ``data`` (``D`` a multiple of its size; place the pools and the batch with
+    `dsv4.sharding.data_parallel_sharding`): each device holds and reads only its shards'
+    pages. The vmap's ``spmd_axis_name="data"`` makes the kernels' `jax.shard_map`s
+    (`_local_kernel`: heads over ``model``) split their shard axis over ``data``, and the
+    expert dispatch (`dsv4.expert_parallel`) splits the tokens of all shards over every axis.
+    Nothing gathers pages across ``data``.
+
+    Raises:
+        ValueError: ``D`` not a multiple of the ambient mesh's ``data`` size, or pools whose
+            leading axis is not ``D``.
+    """
+    d = batch.token_ids.shape[0] if batch.token_ids.ndim == 2 else None
+    if d is None:
+        raise ValueError(
+            f"paged_step_data_parallel: batch.token_ids must be [D, T] (stack_shards of the "
+            f"shards' batches), got shape {list(batch.token_ids.shape)}"
+        )
+    for key, buf in pools.items():
+        if buf.shape[:1] != (d,):
+            raise ValueError(
+                f"paged_step_data_parallel: pool {key!r} has shape {list(buf.shape)}, expected "
+                f"a leading shard axis of {d} (stack_shards of {d} pools)"
+            )
+    n = data_shards()
+    if d % n:
+        raise ValueError(
+            f"paged_step_data_parallel: {d} shards cannot be split over the mesh's data axis "
+            f"of {n}: give a multiple of {n}"
+        )
+
+    def on_data(tree):  # each device keeps its data shard's pages, all of them
+        if n == 1:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, PartitionSpec("data"))
+
+    h, pools, _ = paged_forward_streams(
+        params, cfg, layout, on_data(pools), batch, (), impl=impl, interpret=interpret,
+        scaled_index_keys=scaled_index_keys, shard_axis=True,
+    )  # fmt: skip
+    if not all_logits:
+        h = jnp.take_along_axis(h, batch.logits_indices[..., None], axis=1)
+    return L.lm_head(params, h), on_data(pools)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "layout", "all_logits", "impl", "interpret", "scaled_index_keys"),
+    donate_argnames=("pools",),
+)
+def paged_step_data_parallel_jit(
+    params,
+    pools,
+    batch,
+    *,
+    cfg,
+    layout,
+    all_logits=False,
+    impl=None,
+    interpret=False,
+    scaled_index_keys=True,
+):
+    """`paged_step_data_parallel` under jit; the pools are donated."""
+    return paged_step_data_parallel(
         params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl,
         interpret=interpret, scaled_index_keys=scaled_index_keys,
     )  # fmt: skip

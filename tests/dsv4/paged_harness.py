@@ -13,6 +13,7 @@ the scheduler's own rules.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -22,8 +23,8 @@ import numpy as np
 from cache import KVCacheManager
 from cache.layout import for_model
 from dsv4.paged import pools as P
-from dsv4.paged.batch import StepRequest, build_batch
-from dsv4.paged.step import paged_step_jit
+from dsv4.paged.batch import StepBatch, StepRequest, build_batch, empty_batch
+from dsv4.paged.step import paged_step_data_parallel_jit, paged_step_jit, stack_shards
 from serving.input_batch import InputBatch, ScheduledRow
 from serving.scheduler import Scheduler, SchedulerOutput, StopCriteria
 
@@ -128,9 +129,8 @@ class Harness:
             num_lookahead_tokens=spec_k,
         )
 
-    def run(self, step_requests: list[StepRequest]) -> np.ndarray:
-        """One paged step over ``step_requests``: the logits of every scheduled token, in the
-        requests' order (f32[T, vocab], T the token bucket)."""
+    def batch(self, step_requests: list[StepRequest]) -> StepBatch:
+        """The step batch of ``step_requests`` (host arrays), in this harness's buckets."""
         batch = build_batch(
             step_requests,
             self.config,
@@ -142,7 +142,12 @@ class Harness:
             engram_lookback=self.cfg.engram_lookback,
         )
         self.table_widths.add(batch.table_widths())
-        batch = jax.tree.map(jnp.asarray, batch)
+        return batch
+
+    def run(self, step_requests: list[StepRequest]) -> np.ndarray:
+        """One paged step over ``step_requests``: the logits of every scheduled token, in the
+        requests' order (f32[T, vocab], T the token bucket)."""
+        batch = jax.tree.map(jnp.asarray, self.batch(step_requests))
         logits, self.pools = paged_step_jit(
             self.params,
             self.pools,
@@ -205,37 +210,103 @@ def random_schedule(h: Harness, seqs: list[Seq], rng: np.random.Generator, *, sp
     by `schedule()` afresh each call. Preemption comes from pool pressure: pass a small
     ``num_blocks`` to the harness. At the end every block is free again.
     """
-    # build_batch keeps one request row for padding
-    max_num_seqs = min(max_running, h.request_buckets[-1] - 1)
-    scheduler = h.scheduler(max_num_seqs=max_num_seqs, spec_k=spec_k)
-    inputs = InputBatch(max_num_seqs, engram_lookback=h.cfg.engram_lookback)
-    by_id = {s.request_id: s for s in seqs}
-    for s in seqs:
-        request = h.mgr.new_request(s.request_id, s.tokens[: s.prompt_len].tolist(),
-                                    max_tokens=len(s.tokens) - s.prompt_len + 1)  # fmt: skip
-        scheduler.add_request(request, StopCriteria())
-    while scheduler.has_unfinished_requests():
+    run = ScheduleRun(h, seqs, rng, spec_k=spec_k, max_chunk=max_chunk, max_running=max_running)
+    while run.busy():
+        run.learn(h.run(run.plan()))
+    run.check_free()
+
+
+def data_parallel_schedules(hs: list[Harness], seqs: list[list[Seq]], rng: np.random.Generator,
+                            *, spec_k=0, max_chunk=8, max_running=4, mesh=None) -> int:  # fmt: skip
+    """`random_schedule` for ``D = len(hs)`` data shards in lockstep, every step ONE
+    `paged_step_data_parallel` over all of them: shard ``i`` has its own harness (allocator,
+    scheduler, pools) and teacher-forces ``seqs[i]``; a shard with nothing left to run gets a
+    batch of padding. The shards' pools are stacked (on ``mesh``: split over ``data``, and the
+    step runs under it). Each harness collects its own logits. Returns the number of steps."""
+    from dsv4 import sharding
+
+    h0 = hs[0]
+    runs = [ScheduleRun(h, s, rng, spec_k=spec_k, max_chunk=max_chunk, max_running=max_running)
+            for h, s in zip(hs, seqs, strict=True)]  # fmt: skip
+    pools = stack_shards([h.pools for h in hs])
+    params = h0.params
+    if mesh is not None:
+        pools = jax.device_put(pools, sharding.data_parallel_sharding(pools, mesh))
+        params = sharding.shard_params(params, h0.cfg, mesh)
+    idle = empty_batch(h0.config, max_model_len=h0.max_model_len,
+                       num_tokens=h0.token_buckets[-1], num_rows=h0.request_buckets[-1],
+                       engram_lookback=h0.cfg.engram_lookback)  # fmt: skip
+    steps = 0
+    while any(run.busy() for run in runs):
+        planned = [run.plan() if run.busy() else None for run in runs]
+        batches = [idle if p is None else h.batch(p) for h, p in zip(hs, planned)]
+        batch = jax.tree.map(jnp.asarray, stack_shards(batches))
+        if mesh is not None:
+            batch = jax.device_put(batch, sharding.data_parallel_sharding(batch, mesh))
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            logits, pools = paged_step_data_parallel_jit(
+                params, pools, batch, cfg=h0.cfg, layout=h0.layout, all_logits=True,
+                impl=h0.impl, interpret=h0.interpret, scaled_index_keys=h0.scaled_index_keys,
+            )  # fmt: skip
+        logits = np.asarray(logits)
+        for i, (run, p) in enumerate(zip(runs, planned)):
+            if p is not None:
+                hs[i].stats.num_steps += 1
+                run.learn(logits[i])
+        steps += 1
+    for run in runs:
+        run.check_free()
+    return steps
+
+
+class ScheduleRun:
+    """`random_schedule`'s loop, one step at a time: `plan` draws the step's knobs and plans it
+    (the `StepRequest`s to run), `learn` takes that step's logits (f32[T, vocab]) and updates
+    the scheduler as the model runner would."""
+
+    def __init__(self, h: Harness, seqs: list[Seq], rng: np.random.Generator, *, spec_k=0,
+                 max_chunk=8, max_running=4):  # fmt: skip
+        self.h, self.rng, self.spec_k, self.max_chunk = h, rng, spec_k, max_chunk
+        # build_batch keeps one request row for padding
+        max_num_seqs = min(max_running, h.request_buckets[-1] - 1)
+        self.scheduler = h.scheduler(max_num_seqs=max_num_seqs, spec_k=spec_k)
+        self.inputs = InputBatch(max_num_seqs, engram_lookback=h.cfg.engram_lookback)
+        self.by_id = {s.request_id: s for s in seqs}
+        for s in seqs:
+            request = h.mgr.new_request(s.request_id, s.tokens[: s.prompt_len].tolist(),
+                                        max_tokens=len(s.tokens) - s.prompt_len + 1)  # fmt: skip
+            self.scheduler.add_request(request, StopCriteria())
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def plan(self) -> list[StepRequest]:
+        h, rng, scheduler = self.h, self.rng, self.scheduler
         # Both knobs: the budget alone would hand the first prefill all of it (few, big chunks,
         # little mixing); the threshold alone would cut every chunk at the same sizes.
         scheduler.max_num_batched_tokens = int(rng.integers(1, h.token_buckets[-1] + 1))
-        scheduler.long_prefill_token_threshold = int(rng.integers(1, max_chunk + 1))
-        output, rows, step_requests = plan_step(scheduler, inputs)
+        scheduler.long_prefill_token_threshold = int(rng.integers(1, self.max_chunk + 1))
+        self.output, self.rows, step_requests = plan_step(scheduler, self.inputs)
+        output = self.output
         h.stats.num_preempted += len(output.preempted_req_ids)
         h.stats.prefix_hits += [n.num_computed_tokens + n.num_replay_tokens
                                 for n in output.scheduled_new_reqs]  # fmt: skip
         if not step_requests:
             raise RuntimeError(f"nothing scheduled with {len(scheduler.waiting)} requests "
                                f"waiting: the pool ({h.num_blocks} blocks) is too small")  # fmt: skip
-        logits = h.run(step_requests)
+        return step_requests
+
+    def learn(self, logits: np.ndarray) -> None:
+        h, output, scheduler = self.h, self.output, self.scheduler
         sampled = {}
         t = 0
-        for row in rows:
-            seq = by_id[row.request_id]
+        for row in self.rows:
+            seq = self.by_id[row.request_id]
             num_real = row.num_tokens - row.num_drafts  # known tokens; drafts follow them
             if row.samples:
                 drafts = output.scheduled_spec_decode_tokens.get(row.request_id, [])
                 sampled[row.request_id] = verify(seq, row.start + num_real, drafts)
-                inputs.learn(row.request_id, sampled[row.request_id])
+                self.inputs.learn(row.request_id, sampled[row.request_id])
                 num_real += len(sampled[row.request_id]) - 1  # the accepted drafts' rows
             for i in range(num_real):
                 h.logits[(seq.sid, row.start + i)] = logits[t + i]
@@ -244,11 +315,16 @@ def random_schedule(h: Harness, seqs: list[Seq], rng: np.random.Generator, *, sp
         if result.spec_decoding_stats is not None:
             h.stats.num_draft_tokens += result.spec_decoding_stats.num_draft_tokens
             h.stats.num_accepted_tokens += result.spec_decoding_stats.num_accepted_tokens
-        if spec_k:
+        if self.spec_k:
             scheduler.update_draft_token_ids({
-                request_id: propose(by_id[request_id], scheduler.requests[request_id].num_tokens,
-                                    spec_k, h.cfg.vocab_size, rng)
+                request_id: propose(self.by_id[request_id],
+                                    scheduler.requests[request_id].num_tokens, self.spec_k,
+                                    h.cfg.vocab_size, self.rng)
                 for request_id in result.new_token_ids if request_id not in result.finished
             })  # fmt: skip
-    free = h.mgr.num_free_blocks
-    assert free == h.num_blocks - 1, f"{free} of {h.num_blocks - 1} blocks free after the schedule"
+
+    def check_free(self) -> None:
+        free = self.h.mgr.num_free_blocks
+        assert free == self.h.num_blocks - 1, (
+            f"{free} of {self.h.num_blocks - 1} blocks free after the schedule"
+        )
