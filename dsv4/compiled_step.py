@@ -23,15 +23,17 @@ What is compiled, per device of a ``data x expert x model`` mesh (`dsv4.sharding
   device (`dsv4.qweights.abstract_released_params`; codes and scales placed by
   `dsv4.sharding.leaf_spec`);
 * the KV pools of `cache.layout.for_model` for the chip's record formats and geometry
-  (`dsv4.plan.kv_layout`'s preset), sized for ``max_num_seqs`` requests of ``max_model_len``
-  tokens plus the null block (the planner's own block count), REPLICATED over the mesh: the
-  engine has one block allocator, so every device holds every page. vLLM's data-parallel
-  attention (pages split over ``data``, one allocator per data shard) is not built, hence a
-  mesh with ``data > 1`` is refused here (its planner figure would count a shard's pages only);
-  splitting pages over ``model`` does not apply either: V4.1's KV is one shared latent per
-  token that every head reads;
-* the step batch (`dsv4.paged.batch.empty_batch`: ``num_tokens`` tokens, ``max_num_seqs``
-  rows, full-width block tables), replicated; the pools are donated, as the engine donates them.
+  (`dsv4.plan.kv_layout`'s preset), sized for the requests of one data shard (``max_num_seqs``
+  / ``data``, rounded up) of ``max_model_len`` tokens plus the null block (the planner's own
+  block count). With ``data = 1`` they are replicated over the mesh (the engine's one
+  allocator: every device holds every page) and the step is `paged_step`; with ``data > 1``
+  each data shard has its own pools, stacked on a leading axis split over ``data``, and the
+  step is `dsv4.paged.step.paged_step_data_parallel` (vLLM's data-parallel attention: one
+  allocator per shard). Pages are never split over ``model``: V4.1's KV is one shared latent
+  per token that every head reads;
+* the step batch (`dsv4.paged.batch.empty_batch`: ``num_tokens`` tokens and a shard's rows per
+  data shard, full-width block tables), placed like the pools; the pools are donated, as the
+  engine donates them.
 
 The Pallas kernels inside this GSPMD program: XLA cannot partition a Mosaic or Triton custom
 call, so `dsv4.paged.step` runs each attention kernel inside a `jax.shard_map` over the ambient
@@ -200,8 +202,8 @@ def compiled_step_memory(
     (`dsv4.paged.records.PRESETS`, default the chip's: TPUs ``RELEASED``, H100 ``SM90``).
 
     Raises:
-        ValueError: a mesh of another device count than the target, ``data > 1`` (pools are
-            replicated: one allocator), or an unknown target / weights kind.
+        ValueError: a mesh of another device count than the target, or an unknown target /
+            weights kind.
     """
     import jax
     import jax.numpy as jnp
@@ -212,16 +214,11 @@ def compiled_step_memory(
     from dsv4.paged.batch import empty_batch
     from dsv4.paged.pools import PoolLayout, cache_desc
     from dsv4.paged.records import PRESETS
-    from dsv4.paged.step import paged_step
+    from dsv4.paged.step import paged_step, paged_step_data_parallel
 
     devices, _, impl, slice_ = target_devices(target)
     if len(devices) != mesh.num_chips:
         raise ValueError(f"mesh {mesh} needs {mesh.num_chips} devices; {target} has {len(devices)}")
-    if mesh.data != 1:
-        raise ValueError(
-            f"mesh {mesh}: data={mesh.data}; the pools are replicated (one allocator), "
-            "data-parallel attention is not built"
-        )
     t0 = time.perf_counter()
     grid = np.asarray(devices, dtype=object).reshape(mesh.data, mesh.expert, mesh.model)
     jmesh = Mesh(grid, ("data", "expert", "model"))
@@ -250,21 +247,25 @@ def compiled_step_memory(
     config = for_model(desc, num_gpu_blocks_override=num_blocks)
     layout = PoolLayout.build(cfg, config, formats)
     assert layout.bytes_per_block() == per_block, (layout.bytes_per_block(), per_block)
-    rep = NamedSharding(jmesh, PartitionSpec())
+    # data > 1: data-parallel attention, one shard of pools and one batch per data shard (its
+    # ceil(max_num_seqs / data) requests, num_tokens tokens), split over data; else replicated
+    d = mesh.data
+    rows = -(-max_num_seqs // d)
+    lead = (d,) if d > 1 else ()
+    placed = NamedSharding(jmesh, PartitionSpec("data" if d > 1 else None))
     pools = {
-        k: jax.ShapeDtypeStruct(s, jnp.uint8, sharding=rep)
+        k: jax.ShapeDtypeStruct(lead + s, jnp.uint8, sharding=placed)
         for k, s in layout.buffer_shapes().items()
     }
-    batch = empty_batch(
-        config,
-        max_model_len=max_model_len,
-        num_tokens=num_tokens,
-        num_rows=max_num_seqs,
+    batch = empty_batch(config, max_model_len=max_model_len, num_tokens=num_tokens, num_rows=rows)
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(lead + np.shape(x), x.dtype, sharding=placed), batch
     )
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep), batch)
     params = _sharded_params(cfg, jmesh, weights)
 
     def step(params, pools, batch):
+        if d > 1:
+            return paged_step_data_parallel(params, cfg, layout, pools, batch, impl=impl)
         return paged_step(params, cfg, layout, pools, batch, impl=impl)
 
     # the serving precision: under jax.default_matmul_precision("highest") (the model tests'
@@ -287,7 +288,7 @@ def compiled_step_memory(
         cfg,
         mesh,
         num_tokens=num_tokens,
-        num_requests=min(max_num_seqs, num_tokens),
+        num_requests=min(rows, num_tokens),
         released_weights=weights == "released",
     )
     assert weights == "bf16" or activations == plan.activations
@@ -308,7 +309,7 @@ def compiled_step_memory(
         "max_model_len": max_model_len,
         "num_tokens": num_tokens,
         "num_blocks": num_blocks,
-        "pools": "replicated",
+        "pools": "split over data" if d > 1 else "replicated",
         # the lowered program's expert dispatch and kernel calls (Mosaic / Triton custom calls)
         "hlo": {
             "all_to_all": text.count("stablehlo.all_to_all"),

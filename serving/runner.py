@@ -36,8 +36,10 @@ On a mesh (``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by
 replicated over the mesh (one allocator hands out block ids for the whole mesh), and every step
 runs under the mesh as JAX's ambient mesh, so XLA's SPMD partitioner splits heads over
 ``model`` and `dsv4.expert_parallel` sends tokens to their experts' devices over ``expert``.
-Requests and their pages are not split over ``data`` (vLLM's data-parallel attention, one
-allocator per data shard, is not built): the data axis only replicates.
+Requests and their pages are not split over ``data`` here: the engine has one scheduler and
+one allocator, so the data axis only replicates. The paged step itself has data-parallel
+attention (`dsv4.paged.step.paged_step_data_parallel`: a shard axis of pools and batches
+split over ``data``, one allocator per shard); the engine does not drive it yet.
 
 Buckets: one compilation per token bucket T and block-table width bucket W. The request rows R
 follow from T (``min(T, max_num_seqs) + 1`` rounded up to a power of two: one row is always free

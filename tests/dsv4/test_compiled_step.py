@@ -122,9 +122,25 @@ def test_routed_experts_are_read_without_a_copy_on_tpu():
     assert in_place < local // 4, (in_place, local)
 
 
-def test_refuses_a_data_axis_and_a_foreign_mesh():
-    with pytest.raises(ValueError, match="data-parallel attention is not built"):
-        C.compiled_step_memory(tiny_v41(), P.MeshAxes(2, 2, 2), target="h100x8")
+@requires_libtpu
+def test_tiny_data_parallel_step_compiles_for_tpu():
+    """data = 2: each device holds its data shard's pools only (half the replicated ones), as
+    the planner counts them, and the real kernels run under the step's vmap."""
+    cfg = tiny_v41()
+    kw = dict(target="tpu:v5e:2x4", max_num_seqs=4, max_model_len=256, num_tokens=32)
+    got = C.compiled_step_memory(cfg, P.MeshAxes(data=2, expert=2, model=2), **kw)
+    one = C.compiled_step_memory(cfg, P.MeshAxes(data=1, expert=4, model=2), **kw)
+    _check(got, cfg.n_layers)
+    assert got["pools"] == "split over data" and one["pools"] == "replicated"
+    assert got["ratios"]["weights"] == got["ratios"]["kv"] == 1.0
+    # 2 of the 4 requests per data shard: half the pages (plus a null block per shard)
+    kv, kv1 = got["xla"]["kv_pool_bytes"], one["xla"]["kv_pool_bytes"]
+    assert kv < 0.6 * kv1, (kv, kv1)
+
+
+def test_refuses_a_foreign_mesh():
+    with pytest.raises(ValueError, match="needs 4 devices; h100x8 has 8"):
+        C.compiled_step_memory(tiny_v41(), P.MeshAxes(2, 2, 1), target="h100x8")
     with pytest.raises(ValueError, match="target 'gpu:8'"):
         C.target_devices("gpu:8")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from paged_harness import Harness, random_schedule
+from paged_harness import Harness, data_parallel_schedules, random_schedule
 from test_paged_step import make_seqs, reference_logits
 
 from dsv4.paged import records as R
@@ -40,3 +40,23 @@ def test_paged_step_with_interpreted_kernels(tiny_params, tiny_cfg, impl):
     d = np.array([np.abs(v - ref[sid, p]).max() for (sid, p), v in h.logits.items()])
     assert len(d) >= 40 and np.isfinite(d).all()
     assert d.max() < 1e-4, d.max()
+
+
+@pytest.mark.parametrize("impl", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
+def test_data_parallel_step_with_interpreted_kernels(tiny_params, tiny_cfg, impl):
+    """`paged_step_data_parallel` runs the kernels under its vmap (a batched Pallas call): two
+    shards, each its own allocator and pools, give the reference forward's logits."""
+    rng = np.random.default_rng(5)
+    seqs = [make_seqs(tiny_cfg, rng, 1 + i) for i in range(2)]
+    for shard in seqs:
+        for s in shard:
+            s.tokens = s.tokens[:24]
+            s.prompt_len = min(s.prompt_len, 16)
+    kw = dict(impl=impl, interpret=True, token_buckets=(16,), request_buckets=(4,))
+    hs = [Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, **kw) for _ in seqs]
+    data_parallel_schedules(hs, seqs, rng)
+    for h, shard in zip(hs, seqs):
+        ref = reference_logits(tiny_params, tiny_cfg, shard)
+        d = np.array([np.abs(v - ref[sid, p]).max() for (sid, p), v in h.logits.items()])
+        assert len(d) >= 20 and np.isfinite(d).all()
+        assert d.max() < 1e-4, d.max()
