@@ -442,28 +442,28 @@ def paged_step(
     return L.lm_head(params, h), pools
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("cfg", "layout", "all_logits", "impl", "interpret", "scaled_index_keys"),
-    donate_argnames=("pools",),
-)
-def paged_step_jit(
-    params,
-    pools,
-    batch,
-    *,
-    cfg,
-    layout,
-    all_logits=False,
-    impl=None,
-    interpret=False,
-    scaled_index_keys=True,
-):
-    """`paged_step` under jit; the pools are donated (updated in place on device)."""
-    return paged_step(
-        params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl,
-        interpret=interpret, scaled_index_keys=scaled_index_keys,
-    )  # fmt: skip
+def _jitted(step, doc: str):
+    """``step(params, cfg, layout, pools, batch, **kw)`` under jit as ``(params, pools, batch, *,
+    cfg, layout, **kw)``, the config, layout and switches static and the pools donated
+    (updated in place on device)."""
+
+    @functools.partial(
+        jax.jit,
+        static_argnames=("cfg", "layout", "all_logits", "impl", "interpret", "scaled_index_keys"),
+        donate_argnames=("pools",),
+    )
+    def jitted(params, pools, batch, *, cfg, layout, all_logits=False, impl=None,
+               interpret=False, scaled_index_keys=True):  # fmt: skip
+        return step(
+            params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl,
+            interpret=interpret, scaled_index_keys=scaled_index_keys,
+        )  # fmt: skip
+
+    jitted.__doc__ = doc
+    return jitted
+
+
+paged_step_jit = _jitted(paged_step, "`paged_step` under jit; the pools are donated.")
 
 
 # -- data-parallel attention: one set of pools and one batch per data shard --------------------
@@ -576,25 +576,6 @@ def paged_step_data_parallel(
     return L.lm_head(params, h), on_data(pools)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("cfg", "layout", "all_logits", "impl", "interpret", "scaled_index_keys"),
-    donate_argnames=("pools",),
+paged_step_data_parallel_jit = _jitted(
+    paged_step_data_parallel, "`paged_step_data_parallel` under jit; the pools are donated."
 )
-def paged_step_data_parallel_jit(
-    params,
-    pools,
-    batch,
-    *,
-    cfg,
-    layout,
-    all_logits=False,
-    impl=None,
-    interpret=False,
-    scaled_index_keys=True,
-):
-    """`paged_step_data_parallel` under jit; the pools are donated."""
-    return paged_step_data_parallel(
-        params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl,
-        interpret=interpret, scaled_index_keys=scaled_index_keys,
-    )  # fmt: skip
