@@ -525,8 +525,9 @@ def paged_step_data_parallel(
     ``pools`` and ``batch`` carry a leading shard axis (`stack_shards` of ``D`` pools of
     ``layout`` and of ``D`` batches built with the same buckets; each shard's block ids index its
     own pools, handed out by its own allocator). Returns logits f32[D, R, vocab] (f32[D, T, vocab]
-    with ``all_logits``) and the updated pools [D, ...]; shard ``i``'s results are exactly
-    `paged_step` of shard ``i``'s pools and batch.
+    with ``all_logits``) and the updated pools [D, ...]; shard ``i``'s results are those of
+    `paged_step` on shard ``i``'s pools and batch (up to the rounding of the batched matmuls:
+    within 1e-5 in fp32 in the tests), and a shard whose batch is padding keeps its pools.
 
     What reads pages or per-request fields (each layer's attention, Engram's look-back) runs per
     shard (`jax.vmap`); everything per token runs on all ``D x T`` tokens at once, the MoE
