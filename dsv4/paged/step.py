@@ -378,18 +378,18 @@ def paged_forward_streams(
         split = "data" if data_shards() > 1 else None
         per_shard = jax.vmap(attention, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=split)
         rows_of = jax.vmap(rows_of, spmd_axis_name=split)
-
-        def attention(layer, h, pools, batch, shared):
-            if split is None:
-                return per_shard(layer, h, pools, batch, shared)
+        attention = per_shard
+        if split is not None:
             # a shard's tokens whole on each of its devices (the MoE leaves them split over
-            # every axis): otherwise XLA splits the page writes over the shard's devices and
-            # gathers the shard's whole pools back
+            # every axis), and its pools on its own devices: otherwise XLA splits the page
+            # writes over the shard's devices and gathers the shard's whole pools back
             on_data = functools.partial(
                 jax.lax.with_sharding_constraint, shardings=PartitionSpec(split)
             )
-            att, pools, shared = per_shard(layer, on_data(h), pools, on_data(batch), shared)
-            return on_data(att), on_data(pools), shared
+
+            def attention(layer, h, pools, batch, shared):
+                att, pools, shared = per_shard(layer, on_data(h), pools, on_data(batch), shared)
+                return on_data(att), on_data(pools), shared
 
     x = L.embed(params, batch.token_ids, cfg)  # [T, hc, D] ([D, T, hc, D] with shard_axis)
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
@@ -469,10 +469,10 @@ paged_step_jit = _jitted(paged_step, "`paged_step` under jit; the pools are dona
 # -- data-parallel attention: one set of pools and one batch per data shard --------------------
 
 
-def data_shards(mesh=None) -> int:
-    """The ``data`` axis size of ``mesh`` (default: the ambient mesh, `jax.set_mesh`); 1 when
-    there is no mesh or no such axis."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+def data_shards() -> int:
+    """The ``data`` axis size of the ambient mesh (`jax.set_mesh`); 1 when there is no mesh or
+    no such axis."""
+    mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1
     return dict(mesh.shape).get("data", 1)
@@ -563,18 +563,14 @@ def paged_step_data_parallel(
             f"of {n}: give a multiple of {n}"
         )
 
-    def on_data(tree):  # each device keeps its data shard's pages, all of them
-        if n == 1:
-            return tree
-        return jax.lax.with_sharding_constraint(tree, PartitionSpec("data"))
-
+    # the pools keep their placement: every layer's attention pins them to data
     h, pools, _ = paged_forward_streams(
-        params, cfg, layout, on_data(pools), batch, (), impl=impl, interpret=interpret,
+        params, cfg, layout, pools, batch, (), impl=impl, interpret=interpret,
         scaled_index_keys=scaled_index_keys, shard_axis=True,
     )  # fmt: skip
     if not all_logits:
         h = jnp.take_along_axis(h, batch.logits_indices[..., None], axis=1)
-    return L.lm_head(params, h), on_data(pools)
+    return L.lm_head(params, h), pools
 
 
 paged_step_data_parallel_jit = _jitted(

@@ -222,7 +222,8 @@ def data_parallel_schedules(hs: list[Harness], seqs: list[list[Seq]], rng: np.ra
     `paged_step_data_parallel` over all of them: shard ``i`` has its own harness (allocator,
     scheduler, pools) and teacher-forces ``seqs[i]``; a shard with nothing left to run gets a
     batch of padding. The shards' pools are stacked (on ``mesh``: split over ``data``, and the
-    step runs under it). Each harness collects its own logits. Returns the number of steps."""
+    step runs under it) and handed back to their harnesses at the end. Each harness collects
+    its own logits. Returns the number of steps."""
     from dsv4 import sharding
 
     h0 = hs[0]
@@ -254,7 +255,8 @@ def data_parallel_schedules(hs: list[Harness], seqs: list[list[Seq]], rng: np.ra
                 hs[i].stats.num_steps += 1
                 run.learn(logits[i])
         steps += 1
-    for run in runs:
+    for i, (h, run) in enumerate(zip(hs, runs)):
+        h.pools = jax.tree.map(lambda x, i=i: x[i], pools)  # as random_schedule leaves them
         run.check_free()
     return steps
 

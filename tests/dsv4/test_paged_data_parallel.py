@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_harness import Harness, data_parallel_schedules
+from paged_harness import Harness, ScheduleRun, data_parallel_schedules
 from test_paged_step import compare, make_seqs, reference_logits
 
 from dsv4 import sharding
@@ -63,10 +63,8 @@ def test_a_shard_is_its_own_paged_step(tiny_params, tiny_cfg):
     hs, seqs = _shards(tiny_cfg, tiny_params, rng, 2, n=2)
     data_parallel_schedules(hs, seqs, rng)  # fills both shards' pools...
     h = hs[0]
-    pools = stack_shards([hs[0].pools, hs[1].pools])  # ...as the harness kept them (NaN-filled)
-    # one more step: shard 0 re-runs a prefill of fresh tokens, shard 1 runs padding
-    from paged_harness import ScheduleRun
-
+    pools = stack_shards([hs[0].pools, hs[1].pools])  # ...as the schedule left them
+    # one more step: shard 0 runs a prefill of fresh tokens, shard 1 runs padding
     fresh = make_seqs(tiny_cfg, rng, 1)
     run = ScheduleRun(h, fresh, rng)
     batch0 = h.batch(run.plan())
