@@ -8,8 +8,8 @@ to ``xz -9``, and what each cache layout costs in bits per byte.
 Prints ONE JSON line (``--table``: a markdown table instead).
 
 * ``heldout``: the model's bits per byte over all of the held-out files of `dsv4.data` (the
-  files the model never saw), scored in consecutive windows of 256 tokens as it was trained and
-  of 1024 (its longest, `dsv4.train.evaluate`), next to ``xz -9e`` on the same bytes, once as
+  files the model never saw), scored in consecutive windows of 1024 tokens as it was trained (its
+  longest) and of 256 (`dsv4.train.evaluate`), next to ``xz -9e`` on the same bytes, once as
   one stream and once file by file. Bits per token become bits per byte through the stream's
   tokens per byte.
 * ``rows``: `serving.lab.quality.score_layout`, the paged engine (fp32 params) scoring

@@ -39,7 +39,7 @@ library (`dsv4.data`), greedy, measured the same way:
   ``--prefixes`` held-out prefixes of 128 tokens (one verification per request: max_tokens=2)
   beside `dsv4.train_dspark.acceptance` on the same prefixes, the offline figure (reference
   forward, drafting from scratch): the two measure the same thing, the engine through its paged
-  drafter (the README's 0.69 of 5 is the offline figure on 64 prefixes).
+  drafter (the README's 0.67 of 5 is the offline figure on 64 prefixes).
 """
 
 from __future__ import annotations

@@ -81,18 +81,20 @@ def heldout_pieces(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def heldout_score(
-    params, cfg, tokenizer, *, seq_lens: Sequence[int] = (256, 1024)
+    params, cfg, tokenizer, *, seq_lens: Sequence[int] = (256, 1024), root: str | None = None
 ) -> dict[str, Any]:
     """Bits per byte over every held-out file, scored in consecutive windows of each of
-    ``seq_lens`` tokens (`dsv4.train.evaluate`; the shipped model was trained on 256, and YaRN
-    stretches its compressed layers to 1024), next to ``xz -9e`` on the same bytes (as one
-    stream, and file by file)."""
+    ``seq_lens`` tokens (`dsv4.train.evaluate`; the shipped model was trained on windows of
+    1024, its longest), next to ``xz -9e`` on the same bytes (as one
+    stream, and file by file). ``root``: the source tree (default: the running interpreter's
+    standard library, `dsv4.data.stdlib_root`)."""
     import lzma
 
     from dsv4 import data as D
     from dsv4 import train as T
 
-    split = D.split_files(D.source_files(), root=D.stdlib_root())
+    root = D.stdlib_root() if root is None else root
+    split = D.split_files(D.source_files(root), root=root)
     tokens = D.load_split(split, "heldout", tokenizer)
     files = D.read_split(split, "heldout", utf8_only=True)
     size = sum(map(len, files))

@@ -393,10 +393,30 @@ def test_tiny_v41_trained_config():
     assert {info.ratio for info in c.plan} == {0, 1, 2}
     assert any(info.uses_candidates for info in c.plan)
     assert not c.engram_layer_ids and c.vocab_size == 2048  # the BPE of scripts/train_tiny.py
-    assert 1_000_000 < count_params(c) < 5_000_000
-    seq = 256
+    assert 5_000_000 < count_params(c) < 12_000_000
+    seq = 1024  # the windows scripts/train_tiny.py trained on
     assert seq % T.seq_len_multiple(c) == 0 and seq <= c.max_seq_len
     # sparse at every level: fewer picks than entries, fewer candidate entries than entries
     assert c.index_topk < seq // 2 and c.candidate_topk_blocks * c.candidate_block_size < seq
     assert c.candidate_topk_blocks * c.candidate_block_size >= c.index_topk
     assert seq >= 8 * c.window_size
+
+
+def test_train_tiny_runs_the_shipped_or_the_cpu_hour_model():
+    """scripts/train_tiny.py's defaults are the shipped run; ``--cpu-hour`` the narrower model of
+    about an hour on two CPU cores, and an explicit flag wins over either."""
+    import importlib.util
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "train_tiny.py"
+    spec = importlib.util.spec_from_file_location("train_tiny", script)
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    a = tt._args([])
+    assert (a.steps, a.batch_size, a.seq_len, a.drafter_steps) == (1900, 64, 1024, 1500)
+    a = tt._args(["--cpu-hour", "--steps", "7"])
+    assert (a.steps, a.batch_size, a.seq_len, a.drafter_steps) == (7, 8, 256, 600)
+    narrow = tiny_v41_trained(drafter=False, **tt.CPU_HOUR_WIDTHS)
+    assert narrow.dim == 64 and 2_000_000 < count_params(narrow) < 2_500_000
+    seq = 256
+    assert seq % T.seq_len_multiple(narrow) == 0
