@@ -17,9 +17,9 @@ stores them instead, each one a `QuantisedWeight` standing where the float array
 Routed experts keep our stacked layout (a leading expert axis on both arrays). The model reads
 weights through three operations the arrays have too, so its code is the same for both kinds:
 ``w.shape`` / ``w.dtype`` (logical: the dequantised shape and the float dtype the weight stands
-for), ``w.astype(dt)`` (dequantise: the exact value ``code · 2^(scale - 127)`` in float32, then
-cast; exact in bf16 too: the numpy decoders' values bit for bit whenever they are normal
-float32 numbers, see `_e8m0`), and ``w[ids]`` on the leading (expert or row) axes, which gathers
+for), ``w.astype(dt)`` (dequantise: the exact value ``code · 2^(scale - 127)``, computed in bf16
+or float32 directly and in float32 then cast for other types; exact in bf16 too: the numpy
+decoders' values bit for bit whenever they are normal float32 numbers, see `_e8m0`), and ``w[ids]`` on the leading (expert or row) axes, which gathers
 codes and scales first so that only the selected experts / rows are dequantised. A weight
 therefore lives in its stored bytes between steps and is dequantised inside the jitted step, one
 projection at a time, where XLA can fuse the decode into its consumer.
@@ -186,14 +186,21 @@ class QuantisedWeight:
         return 2 if self.format == "fp8" else 1
 
     def astype(self, dtype: Any) -> jax.Array:
-        """The dequantised weight, ``shape`` in ``dtype``: exact ``code · 2^(scale - 127)``
-        computed in float32 (as `dsv4.checkpoint`'s numpy decoders do), then cast."""
+        """The dequantised weight, ``shape`` in ``dtype``: exact ``code · 2^(scale - 127)``,
+        what `dsv4.checkpoint`'s numpy decoders compute in float32, then cast.
+
+        For bfloat16 and float32 it is computed in ``dtype`` itself: a code has at most 4
+        significant bits and the scale is applied as two powers of two, so every product is
+        exact in a type with float32's exponent range and 8 bits of mantissa, and no float32
+        copy of a bfloat16 weight is ever made. Other types go through float32."""
+        dtype = jnp.dtype(dtype)
+        work = dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) else jnp.float32
         if self.format == "fp8":
-            w = _dequant_tiles(self.values.astype(jnp.float32), self.scales, self.block)
+            w = _dequant_tiles(self.values.astype(work), self.scales, self.block)
         elif self.format == "fp4":
-            w = _dequant_groups(_unpack_e2m1(self.values), self.scales, FP4_GROUP)
+            w = _dequant_groups(_unpack_e2m1(self.values).astype(work), self.scales, FP4_GROUP)
         else:
-            w = _dequant_groups(self.values.astype(jnp.float32), self.scales, self.block)
+            w = _dequant_groups(self.values.astype(work), self.scales, self.block)
         return w.astype(dtype)
 
     def __getitem__(self, index) -> QuantisedWeight:
@@ -255,27 +262,31 @@ def _e8m0(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _dequant_tiles(v: jax.Array, scales: jax.Array, block: int) -> jax.Array:
-    """float32 values [..., o, i] times the e8m0 scale of their ``block x block`` tile."""
+    """Values [..., o, i] times the e8m0 scale of their ``block x block`` tile, in v's dtype
+    (float32 or bfloat16: the two powers of two are exact in either)."""
     *lead, o, i = v.shape
+    factors = [f.astype(v.dtype) for f in _e8m0(scales)]
     if o % block == 0 and i % block == 0:
         tiles = v.reshape(*lead, o // block, block, i // block, block)
-        for s in _e8m0(scales):
+        for s in factors:
             tiles = tiles * s[..., :, None, :, None]
         return tiles.reshape(v.shape)
-    for s in _e8m0(scales):
+    for s in factors:
         v = v * jnp.repeat(jnp.repeat(s, block, axis=-2), block, axis=-1)[..., :o, :i]
     return v
 
 
 def _dequant_groups(v: jax.Array, scales: jax.Array, group: int) -> jax.Array:
-    """float32 values [..., w] times the e8m0 scale of their ``group`` consecutive values."""
+    """Values [..., w] times the e8m0 scale of their ``group`` consecutive values, in v's
+    dtype (float32 or bfloat16)."""
     *lead, w = v.shape
+    factors = [f.astype(v.dtype) for f in _e8m0(scales)]
     if w % group == 0:
         groups = v.reshape(*lead, w // group, group)
-        for s in _e8m0(scales):
+        for s in factors:
             groups = groups * s[..., None]
         return groups.reshape(v.shape)
-    for s in _e8m0(scales):
+    for s in factors:
         v = v * jnp.repeat(s, group, axis=-1)[..., :w]
     return v
 

@@ -81,6 +81,12 @@ def test_decoding_equals_the_checkpoint_decoders():
     rng = np.random.default_rng(0)
     blk = 32
     decode = jax.jit(lambda w: w.astype(jnp.float32))
+    # bfloat16 is decoded in bfloat16 itself: the float32 result, cast (every value is exact)
+    decode_bf16 = jax.jit(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32))
+
+    def bf16(x):
+        return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
     for shape in ((64, 96), (3, 40, 70)):
         v = _random_fp8(rng, shape)
         s = rng.integers(20, 240, (*shape[:-2], -(-shape[-2] // blk), -(-shape[-1] // blk)))
@@ -91,6 +97,8 @@ def test_decoding_equals_the_checkpoint_decoders():
                             format="fp8", shape=shape, dtype=jnp.float32, block=blk)  # fmt: skip
         want = ck.dequant_fp8(v, s, blk)
         np.testing.assert_array_equal(np.asarray(decode(w)), want)
+        np.testing.assert_array_equal(np.asarray(decode_bf16(w)), bf16(want))
+        np.testing.assert_array_equal(bf16(want), want)
     ids = np.array([[2, 0], [1, 2]])
     np.testing.assert_array_equal(np.asarray(decode(w[ids])), want[ids])
     assert w[ids].shape == (2, 2, 40, 70) and w[1].shape == (40, 70)
@@ -110,6 +118,7 @@ def test_decoding_equals_the_checkpoint_decoders():
     rows = jnp.asarray([[9, 0, 12]])  # 12 is clipped to the last row, as the float table's take
     got = np.asarray(decode(w.take(rows, mode="clip")))
     np.testing.assert_array_equal(got, ck.dequant_fp8_rows(v, s, blk)[np.minimum(rows, 9)])
+    np.testing.assert_array_equal(np.asarray(decode_bf16(w)), ck.dequant_fp8_rows(v, s, blk))
 
 
 def test_fp4_codes_decode_to_the_e2m1_table_bit_for_bit():
