@@ -17,10 +17,10 @@ stores them instead, each one a `QuantisedWeight` standing where the float array
 Routed experts keep our stacked layout (a leading expert axis on both arrays). The model reads
 weights through three operations the arrays have too, so its code is the same for both kinds:
 ``w.shape`` / ``w.dtype`` (logical: the dequantised shape and the float dtype the weight stands
-for), ``w.astype(dt)`` (dequantise: the exact value ``code · 2^(scale - 127)``, computed in bf16
-or float32 directly and in float32 then cast for other types; exact in bf16 too: the numpy
-decoders' values bit for bit whenever they are normal float32 numbers, see `_e8m0`), and ``w[ids]`` on the leading (expert or row) axes, which gathers
-codes and scales first so that only the selected experts / rows are dequantised. A weight
+for), ``w.astype(dt)`` (dequantise: the exact value ``code · 2^(scale - 127)``, computed in
+bf16 or float32 directly, through float32 for other types; the numpy decoders' values bit for
+bit whenever they are normal float32 numbers, see `_e8m0`), and ``w[ids]`` on the leading
+(expert or row) axes, which gathers codes and scales first so that only the selected experts / rows are dequantised. A weight
 therefore lives in its stored bytes between steps and is dequantised inside the jitted step, one
 projection at a time, where XLA can fuse the decode into its consumer.
 
@@ -295,9 +295,10 @@ def _unpack_e2m1(packed: jax.Array) -> jax.Array:
     """uint8 [..., w/2] (two e2m1 codes a byte, the even index low) -> float32 [..., w].
 
     Each code's float32 bits are built from its own bits (sign, 2 exponent bits, 1 mantissa
-    bit; `dsv4.quant.E2M1_VALUES` exactly, -0 included) rather than looked up in a table: elementwise work
-    that XLA fuses into the scaling and the cast after it, where a gather's int32 indices were
-    materialised whole (on XLA:TPU 8.4 GiB for the 192 local experts of a released MoE layer).
+    bit; `dsv4.quant.E2M1_VALUES` exactly, -0 included) rather than looked up in a table:
+    elementwise work that XLA can fuse into the scaling and the cast after it, where a table
+    gather needs int32 indices (XLA:TPU materialised them for a released MoE layer's 192 local
+    experts, s32[192, 5120, 1152, 2]).
     """
     codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1)
     c = codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1]).astype(jnp.uint32)

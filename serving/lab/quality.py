@@ -85,9 +85,9 @@ def heldout_score(
 ) -> dict[str, Any]:
     """Bits per byte over every held-out file, scored in consecutive windows of each of
     ``seq_lens`` tokens (`dsv4.train.evaluate`; the shipped model was trained on windows of
-    1024, its longest), next to ``xz -9e`` on the same bytes (as one
-    stream, and file by file). ``root``: the source tree (default: the running interpreter's
-    standard library, `dsv4.data.stdlib_root`)."""
+    1024, its longest), next to ``xz -9e`` on the same bytes (as one stream, and file by file).
+    ``root``: the source tree (default: the running interpreter's standard library,
+    `dsv4.data.stdlib_root`)."""
     import lzma
 
     from dsv4 import data as D
