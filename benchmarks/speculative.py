@@ -111,7 +111,7 @@ def heldout_prefixes(tokenizer, prefix_len: int, num: int) -> list[list[int]]:
 
     from dsv4 import data as D
 
-    split = D.split_files(D.source_files(), root=D.stdlib_root())
+    split = D.source_split()
     windows = D.consecutive_windows(D.load_split(split, "heldout", tokenizer), prefix_len)
     if len(windows) < num:
         raise ValueError(f"the held-out stream holds {len(windows)} prefixes, fewer than {num}")

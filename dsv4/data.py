@@ -49,6 +49,7 @@ __all__ = [
     "load_split",
     "read_split",
     "source_files",
+    "source_split",
     "split_bytes",
     "split_files",
     "stdlib_root",
@@ -98,6 +99,13 @@ def split_files(files: tuple[str, ...], *, heldout_every: int = 20, root: str = 
     train = tuple(f for i, f in enumerate(files) if i % heldout_every != heldout_every - 1)
     heldout = tuple(f for i, f in enumerate(files) if i % heldout_every == heldout_every - 1)
     return Split(root=root, train=train, heldout=heldout)
+
+
+def source_split(root: str | os.PathLike[str] | None = None) -> Split:
+    """The train / held-out split of ``root``'s source files (default: this interpreter's
+    standard library, `stdlib_root`): `split_files` of `source_files`."""
+    root = os.fspath(stdlib_root() if root is None else root)
+    return split_files(source_files(root), root=root)
 
 
 def encode_bytes(raw: bytes) -> np.ndarray:

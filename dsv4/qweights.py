@@ -20,8 +20,8 @@ weights through three operations the arrays have too, so its code is the same fo
 for), ``w.astype(dt)`` (dequantise: the exact value ``code · 2^(scale - 127)``, computed in
 bf16 or float32 directly, through float32 for other types; the numpy decoders' values bit for
 bit whenever they are normal float32 numbers, see `_e8m0`), and ``w[ids]`` on the leading
-(expert or row) axes, which gathers codes and scales first so that only the selected experts / rows are dequantised. A weight
-therefore lives in its stored bytes between steps and is dequantised inside the jitted step, one
+(expert or row) axes, which gathers codes and scales first so that only the selected experts /
+rows are dequantised. A weight therefore lives in its stored bytes between steps and is dequantised inside the jitted step, one
 projection at a time, where XLA can fuse the decode into its consumer.
 
 One cost stays: where the model runs every routed expert on every token (`dsv4.layers`'

@@ -172,8 +172,7 @@ def main(argv=None) -> None:
         warmup_steps=a.warmup,
         seed=a.seed,
     )
-    root = D.stdlib_root() if a.data_root is None else a.data_root
-    split = D.split_files(D.source_files(root), root=root)
+    split = D.source_split(a.data_root)
     tok = tokenizer_for(a.out, split, cfg.vocab_size)
     train_tokens = D.load_split(split, "train", tok)
     heldout = D.load_split(split, "heldout", tok)
@@ -225,7 +224,7 @@ def main(argv=None) -> None:
         with open(final_path, encoding="utf-8") as f:
             row = json.load(f)
     else:  # every held-out window at the trained length and at the longest, xz alike
-        row = {"step": tcfg.steps, **heldout_score(state.params, cfg, tok, root=root)}
+        row = {"step": tcfg.steps, **heldout_score(state.params, cfg, tok, root=a.data_root)}
     params, out_cfg = state.params, cfg
     if a.drafter_steps:
         full = tiny_v41_trained(**widths)

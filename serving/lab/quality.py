@@ -72,7 +72,7 @@ def heldout_pieces(tokenizer, n: int, length: int) -> list[list[int]]:
 
     if n < 1 or length < 2:
         raise ValueError(f"n={n} must be >= 1 and length={length} >= 2")
-    split = D.split_files(D.source_files(), root=D.stdlib_root())
+    split = D.source_split()
     stream = D.load_split(split, "heldout", tokenizer)
     stride = len(stream) // n
     if stride < length:
@@ -93,8 +93,7 @@ def heldout_score(
     from dsv4 import data as D
     from dsv4 import train as T
 
-    root = D.stdlib_root() if root is None else root
-    split = D.split_files(D.source_files(root), root=root)
+    split = D.source_split(root)
     tokens = D.load_split(split, "heldout", tokenizer)
     files = D.read_split(split, "heldout", utf8_only=True)
     size = sum(map(len, files))

@@ -13,6 +13,7 @@ reference on `tiny_v41` (every role, both ratios) and `tiny_v41_full` (Engram).
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,7 @@ def tcfg():
 @pytest.fixture(scope="module")
 def tokens():
     """A small real stream: the first three training files of the standard library."""
-    split = D.split_files(D.source_files(), root=D.stdlib_root())
+    split = D.source_split()
     small = dataclasses.replace(split, train=split.train[:3])
     return D.load_split(small, "train")
 
@@ -311,6 +312,12 @@ def test_split_is_deterministic_and_disjoint():
     assert len(a.heldout) == len(files) // 20
     with pytest.raises(ValueError, match="heldout_every=1"):
         D.split_files(files, heldout_every=1)
+    # source_split: the same split of the standard library, or of another tree
+    assert D.source_split() == dataclasses.replace(a, root=D.stdlib_root())
+    sub = pathlib.Path(D.stdlib_root(), "json")
+    small = D.source_split(sub)
+    assert small.root == str(sub) and not small.heldout  # fewer than 20 files
+    assert small.train == tuple(sorted(p.name for p in sub.glob("*.py")))
 
 
 def test_tokens_are_the_byte_tokenizer_s():

@@ -43,7 +43,7 @@ def params(cfg):
 
 @pytest.fixture(scope="module")
 def tokens():
-    split = D.split_files(D.source_files(), root=D.stdlib_root())
+    split = D.source_split()
     return D.load_split(dataclasses.replace(split, train=split.train[:3]), "train")
 
 
