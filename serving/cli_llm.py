@@ -86,6 +86,12 @@ def add_commands(sub) -> None:
         help="step sizes to compile, comma-separated (default: 16 and the token budget)",
     )
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks")
+    g.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="data shards: each its own scheduler, KV cache and requests (limits per shard)",
+    )
     g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request asks")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--bounded-replay", action="store_true", help="V4.1 SWA bounded replay")
@@ -144,7 +150,13 @@ def _fail(flag: str, value, allowed: str) -> Exception:
 
 def _check(args: argparse.Namespace) -> None:
     """Reject bad values before anything expensive (JAX, params) happens."""
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_tokens", "max_logprobs"):
+    for flag in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_tokens",
+        "max_logprobs",
+        "data_parallel_size",
+    ):
         value = getattr(args, flag)
         if value < 1:
             raise _fail("--" + flag.replace("_", "-"), value, "must be >= 1")
@@ -216,6 +228,7 @@ def _llm(args: argparse.Namespace):
             token_buckets=args.buckets,
             max_logprobs=args.max_logprobs,
             compilation_cache_dir=None if args.no_compilation_cache else "default",
+            data_parallel_size=args.data_parallel_size,
         )
     except ValueError as exc:  # a checkpoint or engine argument it cannot use
         raise UsageError(str(exc)) from exc

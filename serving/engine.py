@@ -38,7 +38,7 @@ from cache import KVCacheManager
 from serving import sampler as S
 from serving.metrics import EngineStats, compilation_count, persistent_cache_hits
 from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from serving.runner import ModelRunner, StepHandle, StepOutput
+from serving.runner import ModelRunner, StepHandle, StepOutput, check_mesh
 from serving.sampling_params import RequestOutputKind, SamplingParams
 from serving.scheduler import RequestStatus, Scheduler, SchedulerStats, StopCriteria
 from serving.spec_decode import (
@@ -210,16 +210,26 @@ class Engine:
         speculative_config: dict | SpeculativeConfig | None = None,
         prompt_logprobs_on_hits: bool = False,
         mesh: Any = None,
+        data_parallel_size: int | None = None,
     ) -> Engine:
         """An engine over ``params``: the cache layout of ``formats`` records (default bf16)
         with ``num_gpu_blocks_override`` blocks or as many as ``kv_cache_memory_bytes`` hold
         (default: 90% of the device's free memory, or 256 MiB on a device without memory
         statistics), its allocator, the scheduler and the model runner. `LLM` calls this;
         the arguments are LLM's (see there), but for ``prompt_logprobs_on_hits`` (see
-        `Engine`; not an LLM argument, as vLLM has none)."""
+        `Engine`; not an LLM argument, as vLLM has none).
+
+        ``data_parallel_size`` D > 1 (by default the mesh's ``data`` axis) builds D shards,
+        each with its own allocator and scheduler of these limits and block counts, stepping
+        in lockstep (`serving.data_parallel`)."""
         from cache.layout import for_model
         from dsv4.paged import pools as P
         from dsv4.paged import records as R
+        from serving.data_parallel import (
+            DataParallelRunner,
+            DataParallelScheduler,
+            check_data_parallel_size,
+        )
 
         formats = R.BF16 if formats is None else formats
         spec = _check_speculative(speculative_config, cfg)
@@ -238,36 +248,40 @@ class Engine:
             swa_bounded_replay=swa_bounded_replay,
             num_speculative_tokens=k,  # the compressor rings hold the drafts
         )
+        check_mesh(mesh)
+        shards = check_data_parallel_size(data_parallel_size, mesh)
         if num_gpu_blocks_override is None and kv_cache_memory_bytes is None:
-            kv_cache_memory_bytes = _default_kv_bytes()
+            # each device holds shards / (the mesh's data axis) shards' pools
+            data = 1 if mesh is None else dict(mesh.shape).get("data", 1)
+            kv_cache_memory_bytes = _default_kv_bytes() // (shards // data)
         kv_config = for_model(
             desc,
             available_memory_bytes=kv_cache_memory_bytes,
             num_gpu_blocks_override=num_gpu_blocks_override,
         )
-        manager = KVCacheManager(
-            kv_config,
-            max_model_len,
-            enable_caching=enable_prefix_caching,
-            max_num_batched_tokens=max_num_batched_tokens,
-            swa_bounded_replay=swa_bounded_replay,
-            enable_kv_cache_events=enable_kv_cache_events,
-        )
         eos = None if tokenizer is None else tokenizer.eos_id
-        scheduler = Scheduler(
-            manager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            eos_token_id=eos,
-            async_scheduling=async_scheduling,
-            num_spec_tokens=k,
-            drafts_on_device=async_scheduling and isinstance(proposer, DSparkProposer),
-        )
-        runner = ModelRunner(
-            params,
-            cfg,
-            kv_config,
+
+        def one_scheduler() -> Scheduler:
+            manager = KVCacheManager(
+                kv_config,
+                max_model_len,
+                enable_caching=enable_prefix_caching,
+                max_num_batched_tokens=max_num_batched_tokens,
+                swa_bounded_replay=swa_bounded_replay,
+                enable_kv_cache_events=enable_kv_cache_events,
+            )
+            return Scheduler(
+                manager,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                eos_token_id=eos,
+                async_scheduling=async_scheduling,
+                num_spec_tokens=k,
+                drafts_on_device=async_scheduling and isinstance(proposer, DSparkProposer),
+            )
+
+        runner_args = dict(
             formats=formats,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -286,6 +300,12 @@ class Engine:
             mesh=mesh,
             plans_ahead=async_scheduling,
         )
+        if shards == 1:
+            scheduler = one_scheduler()
+            runner = ModelRunner(params, cfg, kv_config, **runner_args)
+        else:
+            runner = DataParallelRunner(params, cfg, kv_config, num_shards=shards, **runner_args)
+            scheduler = DataParallelScheduler([one_scheduler() for _ in range(shards)])
         return cls(
             runner,
             scheduler,
@@ -298,7 +318,18 @@ class Engine:
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
+        """The allocator (shard 0's with data parallelism: every shard has its own, all with
+        the same config; `kv_cache_managers` lists them)."""
         return self.scheduler.kv_cache_manager
+
+    @property
+    def kv_cache_managers(self) -> list[KVCacheManager]:
+        """Every shard's allocator (one without data parallelism)."""
+        return getattr(self.scheduler, "kv_cache_managers", [self.scheduler.kv_cache_manager])
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.kv_cache_managers)
 
     @property
     def async_scheduling(self) -> bool:
@@ -467,8 +498,11 @@ class Engine:
     def subscribe_kv_events(self, callback: Callable[[list], None]) -> None:
         """Call ``callback(events)`` after every step with the allocator's KV events of that
         step (`cache.events`: BlockStored / BlockRemoved / AllBlocksCleared, each with its
-        group id). Needs the manager built with ``enable_kv_cache_events=True``."""
-        if not self.kv_cache_manager.enable_kv_cache_events:
+        group id). Needs the manager built with ``enable_kv_cache_events=True``. With
+        data parallelism every shard has its own pools and block ids: the callback is called
+        as ``callback(events, data_parallel_rank)``, once per shard that has events (vLLM
+        tags its event batches with the rank the same way)."""
+        if not all(m.enable_kv_cache_events for m in self.kv_cache_managers):
             raise ValueError("KV events are off: build the engine with enable_kv_cache_events=True")
         self._kv_event_subscribers.append(callback)
 
@@ -721,10 +755,16 @@ class Engine:
     def _publish_kv_events(self) -> None:
         if not self._kv_event_subscribers:
             return
-        events = self.kv_cache_manager.take_events()
-        if events:
+        managers = self.kv_cache_managers
+        for rank, manager in enumerate(managers):
+            events = manager.take_events()
+            if not events:
+                continue
             for callback in self._kv_event_subscribers:
-                callback(events)
+                if len(managers) == 1:
+                    callback(events)
+                else:
+                    callback(events, rank)
 
     def _update_stats(self, elapsed: float, wait: float) -> None:
         st = self.stats
@@ -732,19 +772,23 @@ class Engine:
         st.elapsed_s += elapsed
         st.wait_s += wait
         st.host_s += elapsed - wait
-        st.kv_cache_usage = self.kv_cache_manager.usage
+        managers = self.kv_cache_managers
+        st.kv_cache_usage = sum(m.usage for m in managers) / len(managers)
         if self._compilations_at_warm_up is not None:
             st.compilations_after_warm_up = compilation_count() - self._compilations_at_warm_up
 
     def kv_cache_usage_per_group(self) -> list[float]:
-        """Fraction of the pool's usable blocks each KV-cache group holds now."""
-        usable = max(self.kv_cache_manager.kv_cache_config.num_blocks - 1, 1)
-        out = []
-        for manager in self.kv_cache_manager.coordinator.single_type_managers:
-            held = sum(
-                sum(not b.is_null for b in blocks) for blocks in manager.req_to_blocks.values()
-            )
-            out.append(held / usable)
+        """Fraction of the pool's usable blocks each KV-cache group holds now (the mean over
+        the shards with data parallelism)."""
+        managers = self.kv_cache_managers
+        usable = max(managers[0].kv_cache_config.num_blocks - 1, 1)
+        out = [0.0] * len(managers[0].coordinator.single_type_managers)
+        for allocator in managers:
+            for g, manager in enumerate(allocator.coordinator.single_type_managers):
+                held = sum(
+                    sum(not b.is_null for b in blocks) for blocks in manager.req_to_blocks.values()
+                )
+                out[g] += held / usable / len(managers)
         return out
 
 

@@ -34,6 +34,7 @@ from dsv4.checkpoint import SHIPPED, shipped_checkpoint
 from dsv4.config import ModelConfig, tiny_v41, tiny_v41_full
 from dsv4.paged import records as R
 from dsv4.qweights import WEIGHTS_ON_DEVICE
+from serving.data_parallel import check_data_parallel_size
 from serving.engine import Engine
 from serving.outputs import RequestOutput
 from serving.runner import check_mesh
@@ -133,8 +134,15 @@ class LLM:
         debug: check every step's block ids and slots on the host.
         mesh: run on a device mesh (`dsv4.sharding.make_mesh(data=, expert=, model=)`): params
             split by `dsv4.sharding`'s rule table, heads over ``model``, routed experts over
-            ``expert`` with a token dispatch (`dsv4.expert_parallel`), the pools replicated
-            (see `serving.runner`); the same tokens as one device.
+            ``expert`` with a token dispatch (`dsv4.expert_parallel`), and requests with their
+            pages split over ``data`` (below); the same tokens as one device.
+        data_parallel_size: D data shards (vLLM's data-parallel attention,
+            `serving.data_parallel`): each holds its own requests, scheduler and KV pages
+            (``max_num_seqs``, ``max_num_batched_tokens`` and the block counts are per shard,
+            as per vLLM rank), new requests go to the least loaded shard, and the D shards
+            step in lockstep in one program. None: the mesh's ``data`` axis (1 without a
+            mesh); else a multiple of it (several shards per data group of devices, or D
+            shards on one device without a mesh). Not with the DSpark drafter yet.
 
     Raises:
         ValueError: any argument out of range, naming it and what is allowed.
@@ -170,6 +178,7 @@ class LLM:
         debug: bool = False,
         speculative_config: dict | None = None,
         mesh: Any = None,
+        data_parallel_size: int | None = None,
     ) -> None:
         if speculative_config is not None:  # checked before any weights are loaded
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -177,6 +186,12 @@ class LLM:
             async_scheduling = True
         _check_args(locals())
         check_mesh(mesh)
+        shards = check_data_parallel_size(data_parallel_size, mesh)
+        if shards > 1 and speculative_config is not None and speculative_config.method == "dspark":
+            raise ValueError(
+                f"data_parallel_size={shards} is not allowed with the DSpark drafter (it does not "
+                "run per shard yet): use speculative method 'ngram', or data_parallel_size=1"
+            )
         if compilation_cache_dir == "default":
             compilation_cache_dir = default_compilation_cache_dir()
         enable_compilation_cache(compilation_cache_dir)
@@ -221,6 +236,7 @@ class LLM:
             debug=debug,
             speculative_config=speculative_config,
             mesh=mesh,
+            data_parallel_size=data_parallel_size,
         )
         self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = max_model_len

@@ -32,14 +32,14 @@ last (`dsv4.paged.draft`); the drafts come back with the step's tokens
 (`StepOutput.draft_token_ids`).
 
 On a mesh (``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by the rule table
-(`dsv4.sharding.shard_params`), the pools, the sampler state and the slots' last tokens are
-replicated over the mesh (one allocator hands out block ids for the whole mesh), and every step
-runs under the mesh as JAX's ambient mesh, so XLA's SPMD partitioner splits heads over
-``model`` and `dsv4.expert_parallel` sends tokens to their experts' devices over ``expert``.
-Requests and their pages are not split over ``data`` here: the engine has one scheduler and
-one allocator, so the data axis only replicates. The paged step itself has data-parallel
-attention (`dsv4.paged.step.paged_step_data_parallel`: a shard axis of pools and batches
-split over ``data``, one allocator per shard); the engine does not drive it yet.
+(`dsv4.sharding.shard_params`), and every step runs under the mesh as JAX's ambient mesh, so
+XLA's SPMD partitioner splits heads over ``model`` and `dsv4.expert_parallel` sends tokens to
+their experts' devices over ``expert``. A `ModelRunner` has one allocator's requests: its pools,
+sampler state and slots are replicated over ``data``. Requests and their pages split over
+``data`` are `serving.data_parallel.DataParallelRunner`'s: D host halves of this class
+(``device_state=False``) over one stacked device state, stepped by
+`_engine_step_data_parallel` (the engine builds it when ``data_parallel_size`` > 1, by default
+whenever the mesh's ``data`` axis is).
 
 Buckets: one compilation per token bucket T and block-table width bucket W. The request rows R
 follow from T (``min(T, max_num_seqs) + 1`` rounded up to a power of two: one row is always free
@@ -81,7 +81,7 @@ from dsv4.paged.batch import (
 )
 from dsv4.paged.draft import draft_paged, seed_drafter
 from dsv4.paged.records import CacheFormats
-from dsv4.paged.step import paged_forward_streams
+from dsv4.paged.step import data_shards, paged_forward_streams
 from serving import sampler as S
 from serving.input_batch import InputBatch, RequestState
 from serving.sampling_params import SamplingParams
@@ -145,6 +145,17 @@ class _Row:
     drafts: tuple[int, ...] = ()  # its last len(drafts) tokens are drafts to verify
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plan:
+    """A step's rows as `ModelRunner.plan` placed them, before its size is fixed."""
+
+    rows: list[_Row]
+    scheduled: list  # serving.input_batch's scheduled rows, in row order
+    step_requests: list[StepRequest]
+    targets: list[int]  # per scheduled token, the prompt token it predicts (-1 = none)
+    num_tokens: int
+
+
 @dataclasses.dataclass(slots=True)
 class StepOutput:
     """A step's results on the host."""
@@ -206,6 +217,9 @@ class ModelRunner:
         plans_ahead: steps are scheduled while the step before is still in flight
             (asynchronous scheduling): with drafts, a row may be planned past drafts in flight
             and the device moves it back (`_move_back`). False compiles the step without that.
+        device_state: False builds the host half only (no params placed, no pools, sampler
+            state or slots on the device): one data shard of a
+            `serving.data_parallel.DataParallelRunner`, which owns the stacked device state.
     """
 
     def __init__(
@@ -231,6 +245,7 @@ class ModelRunner:
         drafter: bool = False,
         mesh: Any = None,
         plans_ahead: bool = False,
+        device_state: bool = True,
     ) -> None:
         if drafter and not 1 <= num_speculative_tokens <= cfg.dspark_block_size:
             raise ValueError(
@@ -246,7 +261,7 @@ class ModelRunner:
                 f"max_num_batched_tokens={max_num_batched_tokens}"
             )
         self.mesh = check_mesh(mesh)
-        if mesh is not None:
+        if mesh is not None and device_state:
             params = sharding.shard_params(params, cfg, mesh)
         self.params, self.cfg = params, cfg
         self.kv_cache_config = kv_cache_config
@@ -277,10 +292,11 @@ class ModelRunner:
             groups=self._groups,
             plans_ahead=plans_ahead,
         )
-        self.pools = self._replicated(P.init_pools(self.layout, fill=fill))
         self.padding_slot = max_num_seqs
-        self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
-        self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, num_speculative_tokens))
+        if device_state:
+            self.pools = self._replicated(P.init_pools(self.layout, fill=fill))
+            self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
+            self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, num_speculative_tokens))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
         # what the engine registered for requests that may (re)enter the batch
         self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
@@ -350,14 +366,29 @@ class ModelRunner:
                 tokens[num_prompt:],
                 self.eos_token_id,
             )
-            with self._on_mesh():
-                self.sampler_state = _write_slot(self.sampler_state, np.int32(state.slot), *rows)
+            self._write_sampler_rows(state.slot, rows)
+
+    def _write_sampler_rows(self, slot: int, rows) -> None:
+        """Write one slot's sampler rows (penalty counts, prompt and stop masks)."""
+        with self._on_mesh():
+            self.sampler_state = _write_slot(self.sampler_state, np.int32(slot), *rows)
 
     # ---------------------------------------------------------------- one step
 
     def execute(self, output: SchedulerOutput) -> StepHandle | None:
         """Dispatch one scheduled step; returns before the device has finished it (None when
         nothing was scheduled: then only finished and preempted requests are let go)."""
+        plan = self.plan(output)
+        if plan is None:
+            return None
+        t = bucket(output.total_num_scheduled_tokens, self.token_buckets)
+        batch, *inputs = self.step_inputs(plan, t)
+        return StepHandle(self, output, plan.rows, self.dispatch(batch, *inputs))
+
+    def plan(self, output: SchedulerOutput) -> _Plan | None:
+        """The host's part of a step before its size is fixed: the runner's requests updated
+        (finished and preempted ones let go, new ones admitted), and each scheduled row's
+        place; None when nothing was scheduled."""
         self.inputs.update(output)
         if not output.total_num_scheduled_tokens:
             return None
@@ -378,8 +409,14 @@ class ModelRunner:
                     row.request_id, row.samples, row.start, n, plp, state.num_prompt_tokens, drafts
                 )
             )
-        batch = self.step_batch(step_requests, output.total_num_scheduled_tokens)
+        return _Plan(rows, scheduled, step_requests, targets, output.total_num_scheduled_tokens)
+
+    def step_inputs(self, plan: _Plan, num_tokens: int):
+        """``(batch, feed, sampling, plp_targets)`` of a planned step padded to the token
+        bucket ``num_tokens`` (R = `rows_for` it): what `dispatch` runs."""
+        batch = self.step_batch(plan.step_requests, plan.num_tokens, num_tokens)
         t, r = batch.token_ids.shape[0], batch.seq_lens.shape[0]
+        rows, scheduled = plan.rows, plan.scheduled
         sampling = self._sampling_batch(rows, r)
         if self.num_spec:
             guesses = self._take_guesses(rows, scheduled)
@@ -394,13 +431,19 @@ class ModelRunner:
             devices += [slot * width + 1 + j for j in range(d)] if row.device_drafts else [-1] * d
         feed[: len(devices)] = devices
         plp_targets = np.full(t, -1, np.int32)
-        plp_targets[: len(targets)] = targets
-        return StepHandle(self, output, rows, self.dispatch(batch, feed, sampling, plp_targets))
+        plp_targets[: len(plan.targets)] = plan.targets
+        return batch, feed, sampling, plp_targets
 
-    def step_batch(self, step_requests: Sequence[StepRequest], num_tokens: int) -> StepBatch:
+    def step_batch(
+        self,
+        step_requests: Sequence[StepRequest],
+        num_tokens: int,
+        bucket_tokens: int | None = None,
+    ) -> StepBatch:
         """The step batch of ``step_requests`` (``num_tokens`` tokens in all), padded to this
-        runner's buckets: T the smallest token bucket that holds them, R = `rows_for(T)`."""
-        t = bucket(num_tokens, self.token_buckets)
+        runner's buckets: T the smallest token bucket that holds them (or ``bucket_tokens``),
+        R = `rows_for(T)`."""
+        t = bucket(num_tokens, self.token_buckets) if bucket_tokens is None else bucket_tokens
         return build_batch(
             step_requests,
             self.kv_cache_config,
@@ -413,12 +456,16 @@ class ModelRunner:
             engram_lookback=self.cfg.engram_lookback,
         )
 
+    def _step_fn(self, *args, **static):
+        """The jitted step `dispatch` runs."""
+        return _engine_step(*args, **static)
+
     def dispatch(self, batch: StepBatch, feed, sampling: S.SamplingBatch, plp_targets):
         """Run the jitted engine step on prepared inputs (numpy or device arrays; see
         `_engine_step`), updating the pools and per-slot state; returns its device results
         without waiting."""
         with self._on_mesh():
-            out, self.pools, self.sampler_state, self.slots = _engine_step(
+            out, self.pools, self.sampler_state, self.slots = self._step_fn(
                 self.params,
                 self.pools,
                 self.sampler_state,
@@ -752,19 +799,14 @@ def _verify(
     return outs, accepted.astype(jnp.int32), sampler_state
 
 
+# the engine steps' static arguments (the drafter's switch is `_engine_step`'s alone)
+_STATIC = ("cfg", "layout", "num_logprobs", "impl", "interpret", "num_spec", "groups",
+           "plans_ahead")  # fmt: skip
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "cfg",
-        "layout",
-        "num_logprobs",
-        "impl",
-        "interpret",
-        "num_spec",
-        "drafter",
-        "groups",
-        "plans_ahead",
-    ),
+    static_argnames=(*_STATIC, "drafter"),
     donate_argnames=("pools", "sampler_state", "slots"),
 )
 def _engine_step(
@@ -793,9 +835,96 @@ def _engine_step(
     flight moved back by the drafts rejected, `_move_back`), the paged step, the head on the
     sampled rows, the sampler (with drafts: the verification, `_verify`), prompt logprobs when
     some position asks for them, and with the drafter the next drafts (`_draft`)."""
+    batch, sampling, spec, back, drafts_ok = _step_in(
+        slots, batch, feed, sampling, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead
+    )
+    targets = cfg.dspark_target_layer_ids if drafter else ()
+    kern = dict(impl=impl, interpret=interpret)
+    h, pools, streams = paged_forward_streams(params, cfg, layout, pools, batch, targets, **kern)
+    if drafter:
+        pools = seed_drafter(params, cfg, layout, pools, batch, dspark.target_hidden(cfg, streams))
+    out, accepted, last, sampler_state = _sample_rows(
+        params, h, batch, sampling, spec, back, drafts_ok, sampler_state,
+        num_spec=num_spec, num_logprobs=num_logprobs,
+    )  # fmt: skip
+    drafts = None
+    if drafter:
+        drafts = _draft(params, cfg, layout, pools, batch, spec, accepted, last, sampling, kern)
+        drafts = drafts[:, :num_spec]
+    result, slots = _step_out(
+        params, h, sampling, spec, out, accepted, last, drafts, slots, plp_targets,
+        num_spec=num_spec, num_logprobs=num_logprobs,
+    )  # fmt: skip
+    return result, pools, sampler_state, slots
+
+
+@functools.partial(
+    jax.jit, static_argnames=_STATIC, donate_argnames=("pools", "sampler_state", "slots")
+)
+def _engine_step_data_parallel(
+    params,
+    pools,  # every leaf [D, ...]: D data shards (`dsv4.paged.step.stack_shards`)
+    sampler_state: S.SamplerState,  # [D, S, ...]
+    slots: SlotState,  # [D, S, ...]
+    batch: StepBatch,  # [D, ...]: the shards' batches, built with the same buckets
+    feed: jax.Array,  # i32[D, T]
+    sampling,  # [D, ...] as `_engine_step`'s
+    plp_targets: jax.Array,  # i32[D, T]
+    *,
+    cfg: ModelConfig,
+    layout,
+    num_logprobs: int,
+    impl,
+    interpret,
+    num_spec: int = 0,
+    groups=(),
+    plans_ahead: bool = False,
+):
+    """`_engine_step` for D data shards in one program (no drafter): each shard's inputs,
+    sampler and slot state are its own (`jax.vmap`, split over the mesh's ``data`` axis when
+    there is one), and the paged step is `dsv4.paged.step.paged_forward_streams` with its
+    shard axis (data-parallel attention; the MoE runs on every shard's tokens at once).
+    Shard ``i``'s results are those of `_engine_step` on shard ``i``'s state and inputs."""
+    split = "data" if data_shards() > 1 else None
+    step_in = functools.partial(_step_in, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead)
+    batch, sampling, spec, back, drafts_ok = jax.vmap(step_in, spmd_axis_name=split)(
+        slots, batch, feed, sampling
+    )
+    kern = dict(impl=impl, interpret=interpret)
+    h, pools, _ = paged_forward_streams(
+        params, cfg, layout, pools, batch, (), shard_axis=True, **kern
+    )
+
+    def per_shard(h, batch, sampling, spec, back, drafts_ok, sampler_state, slots, plp_targets):
+        out, accepted, last, sampler_state = _sample_rows(
+            params, h, batch, sampling, spec, back, drafts_ok, sampler_state,
+            num_spec=num_spec, num_logprobs=num_logprobs,
+        )  # fmt: skip
+        result, slots = _step_out(
+            params, h, sampling, spec, out, accepted, last, None, slots, plp_targets,
+            num_spec=num_spec, num_logprobs=num_logprobs,
+        )  # fmt: skip
+        return result, sampler_state, slots
+
+    result, sampler_state, slots = jax.vmap(per_shard, spmd_axis_name=split)(
+        h, batch, sampling, spec, back, drafts_ok, sampler_state, slots, plp_targets
+    )
+    if split is not None:
+        # the host reads every shard's few results: replicated, each process (multi-host)
+        # holds them whole
+        result = jax.lax.with_sharding_constraint(result, jax.sharding.PartitionSpec())
+    return result, pools, sampler_state, slots
+
+
+def _step_in(slots: SlotState, batch: StepBatch, feed, sampling, *, num_spec, groups, plans_ahead):
+    """A step's inputs on the device: tokens the host does not know read from the slots
+    (``feed``); with drafts, rows planned past drafts in flight moved back by those their
+    slot's last step rejected (`_move_back`). Returns ``(batch, sampling, spec, back,
+    drafts_ok)`` (the last three None without drafts)."""
     on_device = jnp.concatenate([slots.last[:, None], slots.drafts], axis=1).reshape(-1)
     fed = on_device[jnp.maximum(feed, 0)]
     batch = dataclasses.replace(batch, token_ids=jnp.where(feed >= 0, fed, batch.token_ids))
+    spec = back = drafts_ok = None
     if num_spec:
         sampling, spec = sampling
         rejected = slots.rejected[sampling.slot]
@@ -805,11 +934,15 @@ def _engine_step(
         drafts_ok = (spec.guess < 0) | guessed  # bool[R]
         if plans_ahead:
             batch = _move_back(batch, back, groups, spec.engram_history)
-    targets = cfg.dspark_target_layer_ids if drafter else ()
-    kern = dict(impl=impl, interpret=interpret)
-    h, pools, streams = paged_forward_streams(params, cfg, layout, pools, batch, targets, **kern)
-    if drafter:
-        pools = seed_drafter(params, cfg, layout, pools, batch, dspark.target_hidden(cfg, streams))
+    return batch, sampling, spec, back, drafts_ok
+
+
+def _sample_rows(
+    params, h, batch, sampling, spec, back, drafts_ok, sampler_state, *, num_spec, num_logprobs
+):
+    """The head and the sampler on each row's sampled position (with drafts, `_verify`):
+    the sampler outputs [R, 1 + k] (k = 0 without drafts), the accepted draft counts i32[R],
+    each row's last emitted token i32[R] and the sampler state."""
     if num_spec:
         out, accepted, sampler_state = _verify(
             params,
@@ -831,15 +964,23 @@ def _engine_step(
         out = jax.tree.map(lambda x: x[:, None], out)  # one sampled position per row
         accepted = jnp.zeros(out.token_ids.shape[:1], jnp.int32)
         last = out.token_ids[:, 0]
+    return out, accepted, last, sampler_state
+
+
+def _step_out(
+    params, h, sampling, spec, out, accepted, last, drafts, slots: SlotState, plp_targets,
+    *, num_spec, num_logprobs,
+):  # fmt: skip
+    """The slots' state after a step (last token, drafts made: ``drafts`` i32[R, k] or None
+    without a drafter, drafts rejected), prompt logprobs when some position asks for them,
+    and the step's results packed for the host (`StepHandle.fetch`)."""
     slot, samples = sampling.slot, sampling.samples
     new_last = slots.last.at[slot].set(jnp.where(samples, last, slots.last[slot]))
     new_drafts, rejected = slots.drafts, slots.rejected
     if num_spec:
         keep = rejected[slot]
         rejected = rejected.at[slot].set(jnp.where(samples, spec.num_drafts - accepted, keep))
-    if drafter:
-        drafts = _draft(params, cfg, layout, pools, batch, spec, accepted, last, sampling, kern)
-        drafts = drafts[:, :num_spec]
+    if drafts is not None:
         keep = new_drafts[slot]
         new_drafts = new_drafts.at[slot].set(jnp.where(samples[:, None], drafts, keep))
     else:
@@ -860,15 +1001,7 @@ def _engine_step(
 
     plp = jax.lax.cond(jnp.any(plp_targets >= 0), prompt_logprobs, nothing)
     sampled = _pack(out.token_ids, out.logprob, out.rank, out.top_ids, out.top_logprobs)
-    return (
-        (
-            (*sampled, accepted, drafts),
-            _pack(plp_targets, *plp),
-        ),
-        pools,
-        sampler_state,
-        slots,
-    )
+    return ((*sampled, accepted, drafts), _pack(plp_targets, *plp)), slots
 
 
 def _draft(params, cfg, layout, pools, batch, spec: SpecBatch, accepted, last, sampling, kern):

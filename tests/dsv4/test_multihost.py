@@ -116,8 +116,10 @@ ENGINE_KW = dict(dtype="float32", kv_cache_dtype="exact", max_model_len=128, max
 @pytest.mark.slow  # fast representative: the two-process generate above
 def test_two_processes_run_the_engine_of_one_process():
     """Every process runs the same host program: the same scheduler decisions follow from the
-    same requests (its rules read no clock and no randomness but the requests' seeds), and the
-    sampled tokens, replicated over the mesh, reach every process's host."""
+    same requests (its rules read no clock and no randomness but the requests' seeds; the
+    mesh's data axis of 2 makes two data shards, each spanning both processes, and the
+    least-loaded routing reads only the shards' queues), and the sampled tokens, replicated
+    over the mesh at the end of each step, reach every process's host."""
     from serving import LLM, SamplingParams
 
     _, prompts, lengths = _prompts()

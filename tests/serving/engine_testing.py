@@ -100,12 +100,12 @@ def drive(engine: Engine, arrivals, *, aborts: dict[int, str] | None = None, max
 
 
 def assert_pool_is_whole(engine: Engine) -> None:
-    """Every block back in the free queue, no request left anywhere."""
-    manager = engine.kv_cache_manager
-    assert manager.num_free_blocks == manager.kv_cache_config.num_blocks - 1
-    assert manager.usage == 0.0
+    """Every block back in the free queue (of every data shard), no request left anywhere."""
+    for manager in engine.kv_cache_managers:
+        assert manager.num_free_blocks == manager.kv_cache_config.num_blocks - 1
+        assert manager.usage == 0.0
     assert not engine.scheduler.requests and not engine.runner.requests
-    assert engine.runner.num_free_slots == engine.runner.max_num_seqs
+    assert engine.runner.num_free_slots == engine.runner.max_num_seqs * engine.data_parallel_size
 
 
 REF_WIDTH, REF_NEW = 64, 16  # fixed shapes: `dsv4.generate` compiles once per batch size
