@@ -101,15 +101,30 @@ def test_equals_one_shard_and_async_equals_sync(tiny_params, tiny_cfg):
 
 
 def test_requests_go_to_the_least_loaded_shard(tiny_params, tiny_cfg):
-    engine = make_engine(tiny_params, tiny_cfg, data_parallel_size=2)
-    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for i in range(5):
-        engine.add_request(f"r{i}", [5 + i] * 6, sp)
-    # all wait: the score is 4 x waiting, so they alternate
-    assert [engine.scheduler.shard_of(f"r{i}") for i in range(5)] == [0, 1, 0, 1, 0]
-    finals, _ = drive(engine, [])
-    assert len(finals) == 5 and all(len(o.outputs[0].token_ids) == 3 for o in finals.values())
-    assert_pool_is_whole(engine)
+    """Routing, and prompt logprobs (a shard's rows of the stacked step's all-token logits)
+    equal to the one-shard engine's."""
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2,
+                        prompt_logprobs=2)  # fmt: skip
+    prompts = [[5 + i, 9, 3 + 2 * i, 7] * (2 + i) for i in range(5)]
+    results = []
+    for shards in (1, 2):
+        engine = make_engine(tiny_params, tiny_cfg, data_parallel_size=shards)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, sp)
+        if shards == 2:  # all wait: the score is 4 x waiting, so they alternate
+            assert [engine.scheduler.shard_of(f"r{i}") for i in range(5)] == [0, 1, 0, 1, 0]
+        finals, _ = drive(engine, [])
+        assert_pool_is_whole(engine)
+        results.append(finals)
+    one, two = results
+    for request_id, out in one.items():
+        got = two[request_id]
+        assert got.outputs[0].token_ids == out.outputs[0].token_ids
+        assert len(got.prompt_logprobs) == len(out.prompt_logprobs) == len(got.prompt_token_ids)
+        for a, b in zip(out.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            for token, lp in a.items():
+                assert abs(lp.logprob - b[token].logprob) < 1e-4 and lp.rank == b[token].rank
 
 
 def test_speculation_per_shard(tiny_params, tiny_cfg):
