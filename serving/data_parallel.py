@@ -70,7 +70,7 @@ __all__ = [
 def check_data_parallel_size(data_parallel_size, mesh) -> int:
     """The number of data shards: ``data_parallel_size``, or (None) the mesh's ``data`` axis
     size (1 without a mesh). 1 on a mesh whose ``data`` axis is larger keeps one scheduler
-    and replicates the pools over ``data`` (what the DSpark drafter needs).
+    and replicates the pools over ``data``.
 
     Raises:
         ValueError: not an int >= 1, or neither 1 nor a multiple of the mesh's ``data`` axis.
@@ -309,8 +309,8 @@ class DataParallelRunner:
         num_shards: D, the data shards (a multiple of the mesh's ``data`` axis).
         mesh: the device mesh (`dsv4.sharding.make_mesh`) or None (one device).
         fill: the pools' initial bytes, "zeros" or "nan".
-        **kwargs: `ModelRunner`'s other arguments, but a device drafter (the DSpark drafter
-            does not run per shard yet).
+        **kwargs: `ModelRunner`'s other arguments (the DSpark drafter included: it is seeded
+            and reads its window caches per shard).
     """
 
     def __init__(
@@ -326,11 +326,6 @@ class DataParallelRunner:
     ) -> None:
         from dsv4 import sharding
 
-        if kwargs.get("drafter"):
-            raise ValueError(
-                "the DSpark drafter does not run with data_parallel_size > 1 yet; use "
-                "speculative method 'ngram', or data_parallel_size=1"
-            )
         self.num_shards = check_data_parallel_size(num_shards, mesh)
         if self.num_shards < 2:
             raise ValueError(f"DataParallelRunner needs num_shards >= 2, got {num_shards}")
@@ -362,9 +357,7 @@ class DataParallelRunner:
             "padding_slot",
         ):
             setattr(self, name, getattr(first, name))
-        static = dict(first._static)
-        del static["drafter"]
-        self._static = static
+        self._static = dict(first._static)
         k, slots, vocab = first.num_spec, first.max_num_seqs + 1, cfg.vocab_size
         self.pools = self._stacked(lambda: P.init_pools(first.layout, fill=fill))
         self.sampler_state = self._stacked(lambda: S.init_state(slots, vocab))

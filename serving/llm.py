@@ -142,7 +142,7 @@ class LLM:
             as per vLLM rank), new requests go to the least loaded shard, and the D shards
             step in lockstep in one program. None: the mesh's ``data`` axis (1 without a
             mesh); else a multiple of it (several shards per data group of devices, or D
-            shards on one device without a mesh). Not with the DSpark drafter yet.
+            shards on one device without a mesh).
 
     Raises:
         ValueError: any argument out of range, naming it and what is allowed.
@@ -186,12 +186,7 @@ class LLM:
             async_scheduling = True
         _check_args(locals())
         check_mesh(mesh)
-        shards = check_data_parallel_size(data_parallel_size, mesh)
-        if shards > 1 and speculative_config is not None and speculative_config.method == "dspark":
-            raise ValueError(
-                f"data_parallel_size={shards} is not allowed with the DSpark drafter (it does not "
-                "run per shard yet): use speculative method 'ngram', or data_parallel_size=1"
-            )
+        check_data_parallel_size(data_parallel_size, mesh)
         if compilation_cache_dir == "default":
             compilation_cache_dir = default_compilation_cache_dir()
         enable_compilation_cache(compilation_cache_dir)

@@ -859,7 +859,9 @@ def _engine_step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=_STATIC, donate_argnames=("pools", "sampler_state", "slots")
+    jax.jit,
+    static_argnames=(*_STATIC, "drafter"),
+    donate_argnames=("pools", "sampler_state", "slots"),
 )
 def _engine_step_data_parallel(
     params,
@@ -877,37 +879,44 @@ def _engine_step_data_parallel(
     impl,
     interpret,
     num_spec: int = 0,
+    drafter: bool = False,
     groups=(),
     plans_ahead: bool = False,
 ):
-    """`_engine_step` for D data shards in one program (no drafter): each shard's inputs,
-    sampler and slot state are its own (`jax.vmap`, split over the mesh's ``data`` axis when
-    there is one), and the paged step is `dsv4.paged.step.paged_forward_streams` with its
-    shard axis (data-parallel attention; the MoE runs on every shard's tokens at once).
-    Shard ``i``'s results are those of `_engine_step` on shard ``i``'s state and inputs."""
+    """`_engine_step` for D data shards in one program: each shard's inputs, sampler and slot
+    state are its own (`jax.vmap`, split over the mesh's ``data`` axis when there is one),
+    and the paged step is `dsv4.paged.step.paged_forward_streams` with its shard axis
+    (data-parallel attention; the MoE runs on every shard's tokens at once), as is the DSpark
+    drafter (`dsv4.paged.draft`: seeded and read per shard, its stages' MoE on all shards'
+    rows). Shard ``i``'s results are those of `_engine_step` on shard ``i``'s state and
+    inputs."""
     split = "data" if data_shards() > 1 else None
+
+    def per_shard(fn, *args):
+        return jax.vmap(fn, spmd_axis_name=split)(*args)
+
     step_in = functools.partial(_step_in, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead)
-    batch, sampling, spec, back, drafts_ok = jax.vmap(step_in, spmd_axis_name=split)(
-        slots, batch, feed, sampling
-    )
+    batch, sampling, spec, back, drafts_ok = per_shard(step_in, slots, batch, feed, sampling)
     kern = dict(impl=impl, interpret=interpret)
-    h, pools, _ = paged_forward_streams(
-        params, cfg, layout, pools, batch, (), shard_axis=True, **kern
+    targets = cfg.dspark_target_layer_ids if drafter else ()
+    h, pools, streams = paged_forward_streams(
+        params, cfg, layout, pools, batch, targets, shard_axis=True, **kern
     )
-
-    def per_shard(h, batch, sampling, spec, back, drafts_ok, sampler_state, slots, plp_targets):
-        out, accepted, last, sampler_state = _sample_rows(
-            params, h, batch, sampling, spec, back, drafts_ok, sampler_state,
-            num_spec=num_spec, num_logprobs=num_logprobs,
-        )  # fmt: skip
-        result, slots = _step_out(
-            params, h, sampling, spec, out, accepted, last, None, slots, plp_targets,
-            num_spec=num_spec, num_logprobs=num_logprobs,
-        )  # fmt: skip
-        return result, sampler_state, slots
-
-    result, sampler_state, slots = jax.vmap(per_shard, spmd_axis_name=split)(
-        h, batch, sampling, spec, back, drafts_ok, sampler_state, slots, plp_targets
+    if drafter:
+        seed = functools.partial(seed_drafter, params, cfg, layout)
+        pools = per_shard(seed, pools, batch, dspark.target_hidden(cfg, streams))
+    sample = functools.partial(_sample_rows, params, num_spec=num_spec, num_logprobs=num_logprobs)
+    out, accepted, last, sampler_state = per_shard(
+        sample, h, batch, sampling, spec, back, drafts_ok, sampler_state
+    )
+    drafts = None
+    if drafter:
+        start = per_shard(_draft_start, batch, spec, accepted, sampling)
+        block = draft_paged(params, cfg, layout, pools, batch, last, start, shard_axis=True, **kern)
+        drafts = block.tokens[..., :num_spec]
+    finish = functools.partial(_step_out, params, num_spec=num_spec, num_logprobs=num_logprobs)
+    result, slots = per_shard(
+        finish, h, sampling, spec, out, accepted, last, drafts, slots, plp_targets
     )
     if split is not None:
         # the host reads every shard's few results: replicated, each process (multi-host)
@@ -1004,12 +1013,17 @@ def _step_out(
     return ((*sampled, accepted, drafts), _pack(plp_targets, *plp)), slots
 
 
+def _draft_start(batch: StepBatch, spec: SpecBatch, accepted, sampling) -> jax.Array:
+    """i32[R] where each sampling row's DSpark block starts: the position after its last
+    accepted token, ``(last verified position) + accepted + 1`` (0: the row drafts nothing)."""
+    verified = batch.positions[batch.logits_indices] - spec.num_drafts  # [R]
+    return jnp.where(sampling.samples, verified + accepted + 1, 0)
+
+
 def _draft(params, cfg, layout, pools, batch, spec: SpecBatch, accepted, last, sampling, kern):
     """i32[R, K] the DSpark drafts after each sampling row's last accepted token: its block
-    opens with the token sampled there (``last``) at the position after it,
-    ``(last verified position) + accepted + 1`` (rows that do not sample draft nothing)."""
-    verified = batch.positions[batch.logits_indices] - spec.num_drafts  # [R]
-    start = jnp.where(sampling.samples, verified + accepted + 1, 0)
+    opens with the token sampled there (``last``) at `_draft_start`."""
+    start = _draft_start(batch, spec, accepted, sampling)
     block = draft_paged(params, cfg, layout, pools, batch, last, start, **kern)
     return block.tokens
 

@@ -31,6 +31,7 @@ whichever request) wrote them. The tests fill such rows with NaN to check it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -41,7 +42,7 @@ from dsv4 import dspark
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepBatch
-from dsv4.paged.step import _HEADS, _local_kernel, _quantised
+from dsv4.paged.step import _HEADS, _local_kernel, _quantised, data_shards
 from pallas_kernels.window_attention import window_attention
 from pallas_kernels.window_attention.reference import finish, merge_states, softmax_state
 
@@ -95,6 +96,7 @@ def draft_paged(
     *,
     impl: str | None = None,
     interpret: Any = False,
+    shard_axis: bool = False,
 ) -> dspark.DraftBlock:
     """The draft block of every request row of ``batch`` (see the module docstring), from the
     caches `seed_drafter` wrote (this step's tokens included). ``start[r] - 1`` must be a
@@ -102,19 +104,25 @@ def draft_paged(
     are those the step's windows cover). Rows with ``start <= 0`` (padding, rows that do not
     sample) get a block computed over no context, to be ignored.
 
+    ``shard_axis`` (data-parallel serving, `dsv4.paged.step.paged_forward_streams`'s): the
+    pools, the batch, ``next_token`` and ``start`` carry a leading axis of D data shards; each
+    stage's window attention reads every shard's own pages (`jax.vmap`, split over the mesh's
+    ``data`` axis when there is one) while the stages' other layers, the MoE's expert dispatch
+    included, run on all D x R rows at once. The block's fields are then [D, R, K, ...].
+
     Returns `dsv4.dspark.DraftBlock` with ``[R, K, ...]`` fields (K = dspark_block_size)."""
     _check(cfg, layout)
     kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
     k = cfg.dspark_block_size
-    num_rows = start.shape[0]
     names = draft_cache_names(cfg)
-    # every block query of row r attends to the window of position start[r] - 1
-    ctx_pos = jnp.repeat(jnp.where(start > 0, start - 1, -1), k)  # i32[R * K]
-    query_req = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), k)
     scale = cfg.head_dim**-0.5
 
-    def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
-        _, _, h, d = q.shape  # [R, K, H, hd]
+    def attend_rows(i, q, kv, sink, pools, batch, start):
+        """Stage i's attention of one shard's rows (q [R, K, H, hd], kv [R, K, hd])."""
+        num_rows, _, h, d = q.shape
+        # every block query of row r attends to the window of position start[r] - 1
+        ctx_pos = jnp.repeat(jnp.where(start > 0, start - 1, -1), k)  # i32[R * K]
+        query_req = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), k)
         name = names[i]
         pages, table = P.read_for_table(
             layout,
@@ -139,5 +147,29 @@ def draft_paged(
         out = finish(merge_states(context, block), sink, jnp.zeros_like(ctx_pos), jnp.float32)
         return out.reshape(num_rows, k, h, d)
 
-    next_token = jnp.where(start > 0, next_token, 0).astype(jnp.int32)
-    return dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(start, 0))
+    if not shard_axis:
+
+        def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
+            return attend_rows(i, q, kv, sink, pools, batch, start)
+
+        next_token = jnp.where(start > 0, next_token, 0).astype(jnp.int32)
+        return dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(start, 0))
+
+    shards, num_rows = start.shape
+    split = "data" if data_shards() > 1 else None
+
+    def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
+        per_shard = jax.vmap(
+            functools.partial(attend_rows, i),
+            in_axes=(0, 0, None, 0, 0, 0),
+            spmd_axis_name=split,
+        )
+        q = q.reshape(shards, num_rows, *q.shape[1:])
+        kv = kv.reshape(shards, num_rows, *kv.shape[1:])
+        out = per_shard(q, kv, sink, pools, batch, start)
+        return out.reshape(shards * num_rows, *out.shape[2:])
+
+    flat = start.reshape(-1)
+    next_token = jnp.where(flat > 0, next_token.reshape(-1), 0).astype(jnp.int32)
+    block = dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(flat, 0))
+    return jax.tree.map(lambda x: x.reshape(shards, num_rows, *x.shape[1:]), block)

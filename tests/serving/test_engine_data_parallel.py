@@ -162,16 +162,46 @@ def test_kv_events_carry_the_shard(tiny_params, tiny_cfg):
     assert {rank for rank, _ in seen} == {0, 1}
 
 
-def test_bad_data_parallel_sizes(tiny_params, tiny_cfg):
+def test_dspark_per_shard(engram_params, engram_cfg):
+    """tiny_v41_full's DSpark drafter seeded and read per shard: the two-shard engine drafts
+    what the one-shard engine drafts for every request and step (sync), and gives
+    `dsv4.generate`'s tokens sync and async (prefix hits included)."""
+    arrivals = workload(engram_cfg, 4)
+    want = reference_tokens(engram_params, engram_cfg, arrivals)
+    spec = {"method": "dspark", "num_speculative_tokens": 2}
+    drafted = []
+    for shards, async_scheduling in ((1, False), (2, False), (2, True)):
+        engine = make_engine(
+            engram_params,
+            engram_cfg,
+            data_parallel_size=shards,
+            async_scheduling=async_scheduling,
+            num_gpu_blocks_override=28,  # as test_spec_dspark.py: the same compiled step
+            speculative_config=spec,
+        )
+        seen: dict[str, list] = {}
+        if not async_scheduling:  # the host learns every step's drafts
+            update = engine.scheduler.update_draft_token_ids
+
+            def record(drafts, update=update, seen=seen):
+                for request_id, tokens in drafts.items():
+                    seen.setdefault(request_id, []).append(list(tokens))
+                update(drafts)
+
+            engine.scheduler.update_draft_token_ids = record
+        before = compilation_count()
+        finals, _ = drive(engine, arrivals)
+        assert compilation_count() == before
+        assert _tokens(finals) == want, (shards, async_scheduling)
+        assert engine.stats.spec_num_drafts > 10
+        assert_pool_is_whole(engine)
+        drafted.append(seen)
+    assert drafted[0] and drafted[1] == drafted[0]
+
+
+def test_bad_data_parallel_sizes():
     from serving import LLM
 
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="data_parallel_size"):
             LLM("tiny_v41", data_parallel_size=bad, warm_up=False)
-    with pytest.raises(ValueError, match="data_parallel_size=2 is not allowed with the DSpark"):
-        LLM(
-            "tiny_v41",
-            data_parallel_size=2,
-            warm_up=False,
-            speculative_config={"method": "dspark", "num_speculative_tokens": 2},
-        )

@@ -116,12 +116,12 @@ _DSPARK = textwrap.dedent(
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     kw = dict(dtype="float32", kv_cache_dtype="exact", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, token_buckets=(32,), num_gpu_blocks_override=64,
-              compilation_cache_dir=None, async_scheduling=False, data_parallel_size=1,
+              compilation_cache_dir=None, async_scheduling=False,
               speculative_config={"method": "dspark", "num_speculative_tokens": 2})
     with jax.default_matmul_precision("highest"):
         rows = []
         for mesh in (None, sharding.make_mesh(data=2, expert=2, model=2)):
-            llm = LLM("tiny_v41_full", mesh=mesh, **kw)  # data replicated: one scheduler
+            llm = LLM("tiny_v41_full", mesh=mesh, **kw)  # two data shards
             out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
             rows.append((out, llm.engine.stats.spec_num_draft_tokens))
     print(json.dumps({"equal": rows[0] == rows[1], "drafts": rows[1][1]}), flush=True)
@@ -131,7 +131,8 @@ _DSPARK = textwrap.dedent(
 
 @pytest.mark.slow  # fast representative: test_engine_on_a_mesh_equals_one_device
 def test_dspark_on_a_mesh_equals_one_device():
-    """The drafter's window attention runs per device too (heads over model)."""
+    """The drafter on two data shards of a 2x2x2 mesh: its window attention per shard and
+    per device (heads over model), its stages' MoE dispatched over expert."""
     out = run_script(_DSPARK)
     row = json.loads(next(x for x in out.splitlines() if x.startswith("{")))
     assert row["equal"] and row["drafts"] > 0, row
