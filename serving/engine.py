@@ -253,7 +253,7 @@ class Engine:
         if num_gpu_blocks_override is None and kv_cache_memory_bytes is None:
             # each device holds shards / (the mesh's data axis) shards' pools
             data = 1 if mesh is None else dict(mesh.shape).get("data", 1)
-            kv_cache_memory_bytes = _default_kv_bytes() // (shards // data)
+            kv_cache_memory_bytes = _default_kv_bytes() // max(1, shards // data)
         kv_config = for_model(
             desc,
             available_memory_bytes=kv_cache_memory_bytes,

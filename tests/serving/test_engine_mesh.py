@@ -62,6 +62,10 @@ _SCRIPT = textwrap.dedent(
                 "pool_spec": str(pool.sharding.spec) if len(managers) > 1 else None,
                 "pool_rows_per_device": sorted({v[0] for v in per_device.values()}),
             }), flush=True)
+    # one scheduler over the whole data axis (pools replicated), sized by default
+    one = LLM("tiny_v41", mesh=mesh, data_parallel_size=1, dtype="float32", max_model_len=128,
+              warm_up=False, compilation_cache_dir=None)
+    print(json.dumps({"replicated_shards": one.engine.data_parallel_size}), flush=True)
     """
 )
 
@@ -70,6 +74,7 @@ def _check_mesh_run(shape: str) -> None:
     data = int(shape.split("x")[0])
     out = run_script(_SCRIPT, shape)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert rows.pop() == {"replicated_shards": 1}, out
     assert [r["async"] for r in rows] == [True, False], out
     for row in rows:
         assert row["equal"] and row["free"], row
