@@ -60,6 +60,41 @@ def test_greedy_equals_dsv4_generate(
     assert_pool_is_whole(engine)
 
 
+def test_trimmed_block_tables_widen_to_the_widest_shard(tiny_params, tiny_cfg):
+    """Table widths bucketed by each step's longest request: a shard's tables are widened
+    (null-block columns) to the widest shard's, which is itself a compiled width tuple."""
+    engine = make_engine(
+        tiny_params,
+        tiny_cfg,
+        data_parallel_size=2,
+        table_buckets=(4, 8, 16),
+        max_num_batched_tokens=13,
+    )
+    step_widths: list[set] = []  # per step, the widths the shards' own batches had
+    for shard in engine.runner.shards:
+
+        def step_inputs(plan, t, own=shard.step_inputs):
+            out = own(plan, t)
+            step_widths[-1].add(tuple(table.shape[1] for table in out[0].block_tables))
+            return out
+
+        shard.step_inputs = step_inputs
+    execute = engine.runner.execute
+
+    def spy(output):
+        step_widths.append(set())
+        return execute(output)
+
+    engine.runner.execute = spy
+    arrivals = workload(tiny_cfg, 4)
+    before = compilation_count()
+    finals, _ = drive(engine, arrivals)
+    assert compilation_count() == before
+    assert _tokens(finals) == reference_tokens(tiny_params, tiny_cfg, arrivals)
+    assert any(len(w) > 1 for w in step_widths), "no step had shards of different widths"
+    assert_pool_is_whole(engine)
+
+
 def test_equals_one_shard_and_async_equals_sync(tiny_params, tiny_cfg):
     """Sampling of every kind with stop tokens and logprobs: the two-shard engine gives the
     one-shard engine's tokens, finish and stop reasons (logprobs to fp32 rounding: a shard's
