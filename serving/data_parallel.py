@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4.paged import pools as P
-from dsv4.paged.batch import empty_batch, table_width_buckets
+from dsv4.paged.batch import bucket, table_width_buckets
 from dsv4.paged.step import stack_shards
 from serving import sampler as S
 from serving.runner import (
@@ -49,7 +49,6 @@ from serving.runner import (
     SlotState,
     StepOutput,
     _engine_step_data_parallel,
-    rows_for,
 )
 from serving.scheduler import (
     RequestStatus,
@@ -420,8 +419,7 @@ class DataParallelRunner:
         if all(plan is None for plan in plans):
             return None
         most = max(plan.num_tokens for plan in plans if plan is not None)
-        t = next(b for b in self.token_buckets if b >= most)
-        r = rows_for(t, self.max_num_seqs)
+        t = bucket(most, self.token_buckets)
         inputs = [None if p is None else s.step_inputs(p, t) for s, p in zip(self.shards, plans)]
         # every shard's tables as wide as the widest shard's (a width tuple is monotone in
         # the longest request, so the widest of each group is itself a compiled bucket)
@@ -433,34 +431,19 @@ class DataParallelRunner:
         shards = []
         for shard, x in zip(self.shards, inputs, strict=True):
             if x is None:
-                shards.append(self._padding(shard, t, r, widths))
-            else:
-                batch, *rest = x
+                shards.append(shard.padding_inputs(t, widths))
+                continue
+            batch, *rest = x
+            if any(tb.shape[1] != w for tb, w in zip(batch.block_tables, widths)):
                 tables = tuple(
                     np.pad(tb, ((0, 0), (0, w - tb.shape[1])))
                     for tb, w in zip(batch.block_tables, widths)
                 )
-                shards.append((dataclasses.replace(batch, block_tables=tables), *rest))
+                batch = dataclasses.replace(batch, block_tables=tables)
+            shards.append((batch, *rest))
         stacked = stack_shards(shards)
         rows = [[] if p is None else p.rows for p in plans]
         return DataParallelHandle(self, output, rows, self.dispatch(*stacked))
-
-    def _padding(self, shard: ModelRunner, t: int, r: int, widths):
-        """A shard's inputs for a step it has no tokens in: padding that reads and writes
-        nothing."""
-        batch = empty_batch(
-            self.kv_cache_config,
-            max_model_len=self.max_model_len,
-            num_tokens=t,
-            num_rows=r,
-            table_widths=widths,
-            engram_lookback=self.cfg.engram_lookback,
-        )
-        sampling = S.build_sampling_batch([], r, self.padding_slot)
-        if self.num_spec:
-            sampling = (sampling, shard._spec_batch([], [], r))
-        none = np.full(t, -1, np.int32)
-        return batch, none, sampling, none
 
     def _step_fn(self, *args, **static):
         """The jitted data-parallel step, on stacked inputs."""
@@ -489,6 +472,5 @@ class DataParallelRunner:
         pairs = [pairs[0], *pairs]
         bar = tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress)
         for t, w in bar:
-            r = rows_for(t, self.max_num_seqs)
-            stacked = stack_shards([self._padding(s, t, r, w) for s in self.shards])
+            stacked = stack_shards([s.padding_inputs(t, w) for s in self.shards])
             jax.block_until_ready(self.dispatch(*stacked))

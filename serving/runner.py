@@ -614,20 +614,26 @@ class ModelRunner:
         pairs = [(t, w) for t in self.token_buckets for w in widths]
         bar = tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress)
         for t, w in bar:
-            r = rows_for(t, self.max_num_seqs)
-            batch = empty_batch(
-                self.kv_cache_config,
-                max_model_len=self.max_model_len,
-                num_tokens=t,
-                num_rows=r,
-                table_widths=w,
-                engram_lookback=self.cfg.engram_lookback,
-            )
-            sampling = S.build_sampling_batch([], r, self.padding_slot)
-            if self.num_spec:
-                sampling = (sampling, self._spec_batch([], [], r))
-            none = np.full(t, -1, np.int32)
-            jax.block_until_ready(self.dispatch(batch, none, sampling, none))
+            jax.block_until_ready(self.dispatch(*self.padding_inputs(t, w)))
+
+    def padding_inputs(self, num_tokens: int, table_widths):
+        """`dispatch`'s inputs for a step of padding only (T = ``num_tokens``, R = `rows_for`
+        it, tables of ``table_widths``): it reads and writes nothing (warm-up, and a data
+        shard with no tokens in a step)."""
+        r = rows_for(num_tokens, self.max_num_seqs)
+        batch = empty_batch(
+            self.kv_cache_config,
+            max_model_len=self.max_model_len,
+            num_tokens=num_tokens,
+            num_rows=r,
+            table_widths=table_widths,
+            engram_lookback=self.cfg.engram_lookback,
+        )
+        sampling = S.build_sampling_batch([], r, self.padding_slot)
+        if self.num_spec:
+            sampling = (sampling, self._spec_batch([], [], r))
+        none = np.full(num_tokens, -1, np.int32)
+        return batch, none, sampling, none
 
     @property
     def num_free_slots(self) -> int:
