@@ -92,6 +92,8 @@ __all__ = [
     "read_layer",
     "read_ring",
     "read_ring_for_table",
+    "read_selected",
+    "selected_is_smaller",
     "window_page_bound",
     "write_layer",
     "write_ring",
@@ -568,37 +570,75 @@ def _buffer(layout: PoolLayout, pools: Mapping[str, jax.Array], lp: LayerPool) -
     return buf
 
 
+DECODE_CHUNK = 256  # pages decoded per step of a long read's loop (`read_layer`'s ``chunk``)
+
+
+def _decode_in_chunks(lp: LayerPool, n: int, rows_of, dtype, chunk: int | None) -> jax.Array:
+    """``dtype[n, states, dim]``: pages ``0 .. n-1`` decoded, ``rows_of(start, size)`` giving
+    the bytes ``uint8[size, >= used_bytes]`` of pages ``start .. start+size-1``. Above ``chunk``
+    pages (None: never) the decode runs in a loop of ``chunk`` pages written into the result:
+    a decode's intermediates (f32 values, unpacked FP4 codes, several times the result on
+    XLA:TPU) then exist for one chunk at a time, not for the whole pool."""
+    if chunk is None or n <= chunk:
+        return _decode_pages(lp, rows_of(0, n)).astype(dtype)
+
+    def body(i, out):
+        start = jnp.minimum(i * chunk, n - chunk)  # the last chunk overlaps the one before
+        pages = _decode_pages(lp, rows_of(start, chunk)).astype(dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, pages, start, 0)
+
+    out = jnp.zeros((n, lp.states, lp.dim), dtype)
+    return jax.lax.fori_loop(0, -(-n // chunk), body, out)
+
+
 # Jitted cores over one buffer (the layer is static): one fused computation per layer when
 # called eagerly, inlined under the caller's jit (which should donate the pools).
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _read_core(lp: LayerPool, buf: jax.Array, scaled: bool = False):
-    pages = buf[:, lp.offset : lp.offset + lp.used_bytes]
-    return _split_pages(lp, pages) if scaled else _decode_pages(lp, pages)
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
+def _read_core(lp: LayerPool, buf: jax.Array, scaled: bool = False, dtype=None, chunk=None):
+    if scaled:
+        return _split_pages(lp, buf[:, lp.offset : lp.offset + lp.used_bytes])
+
+    def rows_of(start, size):
+        rows = buf if size == buf.shape[0] else jax.lax.dynamic_slice_in_dim(buf, start, size)
+        return rows[:, lp.offset : lp.offset + lp.used_bytes]
+
+    return _decode_in_chunks(lp, buf.shape[0], rows_of, dtype or jnp.float32, chunk)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 4))
+@functools.partial(jax.jit, static_argnums=(0, 1, 4, 5, 6))
 def _read_blocks_core(
-    lp: LayerPool, num_blocks: int, buf: jax.Array, ids: jax.Array, scaled: bool = False
+    lp: LayerPool,
+    num_blocks: int,
+    buf: jax.Array,
+    ids: jax.Array,
+    scaled: bool = False,
+    dtype=None,
+    chunk=None,
 ):
     flat = ids.reshape(-1)
     flat = jnp.where((flat >= 0) & (flat < num_blocks), flat, num_blocks)  # never clamp
-    # one gather of the layer's used bytes of each row: only the K pages are touched (no
-    # slice of the whole buffer first); row num_blocks is out of bounds, so it reads 0xFF = NaN
-    starts = jnp.stack([flat, jnp.full_like(flat, lp.offset)], axis=-1)
-    rows = jax.lax.gather(
-        buf,
-        starts,
-        jax.lax.GatherDimensionNumbers(
-            offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
-        ),
-        slice_sizes=(1, lp.used_bytes),
-        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-        fill_value=NAN_BYTE,
-    )
+
+    def rows_of(start, size):
+        some = flat if size == flat.shape[0] else jax.lax.dynamic_slice_in_dim(flat, start, size)
+        # one gather of the layer's used bytes of each row: only these pages are touched (no
+        # slice of the whole buffer first); row num_blocks is out of bounds: 0xFF = NaN
+        starts = jnp.stack([some, jnp.full_like(some, lp.offset)], axis=-1)
+        return jax.lax.gather(
+            buf,
+            starts,
+            jax.lax.GatherDimensionNumbers(
+                offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+            ),
+            slice_sizes=(1, lp.used_bytes),
+            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+            fill_value=NAN_BYTE,
+        )
+
     if scaled:
-        values, scales = _split_pages(lp, rows)
+        values, scales = _split_pages(lp, rows_of(0, flat.shape[0]))
         return values.reshape(*ids.shape, lp.states, lp.dim), scales.reshape(*ids.shape, lp.states)
-    return _decode_pages(lp, rows).reshape(*ids.shape, lp.states, lp.dim)
+    pages = _decode_in_chunks(lp, flat.shape[0], rows_of, dtype or jnp.float32, chunk)
+    return pages.reshape(*ids.shape, lp.states, lp.dim)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -609,11 +649,28 @@ def _write_core(
     n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
     valid = (slots >= 0) & (slots < num_blocks * n)
     block = jnp.where(valid, slots // n, num_blocks)  # out of range -> dropped, never clamped
-    row = jnp.where(valid, slots % n, 0)[:, None]
-    cols = row * db + jnp.arange(db, dtype=jnp.int32)
+    row = jnp.where(valid, slots % n, 0)
+
+    def put(buf, col, part):
+        # one contiguous run of bytes per record (a window of the row), not a scatter of
+        # single bytes: XLA:TPU rewrites a byte scatter into one over the flattened buffer
+        # and copies the whole pool into that layout and back for every write
+        return jax.lax.scatter(
+            buf,
+            jnp.stack([block, col], axis=-1),
+            part,
+            jax.lax.ScatterDimensionNumbers(
+                update_window_dims=(1,),
+                inserted_window_dims=(0,),
+                scatter_dims_to_operand_dims=(0, 1),
+            ),
+            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+        )
+
+    buf = put(buf, lp.offset + row * db, records[:, :db])
     if sb:
-        cols = jnp.concatenate([cols, n * db + row * sb + jnp.arange(sb, dtype=jnp.int32)], -1)
-    return buf.at[block[:, None], lp.offset + cols].set(records, mode="drop")
+        buf = put(buf, lp.offset + n * db + row * sb, records[:, db:])
+    return buf
 
 
 def read_layer(
@@ -623,6 +680,7 @@ def read_layer(
     *,
     dtype=jnp.float32,
     scaled: bool = False,
+    chunk: int | None = DECODE_CHUNK,
 ):
     """Every page of layer ``name`` decoded: ``dtype[num_blocks, states, dim]`` (f32 default).
 
@@ -631,12 +689,15 @@ def read_layer(
 
     ``scaled=True`` (``fp8_132`` records only): the records as they are, ``(values e4m3[...,
     states, dim], scales f32[..., states])`` (the indexer's ``ikey_pages`` and ``key_scales``),
-    instead of decoded pages; ``dtype`` is then unused."""
+    instead of decoded pages; ``dtype`` is then unused.
+
+    ``chunk``: pages decoded at a time (a loop over the pool; None = all at once). The values
+    are the same either way; a decode in chunks holds its intermediates for one chunk only."""
     lp = layout.layer(name)
     if scaled:
         _check_scaled(lp)
         return _read_core(lp, _buffer(layout, pools, lp), True)
-    return _read_core(lp, _buffer(layout, pools, lp)).astype(dtype)
+    return _read_core(lp, _buffer(layout, pools, lp), False, jnp.dtype(dtype), _chunk(chunk))
 
 
 def read_blocks(
@@ -647,9 +708,11 @@ def read_blocks(
     *,
     dtype=jnp.float32,
     scaled: bool = False,
+    chunk: int | None = DECODE_CHUNK,
 ):
     """Pages ``block_ids i32[...]`` of layer ``name`` decoded: ``dtype[..., states, dim]``
-    (``scaled=True``: the ``fp8_132`` records as ``(values, scales)``, see `read_layer`).
+    (``scaled=True``: the ``fp8_132`` records as ``(values, scales)``; ``chunk``: see
+    `read_layer`).
 
     An id outside ``[0, num_blocks)`` is never clamped: its page reads as NaN (run
     `check_block_ids` in debug mode to get an error instead)."""
@@ -659,7 +722,15 @@ def read_blocks(
     if scaled:
         _check_scaled(lp)
         return _read_blocks_core(lp, layout.num_blocks, buf, ids, True)
-    return _read_blocks_core(lp, layout.num_blocks, buf, ids).astype(dtype)
+    return _read_blocks_core(
+        lp, layout.num_blocks, buf, ids, False, jnp.dtype(dtype), _chunk(chunk)
+    )
+
+
+def _chunk(chunk: int | None) -> int | None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive int (pages) or None, got {chunk!r}")
+    return chunk
 
 
 def write_layer(
@@ -795,6 +866,7 @@ def read_for_table(
     token_req: jax.Array | None = None,
     window: int | None = None,
     scaled: bool = False,
+    chunk: int | None = DECODE_CHUNK,
 ) -> tuple[Any, jax.Array]:
     """Decode only the pages of layer ``name`` that block table ``table i32[R, nb]`` lets a
     kernel read: ``(pages dtype[P', states, dim], table2 i32[R, nb])`` such that for every
@@ -814,6 +886,7 @@ def read_for_table(
       NaN page that any column past the capacity points at (only reachable if a request's
       positions in the batch are not contiguous: `build_batch` never makes such a batch). When
       that is not smaller than ``num_blocks``: the whole pool and ``table``.
+    * ``chunk``: pages decoded at a time (`read_layer`).
     * Rings: use `read_ring_for_table`.
     * ``scaled=True`` (``fp8_132`` records: the index keys of RELEASED_FP8 / SM90): the pages
       come as ``(values, scales)`` without decoding (see `read_layer`).
@@ -833,9 +906,9 @@ def read_for_table(
         raise ValueError(f"{name!r} is a compressor ring: use read_ring_for_table")
     if lp.kind != "swa":
         if num_req * nb + 1 >= layout.num_blocks:
-            return read_layer(layout, pools, name, dtype=dtype, scaled=scaled), table
+            return read_layer(layout, pools, name, dtype=dtype, scaled=scaled, chunk=chunk), table
         ids = jnp.concatenate([jnp.zeros(1, jnp.int32), table.reshape(-1)])
-        pages = read_blocks(layout, pools, name, ids, dtype=dtype, scaled=scaled)
+        pages = read_blocks(layout, pools, name, ids, dtype=dtype, scaled=scaled, chunk=chunk)
         return pages, _gathered_table(table)
     if positions is None or token_req is None or window is None:
         raise ValueError(
@@ -854,11 +927,108 @@ def read_for_table(
     bound = window_page_bound(positions.shape[0], num_req, window, page)
     capacity = min(bound, num_req * nb)
     if capacity + 2 >= layout.num_blocks:
-        return read_layer(layout, pools, name, dtype=dtype, scaled=scaled), table
+        return read_layer(layout, pools, name, dtype=dtype, scaled=scaled, chunk=chunk), table
     ids, table2 = _window_pages(
         table, positions, token_req, window=window, page=page, capacity=capacity
     )
-    return read_blocks(layout, pools, name, ids, dtype=dtype, scaled=scaled), table2
+    return read_blocks(layout, pools, name, ids, dtype=dtype, scaled=scaled, chunk=chunk), table2
+
+
+def selected_is_smaller(layout: PoolLayout, name: str, table_shape, topk_shape) -> bool:
+    """Whether `read_selected` decodes fewer records than `read_for_table` would for a step
+    with block table ``table_shape`` ``(R, nb)`` and picks ``topk_shape`` ``(T, K)``: ``T·K``
+    entries against ``min(R·nb + 1, num_blocks)`` whole pages (static: shapes only)."""
+    lp = layout.layer(name)
+    num_req, nb = table_shape
+    num_tokens, k = topk_shape
+    pages = min(num_req * nb + 1, layout.num_blocks)
+    return num_tokens * k < pages * lp.states
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _read_entries_core(lp: LayerPool, num_blocks: int, dtype, buf, blocks, rows, valid):
+    n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
+    flat_b = blocks.reshape(-1)
+    flat_b = jnp.where((flat_b >= 0) & (flat_b < num_blocks), flat_b, num_blocks)  # never clamp
+    flat_r = rows.reshape(-1)
+
+    def gather(col, size):
+        # one slice of ``size`` bytes per entry; row num_blocks is out of bounds: 0xFF = NaN
+        return jax.lax.gather(
+            buf,
+            jnp.stack([flat_b, col], axis=-1),
+            jax.lax.GatherDimensionNumbers(
+                offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+            ),
+            slice_sizes=(1, size),
+            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+            fill_value=NAN_BYTE,
+        )
+
+    records = gather(lp.offset + flat_r * db, db)
+    if sb:
+        records = jnp.concatenate([records, gather(lp.offset + n * db + flat_r * sb, sb)], -1)
+    values = get_record(lp.record).decode(records, lp.dim).reshape(*blocks.shape, lp.dim)
+    return jnp.where(valid[..., None], values.astype(dtype), jnp.zeros((), dtype))
+
+
+def read_selected(
+    layout: PoolLayout,
+    pools: Mapping[str, jax.Array],
+    name: str,
+    table: jax.Array,
+    token_req: jax.Array,
+    positions: jax.Array,
+    topk: jax.Array,
+    *,
+    dtype=jnp.float32,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Decode only the entries of compressed-entry layer ``name`` that ``topk i32[T, K]``
+    (request-local entry ids, -1 = none) picks for each token, instead of whole pages.
+
+    Returns ``(pages dtype[T, K', dim], table2 i32[T, 1], token_req2 i32[T], topk2 i32[T,
+    K'])``, K' = K rounded up to even (an odd K gets one more pick, -1): token ``t``'s pick
+    ``j`` is entry ``j`` of its own page ``t``, so a sparse-attention kernel given these (with
+    ``entries_per_block = K'``) in place of the pool, ``table``, ``token_req`` and ``topk``
+    reads the same entries in the same order. Picks of -1 and padding tokens (position -1)
+    are -1 in ``topk2`` and their entries read 0.
+
+    A sparse step reads K entries per token, so this is ``T·K`` records where
+    `read_for_table` decodes every page the table references (the whole pool once the
+    batch's tables cover it): use it when `selected_is_smaller`. Block ids outside ``[0,
+    num_blocks)`` are never clamped: those entries read NaN.
+
+    Raises:
+        ValueError: a layer that is not a compressed-entry layer, or arrays of other shapes
+            than ``table i32[R, nb]``, ``token_req`` / ``positions`` ``i32[T]``, ``topk i32[T,
+            K]``.
+    """
+    lp = layout.layer(name)
+    if lp.kind != "compressed":
+        raise ValueError(f"read_selected reads compressed-entry layers; {name!r} is {lp.kind!r}")
+    table = _int_array(f"read_selected({name!r}): table", table, 2)
+    token_req = _int_array(f"read_selected({name!r}): token_req", token_req, 1)
+    positions = _int_array(f"read_selected({name!r}): positions", positions, 1)
+    topk = _int_array(f"read_selected({name!r}): topk", topk, 2)
+    num_tokens, k = topk.shape
+    if token_req.shape != (num_tokens,) or positions.shape != (num_tokens,):
+        raise ValueError(
+            f"read_selected({name!r}): token_req {list(token_req.shape)} and positions "
+            f"{list(positions.shape)} must be [T] = [{num_tokens}] (topk is {list(topk.shape)})"
+        )
+    valid = (topk >= 0) & (positions[:, None] >= 0)
+    ids = jnp.where(valid, topk, 0)
+    blocks = table[token_req[:, None], ids // lp.states]
+    buf = _buffer(layout, pools, lp)
+    pages = _read_entries_core(
+        lp, layout.num_blocks, jnp.dtype(dtype), buf, blocks, ids % lp.states, valid
+    )
+    own = jnp.arange(num_tokens, dtype=jnp.int32)
+    picks = jnp.where(valid, jnp.arange(k, dtype=jnp.int32)[None, :], -1)
+    if k % 2:  # an even page: TPU kernels pair the rows of 16-bit pages
+        pages = jnp.pad(pages, ((0, 0), (0, 1), (0, 0)))
+        picks = jnp.pad(picks, ((0, 0), (0, 1)), constant_values=-1)
+    return pages, own[:, None], own, picks
 
 
 def read_ring_for_table(

@@ -17,9 +17,12 @@ them:
 
 Writes go through slot mappings, straight into the pools. Reads go through block tables, but the
 step decodes only the pages its tables reference (`pools.read_for_table` /
-`pools.read_ring_for_table`): every entry of the compressed and index-key tables, the columns of
-the window table that the batch's windows cover, one ring page per request — plus a copy of the
-null block — and hands the kernels those pages with a table remapped into them. Each read comes
+`pools.read_ring_for_table`): every entry of the index-key tables, the columns of the window
+table that the batch's windows cover, one ring page per request — plus a copy of the null block —
+and hands the kernels those pages with a table remapped into them. The sparse attention reads
+K picked entries per token, so where the batch's T·K picks are fewer than the compressed pages
+its table references, only those entries are decoded (`pools.read_selected`: each token's picks
+on a page of its own), not the pages. Long reads decode ``pools.DECODE_CHUNK`` pages at a time. Each read comes
 after the layer's writes (a window includes its own token; an entry closed in this step is
 visible). Where the page count bound is not smaller than the pool (a static choice by shapes), the
 whole pool is decoded and the original table used. The step never allocates and never clamps (a
@@ -208,16 +211,24 @@ def _attention(
         _HEADS,
     )
     # entries closed in this step were written by _compress above, so they are visible here
-    comp_pages, comp_table = P.read_for_table(
-        layout, pools, comp_name, batch.block_tables[g_comp], dtype=q.dtype
-    )
+    topk, sel_req = shared["topk"], tok_req
+    table = batch.block_tables[g_comp]
+    if P.selected_is_smaller(layout, comp_name, table.shape, topk.shape):
+        # only the picked entries, each token's on a page of its own (the whole pool's
+        # decode is what a long-context step held otherwise: O(context), not O(T·K))
+        comp_pages, comp_table, sel_req, topk = P.read_selected(
+            layout, pools, comp_name, table, tok_req, pos, topk, dtype=q.dtype
+        )
+        e_comp = topk.shape[1]
+    else:
+        comp_pages, comp_table = P.read_for_table(layout, pools, comp_name, table, dtype=q.dtype)
     # decoded before the pools move on: without this barrier XLA:TPU held more decoded pages
     # at once (the released-width 12-layer step at 16 x 65,536 tokens: 12.1 GiB of
     # temporaries against 9.6, `dsv4.compiled_step`)
     comp_pages, comp_table, pools = jax.lax.optimization_barrier((comp_pages, comp_table, pools))
     o = _local_kernel(
         sparse_attention,
-        (q, comp_pages, comp_table, tok_req, pos, shared["topk"], sink),
+        (q, comp_pages, comp_table, sel_req, pos, topk, sink),
         dict(entries_per_block=e_comp, scale=scale, state=state, **kern),
         {0: 1, 6: 0, "state": 1},
     )

@@ -213,6 +213,45 @@ def test_fp8_index_keys_reach_the_indexer_undecoded(tiny_params, tiny_cfg, monke
         np.testing.assert_array_equal(v, decoded[key], err_msg=str(key))
 
 
+@pytest.mark.parametrize("preset", ["RELEASED", "EXACT"])
+def test_sparse_attention_reads_only_the_picked_entries(tiny_params, tiny_cfg, monkeypatch, preset):
+    """Where T·K picks are fewer than the pages the table references, the step decodes only
+    the picked compressed entries (`pools.read_selected`); otherwise the pages. Both give the
+    same logits, bit for bit, over one schedule (NVFP4 / fp32 records, NaN-filled pools)."""
+    from dsv4.paged import step as S
+
+    chosen = []
+    smaller = P.selected_is_smaller
+
+    def spy(*args):
+        chosen.append(smaller(*args))
+        return chosen[-1] if force is None else force
+
+    monkeypatch.setattr(P, "selected_is_smaller", spy)
+
+    def run():
+        S.paged_step_jit.clear_cache()  # retrace: the choice is made at trace time
+        chosen.clear()
+        rng = np.random.default_rng(13)
+        seqs = make_seqs(tiny_cfg, rng, 3, shared_prefix=16)
+        h = Harness(tiny_cfg, tiny_params, R.PRESETS[preset],
+                    num_speculative_tokens=2)  # fmt: skip
+        random_schedule(h, seqs, rng, spec_k=2)
+        return h.logits, set(chosen)
+
+    force = None
+    natural, both = run()
+    assert both == {True, False}  # decode steps pick entries, long prefill chunks read pages
+    force = True
+    picked, _ = run()
+    force = False
+    pages, _ = run()
+    assert natural.keys() == picked.keys() == pages.keys() and len(natural) > 50
+    for key, v in pages.items():
+        np.testing.assert_array_equal(picked[key], v, err_msg=str(key))
+        np.testing.assert_array_equal(natural[key], v, err_msg=str(key))
+
+
 def test_released_records_match_quant_sim(tiny_params, tiny_cfg):
     """The released records (mxfp8 window latent, NVFP4 compressed entries, MXFP4 index keys)
     store exactly the reference's quantise-dequantise, so with quant_sim the paged step follows

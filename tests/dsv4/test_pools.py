@@ -549,6 +549,94 @@ def test_read_for_table_falls_back_to_the_whole_pool(tiny):
     np.testing.assert_array_equal(np.asarray(table2), table)
 
 
+@pytest.mark.parametrize("preset", ["EXACT", "RELEASED"])
+@pytest.mark.parametrize("k", [6, 5])
+def test_read_selected_decodes_each_pick(tiny, preset, k):
+    """`read_selected` gives token t's pick j as entry j of page t: the record `read_layer`
+    decodes at (table[token_req[t], id // E], id % E), 0 for -1 picks and padding tokens, NaN
+    (never another block) for an id outside the pool; an odd K gets one more -1 pick."""
+    formats = R.PRESETS[preset]
+    layout = P.PoolLayout.build(tiny, _config(tiny, formats, 40), formats)
+    name = compressed_kv_name(1)
+    e = layout.layer(name).states
+    pools = _written_pools(layout, 8, [name, swa_cache_name(1)])
+    full = np.asarray(P.read_layer(layout, pools, name))
+    run = jax.jit(functools.partial(P.read_selected, layout, name=name))
+    rng = np.random.default_rng(9)
+    num_req, nb, num_tok = 3, 5, 7
+    table = rng.integers(0, 40, (num_req, nb)).astype(np.int32)
+    token_req = rng.integers(0, num_req, num_tok).astype(np.int32)
+    positions = rng.integers(0, 50, num_tok).astype(np.int32)
+    positions[2] = -1
+    topk = np.stack([rng.permutation(nb * e)[:k] for _ in range(num_tok)]).astype(np.int32)
+    topk[0, 1] = topk[4, -1] = -1
+    pages, table2, req2, topk2 = run(pools, table=table, token_req=token_req,
+                                     positions=positions, topk=topk)  # fmt: skip
+    k2 = k + k % 2
+    assert pages.shape == (num_tok, k2, full.shape[-1]) and pages.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(table2), np.arange(num_tok)[:, None])
+    np.testing.assert_array_equal(np.asarray(req2), np.arange(num_tok))
+    pages, topk2 = np.asarray(pages), np.asarray(topk2)
+    for t in range(num_tok):
+        for j in range(k2):
+            pick = topk[t, j] if j < k else -1
+            if pick < 0 or positions[t] < 0:
+                assert topk2[t, j] == -1 and not pages[t, j].any()
+            else:
+                assert topk2[t, j] == j
+                _same_pages(pages[t, j], full[table[token_req[t], pick // e], pick % e])
+    # bf16: the same records, rounded once
+    half = P.read_selected(
+        layout, pools, name, table, token_req, positions, topk, dtype=jnp.bfloat16
+    )
+    _same_pages(half[0], pages.astype(jnp.bfloat16))
+    # a block id outside the pool reads NaN
+    bad = table.copy()
+    bad[token_req[3], topk[3, 0] // e] = 40
+    got = np.asarray(run(pools, table=bad, token_req=token_req, positions=positions, topk=topk)[0])
+    assert np.isnan(got[3, 0]).all()
+    with pytest.raises(ValueError, match="compressed-entry"):
+        P.read_selected(layout, pools, indexer_k_name(1), table, token_req, positions, topk)
+    with pytest.raises(ValueError, match=r"must be \[T\]"):
+        P.read_selected(layout, pools, name, table, token_req[:3], positions, topk)
+    assert P.selected_is_smaller(layout, name, (4, 6), (8, 16)) == (25 * e > 8 * 16)
+    assert not P.selected_is_smaller(layout, name, (16, 6), (256, 16))
+
+
+@pytest.mark.parametrize("preset", ["EXACT", "RELEASED"])
+def test_decode_in_chunks_reads_the_same_pages(tiny, preset):
+    """A read decoded in a loop of ``chunk`` pages (3 and 7: the last chunk overlaps the one
+    before it; 40: one chunk) gives the pages of a read decoded at once, bit for bit, for
+    whole layers, gathered blocks (ids outside the pool read NaN) and `read_for_table`; a
+    bad chunk is an error naming it."""
+    formats = R.PRESETS[preset]
+    layout = P.PoolLayout.build(tiny, _config(tiny, formats, 40), formats)
+    names = [compressed_kv_name(1), indexer_k_name(1), swa_cache_name(1)]
+    pools = _written_pools(layout, 11, names)
+    ids = jnp.asarray(np.random.default_rng(3).integers(-1, 42, (5, 4)), jnp.int32)
+    table = ids[:4, :3] % 40
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def reads(pools, name, chunk):
+        kw = dict(dtype=jnp.bfloat16, chunk=chunk)
+        return (P.read_layer(layout, pools, name, chunk=chunk),
+                P.read_blocks(layout, pools, name, ids, **kw),
+                P.read_for_table(layout, pools, name, table, chunk=chunk,
+                                 **({} if "swa" not in name else dict(
+                                     positions=jnp.arange(8, dtype=jnp.int32),
+                                     token_req=jnp.zeros(8, jnp.int32), window=8))))  # fmt: skip
+
+    for name in names:
+        want = reads(pools, name, None)
+        assert np.isnan(np.asarray(want[1].astype(jnp.float32))[np.asarray(ids) >= 40]).all()
+        for chunk in (3, 7, 40):
+            got = reads(pools, name, chunk)
+            jax.tree.map(_same_pages, got, want)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"chunk must be .* got {bad!r}"):
+            P.read_layer(layout, pools, names[0], chunk=bad)
+
+
 def _window_batch(rng, num_req, num_tok, nb, page, num_blocks):
     """Random contiguous chunks of the first requests (some rows get nothing), padding tokens
     (position -1, the last row) and full-width tables whose early columns may be 0."""
