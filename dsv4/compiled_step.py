@@ -290,7 +290,10 @@ def compiled_step_memory(
         num_tokens=num_tokens,
         num_requests=min(rows, num_tokens),
         released_weights=weights == "released",
-    )
+        reads=P.kv_reads(cfg, P.kv_layout(cfg, chip, plan.records), plan.records,
+                         max_model_len, num_tokens),
+        seqs=rows,
+    )  # fmt: skip
     assert weights == "bf16" or activations == plan.activations
     acts = activations["peak"]
     return {

@@ -25,16 +25,21 @@
   ``T = max_num_batched_tokens`` tokens and ``R`` requests per data shard, ``b`` = 2 (bf16):
   ``residual = 2 T hc dim b`` (a layer's mHC streams in and out) + the larger of
   ``attention = T (2 heads/model head_dim + index_heads/model index_head_dim) b`` (queries and
-  outputs of the local heads) and ``moe = T k / expert (3 inter + 2 dim) b + 3 T inter/model b``
+  outputs of the local heads) plus what the attention decodes from the pools (`kv_reads`:
+  ``index_keys``, the indexer's keys of every page its table references, ``(R nb + 1) states
+  index_head_dim b`` for the layer with the most, none when the index records are ``fp8_132``,
+  which the indexer reads as they are; ``selected_entries``, the sparse attention's picks
+  ``min(T index_topk, pages) head_dim b``, `dsv4.paged.pools.read_selected`; both count: a
+  layer's index decode depends only on the pools, so XLA may run it while the layer before
+  still holds its picks) and ``moe = T k / expert (3 inter + 2 dim) b + 3 T inter/model b``
   (routed tokens under uniform routing: gate/up/product and dispatch/combine rows; the shared
   expert) + ``logits = R vocab 4 / model`` (f32 rows of the local vocabulary slice; with
   ``model > 1`` plus the gathered ``R vocab 4``), ``R = min(requests, T)``; with the weights
   in their released formats on the device the MoE term adds ``dequantised_experts = 3 E' inter
   dim b``, the routed experts a MoE layer dequantises (``E' = E / expert`` under the expert
   dispatch; on one device the selected ``min(T k, E)``). Not counted: the
-  indexer's score rows (the kernels tile them), the pages a layer decodes for its kernels
-  (`dsv4.paged.pools.read_for_table`: every page the step's tables reference; at long contexts
-  the bulk of XLA's temporaries in the TPU step compiles, `dsv4.compiled_step`), XLA's
+  indexer's score rows (the kernels tile them), the window pages (a few per request), a
+  decode's own intermediates (the step decodes ``DECODE_CHUNK`` pages at a time), XLA's
   fragmentation, the runtime's own reserve (the ``headroom`` covers them).
 * **largest batch**: for a few context lengths, the most requests (a multiple of ``data``)
   whose weights + KV + activations fit in ``(1 - headroom)`` of the chip's HBM.
@@ -407,6 +412,52 @@ def _block_bytes(config: KVCacheConfig) -> int:
 # -- activations -------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class KVReads:
+    """What one data shard's step decodes from its pools for the attention kernels, per layer
+    at most (`dsv4.paged.step`): the indexer's keys (every page its table references,
+    `dsv4.paged.pools.read_for_table`; none when it reads the records as they are, ``fp8_132``)
+    and the sparse attention's entries (`dsv4.paged.pools.read_selected`: ``T·K`` picks, or
+    the referenced pages when those are fewer). Entry counts for ``seqs`` requests:
+    ``per_request * seqs + fixed`` (the null block's copy), the largest layer's."""
+
+    index_per_request: int = 0
+    index_fixed: int = 0
+    comp_per_request: int = 0
+    comp_fixed: int = 0
+    picks: int = 0  # T·K
+
+    def index_entries(self, seqs: int) -> int:
+        return self.index_per_request * seqs + self.index_fixed
+
+    def selected_entries(self, seqs: int) -> int:
+        pages = self.comp_per_request * seqs + self.comp_fixed
+        return min(self.picks, pages) if pages else 0
+
+
+def kv_reads(
+    cfg: ModelConfig, config: KVCacheConfig, records: str, max_model_len: int, num_tokens: int
+) -> KVReads:
+    """`KVReads` of ``cfg``'s layout ``config`` (record preset ``records``) for requests of
+    ``max_model_len`` tokens and steps of ``num_tokens`` tokens."""
+    from dsv4.paged.pools import SCALED_RECORDS, PoolLayout
+    from dsv4.paged.records import PRESETS
+
+    layout = PoolLayout.build(cfg, config, PRESETS[records])
+    report = memory_report(config, max_model_len, num_tokens, packed_layout=True)
+    blocks = {g.group_id: g.max_blocks_per_request for g in report.groups}
+
+    def largest(kind):
+        rates = [
+            (blocks[lp.group] * lp.states, lp.states) for lp in layout.layers if lp.kind == kind
+        ]
+        return max(rates, default=(0, 0))
+
+    index = (0, 0) if PRESETS[records].record("index") in SCALED_RECORDS else largest("index")
+    comp = largest("compressed")
+    return KVReads(*index, *comp, picks=num_tokens * cfg.index_topk)
+
+
 @functools.cache
 def _experts_quantised(cfg: ModelConfig) -> bool:
     """Whether the checkpoint stores the routed experts in a quantised format."""
@@ -423,12 +474,18 @@ def activation_bytes(
     num_tokens: int,
     num_requests: int,
     released_weights: bool = True,
+    reads: KVReads = KVReads(),
+    seqs: int = 0,
 ) -> dict[str, int]:
     """The step's peak activation estimate per chip, by term (formulas in the module
-    docstring); ``peak = residual + max(attention, moe + dequantised_experts) + logits``.
-    ``released_weights``: the weights stay in their released formats on the device (what the
-    plan's weight bytes assume), so a MoE layer dequantises the routed experts it reads."""
+    docstring); ``peak = residual + max(attention + index_keys + selected_entries, moe +
+    dequantised_experts) + logits``. ``released_weights``: the weights stay in their released
+    formats on the device (what the plan's weight bytes assume), so a MoE layer dequantises
+    the routed experts it reads. ``reads`` (`kv_reads`) and ``seqs`` (requests per data
+    shard): the pages and entries the attention decodes (none by default)."""
     t, b, m, e = num_tokens, ACT_BYTES, mesh.model, mesh.expert
+    index_keys = reads.index_entries(seqs) * cfg.index_head_dim * b
+    selected = reads.selected_entries(seqs) * cfg.head_dim * b
     residual = 2 * t * cfg.hc_mult * cfg.dim * b
     attention = t * (2 * cfg.n_heads * cfg.head_dim + cfg.index_n_heads * cfg.index_head_dim)
     attention = attention * b // m
@@ -447,11 +504,14 @@ def activation_bytes(
     out = {
         "residual": residual,
         "attention": attention,
+        "index_keys": index_keys,
+        "selected_entries": selected,
         "moe": moe,
         "dequantised_experts": dequantised,
         "logits": logits,
     }
-    out["peak"] = residual + max(attention, moe + dequantised) + logits
+    kv = attention + index_keys + selected
+    out["peak"] = residual + max(kv, moe + dequantised) + logits
     return out
 
 
@@ -579,18 +639,30 @@ def plan(
     per_req = kv_group_bytes_per_request(config, max_model_len, max_num_batched_tokens)
     kv_groups = {g: seqs * b for g, b in per_req.items()}
     null = _block_bytes(config)
+    records = records or slice_.chip.records
+    reads = kv_reads(cfg, config, records, max_model_len, max_num_batched_tokens)
     acts = activation_bytes(
-        cfg, mesh, num_tokens=max_num_batched_tokens, num_requests=min(seqs, max_num_batched_tokens)
+        cfg,
+        mesh,
+        num_tokens=max_num_batched_tokens,
+        num_requests=min(seqs, max_num_batched_tokens),
+        reads=reads,
+        seqs=seqs,
     )
     budget = int(slice_.chip.hbm_bytes * (1 - headroom))
     largest = tuple(
-        (c, _largest_seqs(cfg, mesh, config, weights["device"], c, max_num_batched_tokens, budget))
+        (
+            c,
+            _largest_seqs(
+                cfg, mesh, config, records, weights["device"], c, max_num_batched_tokens, budget
+            ),
+        )
         for c in contexts
     )
     return ChipPlan(
         slice=slice_,
         mesh=mesh,
-        records=records or slice_.chip.records,
+        records=records,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -611,6 +683,7 @@ def _largest_seqs(
     cfg: ModelConfig,
     mesh: MeshAxes,
     config: KVCacheConfig,
+    records: str,
     weights: int,
     context: int,
     max_num_batched_tokens: int,
@@ -621,6 +694,7 @@ def _largest_seqs(
     count, searched by bisection (the total only grows with it)."""
     per_req = sum(kv_group_bytes_per_request(config, context, max_num_batched_tokens).values())
     null = _block_bytes(config)
+    reads = kv_reads(cfg, config, records, context, max_num_batched_tokens)
 
     def total(seqs: int) -> int:
         acts = activation_bytes(
@@ -628,6 +702,8 @@ def _largest_seqs(
             mesh,
             num_tokens=max_num_batched_tokens,
             num_requests=min(seqs, max_num_batched_tokens),
+            reads=reads,
+            seqs=seqs,
         )
         return weights + null + seqs * per_req + acts["peak"]
 
@@ -668,7 +744,14 @@ def default_mesh(
             except ValueError:
                 continue
             seqs = _largest_seqs(
-                cfg, mesh, config, weights, max_model_len, max_num_batched_tokens, budget
+                cfg,
+                mesh,
+                config,
+                records or slice_.chip.records,
+                weights,
+                max_model_len,
+                max_num_batched_tokens,
+                budget,
             )
             key = (-seqs, weights, model)
             if best_key is None or key < best_key:

@@ -110,7 +110,8 @@ def read_paths(h: Harness) -> dict[str, bool]:
 def test_random_schedules_fp32_records(tiny_params, tiny_cfg, layout_kind, pool):
     """The default harness pool (160 blocks, 8 request rows) makes every read gather its pages
     by table; the small pool (32 blocks, 64 request rows) makes every read decode the whole
-    pool, and the scheduler preempts in it. The large pool never fills (these
+    pool (the sparse attention's decode steps read only their picks in both: see
+    test_sparse_attention_reads_only_the_picked_entries), and the scheduler preempts in it. The large pool never fills (these
     schedules hold at most 37 blocks at once, and with 8 rows every read gathers only in pools
     of 56 blocks or more), so only the small one preempts. Every run has prefix hits and
     accepted and rejected drafts."""

@@ -147,6 +147,33 @@ def test_activation_peak_is_its_formula(flash):
     assert b["dequantised_experts"] == 0 and b["peak"] < a["peak"]
 
 
+def test_kv_reads_count_what_the_step_decodes(flash):
+    """The attention's decoded reads: the index keys of every page the indexer's table
+    references (none for fp8_132 index records, read as they are) and the sparse attention's
+    picks (T·K, or the referenced pages when fewer), each the largest layer's."""
+    from dsv4.paged.pools import PoolLayout
+    from dsv4.paged.records import PRESETS
+
+    chip = P.parse_slice("v5p-16").chip
+    config = P.kv_layout(flash, chip, "RELEASED")
+    reads = P.kv_reads(flash, config, "RELEASED", 65_536, 256)
+    layout = PoolLayout.build(flash, config, PRESETS["RELEASED"])
+    ratio1 = next(lp for lp in layout.layers if lp.kind == "index" and lp.tokens_per_state == 1)
+    pages = -(-65_536 // (ratio1.states * ratio1.tokens_per_state))
+    assert reads.index_entries(16) == (16 * pages + 1) * ratio1.states
+    assert reads.selected_entries(16) == 256 * flash.index_topk  # fewer than the pages
+    one = reads.comp_per_request + reads.comp_fixed  # one request's pages: fewer than T·K
+    assert reads.selected_entries(1) == one < 256 * flash.index_topk
+    a = P.activation_bytes(flash, P.MeshAxes(model=2), num_tokens=256, num_requests=16,
+                           released_weights=False, reads=reads, seqs=16)  # fmt: skip
+    assert a["index_keys"] == reads.index_entries(16) * flash.index_head_dim * 2
+    assert a["selected_entries"] == 256 * flash.index_topk * flash.head_dim * 2
+    kv = a["attention"] + a["index_keys"] + a["selected_entries"]
+    assert a["peak"] == a["residual"] + max(kv, a["moe"]) + a["logits"]
+    fp8 = P.kv_reads(flash, P.kv_layout(flash, chip, "RELEASED_FP8"), "RELEASED_FP8", 65_536, 256)
+    assert fp8.index_entries(16) == 0 and fp8.selected_entries(16) == reads.selected_entries(16)
+
+
 @pytest.mark.parametrize(
     ("text", "chips"),
     [("v5p-16", 8), ("v6e-32", 32), ("v5e-16", 16), ("v5litepod-4", 4), ("H200x8", 8), ("h100", 1)],
