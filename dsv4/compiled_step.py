@@ -293,6 +293,7 @@ def compiled_step_memory(
         reads=P.kv_reads(cfg, P.kv_layout(cfg, chip, plan.records), plan.records,
                          max_model_len, num_tokens),
         seqs=rows,
+        platform=chip.platform,
     )  # fmt: skip
     assert weights == "bf16" or activations == plan.activations
     acts = activations["peak"]

@@ -143,6 +143,7 @@ class ChipKind:
             TensorCores).
         records: the `dsv4.paged.records.PRESETS` name of its KV records.
         block_size / swa_block_size / page_alignment: the cache geometry for those records.
+        platform: ``"tpu"`` or ``"gpu"`` (XLA's lowering of the expert dispatch differs).
     """
 
     name: str
@@ -153,10 +154,11 @@ class ChipKind:
     block_size: int
     swa_block_size: int
     page_alignment: int
+    platform: str = "tpu"
 
 
 _TPU_GEOMETRY = {"records": "RELEASED", "block_size": 128, "swa_block_size": 32}
-_HOPPER_GEOMETRY = {"records": "SM90", "block_size": 64, "swa_block_size": 32}
+_HOPPER_GEOMETRY = {"records": "SM90", "block_size": 64, "swa_block_size": 32, "platform": "gpu"}
 
 CHIPS: dict[str, ChipKind] = {
     c.name: c
@@ -476,13 +478,16 @@ def activation_bytes(
     released_weights: bool = True,
     reads: KVReads = KVReads(),
     seqs: int = 0,
+    platform: str = "tpu",
 ) -> dict[str, int]:
     """The step's peak activation estimate per chip, by term (formulas in the module
     docstring); ``peak = residual + max(attention + index_keys + selected_entries, moe +
     dequantised_experts) + logits``. ``released_weights``: the weights stay in their released
     formats on the device (what the plan's weight bytes assume), so a MoE layer dequantises
     the routed experts it reads. ``reads`` (`kv_reads`) and ``seqs`` (requests per data
-    shard): the pages and entries the attention decodes (none by default)."""
+    shard): the pages and entries the attention decodes (none by default). ``platform``
+    ``"gpu"``: XLA:GPU lowers the expert dispatch's grouped matmul (`jax.lax.ragged_dot`) to a
+    dense product over every local expert, ``dense_dispatch`` below."""
     t, b, m, e = num_tokens, ACT_BYTES, mesh.model, mesh.expert
     index_keys = reads.index_entries(seqs) * cfg.index_head_dim * b
     selected = reads.selected_entries(seqs) * cfg.head_dim * b
@@ -499,6 +504,12 @@ def activation_bytes(
     dequantised = (
         3 * read * cfg.moe_inter_dim * cfg.dim * b if released_weights and quantised else 0
     )
+    # XLA:GPU's ragged_dot: each local expert's masked copy of the rows a device receives
+    # (T k / model: its T / (expert model) tokens' k picks from each of the expert ranks)
+    dense_dispatch = 0
+    if platform == "gpu" and e > 1:
+        rows = -(-t * cfg.n_activated_experts // m)
+        dense_dispatch = rows * (n_experts // e) * cfg.dim * b
     logits = num_requests * cfg.vocab_size * LOGIT_BYTES
     logits = logits // m + (logits if m > 1 else 0)
     out = {
@@ -508,10 +519,11 @@ def activation_bytes(
         "selected_entries": selected,
         "moe": moe,
         "dequantised_experts": dequantised,
+        "dense_dispatch": dense_dispatch,
         "logits": logits,
     }
     kv = attention + index_keys + selected
-    out["peak"] = residual + max(kv, moe + dequantised) + logits
+    out["peak"] = residual + max(kv, moe + dequantised + dense_dispatch) + logits
     return out
 
 
@@ -648,13 +660,22 @@ def plan(
         num_requests=min(seqs, max_num_batched_tokens),
         reads=reads,
         seqs=seqs,
+        platform=slice_.chip.platform,
     )
     budget = int(slice_.chip.hbm_bytes * (1 - headroom))
     largest = tuple(
         (
             c,
             _largest_seqs(
-                cfg, mesh, config, records, weights["device"], c, max_num_batched_tokens, budget
+                cfg,
+                mesh,
+                config,
+                records,
+                slice_.chip.platform,
+                weights["device"],
+                c,
+                max_num_batched_tokens,
+                budget,
             ),
         )
         for c in contexts
@@ -684,6 +705,7 @@ def _largest_seqs(
     mesh: MeshAxes,
     config: KVCacheConfig,
     records: str,
+    platform: str,
     weights: int,
     context: int,
     max_num_batched_tokens: int,
@@ -704,6 +726,7 @@ def _largest_seqs(
             num_requests=min(seqs, max_num_batched_tokens),
             reads=reads,
             seqs=seqs,
+            platform=platform,
         )
         return weights + null + seqs * per_req + acts["peak"]
 
@@ -748,6 +771,7 @@ def default_mesh(
                 mesh,
                 config,
                 records or slice_.chip.records,
+                slice_.chip.platform,
                 weights,
                 max_model_len,
                 max_num_batched_tokens,

@@ -170,6 +170,17 @@ def test_kv_reads_count_what_the_step_decodes(flash):
     assert a["selected_entries"] == 256 * flash.index_topk * flash.head_dim * 2
     kv = a["attention"] + a["index_keys"] + a["selected_entries"]
     assert a["peak"] == a["residual"] + max(kv, a["moe"]) + a["logits"]
+    # XLA:GPU's dense lowering of the expert dispatch: every local expert's copy of the rows a
+    # device receives (T k / model), on an expert axis only
+    g = P.activation_bytes(flash, P.MeshAxes(expert=4, model=2), num_tokens=256, num_requests=16,
+                           released_weights=False, platform="gpu")  # fmt: skip
+    assert g["dense_dispatch"] == 256 * 6 // 2 * (384 // 4) * flash.dim * 2
+    assert g["peak"] == g["residual"] + g["moe"] + g["dense_dispatch"] + g["logits"]
+    for platform, mesh in (("tpu", P.MeshAxes(expert=4, model=2)), ("gpu", P.MeshAxes(model=8))):
+        one = P.activation_bytes(flash, mesh, num_tokens=256, num_requests=16, platform=platform)
+        assert one["dense_dispatch"] == 0
+    assert P.parse_slice("h200x8").chip.platform == "gpu" == P.parse_slice("h100").chip.platform
+    assert P.parse_slice("v5p-16").chip.platform == "tpu"
     fp8 = P.kv_reads(flash, P.kv_layout(flash, chip, "RELEASED_FP8"), "RELEASED_FP8", 65_536, 256)
     assert fp8.index_entries(16) == 0 and fp8.selected_entries(16) == reads.selected_entries(16)
 
