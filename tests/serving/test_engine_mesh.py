@@ -22,6 +22,15 @@ _SCRIPT = textwrap.dedent(
     from serving.metrics import compilation_count
 
     data, expert, model = (int(x) for x in sys.argv[1].split("x"))
+    name = "tiny_v41"
+    if sys.argv[2:] == ["eight_heads"]:  # heads, index heads, groups and experts split 8 ways
+        import tempfile
+        from dsv4.checkpoint import save_pretrained
+        from dsv4.config import tiny_v41
+        from dsv4.params import init_params
+        cfg = tiny_v41(n_heads=8, index_n_heads=8, o_groups=8, n_routed_experts=8)
+        name = tempfile.mkdtemp()
+        save_pretrained(init_params(cfg, jax.random.PRNGKey(3)), cfg, name)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(5, 48, 8)]
     # siblings: prefix hits; added all at once, request i goes to data shard i % data, so
@@ -36,10 +45,10 @@ _SCRIPT = textwrap.dedent(
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
     with jax.default_matmul_precision("highest"):
-        want = run(LLM("tiny_v41", **kw))
+        want = run(LLM(name, **kw))
         mesh = sharding.make_mesh(data=data, expert=expert, model=model)
         for async_scheduling in (True, False):
-            llm = LLM("tiny_v41", mesh=mesh, async_scheduling=async_scheduling, **kw)
+            llm = LLM(name, mesh=mesh, async_scheduling=async_scheduling, **kw)
             before = compilation_count()
             got = run(llm)
             engine = llm.engine
@@ -63,16 +72,16 @@ _SCRIPT = textwrap.dedent(
                 "pool_rows_per_device": sorted({v[0] for v in per_device.values()}),
             }), flush=True)
     # one scheduler over the whole data axis (pools replicated), sized by default
-    one = LLM("tiny_v41", mesh=mesh, data_parallel_size=1, dtype="float32", max_model_len=128,
+    one = LLM(name, mesh=mesh, data_parallel_size=1, dtype="float32", max_model_len=128,
               warm_up=False, compilation_cache_dir=None)
     print(json.dumps({"replicated_shards": one.engine.data_parallel_size}), flush=True)
     """
 )
 
 
-def _check_mesh_run(shape: str) -> None:
+def _check_mesh_run(shape: str, *extra: str) -> None:
     data = int(shape.split("x")[0])
-    out = run_script(_SCRIPT, shape)
+    out = run_script(_SCRIPT, shape, *extra)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert rows.pop() == {"replicated_shards": 1}, out
     assert [r["async"] for r in rows] == [True, False], out
@@ -100,6 +109,12 @@ def test_engine_on_a_mesh_equals_one_device():
 def test_engine_on_data_by_model_meshes_equals_one_device(shape):
     """The issue's meshes, data x model 2x4, 4x2 and 8x1, and 1x8 over experts."""
     _check_mesh_run(shape)
+
+
+def test_engine_on_model_8_with_eight_heads_equals_one_device():
+    """1x8 over model for a tiny config with 8 heads, 8 index heads, 8 output groups and 8
+    experts (a checkpoint on disk, `LLM(path, mesh=)`): every device runs one head."""
+    _check_mesh_run("1x1x8", "eight_heads")
 
 
 def test_llm_refuses_a_mesh_it_cannot_use():
