@@ -653,15 +653,7 @@ def plan(
     null = _block_bytes(config)
     records = records or slice_.chip.records
     reads = kv_reads(cfg, config, records, max_model_len, max_num_batched_tokens)
-    acts = activation_bytes(
-        cfg,
-        mesh,
-        num_tokens=max_num_batched_tokens,
-        num_requests=min(seqs, max_num_batched_tokens),
-        reads=reads,
-        seqs=seqs,
-        platform=slice_.chip.platform,
-    )
+    acts = _shard_activations(cfg, mesh, reads, seqs, max_num_batched_tokens, slice_.chip.platform)
     budget = int(slice_.chip.hbm_bytes * (1 - headroom))
     largest = tuple(
         (
@@ -700,6 +692,21 @@ def plan(
     )
 
 
+def _shard_activations(
+    cfg: ModelConfig, mesh: MeshAxes, reads: KVReads, seqs: int, num_tokens: int, platform: str
+) -> dict[str, int]:
+    """`activation_bytes` of a step of ``num_tokens`` tokens over ``seqs`` requests a shard."""
+    return activation_bytes(
+        cfg,
+        mesh,
+        num_tokens=num_tokens,
+        num_requests=min(seqs, num_tokens),
+        reads=reads,
+        seqs=seqs,
+        platform=platform,
+    )
+
+
 def _largest_seqs(
     cfg: ModelConfig,
     mesh: MeshAxes,
@@ -719,15 +726,7 @@ def _largest_seqs(
     reads = kv_reads(cfg, config, records, context, max_num_batched_tokens)
 
     def total(seqs: int) -> int:
-        acts = activation_bytes(
-            cfg,
-            mesh,
-            num_tokens=max_num_batched_tokens,
-            num_requests=min(seqs, max_num_batched_tokens),
-            reads=reads,
-            seqs=seqs,
-            platform=platform,
-        )
+        acts = _shard_activations(cfg, mesh, reads, seqs, max_num_batched_tokens, platform)
         return weights + null + seqs * per_req + acts["peak"]
 
     if total(1) > budget:
