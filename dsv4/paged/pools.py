@@ -570,6 +570,29 @@ def _buffer(layout: PoolLayout, pools: Mapping[str, jax.Array], lp: LayerPool) -
     return buf
 
 
+def _safe_blocks(ids: jax.Array, num_blocks: int) -> jax.Array:
+    """``ids`` flattened, those outside ``[0, num_blocks)`` mapped to ``num_blocks`` (one row
+    past the buffer: reads NaN, writes drop) — never clamped to another block."""
+    flat = ids.reshape(-1)
+    return jnp.where((flat >= 0) & (flat < num_blocks), flat, num_blocks)
+
+
+def _gather_bytes(buf: jax.Array, blocks: jax.Array, cols: jax.Array, size: int) -> jax.Array:
+    """``uint8[K, size]``: the ``size`` bytes of row ``blocks[i]`` from column ``cols[i]``, one
+    gather that touches only those rows (no slice of the whole buffer first); a row past the
+    buffer (`_safe_blocks`) reads 0xFF bytes, NaN in every record format."""
+    return jax.lax.gather(
+        buf,
+        jnp.stack([blocks, cols], axis=-1),
+        jax.lax.GatherDimensionNumbers(
+            offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+        ),
+        slice_sizes=(1, size),
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+        fill_value=NAN_BYTE,
+    )
+
+
 DECODE_CHUNK = 256  # pages decoded per step of a long read's loop (`read_layer`'s ``chunk``)
 
 
@@ -615,24 +638,11 @@ def _read_blocks_core(
     dtype=None,
     chunk=None,
 ):
-    flat = ids.reshape(-1)
-    flat = jnp.where((flat >= 0) & (flat < num_blocks), flat, num_blocks)  # never clamp
+    flat = _safe_blocks(ids, num_blocks)
 
     def rows_of(start, size):
         some = flat if size == flat.shape[0] else jax.lax.dynamic_slice_in_dim(flat, start, size)
-        # one gather of the layer's used bytes of each row: only these pages are touched (no
-        # slice of the whole buffer first); row num_blocks is out of bounds: 0xFF = NaN
-        starts = jnp.stack([some, jnp.full_like(some, lp.offset)], axis=-1)
-        return jax.lax.gather(
-            buf,
-            starts,
-            jax.lax.GatherDimensionNumbers(
-                offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
-            ),
-            slice_sizes=(1, lp.used_bytes),
-            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-            fill_value=NAN_BYTE,
-        )
+        return _gather_bytes(buf, some, jnp.full_like(some, lp.offset), lp.used_bytes)
 
     if scaled:
         values, scales = _split_pages(lp, rows_of(0, flat.shape[0]))
@@ -948,26 +958,12 @@ def selected_is_smaller(layout: PoolLayout, name: str, table_shape, topk_shape) 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _read_entries_core(lp: LayerPool, num_blocks: int, dtype, buf, blocks, rows, valid):
     n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
-    flat_b = blocks.reshape(-1)
-    flat_b = jnp.where((flat_b >= 0) & (flat_b < num_blocks), flat_b, num_blocks)  # never clamp
+    flat_b = _safe_blocks(blocks, num_blocks)
     flat_r = rows.reshape(-1)
-
-    def gather(col, size):
-        # one slice of ``size`` bytes per entry; row num_blocks is out of bounds: 0xFF = NaN
-        return jax.lax.gather(
-            buf,
-            jnp.stack([flat_b, col], axis=-1),
-            jax.lax.GatherDimensionNumbers(
-                offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
-            ),
-            slice_sizes=(1, size),
-            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-            fill_value=NAN_BYTE,
-        )
-
-    records = gather(lp.offset + flat_r * db, db)
+    records = _gather_bytes(buf, flat_b, lp.offset + flat_r * db, db)
     if sb:
-        records = jnp.concatenate([records, gather(lp.offset + n * db + flat_r * sb, sb)], -1)
+        scales = _gather_bytes(buf, flat_b, lp.offset + n * db + flat_r * sb, sb)
+        records = jnp.concatenate([records, scales], -1)
     values = get_record(lp.record).decode(records, lp.dim).reshape(*blocks.shape, lp.dim)
     return jnp.where(valid[..., None], values.astype(dtype), jnp.zeros((), dtype))
 

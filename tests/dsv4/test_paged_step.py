@@ -218,7 +218,8 @@ def test_fp8_index_keys_reach_the_indexer_undecoded(tiny_params, tiny_cfg, monke
 def test_sparse_attention_reads_only_the_picked_entries(tiny_params, tiny_cfg, monkeypatch, preset):
     """Where T·K picks are fewer than the pages the table references, the step decodes only
     the picked compressed entries (`pools.read_selected`); otherwise the pages. Both give the
-    same logits, bit for bit, over one schedule (NVFP4 / fp32 records, NaN-filled pools)."""
+    same logits, bit for bit, over one schedule (NVFP4 / fp32 records, NaN-filled pools), and
+    with fp32 records the picks' logits are the reference forward's (1e-4)."""
     from dsv4.paged import step as S
 
     chosen = []
@@ -238,6 +239,8 @@ def test_sparse_attention_reads_only_the_picked_entries(tiny_params, tiny_cfg, m
         h = Harness(tiny_cfg, tiny_params, R.PRESETS[preset],
                     num_speculative_tokens=2)  # fmt: skip
         random_schedule(h, seqs, rng, spec_k=2)
+        if force and preset == "EXACT":
+            compare(h, reference_logits(tiny_params, tiny_cfg, seqs), seqs, 1e-4)
         return h.logits, set(chosen)
 
     force = None
