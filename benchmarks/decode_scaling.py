@@ -16,9 +16,10 @@ It prints ONE JSON line. For every batch size B (seeded random weights, fp32, ra
   by ``serving.Scheduler`` over ``cache.KVCacheManager``, batch from
   ``dsv4.paged.batch.build_batch``, fp32 records, pools
   donated and fed back), the best mean over ``--paged-calls`` warm calls. By default the batch's
-  buckets fit it exactly (T = B tokens, R = B + 1 rows: the builder's padding row), so the step's
-  shapes grow with B; ``--token-bucket`` / ``--request-bucket`` fix them for every B instead
-  (what a server with one bucket does: then every B runs the same shapes);
+  buckets fit it exactly (T = B tokens, R = B rows: no padding token, so no padding row, as in
+  the engine's decode buckets), so the step's shapes grow with B; ``--token-bucket`` /
+  ``--request-bucket`` fix them for every B instead (what a server with one bucket does: then
+  every B runs the same shapes; padding tokens need one row more than B);
 * ``matmuls.ms_per_step[B]``: the matmuls of that decode step alone (every ``dot_general`` of
   ``dsv4.model.forward_step`` at T = 1, same shapes and dimension numbers, random operands, back
   to back in a jitted loop), with ``mflop_per_step`` and the ``gflop_per_s`` they reach, and
@@ -126,7 +127,8 @@ class PagedCase:
         self.params, self.cfg, self.calls = params, cfg, calls
         self.max_model_len = max_model_len
         self.token_bucket = token_bucket or batch
-        self.request_bucket = request_bucket or batch + 1
+        # padding tokens (a token bucket above the batch) need a row of their own
+        self.request_bucket = request_bucket or batch + (self.token_bucket > batch)
         rows = np.asarray(jax.device_get(prompt))
         for i in range(batch):
             request = mgr.new_request(f"r{i}", rows[i].tolist(), max_tokens=2)
@@ -318,9 +320,11 @@ def run_benchmark(
         raise ValueError(f"repeats={repeats}, paged_calls={paged_calls} and batches must be >= 1")
     if token_bucket is not None and token_bucket < max(batches):
         raise ValueError(f"token_bucket={token_bucket} cannot hold batch {max(batches)}")
-    if request_bucket is not None and request_bucket < max(batches) + 1:
+    rows = max(b + ((token_bucket or b) > b) for b in batches)  # + a padding tokens' row
+    if request_bucket is not None and request_bucket < rows:
         raise ValueError(
-            f"request_bucket={request_bucket} needs a row beyond batch {max(batches)} (padding)"
+            f"request_bucket={request_bucket} cannot hold {rows} rows (batch {max(batches)}, "
+            "and a row for padding tokens when the token bucket is larger)"
         )
     params = init_params(cfg, jax.random.PRNGKey(seed))
     # one pool size for every batch (the step reads pages by table while the pool is larger):

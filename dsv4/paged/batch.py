@@ -185,8 +185,8 @@ def build_batch(
     starts = np.fromiter((r.start for r in requests), np.int64, n_req)
     _check_requests(requests, lens, starts, max_model_len, len(groups))
     t_pad = bucket(n_tok, token_buckets)
-    # one extra row for padding tokens, so real rows never see them
-    r_pad = bucket(n_req + 1, request_buckets)
+    # one extra row for padding tokens, so real rows never see them (none without padding)
+    r_pad = bucket(n_req + (n_tok < t_pad), request_buckets)
     longest = int((starts + lens).max())
     widths = _table_widths(groups, max_model_len, table_buckets, longest)
     batch = _padding(groups, t_pad, r_pad, widths, engram_lookback)

@@ -39,9 +39,9 @@ def test_paged_path(capsys):
     ms = out["paged"]["ms_per_step"]
     assert set(ms) == {"1", "2"} and min(ms.values()) > 0
     assert out["paged"]["ratio_b2_over_b1"] == pytest.approx(ms["2"] / ms["1"], abs=2e-3)
-    # exact buckets by default: T = B tokens, R = B + 1 rows (the padding row)
+    # exact buckets by default: T = B tokens, R = B rows (no padding token, no padding row)
     assert out["paged"]["token_bucket"] == {"1": 1, "2": 2}
-    assert out["paged"]["request_bucket"] == {"1": 2, "2": 3}
+    assert out["paged"]["request_bucket"] == {"1": 1, "2": 2}
     assert out["paged"]["max_model_len"] == 8
 
 
@@ -96,7 +96,8 @@ def test_matmul_flops_counts_nested_dots():
         (["--new-tokens", "1"], "new_tokens=1"),
         (["--repeats", "0"], "repeats=0"),
         (["--batches", "1,8", "--token-bucket", "4"], "token_bucket=4"),
-        (["--batches", "1,8", "--request-bucket", "8"], "request_bucket=8"),
+        (["--batches", "1,8", "--request-bucket", "7"], "request_bucket=7"),
+        (["--batches", "1,8", "--token-bucket", "16", "--request-bucket", "8"], "request_bucket=8"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_harness import Harness, Seq, random_schedule
+from paged_harness import Harness, Seq, plan_step, random_schedule
 
 from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cache_name
 from dsv4 import reference
@@ -298,6 +298,50 @@ def test_debug_check_catches_bad_block_ids(tiny_params, tiny_cfg):
         short = [[9] if g.kind == "ring" else [1] for g in groups]
         build_batch([StepRequest(token_ids=list(range(3, 12)), start=0, block_ids=short)],
                     h.config, max_model_len=96)  # fmt: skip
+
+
+def test_a_full_token_bucket_needs_no_padding_row(tiny_params, tiny_cfg):
+    """Requests that fill the token bucket leave no padding token, so the batch needs no padding
+    row: R may equal the request count (the engine's decode buckets, `serving.runner.rows_for`).
+    Its logits equal those of the same step with a padding row, and the reference's; a bucket
+    with padding tokens still needs the extra row."""
+    from dsv4.paged.step import paged_step_jit
+    from serving.input_batch import InputBatch
+    from serving.scheduler import StopCriteria
+
+    rng = np.random.default_rng(3)
+    lens = (5, 7, 4)  # 16 tokens: the whole bucket
+    seqs = [Seq(i, rng.integers(3, tiny_cfg.vocab_size, n).astype(np.int32), n)
+            for i, n in enumerate(lens)]  # fmt: skip
+    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.EXACT, num_blocks=40, token_buckets=(16,))
+    scheduler = h.scheduler(max_num_seqs=3)
+    for seq in seqs:
+        request = h.mgr.new_request(seq.request_id, seq.tokens.tolist(), max_tokens=1)
+        scheduler.add_request(request, StopCriteria())
+    _, _, step_requests = plan_step(scheduler, InputBatch(3))
+    assert sum(len(r.token_ids) for r in step_requests) == 16
+
+    def build(tokens, rows):
+        return build_batch(step_requests, h.config, max_model_len=h.max_model_len,
+                           token_buckets=(tokens,), request_buckets=(rows,))  # fmt: skip
+
+    exact, padded = build(16, 3), build(16, 4)
+    assert exact.seq_lens.shape == (3,) and padded.seq_lens.shape == (4,)
+    np.testing.assert_array_equal(exact.token_req, np.repeat(np.arange(3), lens))
+    with pytest.raises(ValueError, match="4 exceeds the largest bucket 3"):
+        build(32, 3)  # 16 padding tokens need a row of their own
+    assert (build(32, 4).token_req[16:] == 3).all()
+
+    logits = []
+    for batch in (exact, padded):
+        pools = jax.tree.map(jnp.copy, h.pools)
+        out, _ = paged_step_jit(h.params, pools, jax.tree.map(jnp.asarray, batch), cfg=h.cfg,
+                                layout=h.layout, all_logits=True)  # fmt: skip
+        logits.append(np.asarray(out))
+    np.testing.assert_array_equal(logits[0], logits[1])
+    ref = reference_logits(tiny_params, tiny_cfg, seqs)
+    want = np.concatenate([ref[i, :n] for i, n in enumerate(lens)])
+    np.testing.assert_allclose(logits[0], want, atol=1e-4, rtol=0)
 
 
 def test_no_compilation_after_warm_up(tiny_params, tiny_cfg):
