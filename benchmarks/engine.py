@@ -22,6 +22,14 @@ one process (best of ``--repeats`` warm runs each):
   a decode batch of B requests, timed with nothing else running) and the async run's
   ``async_ms_per_step`` (wall time per step: when async scheduling hides the host work, this is
   close to the device time rather than to host + device);
+* ``loop_ms_per_step``: that same step run 16 times inside ONE jitted program (a
+  ``lax.while_loop`` over the step, pools and slot state carried, the batch tied to the
+  iteration so nothing computed from it leaves the loop), per step: ``(t(16) - t(1)) / 15``.
+  It is the step's work without what every call of a program costs (dispatching the
+  executable, starting it, work on the weights alone that a loop does once). ``generate``
+  runs all its steps in one program; the engine calls one program a step, so
+  ``device_ms_per_step - loop_ms_per_step`` is what it pays per step that ``generate`` does
+  not;
 * ``ttft_ms`` / ``tpot_ms`` percentiles (p50, p90, p99) of the async run;
 * ``engine_compilations``: XLA compilations during the engine runs (0: warm-up covered all).
 
@@ -118,9 +126,10 @@ def _engine_run(llm, prompts, sp, repeats: int) -> dict[str, Any]:
     }
 
 
-def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> float:
+def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> tuple[float, float]:
     """The engine's jitted step alone on a decode batch of ``batch`` requests of about
-    ``prompt_len`` tokens, best of ``10 * repeats`` calls.
+    ``prompt_len`` tokens, best of ``10 * repeats`` calls, and the same step's milliseconds
+    inside a loop (`_loop_ms_per_step`).
 
     The batch is planned as the engine plans one: a `serving.Scheduler` over the engine's
     allocator schedules the prompts (chunked under the engine's token budget; their pages are
@@ -175,8 +184,42 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> float
 
     call()
     best, _ = _best(call, 10 * repeats)
+    loop = _loop_ms_per_step(runner, args, repeats)
     scheduler.finish_requests(ids)  # their blocks go back to the engine's pool
-    return 1000 * best
+    return 1000 * best, loop
+
+
+def _loop_ms_per_step(runner, args, repeats: int, steps: int = 16) -> float:
+    """Milliseconds a step of the engine's jitted step costs inside one program that runs it
+    ``steps`` times (see the module docstring), the runner's pools and slot state carried
+    through and handed back."""
+    import functools
+
+    import jax
+
+    from serving.runner import _engine_step
+
+    body_fn = functools.partial(_engine_step.__wrapped__, **runner._static)
+
+    @functools.partial(jax.jit, donate_argnums=(2, 3, 4))
+    def run(n, params, pools, sampler_state, slots, inputs):
+        def body(i, state):
+            # the barrier makes the inputs depend on the iteration: the work on them stays in
+            # the loop, as it would for a step of its own
+            _, (batch, feed, sampling) = jax.lax.optimization_barrier((i, inputs))
+            _, *state = body_fn(params, *state, batch, feed, sampling, feed)
+            return tuple(state)
+
+        return jax.lax.fori_loop(0, n, body, (pools, sampler_state, slots))
+
+    def call(n):
+        state = run(n, runner.params, runner.pools, runner.sampler_state, runner.slots, args)
+        runner.pools, runner.sampler_state, runner.slots = jax.block_until_ready(state)
+
+    call(1)  # compile (the trip count is an argument: one program for every n)
+    one, _ = _best(lambda: call(1), 3 * repeats)
+    many, _ = _best(lambda: call(steps), 3 * repeats)
+    return 1000 * max(many - one, 0.0) / (steps - 1)
 
 
 def measure(
@@ -217,7 +260,7 @@ def measure(
         gen = _generate_rate(params, cfg, prompts, new_tokens, repeats)
         sync = _engine_run(llms["sync"], prompts, sp, repeats)
         asyn = _engine_run(llms["async"], prompts, sp, repeats)
-        device = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
+        device, loop = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
         results[f"batch_{b}"] = {
             "batch": b,
             "generate_tokens_per_s": round(gen, 1),
@@ -228,6 +271,7 @@ def measure(
             "steps": asyn["steps"],
             "host_ms_per_step": round(sync["host_ms_per_step"], 3),
             "device_ms_per_step": round(device, 3),
+            "loop_ms_per_step": round(loop, 3),
             "sync_ms_per_step": round(sync["ms_per_step"], 3),
             "async_ms_per_step": round(asyn["ms_per_step"], 3),
             "ttft_ms": _percentiles(asyn["ttft"]),

@@ -44,6 +44,7 @@ def test_json_line(monkeypatch, capsys):
         for key in ("engine_sync_tokens_per_s", "engine_async_tokens_per_s",
                     "host_ms_per_step", "device_ms_per_step", "async_ms_per_step"):  # fmt: skip
             assert r[key] > 0, key
+        assert r["loop_ms_per_step"] > 0
         assert r["engine_over_generate"] == pytest.approx(
             r["generate_tokens_per_s"] / r["engine_async_tokens_per_s"], rel=1e-2
         )
