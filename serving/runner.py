@@ -126,10 +126,10 @@ def default_table_buckets(kv_cache_config, max_model_len: int) -> tuple[int, ...
 
 
 def rows_for(num_tokens: int, max_num_seqs: int) -> int:
-    """Request rows R of the token bucket T: room for every request it can hold plus one
-    padding row, rounded up to a power of two. T requests fill T tokens and leave no padding
-    token, so a bucket of at most ``max_num_seqs + 1`` tokens needs only T rows (a decode
-    bucket of 8 runs 8 rows, not 16: the head and the sampler work on every row)."""
+    """Request rows R of the token bucket T: ``min(T, max_num_seqs + 1)`` rounded up to a power
+    of two. That is room for every request the bucket can hold and, when they leave padding
+    tokens, for the padding row; T requests fill T tokens and leave none, so a decode bucket of
+    8 runs 8 rows, not 16 (the head and the sampler work on every row)."""
     need = min(num_tokens, max_num_seqs + 1)
     return 1 << (need - 1).bit_length()
 
