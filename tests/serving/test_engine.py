@@ -182,3 +182,17 @@ def test_engram_model_greedy_equals_dsv4_generate(engram_params, engram_cfg):
     assert sum(o.num_cached_tokens for o in finals.values()) >= 16
     assert engine.stats.num_preemptions > 0
     assert_pool_is_whole(engine)
+
+
+def test_rows_for_holds_every_batch_its_bucket_can_take():
+    """Every batch of at most ``max_num_seqs`` requests and at most T tokens needs its requests'
+    rows plus a padding row when its tokens fall short of T: at most ``min(T, S + 1)`` rows.
+    `rows_for` gives that many, rounded up to a power of two, and no more."""
+    from serving.runner import rows_for
+
+    for s in range(1, 41):
+        for t in range(1, 70):
+            need = max(n + (tokens < t) for n in range(1, min(s, t) + 1) for tokens in (n, t))
+            r = rows_for(t, s)
+            assert need <= r < 2 * need and r & (r - 1) == 0, (t, s, r, need)
+    assert (rows_for(8, 32), rows_for(32, 32), rows_for(256, 32)) == (8, 32, 64)
