@@ -110,6 +110,7 @@ class PagedCase:
         from cache.layout import for_model
         from dsv4.paged import pools as P
         from dsv4.paged import records as R
+        from dsv4.paged.batch import rows_needed
         from serving.input_batch import InputBatch
         from serving.scheduler import Scheduler, StopCriteria
 
@@ -127,8 +128,8 @@ class PagedCase:
         self.params, self.cfg, self.calls = params, cfg, calls
         self.max_model_len = max_model_len
         self.token_bucket = token_bucket or batch
-        # padding tokens (a token bucket above the batch) need a row of their own
-        self.request_bucket = request_bucket or batch + (self.token_bucket > batch)
+        # a decode of B requests: B tokens, padding when the token bucket is larger
+        self.request_bucket = request_bucket or rows_needed(batch, batch, self.token_bucket)
         rows = np.asarray(jax.device_get(prompt))
         for i in range(batch):
             request = mgr.new_request(f"r{i}", rows[i].tolist(), max_tokens=2)
@@ -306,6 +307,7 @@ def run_benchmark(
     import jax
 
     from dsv4.config import tiny_v41
+    from dsv4.paged.batch import rows_needed
     from dsv4.params import count_params, init_params
 
     t0 = time.perf_counter()
@@ -320,7 +322,7 @@ def run_benchmark(
         raise ValueError(f"repeats={repeats}, paged_calls={paged_calls} and batches must be >= 1")
     if token_bucket is not None and token_bucket < max(batches):
         raise ValueError(f"token_bucket={token_bucket} cannot hold batch {max(batches)}")
-    rows = max(b + ((token_bucket or b) > b) for b in batches)  # + a padding tokens' row
+    rows = max(rows_needed(b, b, token_bucket or b) for b in batches)
     if request_bucket is not None and request_bucket < rows:
         raise ValueError(
             f"request_bucket={request_bucket} cannot hold {rows} rows (batch {max(batches)}, "

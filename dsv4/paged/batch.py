@@ -50,6 +50,7 @@ __all__ = [
     "empty_batch",
     "group_infos",
     "ring_slots_at",
+    "rows_needed",
     "state_slots_at",
     "table_width_buckets",
     "window_slots_at",
@@ -150,6 +151,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def rows_needed(num_requests: int, num_tokens: int, token_bucket: int) -> int:
+    """Request rows a batch of ``num_requests`` requests and ``num_tokens`` tokens needs in a
+    token bucket of ``token_bucket``: one per request, and one more for the padding tokens
+    when the requests leave some (so real rows never see them)."""
+    return num_requests + (num_tokens < token_bucket)
+
+
 def build_batch(
     requests: Sequence[StepRequest],
     config: KVCacheConfig,
@@ -185,8 +193,7 @@ def build_batch(
     starts = np.fromiter((r.start for r in requests), np.int64, n_req)
     _check_requests(requests, lens, starts, max_model_len, len(groups))
     t_pad = bucket(n_tok, token_buckets)
-    # one extra row for padding tokens, so real rows never see them (none without padding)
-    r_pad = bucket(n_req + (n_tok < t_pad), request_buckets)
+    r_pad = bucket(rows_needed(n_req, n_tok, t_pad), request_buckets)
     longest = int((starts + lens).max())
     widths = _table_widths(groups, max_model_len, table_buckets, longest)
     batch = _padding(groups, t_pad, r_pad, widths, engram_lookback)
