@@ -14,8 +14,8 @@ import pytest
 
 from benchmarks import generate_cpu
 
-PREFILL_S = 0.03
-STEP_S = 0.005
+PREFILL_S = 0.3
+STEP_S = 0.05  # large next to real call overhead on a loaded CI machine
 
 
 @pytest.fixture
