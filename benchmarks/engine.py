@@ -17,6 +17,11 @@ one process (best of ``--repeats`` warm runs each):
   builder, the paged step and the sampler);
 * ``engine_over_generate``: generate tokens/s / engine (async) tokens/s — the engine's
   overhead (1 = none); ``async_speedup``: async / sync tokens per second;
+* ``engine_burst_tokens_per_s`` and ``burst_over_generate``: the async engine again with
+  ``num_scheduler_steps=--num-scheduler-steps`` (default 16): the decode steps run in bursts of
+  up to that many steps per program (vLLM v0's multi-step scheduling), so the cost of starting
+  a program is paid once a burst rather than once a step; ``burst_ms_per_step`` its wall time
+  per step;
 * ``host_ms_per_step`` (synchronous run: scheduling, batch building and output processing,
   the device idle meanwhile) against ``device_ms_per_step`` (the engine's jitted step alone on
   a decode batch of B requests, timed with nothing else running) and the async run's
@@ -228,6 +233,7 @@ def measure(
     new_tokens: int,
     repeats: int,
     max_num_batched_tokens: int,
+    num_scheduler_steps: int = 16,
 ) -> dict[str, Any]:
     import jax
     import numpy as np
@@ -250,6 +256,7 @@ def measure(
     t0 = time.perf_counter()
     llms = {mode: LLM("tiny_v41", async_scheduling=mode == "async", **common)
             for mode in ("sync", "async")}  # fmt: skip
+    llms["burst"] = LLM("tiny_v41", num_scheduler_steps=num_scheduler_steps, **common)
     start_up = round(time.perf_counter() - t0, 2)
     params, cfg = llms["async"].engine.runner.params, llms["async"].cfg
     rng = np.random.default_rng(0)
@@ -260,6 +267,7 @@ def measure(
         gen = _generate_rate(params, cfg, prompts, new_tokens, repeats)
         sync = _engine_run(llms["sync"], prompts, sp, repeats)
         asyn = _engine_run(llms["async"], prompts, sp, repeats)
+        burst = _engine_run(llms["burst"], prompts, sp, repeats)
         device, loop = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
         results[f"batch_{b}"] = {
             "batch": b,
@@ -268,6 +276,9 @@ def measure(
             "engine_async_tokens_per_s": round(asyn["tokens_per_s"], 1),
             "engine_over_generate": round(gen / asyn["tokens_per_s"], 3),
             "async_speedup": round(asyn["tokens_per_s"] / sync["tokens_per_s"], 3),
+            "engine_burst_tokens_per_s": round(burst["tokens_per_s"], 1),
+            "burst_over_generate": round(gen / burst["tokens_per_s"], 3),
+            "burst_ms_per_step": round(burst["ms_per_step"], 3),
             "steps": asyn["steps"],
             "host_ms_per_step": round(sync["host_ms_per_step"], 3),
             "device_ms_per_step": round(device, 3),
@@ -276,13 +287,14 @@ def measure(
             "async_ms_per_step": round(asyn["ms_per_step"], 3),
             "ttft_ms": _percentiles(asyn["ttft"]),
             "tpot_ms": _percentiles(asyn["tpot"]),
-            "engine_compilations": sync["compilations"] + asyn["compilations"],
+            "engine_compilations": sum(r["compilations"] for r in (sync, asyn, burst)),
         }
     return {
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
         "cpu_count": os.cpu_count(),
         "token_buckets": list(buckets),
+        "num_scheduler_steps": num_scheduler_steps,
         # both engines built (the second reuses the first one's compiled buckets)
         "start_up_s": start_up,
         "warm_up_s": round(llms["sync"].engine.stats.warm_up_s, 2),
@@ -298,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--num-scheduler-steps", type=int, default=16)
     args = parser.parse_args(argv)
     batches = batch_sizes(parser, args.batches)
     for flag, value in (
@@ -305,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--new-tokens", args.new_tokens),
         ("--repeats", args.repeats),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--num-scheduler-steps", args.num_scheduler_steps),
     ):
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
@@ -322,7 +336,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     out.update(
         measure(
-            batches, args.prompt_len, args.new_tokens, args.repeats, args.max_num_batched_tokens
+            batches,
+            args.prompt_len,
+            args.new_tokens,
+            args.repeats,
+            args.max_num_batched_tokens,
+            args.num_scheduler_steps,
         )
     )
     out["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -96,6 +96,12 @@ def add_commands(sub) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--bounded-replay", action="store_true", help="V4.1 SWA bounded replay")
     g.add_argument("--sync", action="store_true", help="synchronous scheduling")
+    g.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="decode steps run as one program (bursts; async only; default 1)",
+    )
     g.add_argument("--seed", type=int, default=0, help="random weights and sampling")
     g.add_argument("--no-compilation-cache", action="store_true", help="JAX's persistent cache off")
 
@@ -156,6 +162,7 @@ def _check(args: argparse.Namespace) -> None:
         "max_tokens",
         "max_logprobs",
         "data_parallel_size",
+        "num_scheduler_steps",
     ):
         value = getattr(args, flag)
         if value < 1:
@@ -164,6 +171,8 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 2:
             raise _fail("--" + flag.replace("_", "-"), value, "must be >= 2")
+    if args.num_scheduler_steps > 1 and args.sync:
+        raise _fail("--num-scheduler-steps", args.num_scheduler_steps, "must be 1 with --sync")
     if not args.temperature >= 0:
         raise _fail("--temperature", args.temperature, "must be >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
@@ -229,6 +238,7 @@ def _llm(args: argparse.Namespace):
             max_logprobs=args.max_logprobs,
             compilation_cache_dir=None if args.no_compilation_cache else "default",
             data_parallel_size=args.data_parallel_size,
+            num_scheduler_steps=args.num_scheduler_steps,
         )
     except ValueError as exc:  # a checkpoint or engine argument it cannot use
         raise UsageError(str(exc)) from exc
@@ -399,6 +409,7 @@ def _bench(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "kv_cache_dtype": llm.kv_cache_dtype,
         "async_scheduling": not args.sync,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "requests": len(outputs),
         "prompt_tokens": prompt,
         "output_tokens": gen,

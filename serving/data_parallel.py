@@ -312,6 +312,9 @@ class DataParallelRunner:
             and reads its window caches per shard).
     """
 
+    # one step a program: bursts (`ModelRunner.execute_burst`) run on one data shard only
+    num_scheduler_steps = 1
+
     def __init__(
         self,
         params,

@@ -13,6 +13,14 @@ Synchronous scheduling waits for each step before planning the next. Both run th
 scheduler, runner and sampler, and sample each token with a key fixed by the request and the
 token's position, so they produce the same tokens (the tests check it on random workloads).
 
+Bursts (``num_scheduler_steps`` k > 1, vLLM v0's multi-step scheduling, asynchronous only): when
+every running request decodes and none waits, `step` plans up to k steps in a row, each ahead of
+the one before as asynchronous scheduling plans one step ahead, and the runner runs them as one
+program (`ModelRunner.execute_burst`); the next `step` plans the next burst while this one runs,
+then applies its k steps in order. What a program call costs (dispatch, starting the executable)
+is then paid once a burst. A request that stops on a token costs the rest of its burst in
+wasted rows, and a request that arrives waits for the burst in flight.
+
 Speculative decoding (``speculative_config``, `serving.spec_decode`): synchronously, after each
 step the engine asks its proposer for the running requests' drafts (`next_drafts`: n-gram lookup
 on the host, or the DSpark drafts the runner's step made on the device and returned with its
@@ -211,6 +219,7 @@ class Engine:
         prompt_logprobs_on_hits: bool = False,
         mesh: Any = None,
         data_parallel_size: int | None = None,
+        num_scheduler_steps: int = 1,
     ) -> Engine:
         """An engine over ``params``: the cache layout of ``formats`` records (default bf16)
         with ``num_gpu_blocks_override`` blocks or as many as ``kv_cache_memory_bytes`` hold
@@ -302,7 +311,14 @@ class Engine:
         )
         if shards == 1:
             scheduler = one_scheduler()
-            runner = ModelRunner(params, cfg, kv_config, **runner_args)
+            runner = ModelRunner(
+                params, cfg, kv_config, num_scheduler_steps=num_scheduler_steps, **runner_args
+            )
+        elif num_scheduler_steps != 1:
+            raise ValueError(
+                f"num_scheduler_steps={num_scheduler_steps!r} with data_parallel_size={shards}; "
+                "allowed there: 1 (bursts run on one data shard)"
+            )
         else:
             runner = DataParallelRunner(params, cfg, kv_config, num_shards=shards, **runner_args)
             scheduler = DataParallelScheduler([one_scheduler() for _ in range(shards)])
@@ -509,29 +525,38 @@ class Engine:
     # ---------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
-        """Plan and dispatch one step, and apply the oldest step in flight once the loop is
-        full (two steps asynchronously, one synchronously). Returns the outputs of the requests
-        that got new tokens or finished."""
+        """Plan and dispatch one step (with ``num_scheduler_steps`` > 1, a burst of decode
+        steps, `_plan_burst`), and apply every step dispatched before: asynchronously the
+        steps just dispatched stay in flight, synchronously none does. Returns the outputs of
+        the requests that got new tokens or finished."""
         t0 = time.perf_counter()
         outputs, self._ready = self._ready, []
-        dispatched = False
+        dispatched = 0
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             self._note_scheduled(scheduler_output)
             stalled = self.scheduler.stalled_request(scheduler_output, len(self._in_flight))
             if stalled is not None:
                 outputs += self._fail_stalled(stalled)
-            handle = self.runner.execute(scheduler_output)
-            if handle is not None:
-                self._in_flight.append(handle)
-                dispatched = True
-        depth = 2 if self.async_scheduling else 1
+            burst, rest = self._plan_burst(scheduler_output)
+            if len(burst) > 1:
+                handles = self.runner.execute_burst(burst)
+            else:
+                handles = [self.runner.execute(scheduler_output)]
+            if rest is not None:
+                handles.append(self.runner.execute(rest))
+            handles = [h for h in handles if h is not None]
+            self._in_flight.extend(handles)
+            dispatched = len(handles)
+        # apply every step dispatched before this call (asynchronously the steps just
+        # dispatched stay in flight; synchronously nothing does)
+        keep = dispatched if self.async_scheduling else 0
         wait = 0.0
-        if self._in_flight and (len(self._in_flight) >= depth or not dispatched):
+        while len(self._in_flight) > keep:
             handle = self._in_flight.popleft()
             t_wait = time.perf_counter()
             step_output = handle.fetch()
-            wait = time.perf_counter() - t_wait
+            wait += time.perf_counter() - t_wait
             result = self.scheduler.update_from_output(
                 handle.scheduler_output, step_output.sampled_token_ids
             )
@@ -539,8 +564,32 @@ class Engine:
             if self.proposer is not None:
                 self._propose(step_output)
         self._publish_kv_events()
-        self._update_stats(time.perf_counter() - t0, wait)
+        self._update_stats(time.perf_counter() - t0, wait, max(1, dispatched))
         return outputs
+
+    def _plan_burst(self, first) -> tuple[list, Any]:
+        """The steps to dispatch now: ``first`` alone, or with ``num_scheduler_steps`` k > 1
+        and a pure decode ``first`` (`ModelRunner.burst_bucket`) and nobody waiting, up to k
+        such steps planned in a row (each with the steps before it as placeholders, as the
+        asynchronous engine plans one step ahead), run as one program. Planning stops at the
+        first step that is not pure decode or needs a larger bucket; that step (``rest``,
+        else None) is dispatched alone after the burst."""
+        k = self.runner.num_scheduler_steps
+        burst, rest = [first], None
+        if k < 2 or len(self.scheduler.waiting):
+            return burst, rest
+        t = self.runner.burst_bucket(first)
+        if t is None:
+            return burst, rest
+        while len(burst) < k and self.scheduler.has_unfinished_requests():
+            nxt = self.scheduler.schedule()
+            self._note_scheduled(nxt)
+            t_next = self.runner.burst_bucket(nxt)
+            if t_next is None or t_next > t:
+                rest = nxt
+                break
+            burst.append(nxt)
+        return burst, rest
 
     def _fail_stalled(self, request) -> list[RequestOutput]:
         """Finish a request an idle pool cannot admit (`Scheduler.stalled_request`) with
@@ -766,9 +815,9 @@ class Engine:
                 else:
                     callback(events, rank)
 
-    def _update_stats(self, elapsed: float, wait: float) -> None:
+    def _update_stats(self, elapsed: float, wait: float, steps: int = 1) -> None:
         st = self.stats
-        st.num_steps += 1
+        st.num_steps += steps
         st.elapsed_s += elapsed
         st.wait_s += wait
         st.host_s += elapsed - wait

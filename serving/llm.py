@@ -143,6 +143,15 @@ class LLM:
             step in lockstep in one program. None: the mesh's ``data`` axis (1 without a
             mesh); else a multiple of it (several shards per data group of devices, or D
             shards on one device without a mesh).
+        num_scheduler_steps: k > 1 runs up to k decode steps as one program (vLLM v0's
+            multi-step scheduling): when every running request decodes and none waits, the
+            engine plans k steps in a row (each planned ahead of the one before, as
+            asynchronous scheduling plans one step ahead) and the device runs them back to
+            back, each feeding its tokens to the next; the host learns them afterwards, in
+            order. Outputs are those of k = 1 token for token; a request that stops inside a
+            burst costs the rest of the burst's steps, and a request that arrives waits for
+            the burst to end. Needs async_scheduling, and no speculative decoding, Engram
+            model or data parallelism. Default 1.
 
     Raises:
         ValueError: any argument out of range, naming it and what is allowed.
@@ -179,6 +188,7 @@ class LLM:
         speculative_config: dict | None = None,
         mesh: Any = None,
         data_parallel_size: int | None = None,
+        num_scheduler_steps: int = 1,
     ) -> None:
         if speculative_config is not None:  # checked before any weights are loaded
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -232,6 +242,7 @@ class LLM:
             speculative_config=speculative_config,
             mesh=mesh,
             data_parallel_size=data_parallel_size,
+            num_scheduler_steps=num_scheduler_steps,
         )
         self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = max_model_len
@@ -432,6 +443,13 @@ def _check_args(args: Mapping[str, Any]) -> None:
         raise _fail("pool_layout", args["pool_layout"], "'aliased' or 'separate'")
     if isinstance(args["seed"], bool) or not isinstance(args["seed"], int):
         raise _fail("seed", args["seed"], "an int")
+    steps = args["num_scheduler_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise _fail("num_scheduler_steps", steps, "an int >= 1")
+    if steps > 1 and not args["async_scheduling"]:
+        raise _fail("num_scheduler_steps", steps, "1 with async_scheduling=False")
+    if steps > 1 and args["speculative_config"] is not None:
+        raise _fail("num_scheduler_steps", steps, "1 with a speculative_config")
     model = args["model"]
     if not isinstance(model, str) or not (
         model in _PRESETS or model in SHIPPED or os.path.isdir(model)

@@ -49,6 +49,14 @@ rounded up to a bucket: a long ``max_model_len`` then does not make every step d
 address the pages of the longest possible request. `warm_up` compiles every (T, W) pair (and
 the few small helpers the loop uses); afterwards the loop compiles nothing (the engine's tests
 count compilations).
+
+Bursts (``num_scheduler_steps`` k > 1): `execute_burst` takes up to k pure decode steps that the
+scheduler planned in a row, builds each step's inputs as `execute` would (in order, so that each
+is planned after the one before it), widens their block tables to the widest and stacks them;
+`_engine_burst` runs `_engine_step` on them one after the other in one program, the pools,
+sampler state and slots carried, each step's tokens fed to the next from ``slots.last``. Its
+loop runs as many steps as were planned, so one compilation per decode bucket (T up to
+``max_num_seqs``) and width serves every burst length; `warm_up` compiles those too.
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ __all__ = [
     "SpecBatch",
     "StepHandle",
     "StepOutput",
+    "check_num_scheduler_steps",
     "default_table_buckets",
     "default_token_buckets",
     "rows_for",
@@ -172,23 +181,47 @@ class StepOutput:
     draft_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
-class StepHandle:
-    """A dispatched step: its device results, fetched on demand (`fetch` blocks)."""
+class _Burst:
+    """The stacked device results of the k steps of a burst (`ModelRunner.execute_burst`),
+    copied to the host once, when the first of its steps is fetched."""
 
-    def __init__(self, runner: ModelRunner, output: SchedulerOutput, rows, device_out) -> None:
+    def __init__(self, device_sampled) -> None:
+        self._device = device_sampled
+        self._host = None
+
+    def step(self, i: int):
+        if self._host is None:
+            self._host = jax.device_get(self._device)
+            self._device = None
+        return jax.tree.map(lambda x: x[i], self._host)
+
+
+class StepHandle:
+    """A dispatched step: its device results, fetched on demand (`fetch` blocks). A step of a
+    burst holds the burst and its index in it (``part``)."""
+
+    def __init__(
+        self, runner: ModelRunner, output: SchedulerOutput, rows, device_out, part=None
+    ) -> None:
         self.scheduler_output = output
         self._runner = runner
         self._rows: list[_Row] = rows
         self._device_out = device_out
+        self._part: tuple[_Burst, int] | None = part
         self._host: StepOutput | None = None
 
     def fetch(self) -> StepOutput:
         """Wait for the step, copy its small results to the host and let the runner learn its
-        tokens (idempotent). Prompt logprobs travel only when a row asked for them."""
+        tokens (idempotent; the steps of a burst are fetched in order). Prompt logprobs travel
+        only when a row asked for them (never in a burst)."""
         if self._host is None:
-            sampled, plp = self._device_out
-            wants_plp = any(row.prompt_logprobs for row in self._rows)
-            host = jax.device_get((sampled, plp) if wants_plp else (sampled, None))
+            if self._part is not None:
+                burst, i = self._part
+                host = (burst.step(i), None)
+            else:
+                sampled, plp = self._device_out
+                wants_plp = any(row.prompt_logprobs for row in self._rows)
+                host = jax.device_get((sampled, plp) if wants_plp else (sampled, None))
             self._host = self._runner._collect(self._rows, host)
         return self._host
 
@@ -219,6 +252,9 @@ class ModelRunner:
         plans_ahead: steps are scheduled while the step before is still in flight
             (asynchronous scheduling): with drafts, a row may be planned past drafts in flight
             and the device moves it back (`_move_back`). False compiles the step without that.
+        num_scheduler_steps: k > 1 runs up to k pure decode steps planned in a row as one
+            program (`execute_burst`; vLLM v0's multi-step scheduling): needs
+            ``plans_ahead``, and no drafts nor Engram (`check_num_scheduler_steps`).
         device_state: False builds the host half only (no params placed, no pools, sampler
             state or slots on the device): one data shard of a
             `serving.data_parallel.DataParallelRunner`, which owns the stacked device state.
@@ -248,6 +284,7 @@ class ModelRunner:
         mesh: Any = None,
         plans_ahead: bool = False,
         device_state: bool = True,
+        num_scheduler_steps: int = 1,
     ) -> None:
         if drafter and not 1 <= num_speculative_tokens <= cfg.dspark_block_size:
             raise ValueError(
@@ -282,6 +319,12 @@ class ModelRunner:
         self.num_spec = num_speculative_tokens
         self.drafter = drafter
         self.plans_ahead = plans_ahead
+        self.num_scheduler_steps = check_num_scheduler_steps(
+            num_scheduler_steps,
+            plans_ahead=plans_ahead,
+            num_speculative_tokens=num_speculative_tokens,
+            engram_lookback=cfg.engram_lookback,
+        )
         self._groups = group_infos(kv_cache_config)
         self._static = dict(
             cfg=cfg,
@@ -386,6 +429,74 @@ class ModelRunner:
         t = bucket(output.total_num_scheduled_tokens, self.token_buckets)
         batch, *inputs = self.step_inputs(plan, t)
         return StepHandle(self, output, plan.rows, self.dispatch(batch, *inputs))
+
+    def burst_bucket(self, output: SchedulerOutput) -> int | None:
+        """The token bucket of ``output`` if it can run in a burst (`execute_burst`), else
+        None: a pure decode step (every scheduled request samples its one next token; none is
+        new, resumed or verifies drafts)."""
+        n = output.total_num_scheduled_tokens
+        if (
+            self.num_scheduler_steps < 2
+            or not n
+            or output.scheduled_new_reqs
+            or output.preempted_req_ids
+            or output.scheduled_spec_decode_tokens
+            or len(output.num_scheduled_tokens) != n
+            or len(output.sampling_req_ids) != n
+            or n > self.max_num_seqs
+        ):
+            return None
+        return bucket(n, self.token_buckets)
+
+    def execute_burst(self, outputs: Sequence[SchedulerOutput]) -> list[StepHandle]:
+        """Dispatch several scheduled steps, planned in a row, as one program: each a pure
+        decode step (`burst_bucket`) of at most the first one's bucket. The device runs them in
+        order (`_engine_burst`), each step's tokens feeding the next as they feed an
+        asynchronously planned step; each step's results are those `execute` gives it."""
+        t = self.burst_bucket(outputs[0])
+        if t is None or any((self.burst_bucket(o) or t + 1) > t for o in outputs):
+            raise ValueError(
+                "a burst takes pure decode steps (each request samples its one next token) of "
+                "at most its first step's token bucket"
+            )
+        if len(outputs) > self.num_scheduler_steps:
+            raise ValueError(
+                f"a burst of {len(outputs)} steps; allowed: at most "
+                f"num_scheduler_steps={self.num_scheduler_steps}"
+            )
+        plans = [self.plan(o) for o in outputs]
+        steps = [self.step_inputs(plan, t) for plan in plans]
+        # one table width per group for the whole burst: the widest (zero columns are null)
+        widths = [max(w) for w in zip(*(s[0].table_widths() for s in steps), strict=True)]
+        steps = [(_widen_tables(batch, widths), *rest) for batch, *rest in steps]
+        # always k steps' inputs (one compilation per bucket); the device runs the first n
+        n = len(steps)
+        steps += [steps[-1]] * (self.num_scheduler_steps - n)
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *steps)
+        sampled = self.dispatch_burst(*stacked, np.int32(n))
+        burst = _Burst(sampled)
+        return [
+            StepHandle(self, output, plan.rows, None, (burst, i))
+            for i, (output, plan) in enumerate(zip(outputs, plans, strict=True))
+        ]
+
+    def dispatch_burst(self, batches: StepBatch, feeds, samplings, plp_targets, num_steps):
+        """Run `_engine_burst` on k stacked steps' inputs (every leaf [k, ...]), the first
+        ``num_steps`` of them; returns the stacked sampled results without waiting."""
+        with self._on_mesh():
+            out, self.pools, self.sampler_state, self.slots = _engine_burst(
+                self.params,
+                self.pools,
+                self.sampler_state,
+                self.slots,
+                batches,
+                feeds,
+                samplings,
+                plp_targets,
+                num_steps,
+                **self._static,
+            )
+        return out
 
     def plan(self, output: SchedulerOutput) -> _Plan | None:
         """The host's part of a step before its size is fixed: the runner's requests updated
@@ -613,10 +724,19 @@ class ModelRunner:
         widths = table_width_buckets(
             self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
         )
-        pairs = [(t, w) for t in self.token_buckets for w in widths]
+        pairs = [(t, w, 1) for t in self.token_buckets for w in widths]
+        k = self.num_scheduler_steps
+        if k > 1:  # the buckets a pure decode step can have, as bursts of k
+            decode = {bucket(n, self.token_buckets) for n in range(1, self.max_num_seqs + 1)}
+            pairs += [(t, w, k) for t in sorted(decode) for w in widths]
         bar = tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress)
-        for t, w in bar:
-            jax.block_until_ready(self.dispatch(*self.padding_inputs(t, w)))
+        for t, w, steps in bar:
+            inputs = self.padding_inputs(t, w)
+            if steps == 1:
+                jax.block_until_ready(self.dispatch(*inputs))
+            else:
+                stacked = jax.tree.map(lambda x, n=steps: np.stack([x] * n), inputs)
+                jax.block_until_ready(self.dispatch_burst(*stacked, np.int32(steps)))
 
     def padding_inputs(self, num_tokens: int, table_widths):
         """`dispatch`'s inputs for a step of padding only (T = ``num_tokens``, R = `rows_for`
@@ -640,6 +760,40 @@ class ModelRunner:
     @property
     def num_free_slots(self) -> int:
         return self.inputs.num_free_slots
+
+
+def check_num_scheduler_steps(
+    num_scheduler_steps, *, plans_ahead: bool, num_speculative_tokens: int, engram_lookback: int
+) -> int:
+    """``num_scheduler_steps`` if it is an int >= 1 that this runner can run, else a ValueError
+    naming it. Bursts of k > 1 steps are planned ahead (asynchronous scheduling). They are not
+    built for speculative decoding (a step's drafts depend on the step before it) nor for
+    Engram (a step's look-back must be host-known, and a burst's tokens are on the device)."""
+    if isinstance(num_scheduler_steps, bool) or not isinstance(num_scheduler_steps, int):
+        raise ValueError(f"num_scheduler_steps={num_scheduler_steps!r}; allowed: an int >= 1")
+    if num_scheduler_steps < 1:
+        raise ValueError(f"num_scheduler_steps={num_scheduler_steps}; allowed: an int >= 1")
+    if num_scheduler_steps > 1:
+        why = None
+        if not plans_ahead:
+            why = "needs async_scheduling=True (the burst's steps are planned ahead)"
+        elif num_speculative_tokens:
+            why = "does not run with speculative decoding"
+        elif engram_lookback:
+            why = "does not run with an Engram model (its look-back is read on the host)"
+        if why is not None:
+            raise ValueError(f"num_scheduler_steps={num_scheduler_steps} {why}; allowed there: 1")
+    return num_scheduler_steps
+
+
+def _widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
+    """``batch`` with each group's block table widened to ``widths`` by null columns (the
+    step addresses no column past a row's blocks, so the results do not change)."""
+    tables = tuple(
+        np.pad(np.asarray(t), ((0, 0), (0, w - t.shape[1])))
+        for t, w in zip(batch.block_tables, widths, strict=True)
+    )
+    return dataclasses.replace(batch, block_tables=tables)
 
 
 def check_mesh(mesh):
@@ -864,6 +1018,64 @@ def _engine_step(
         num_spec=num_spec, num_logprobs=num_logprobs,
     )  # fmt: skip
     return result, pools, sampler_state, slots
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(*_STATIC, "drafter"),
+    donate_argnames=("pools", "sampler_state", "slots"),
+)
+def _engine_burst(
+    params,
+    pools,
+    sampler_state: S.SamplerState,
+    slots: SlotState,
+    batches: StepBatch,  # k steps' batches, every leaf [k, ...] (the same buckets)
+    feeds: jax.Array,  # i32[k, T]
+    samplings,  # S.SamplingBatch, every leaf [k, ...]
+    plp_targets: jax.Array,  # i32[k, T]
+    num_steps: jax.Array,  # i32[] the steps to run, 1..k (the first num_steps of the k)
+    *,
+    cfg: ModelConfig,
+    layout,
+    num_logprobs: int,
+    impl,
+    interpret,
+    num_spec: int = 0,
+    drafter: bool = False,
+    groups=(),
+    plans_ahead: bool = False,
+):
+    """Up to k engine steps in one program (`ModelRunner.execute_burst`): `_engine_step` on
+    the first ``num_steps`` steps' inputs in turn, the pools, sampler state and slots carried
+    from one to the next, so that a step's device-fed tokens are those the step before it
+    sampled. One compilation serves every burst length. Returns the steps' packed results
+    stacked ([k, ...], zeros past ``num_steps``; no prompt logprobs: a burst decodes) and the
+    state after the last step."""
+
+    static = dict(cfg=cfg, layout=layout, num_logprobs=num_logprobs, impl=impl,
+                  interpret=interpret, num_spec=num_spec, drafter=drafter, groups=groups,
+                  plans_ahead=plans_ahead)  # fmt: skip
+
+    inputs = (batches, feeds, samplings, plp_targets)
+
+    def one(i, state):
+        step_inputs = jax.tree.map(lambda x: x[i], inputs)
+        out, *state = _engine_step.__wrapped__(params, *state, *step_inputs, **static)
+        return out[0], tuple(state)
+
+    def body(i, carry):
+        state, stacked = carry
+        sampled, state = one(i, state)
+        stacked = jax.tree.map(lambda acc, x: acc.at[i].set(x), stacked, sampled)
+        return state, stacked
+
+    state = (pools, sampler_state, slots)
+    shapes, _ = jax.eval_shape(one, 0, state)
+    stacked = jax.tree.map(lambda x: jnp.zeros((feeds.shape[0], *x.shape), x.dtype), shapes)
+    # a loop of num_steps iterations: a burst shorter than k runs no step of padding
+    state, stacked = jax.lax.fori_loop(0, num_steps, body, (state, stacked))
+    return stacked, *state
 
 
 @functools.partial(

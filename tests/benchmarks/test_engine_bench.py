@@ -33,27 +33,39 @@ def test_json_line(monkeypatch, capsys):
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(
         perf_counter=lambda: time.perf_counter() + virtual[0]))  # fmt: skip
     argv = ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
-            "--max-num-batched-tokens", "8"]  # fmt: skip
+            "--max-num-batched-tokens", "8", "--num-scheduler-steps", "2"]  # fmt: skip
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["benchmark"] == "engine" and out["token_buckets"] == [8]
+    assert out["num_scheduler_steps"] == 2
     for b in (1, 2):
         r = out["results"][f"batch_{b}"]
         gen = b * 4 / (STEP_S * 4)
         assert r["generate_tokens_per_s"] == pytest.approx(gen, rel=0.2)
         for key in ("engine_sync_tokens_per_s", "engine_async_tokens_per_s",
+                    "engine_burst_tokens_per_s", "burst_ms_per_step",
                     "host_ms_per_step", "device_ms_per_step", "async_ms_per_step"):  # fmt: skip
             assert r[key] > 0, key
         assert r["loop_ms_per_step"] > 0
         assert r["engine_over_generate"] == pytest.approx(
             r["generate_tokens_per_s"] / r["engine_async_tokens_per_s"], rel=1e-2
         )
+        assert r["burst_over_generate"] == pytest.approx(
+            r["generate_tokens_per_s"] / r["engine_burst_tokens_per_s"], rel=1e-2
+        )
         assert set(r["ttft_ms"]) == {"p50", "p90", "p99"}
         assert r["engine_compilations"] == 0
 
 
 @pytest.mark.parametrize(
-    "argv", [["--batches", "0"], ["--batches", "x"], ["--repeats", "0"], ["--new-tokens", "600"]]
+    "argv",
+    [
+        ["--batches", "0"],
+        ["--batches", "x"],
+        ["--repeats", "0"],
+        ["--new-tokens", "600"],
+        ["--num-scheduler-steps", "0"],
+    ],
 )
 def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -79,6 +79,11 @@ def test_bench_prints_one_json_line(capsys):
     assert result["output_tokens_per_s"] > 0 and result["prefix_cache_hit_rate"] > 0
     assert set(result["ttft_ms"]) == {"p50", "p90", "p99"}
     assert result["compilations_after_warm_up"] == 0
+    # decode steps in bursts of up to 4: the same tokens
+    assert main([*argv, "--num-scheduler-steps", "4"]) == 0
+    burst = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert burst["num_scheduler_steps"] == 4 and burst["output_tokens"] == 24
+    assert burst["compilations_after_warm_up"] == 0
     # two data shards (each its own scheduler and KV cache) serve the same workload
     assert main([*argv, "--data-parallel-size", "2"]) == 0
     shards = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -147,6 +152,8 @@ def test_generate_from_a_checkpoint_with_its_tokenizer(capsys, tiny_checkpoint):
         (["--max-model-len", "1"], "--max-model-len 1: must be >= 2"),
         (["--num-gpu-blocks", "0"], "--num-gpu-blocks 0: must be >= 2"),
         (["--data-parallel-size", "0"], "--data-parallel-size 0: must be >= 1"),
+        (["--num-scheduler-steps", "0"], "--num-scheduler-steps 0: must be >= 1"),
+        (["--num-scheduler-steps", "4", "--sync"], "--num-scheduler-steps 4: must be 1 with"),
         (["--token-buckets", "8,x"], "--token-buckets '8,x': comma-separated ints"),
         (["--token-buckets", "8,16"], "--token-buckets '8,16': positive sizes, the largest"),
         (["--model", "/nonexistent/ckpt"], "--model '/nonexistent/ckpt': not a preset"),

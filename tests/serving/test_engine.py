@@ -38,6 +38,7 @@ def _tokens(finals):
         (True, "aliased", 9, 1),
         (True, "aliased", 4, 1),
         (False, "separate", 13, 4),
+        (4, "aliased", 32, 2),  # bursts of up to 4 decode steps (num_scheduler_steps=4)
     ],
 )
 def test_greedy_equals_dsv4_generate(
@@ -46,9 +47,10 @@ def test_greedy_equals_dsv4_generate(
     engine = make_engine(
         tiny_params,
         tiny_cfg,
-        async_scheduling=async_scheduling,
+        async_scheduling=bool(async_scheduling),
         pool_layout=pool_layout,
         max_num_batched_tokens=budget,
+        num_scheduler_steps=async_scheduling if async_scheduling > 1 else 1,
     )
     arrivals = workload(tiny_cfg, seed)
     before = compilation_count()
@@ -127,6 +129,58 @@ def test_async_equals_sync_sampling_stops_aborts(tiny_params, tiny_cfg, seed):
     assert {"stop", "length"} <= {v[1] for v in sync.values()}
     for running in (sync_running, async_running):
         assert 0 in running[20:] and 1 in running and 3 in running
+
+
+def test_bursts_equal_one_step_at_a_time(tiny_params, tiny_cfg, monkeypatch):
+    """num_scheduler_steps=4 against the asynchronous engine that runs one step a program:
+    the same workload as above (every sampling kind, stop tokens, logprobs, aborts in flight,
+    the batch draining to 0, 1 and 3) gives the same tokens, logprobs (bit for bit), finish
+    and stop reasons; bursts ran; the pool is whole and nothing compiled after warm-up."""
+    from serving.runner import ModelRunner
+
+    k = 4
+    bursts = []
+    execute_burst = ModelRunner.execute_burst
+
+    def counted(self, outputs):
+        bursts.append(len(outputs))
+        return execute_burst(self, outputs)
+
+    monkeypatch.setattr(ModelRunner, "execute_burst", counted)
+    arrivals = _mixed_workload(tiny_cfg, 0)
+    late = [
+        Arrival(40, "late0", arrivals[0].prompt, arrivals[0].params),
+        Arrival(41, "late1", arrivals[1].prompt, arrivals[1].params),
+        Arrival(41, "late2", arrivals[2].prompt, arrivals[2].params),
+        # alone in an idle engine: its last burst is cut short by its max_tokens
+        Arrival(150, "lone", arrivals[3].prompt, SamplingParams(max_tokens=7, ignore_eos=True)),
+    ]
+    early = [a for a in arrivals if a.step <= 6][:2]
+    aborts = {a.step + 3 + i: a.request_id for i, a in enumerate(early)}
+    results = []
+    for steps in (1, k):
+        engine = make_engine(
+            tiny_params, tiny_cfg, max_num_batched_tokens=16, num_scheduler_steps=steps
+        )
+        assert engine.runner.num_scheduler_steps == steps
+        before = compilation_count()
+        finals, running = drive(engine, arrivals + late, aborts=aborts)
+        assert compilation_count() == before
+        assert_pool_is_whole(engine)
+        results.append(({r: _completion(o) for r, o in finals.items()}, running))
+    (one, _), (burst, burst_running) = results
+    assert bursts.count(k) > 5 and all(2 <= n <= k for n in bursts) and min(bursts) < k, bursts
+    assert one.keys() == burst.keys()
+    for request_id in one.keys() - aborts.values():
+        assert burst[request_id] == one[request_id], request_id
+    for request_id in aborts.values():
+        # an abort cuts a request where the host has seen it: up to a burst earlier or later
+        (o_tokens, o_reason, *_), (b_tokens, b_reason, *_) = one[request_id], burst[request_id]
+        assert o_reason == b_reason == "abort"
+        short, long = sorted((o_tokens, b_tokens), key=len)
+        assert long[: len(short)] == short and len(long) - len(short) <= k
+    assert {"stop", "length"} <= {v[1] for v in one.values()}
+    assert 0 in burst_running[10:] and 1 in burst_running and 3 in burst_running
 
 
 def test_seeded_request_gives_the_same_tokens_whatever_else_runs(tiny_params, tiny_cfg):

@@ -240,3 +240,5 @@ def test_bad_data_parallel_sizes():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="data_parallel_size"):
             LLM("tiny_v41", data_parallel_size=bad, warm_up=False)
+    with pytest.raises(ValueError, match="num_scheduler_steps=2 with data_parallel_size=2"):
+        LLM("tiny_v41", data_parallel_size=2, num_scheduler_steps=2, warm_up=False)

@@ -247,6 +247,16 @@ def test_llm_arguments_are_checked():
         (dict(max_model_len=10_000), "max_model_len=10000"),
         (dict(model="no/such/dir"), "model='no/such/dir'"),
         (dict(pool_layout="dense"), "pool_layout='dense'"),
+        (dict(num_scheduler_steps=0), "num_scheduler_steps=0"),
+        (dict(num_scheduler_steps=2.0), "num_scheduler_steps=2.0"),
+        (dict(num_scheduler_steps=4, async_scheduling=False), "num_scheduler_steps=4 .*async"),
+        (
+            dict(
+                num_scheduler_steps=4,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            ),
+            "num_scheduler_steps=4 .*speculative",
+        ),
     ]:
         with pytest.raises(ValueError, match=message):
             LLM(**{"model": "tiny_v41", "warm_up": False, **LLM_ARGS, **kwargs})
