@@ -789,6 +789,8 @@ def check_num_scheduler_steps(
 def _widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
     """``batch`` with each group's block table widened to ``widths`` by null columns (the
     step addresses no column past a row's blocks, so the results do not change)."""
+    if batch.table_widths() == tuple(widths):
+        return batch
     tables = tuple(
         np.pad(np.asarray(t), ((0, 0), (0, w - t.shape[1])))
         for t, w in zip(batch.block_tables, widths, strict=True)

@@ -202,17 +202,40 @@ def test_seeded_request_gives_the_same_tokens_whatever_else_runs(tiny_params, ti
     assert_pool_is_whole(engine)
 
 
-def test_trimmed_block_tables(tiny_params, tiny_cfg):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_trimmed_block_tables(tiny_params, tiny_cfg, steps, monkeypatch):
     """Table widths bucketed by the step's longest request (what long max_model_len uses by
-    default): the warm-up compiles every width pair, the tokens stay dsv4.generate's."""
-    engine = make_engine(tiny_params, tiny_cfg, table_buckets=(4,), max_num_batched_tokens=13)
+    default): the warm-up compiles every width pair, the tokens stay dsv4.generate's. In
+    bursts (``steps`` 4) a step whose tables are narrower than another step's of the same
+    burst has them widened by null columns (some burst does)."""
+    from serving import runner as runner_module
+
+    widened = []
+    widen = runner_module._widen_tables
+
+    def spy(batch, widths):
+        widened.append(batch.table_widths() != tuple(widths))
+        return widen(batch, widths)
+
+    monkeypatch.setattr(runner_module, "_widen_tables", spy)
+    engine = make_engine(
+        tiny_params,
+        tiny_cfg,
+        table_buckets=(4,),
+        max_num_batched_tokens=13,
+        num_scheduler_steps=steps,
+    )
     assert engine.runner.table_buckets == (4,)
-    arrivals = workload(tiny_cfg, 4)
+    # last, alone: a request that decodes past 64 tokens (4 blocks of 16) inside a burst
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    lone = Arrival(150, "lone", tuple(range(3, 62)), greedy)
+    arrivals = [*workload(tiny_cfg, 4), lone]
     before = compilation_count()
     finals, _ = drive(engine, arrivals)
     assert compilation_count() == before
     assert _tokens(finals) == reference_tokens(tiny_params, tiny_cfg, arrivals)
     assert_pool_is_whole(engine)
+    assert any(widened) == (steps > 1)
 
 
 def test_engram_model_greedy_equals_dsv4_generate(engram_params, engram_cfg):
