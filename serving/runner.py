@@ -1037,16 +1037,7 @@ def _engine_burst(
     samplings,  # S.SamplingBatch, every leaf [k, ...]
     plp_targets: jax.Array,  # i32[k, T]
     num_steps: jax.Array,  # i32[] the steps to run, 1..k (the first num_steps of the k)
-    *,
-    cfg: ModelConfig,
-    layout,
-    num_logprobs: int,
-    impl,
-    interpret,
-    num_spec: int = 0,
-    drafter: bool = False,
-    groups=(),
-    plans_ahead: bool = False,
+    **static,  # `_engine_step`'s static arguments
 ):
     """Up to k engine steps in one program (`ModelRunner.execute_burst`): `_engine_step` on
     the first ``num_steps`` steps' inputs in turn, the pools, sampler state and slots carried
@@ -1054,11 +1045,6 @@ def _engine_burst(
     sampled. One compilation serves every burst length. Returns the steps' packed results
     stacked ([k, ...], zeros past ``num_steps``; no prompt logprobs: a burst decodes) and the
     state after the last step."""
-
-    static = dict(cfg=cfg, layout=layout, num_logprobs=num_logprobs, impl=impl,
-                  interpret=interpret, num_spec=num_spec, drafter=drafter, groups=groups,
-                  plans_ahead=plans_ahead)  # fmt: skip
-
     inputs = (batches, feeds, samplings, plp_targets)
 
     def one(i, state):

@@ -95,6 +95,24 @@ def _completion(out):
     return (c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob, repr(c.logprobs))
 
 
+def _run(params, cfg, arrivals, aborts, async_scheduling, num_scheduler_steps=1):
+    """Each request's completion (`_completion`) and the running counts after each step, of
+    an engine with a 16-token budget; checks that nothing compiled and the pool is whole."""
+    engine = make_engine(
+        params,
+        cfg,
+        async_scheduling=async_scheduling,
+        max_num_batched_tokens=16,
+        num_scheduler_steps=num_scheduler_steps,
+    )
+    assert engine.runner.num_scheduler_steps == num_scheduler_steps
+    before = compilation_count()
+    finals, running = drive(engine, arrivals, aborts=aborts)
+    assert compilation_count() == before
+    assert_pool_is_whole(engine)
+    return {r: _completion(o) for r, o in finals.items()}, running
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_async_equals_sync_sampling_stops_aborts(tiny_params, tiny_cfg, seed):
     """Tokens, logprobs (bit for bit), finish and stop reasons; an abort lands while the
@@ -107,17 +125,8 @@ def test_async_equals_sync_sampling_stops_aborts(tiny_params, tiny_cfg, seed):
     ]
     early = [a for a in arrivals if a.step <= 6][:2]
     aborts = {a.step + 3 + i: a.request_id for i, a in enumerate(early)}
-    results = []
-    for async_scheduling in (False, True):
-        engine = make_engine(
-            tiny_params, tiny_cfg, async_scheduling=async_scheduling, max_num_batched_tokens=16
-        )
-        before = compilation_count()
-        finals, running = drive(engine, arrivals + late, aborts=aborts)
-        assert compilation_count() == before
-        assert_pool_is_whole(engine)
-        results.append(({r: _completion(o) for r, o in finals.items()}, running))
-    (sync, sync_running), (asyn, async_running) = results
+    sync, sync_running = _run(tiny_params, tiny_cfg, arrivals + late, aborts, False)
+    asyn, async_running = _run(tiny_params, tiny_cfg, arrivals + late, aborts, True)
     assert sync.keys() == asyn.keys()
     for request_id in sync.keys() - aborts.values():
         assert asyn[request_id] == sync[request_id], request_id
@@ -157,18 +166,8 @@ def test_bursts_equal_one_step_at_a_time(tiny_params, tiny_cfg, monkeypatch):
     ]
     early = [a for a in arrivals if a.step <= 6][:2]
     aborts = {a.step + 3 + i: a.request_id for i, a in enumerate(early)}
-    results = []
-    for steps in (1, k):
-        engine = make_engine(
-            tiny_params, tiny_cfg, max_num_batched_tokens=16, num_scheduler_steps=steps
-        )
-        assert engine.runner.num_scheduler_steps == steps
-        before = compilation_count()
-        finals, running = drive(engine, arrivals + late, aborts=aborts)
-        assert compilation_count() == before
-        assert_pool_is_whole(engine)
-        results.append(({r: _completion(o) for r, o in finals.items()}, running))
-    (one, _), (burst, burst_running) = results
+    one, _ = _run(tiny_params, tiny_cfg, arrivals + late, aborts, True)
+    burst, burst_running = _run(tiny_params, tiny_cfg, arrivals + late, aborts, True, k)
     assert bursts.count(k) > 5 and all(2 <= n <= k for n in bursts) and min(bursts) < k, bursts
     assert one.keys() == burst.keys()
     for request_id in one.keys() - aborts.values():
