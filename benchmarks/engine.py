@@ -27,9 +27,10 @@ one process (best of ``--repeats`` warm runs each):
   a decode batch of B requests, timed with nothing else running) and the async run's
   ``async_ms_per_step`` (wall time per step: when async scheduling hides the host work, this is
   close to the device time rather than to host + device);
-* ``loop_ms_per_step``: that same step run 16 times inside ONE jitted program (a
-  ``lax.while_loop`` over the step, pools and slot state carried, the batch tied to the
-  iteration so nothing computed from it leaves the loop), per step: ``(t(16) - t(1)) / 15``.
+* ``loop_ms_per_step``: that same step run 16 times inside ONE jitted program (the runner's
+  burst program, `ModelRunner.dispatch_burst`, on 16 copies of the batch: pools and slot state
+  carried, each iteration reading its own copy so nothing computed from it leaves the loop),
+  per step: ``(t(16) - t(1)) / 15``.
   It is the step's work without what every call of a program costs (dispatching the
   executable, starting it, work on the weights alone that a loop does once). ``generate``
   runs all its steps in one program; the engine calls one program a step, so
@@ -196,32 +197,21 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> tuple
 
 def _loop_ms_per_step(runner, args, repeats: int, steps: int = 16) -> float:
     """Milliseconds a step of the engine's jitted step costs inside one program that runs it
-    ``steps`` times (see the module docstring), the runner's pools and slot state carried
-    through and handed back."""
-    import functools
-
+    ``steps`` times: the runner's burst program (`ModelRunner.dispatch_burst`) on ``steps``
+    copies of the step's inputs, run for ``steps`` steps and for 1 (its trip count is an
+    argument: one program for both), the runner's pools and slot state carried through."""
     import jax
+    import numpy as np
 
-    from serving.runner import _engine_step
-
-    body_fn = functools.partial(_engine_step.__wrapped__, **runner._static)
-
-    @functools.partial(jax.jit, donate_argnums=(2, 3, 4))
-    def run(n, params, pools, sampler_state, slots, inputs):
-        def body(i, state):
-            # the barrier makes the inputs depend on the iteration: the work on them stays in
-            # the loop, as it would for a step of its own
-            _, (batch, feed, sampling) = jax.lax.optimization_barrier((i, inputs))
-            _, *state = body_fn(params, *state, batch, feed, sampling, feed)
-            return tuple(state)
-
-        return jax.lax.fori_loop(0, n, body, (pools, sampler_state, slots))
+    batch, feed, sampling = args
+    stacked = jax.tree.map(
+        lambda x: np.stack([np.asarray(x)] * steps), (batch, feed, sampling, feed)
+    )
 
     def call(n):
-        state = run(n, runner.params, runner.pools, runner.sampler_state, runner.slots, args)
-        runner.pools, runner.sampler_state, runner.slots = jax.block_until_ready(state)
+        jax.block_until_ready(runner.dispatch_burst(*stacked, np.int32(n)))
 
-    call(1)  # compile (the trip count is an argument: one program for every n)
+    call(1)  # compile
     one, _ = _best(lambda: call(1), 3 * repeats)
     many, _ = _best(lambda: call(steps), 3 * repeats)
     return 1000 * max(many - one, 0.0) / (steps - 1)

@@ -443,7 +443,6 @@ class ModelRunner:
             or output.scheduled_spec_decode_tokens
             or len(output.num_scheduled_tokens) != n
             or len(output.sampling_req_ids) != n
-            or n > self.max_num_seqs
         ):
             return None
         return bucket(n, self.token_buckets)
@@ -454,7 +453,8 @@ class ModelRunner:
         order (`_engine_burst`), each step's tokens feeding the next as they feed an
         asynchronously planned step; each step's results are those `execute` gives it."""
         t = self.burst_bucket(outputs[0])
-        if t is None or any((self.burst_bucket(o) or t + 1) > t for o in outputs):
+        buckets = [self.burst_bucket(o) for o in outputs]
+        if t is None or None in buckets or max(buckets) > t:
             raise ValueError(
                 "a burst takes pure decode steps (each request samples its one next token) of "
                 "at most its first step's token bucket"
