@@ -27,6 +27,11 @@ It prints ONE JSON line. For every batch size B (seeded random weights, fp32, ra
   ``generate`` step at the smallest. When that is above 2, the matmuls alone already cost more
   than twice a whole small-batch step: a batched step cannot get under 2x on this machine
   however cheap everything else becomes;
+* ``rest.ms_per_step[B]``: the ``generate`` decode step with every matrix product replaced by
+  a stand-in that only reads its operands (`RestCase`): what the step costs apart from its
+  products, with ``b{max}_over_generate_b{min}``: that at the largest batch over the whole
+  step at the smallest. ``generate`` minus ``rest`` is what the products cost inside the
+  step, next to what they cost alone (``matmuls``);
 * ``ratio_b{max}_over_b{min}``: step time at the largest batch over the smallest (a decode step
   whose cost did not depend on its rows would give 1; 8 means no gain from batching).
 
@@ -50,6 +55,7 @@ from typing import Any
 from benchmarks import batch_sizes
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
+PATHS = ("generate", "paged", "matmuls", "rest")
 BLOCK_SIZE, SWA_BLOCK_SIZE = 16, 4  # the paged test harness's blocks (tests/dsv4/paged_harness)
 
 
@@ -89,6 +95,53 @@ class GenerateCase:
     def ms_per_step(self) -> float:
         steps = self.new_tokens - 1
         return 1000 * max(self.best[self.new_tokens] - self.best[1], 0.0) / steps
+
+
+class RestCase(GenerateCase):
+    """`GenerateCase` with every matrix product of the model replaced by a stand-in that reads
+    its operands and multiplies nothing: the product's output shape filled with the sum of
+    every operand (each operand read once, as any product must; a sum, not one element, so
+    that XLA cannot shrink the work feeding it). What the decode step costs apart from its
+    products: the norms, mixes, rotations, softmaxes, top-ks, cache reads and writes and the
+    loop, at the step's shapes.
+
+    The products are all ``jnp.einsum`` calls (`dsv4.layers`, `dsv4.reference`,
+    `dsv4.model`): the stand-in replaces ``jnp.einsum`` while this case's own jit traces, and
+    the traced program is checked to hold no ``dot_general``."""
+
+    def __init__(self, params: Any, cfg: Any, prompt: Any, new_tokens: int) -> None:
+        import functools
+
+        import jax
+        import jax.numpy as jnp
+
+        from dsv4 import generation
+
+        raw = generation._generate.__wrapped__  # a jit of our own: the shared one's cache
+        lengths = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)  # stays clean
+        args = (params, prompt, lengths, jax.random.PRNGKey(0), jnp.float32(0), jnp.float32(1))
+        compiled = {}
+        einsum = jnp.einsum
+
+        def stand_in(spec, *operands, **kwargs):
+            out = jax.eval_shape(lambda *o: einsum(spec, *o, **kwargs), *operands)
+            total = sum(jnp.sum(o, dtype=jnp.float32) for o in operands)
+            return jnp.broadcast_to(total.astype(out.dtype), out.shape)
+
+        jnp.einsum = stand_in
+        try:
+            for n in (new_tokens, 1):
+                fn = jax.jit(functools.partial(raw, cfg=cfg, max_new_tokens=n, eos_token_id=None))
+                if matmuls_of(jax.make_jaxpr(fn)(*args).jaxpr):
+                    raise RuntimeError("a matrix product escaped the stand-in")
+                compiled[n] = fn.lower(*args).compile()
+        finally:
+            jnp.einsum = einsum
+        self.run = lambda n: compiled[n](*args)
+        self.new_tokens = new_tokens
+        self.best = {new_tokens: float("inf"), 1: float("inf")}
+        for n in self.best:
+            _seconds(lambda n=n: self.run(n))
 
 
 class PagedCase:
@@ -299,7 +352,7 @@ def run_benchmark(
     paged_calls: int = 30,
     token_bucket: int | None = None,
     request_bucket: int | None = None,
-    paths: Sequence[str] = ("generate", "paged", "matmuls"),
+    paths: Sequence[str] = PATHS,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Build seeded ``tiny_v41`` params, measure every batch size on every path side by side:
@@ -339,6 +392,8 @@ def run_benchmark(
             cases[("generate", b)] = GenerateCase(params, cfg, prompt, new_tokens)
         if "matmuls" in paths:
             cases[("matmuls", b)] = MatmulCase(params, cfg, b, max_model_len, new_tokens)
+        if "rest" in paths:
+            cases[("rest", b)] = RestCase(params, cfg, prompt, new_tokens)
         if "paged" in paths:
             cases[("paged", b)] = PagedCase(
                 params, cfg, prompt, max_model_len=max_model_len, num_blocks=num_blocks,
@@ -384,6 +439,13 @@ def run_benchmark(
             mm = out["matmuls"]["ms_per_step"][hi]
             # None when the generate step measured 0 (too few --new-tokens to time it)
             out["matmuls"][f"b{hi}_over_generate_b{lo}"] = round(mm / whole, 3) if whole else None
+    if "rest" in paths and "generate" in paths and len(batches) > 1:
+        # what the largest batch's step costs without its products, next to the smallest
+        # batch's whole step: the rest of a 2x step's budget is all the products may take
+        lo, hi = str(min(batches)), str(max(batches))
+        whole = out["generate"]["ms_per_step"][lo]
+        rest = out["rest"]["ms_per_step"][hi]
+        out["rest"][f"b{hi}_over_generate_b{lo}"] = round(rest / whole, 3) if whole else None
     if "paged" in paths:
         out["paged"].update(
             calls=paged_calls,
@@ -405,13 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--paged-calls", type=int, default=30, help="paged: warm calls per round")
     ap.add_argument("--token-bucket", type=int, default=None, help="paged: fix T for every B")
     ap.add_argument("--request-bucket", type=int, default=None, help="paged: fix R for every B")
-    ap.add_argument("--paths", default="generate,paged,matmuls", help="a comma list of paths")
+    ap.add_argument("--paths", default=",".join(PATHS), help="a comma list of paths")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     batches = batch_sizes(ap, args.batches)
     paths = tuple(p for p in args.paths.split(",") if p)
-    if not paths or not set(paths) <= {"generate", "paged", "matmuls"}:
-        ap.error(f"--paths must be a comma list from generate,paged,matmuls, got {args.paths!r}")
+    if not paths or not set(paths) <= set(PATHS):
+        ap.error(f"--paths must be a comma list from {','.join(PATHS)}, got {args.paths!r}")
     try:
         res = run_benchmark(
             batches=batches,

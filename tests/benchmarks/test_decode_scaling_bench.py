@@ -68,6 +68,44 @@ def test_matmuls_path(capsys):
     assert "b2_over_generate_b1" not in mm  # only next to the generate path
 
 
+@pytest.mark.slow  # compiles generate four times; the case itself runs in the next test
+def test_rest_path(capsys):
+    out = _json_line(["--batches", "1,2", "--paths", "generate,rest"], capsys)
+    assert "matmuls" not in out and "paged" not in out
+    rest, whole = out["rest"]["ms_per_step"], out["generate"]["ms_per_step"]
+    assert set(rest) == {"1", "2"} and min(rest.values()) >= 0
+    assert out["rest"]["ratio_b2_over_b1"] == pytest.approx(rest["2"] / rest["1"], abs=2e-3)
+    if whole["1"]:
+        assert out["rest"]["b2_over_generate_b1"] == pytest.approx(rest["2"] / whole["1"], abs=2e-3)
+
+
+def test_rest_case_removes_every_product(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4 import layers
+    from dsv4.config import tiny_v41
+    from dsv4.params import init_params
+
+    cfg = tiny_v41()
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    prompt = jnp.full((1, 4), 7, jnp.int32)
+    einsum = jnp.einsum
+    case = decode_scaling.RestCase(params, cfg, prompt, 2)
+    assert jnp.einsum is einsum  # the stand-in only lives while the case traces
+    assert case.run(2).shape == (1, 2)
+
+    # a product written without einsum would escape the stand-in: the case refuses to time it
+    def linear(x, params, name, cfg):
+        w = params[name].astype(x.dtype)
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+    monkeypatch.setattr(layers, "linear", linear)
+    with pytest.raises(RuntimeError, match="escaped"):
+        decode_scaling.RestCase(params, cfg, prompt, 2)
+    assert jnp.einsum is einsum
+
+
 def test_matmul_flops_counts_nested_dots():
     import jax
     import jax.numpy as jnp
