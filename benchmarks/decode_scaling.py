@@ -82,7 +82,11 @@ class GenerateCase:
     def __init__(self, params: Any, cfg: Any, prompt: Any, new_tokens: int) -> None:
         from dsv4 import generation
 
-        self.run = lambda n: generation.generate(params, cfg, prompt, n)
+        self._start(lambda n: generation.generate(params, cfg, prompt, n), new_tokens)
+
+    def _start(self, run: Callable[[int], Any], new_tokens: int) -> None:
+        """Time ``run(n)`` (n new tokens) at n = ``new_tokens`` and 1; compiles both."""
+        self.run = run
         self.new_tokens = new_tokens
         self.best = {new_tokens: float("inf"), 1: float("inf")}
         for n in self.best:
@@ -137,11 +141,7 @@ class RestCase(GenerateCase):
                 compiled[n] = fn.lower(*args).compile()
         finally:
             jnp.einsum = einsum
-        self.run = lambda n: compiled[n](*args)
-        self.new_tokens = new_tokens
-        self.best = {new_tokens: float("inf"), 1: float("inf")}
-        for n in self.best:
-            _seconds(lambda n=n: self.run(n))
+        self._start(lambda n: compiled[n](*args), new_tokens)
 
 
 class PagedCase:

@@ -49,6 +49,7 @@ from serving.runner import (
     SlotState,
     StepOutput,
     _engine_step_data_parallel,
+    _widen_tables,
 )
 from serving.scheduler import (
     RequestStatus,
@@ -427,23 +428,14 @@ class DataParallelRunner:
         # every shard's tables as wide as the widest shard's (a width tuple is monotone in
         # the longest request, so the widest of each group is itself a compiled bucket)
         built = [x[0] for x in inputs if x is not None]
-        widths = [
-            max(b.block_tables[g].shape[1] for b in built)
-            for g in range(len(built[0].block_tables))
-        ]
+        widths = [max(w) for w in zip(*(b.table_widths() for b in built), strict=True)]
         shards = []
         for shard, x in zip(self.shards, inputs, strict=True):
             if x is None:
                 shards.append(shard.padding_inputs(t, widths))
                 continue
             batch, *rest = x
-            if any(tb.shape[1] != w for tb, w in zip(batch.block_tables, widths)):
-                tables = tuple(
-                    np.pad(tb, ((0, 0), (0, w - tb.shape[1])))
-                    for tb, w in zip(batch.block_tables, widths)
-                )
-                batch = dataclasses.replace(batch, block_tables=tables)
-            shards.append((batch, *rest))
+            shards.append((_widen_tables(batch, widths), *rest))
         stacked = stack_shards(shards)
         rows = [[] if p is None else p.rows for p in plans]
         return DataParallelHandle(self, output, rows, self.dispatch(*stacked))

@@ -452,9 +452,9 @@ class ModelRunner:
         decode step (`burst_bucket`) of at most the first one's bucket. The device runs them in
         order (`_engine_burst`), each step's tokens feeding the next as they feed an
         asynchronously planned step; each step's results are those `execute` gives it."""
-        t = self.burst_bucket(outputs[0])
         buckets = [self.burst_bucket(o) for o in outputs]
-        if t is None or None in buckets or max(buckets) > t:
+        t = buckets[0]
+        if None in buckets or max(buckets) > t:
             raise ValueError(
                 "a burst takes pure decode steps (each request samples its one next token) of "
                 "at most its first step's token bucket"
@@ -963,16 +963,15 @@ def _verify(
     return outs, accepted.astype(jnp.int32), sampler_state
 
 
-# the engine steps' static arguments (the drafter's switch is `_engine_step`'s alone)
+# the engine steps' static arguments, and their jit: the pools and per-slot state donated
 _STATIC = ("cfg", "layout", "num_logprobs", "impl", "interpret", "num_spec", "groups",
-           "plans_ahead")  # fmt: skip
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(*_STATIC, "drafter"),
-    donate_argnames=("pools", "sampler_state", "slots"),
+           "plans_ahead", "drafter")  # fmt: skip
+_engine_jit = functools.partial(
+    jax.jit, static_argnames=_STATIC, donate_argnames=("pools", "sampler_state", "slots")
 )
+
+
+@_engine_jit
 def _engine_step(
     params,
     pools,
@@ -1022,11 +1021,7 @@ def _engine_step(
     return result, pools, sampler_state, slots
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(*_STATIC, "drafter"),
-    donate_argnames=("pools", "sampler_state", "slots"),
-)
+@_engine_jit
 def _engine_burst(
     params,
     pools,
@@ -1066,11 +1061,7 @@ def _engine_burst(
     return stacked, *state
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(*_STATIC, "drafter"),
-    donate_argnames=("pools", "sampler_state", "slots"),
-)
+@_engine_jit
 def _engine_step_data_parallel(
     params,
     pools,  # every leaf [D, ...]: D data shards (`dsv4.paged.step.stack_shards`)
