@@ -22,11 +22,11 @@ then ``cache.layout.for_model``) and both device layouts (`PoolLayout` ``aliased
 * ``aliased`` / ``separate``: bytes per block id and pool bytes for ``--num-blocks`` blocks, and
   the bytes one ``--max-model-len`` request holds (blocks per request from ``cache.layout``
   times the bytes per block);
-* ``checks``: every figure of ``v41_in_vllm.md`` section 3.3 (real -> padded page bytes) and
+* ``checks``: every figure of `docs/cache.md#page-sizes` (real -> padded page bytes) and
   ``pool_bytes == cache.layout``'s memory (``config_pool_bytes`` and ``memory_report``);
   ``all_checks_ok`` is their conjunction (the script exits 1 if one fails).
 
-Platforms (``v41_in_vllm.md`` sections 3.2-3.4): ``SM100`` = B 128, SWA block 32, pages aligned
+Platforms (`docs/cache.md#page-sizes`): ``SM100`` = B 128, SWA block 32, pages aligned
 to 512 B (the V4.1 records; also used for the float presets); ``SM90`` = B 64, SWA block 32,
 alignment 576 (H200: the V4 584-B record, FP8 index keys). Presets: ``EXACT`` (f32), ``BF16``,
 ``RELEASED`` (mxfp8 / nvfp4 / mxfp4 — the reference's quant_sim), ``RELEASED_FP8`` (mxfp8 /
@@ -62,7 +62,7 @@ PRESET_PLATFORM = {
 }
 MAX_NUM_BATCHED_TOKENS = 8192
 
-# v41_in_vllm.md section 3.3: preset -> layer kind -> (real page bytes, padded page bytes)
+# docs/cache.md#page-sizes: preset -> layer kind -> (real page bytes, padded page bytes)
 SECTION_3_3: dict[str, dict[str, tuple[int, int]]] = {
     "RELEASED_FP8": {  # SM100 B=128: 528-B compressed records, FP8 (132-B) index keys
         "compressed_r1": (67584, 67584),

@@ -52,7 +52,7 @@ from pallas_kernels.indexer.common import weighted_relu_sum
 from pallas_kernels.sparse_attention.cost import sparse_cost
 from pallas_kernels.window_attention.cost import window_cost
 
-# V4.1-Flash attention shapes (model_v41.md 1.1, v41_in_vllm.md 3)
+# V4.1-Flash attention shapes (docs/model.md#released-configuration)
 HEADS, LATENT, WINDOW, TOPK = 64, 512, 128, 512
 SWA_PAGE = 32  # window-cache page, tokens
 COMP_BLOCK = 64  # raw tokens per compressed block (E = 64 / ratio entries)

@@ -956,8 +956,8 @@ def _latest_at_most(ids: tuple[int, ...], layer: int) -> int | None:
 def v41_flash_desc(**overrides: Any) -> ModelCacheDesc:
     """DeepSeek-V4.1-Flash (40 backbone + 3 DSpark layers) on SM90, H200 record sizes.
 
-    Layers 0-1 SWA only, 2-19 r=2, 20-39 r=1. The released config.json (model_v41.md section
-    1.1): layers 2, 8, 14, 20 own a compressor, a compressed cache and index keys (kv sources);
+    Layers 0-1 SWA only, 2-19 r=2, 20-39 r=1 (docs/model.md#released-configuration): layers
+    2, 8, 14, 20 own a compressor, a compressed cache and index keys (kv sources);
     24, 28, 32, 36 are index sources only (reindex: they score layer 20's keys).
     """
     fields_ = {

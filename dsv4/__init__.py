@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 in JAX: a functional model over pytrees (see DESIGN.md section 2).
+"""DeepSeek-V4.1 in JAX: a functional model over pytrees (see docs/architecture.md).
 
 * `ModelConfig`, `tiny_v41`, `tiny_v41_full` (with Engram and DSpark), `tiny_v41_trained` (the
   config of the shipped trained checkpoint), `v41_flash`, `LayerPlan`, `Role` — configuration

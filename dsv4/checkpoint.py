@@ -1,6 +1,6 @@
 """Reading and writing checkpoints: the released safetensors format, and our own orbax format.
 
-Released format (``../shared/reference/model_v41.md`` section 4): a directory with
+Released format (`docs/model.md#checkpoint-format`): a directory with
 ``config.json`` and either ``model.safetensors`` or ``model.safetensors.index.json`` plus the
 shards it names. Linear weights are fp8 e4m3 with one e8m0 (power-of-two) scale per
 ``fp8_block_size`` square tile, routed experts are packed fp4 e2m1 (two codes per byte, low nibble

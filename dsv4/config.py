@@ -7,8 +7,8 @@ of a checkpoint's `config.json`, including V4.1's nesting of text fields under `
 
 `LayerPlan` is derived once from the config: per layer its compress ratio, its role (window-only,
 full, reindex, reuse), its kv source, its index source and its part in the two-level candidate
-selection. The rules follow the reference and vLLM (``../shared/reference/model_v41.md`` section
-2.5, ``v41_in_vllm.md`` section 1.2); every violation names the layer.
+selection. The rules follow the reference and vLLM (`docs/model.md#layer-roles`); every
+violation names the layer.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = [
 
 
 class Role(enum.Enum):
-    """What a layer's attention computes (model_v41.md section 2.5)."""
+    """What a layer's attention computes (docs/model.md#layer-roles)."""
 
     SWA = "swa"  # ratio 0: sliding window only
     FULL = "full"  # kv source (and index source): compressor, caches, own indexer
@@ -185,7 +185,7 @@ class ModelConfig:
     fp8_block_size: int = 32
     bos_token_id: int = 0
     eos_token_id: int = 1
-    # Engram (model_v41.md 3.3): n-gram memory added to the stream before these layers' blocks
+    # Engram (docs/model.md#engram): n-gram memory added to the stream before these layers' blocks
     engram_layer_ids: tuple[int, ...] = (1, 14)
     engram_vocab_size: int = 16000000  # the (n, head) primes are drawn above this - 1
     # table rows per Engram layer: the sum of its primes; () = derive them (a given value
@@ -196,7 +196,7 @@ class ModelConfig:
     engram_compressed_vocab_size: int = 99092  # distinct ids of the compressed token map
     engram_n_heads: int = 8
     engram_head_dim: int = 256
-    # the DSpark drafter (model_v41.md 3.6): n_mtp_layers stages after the backbone
+    # the DSpark drafter (docs/model.md#dspark-drafter): n_mtp_layers stages after the backbone
     dspark_block_size: int = 5
     dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
     dspark_n_routed_experts: int = 128
@@ -809,7 +809,7 @@ def v41_flash(**overrides: Any) -> ModelConfig:
 
 
 def tiny_v41(**overrides: Any) -> ModelConfig:
-    """A small V4.1 that covers every role (``v41_in_vllm.md`` section 6.1 topology):
+    """A small V4.1 that covers every role (`docs/model.md#the-tiny-test-topology`):
 
     layer 0 window-only; 1 full r=2 (dense indexer); 2 reuse r=2; 3 full r=1 and candidate
     source; 4 reuse r=1; 5 reindex and candidate consumer; 6 reuse of 5's top-k; 7 window-only;

@@ -1,4 +1,4 @@
-"""The DSpark drafter of DeepSeek-V4.1 (``../shared/reference/model_v41.md`` section 3.6).
+"""The DSpark drafter of DeepSeek-V4.1 (`docs/model.md#dspark-drafter`).
 
 DSpark proposes ``K = dspark_block_size`` tokens at once from a small stack of ``n_mtp_layers``
 window-only blocks (the "stages", checkpoint names ``mtp.{i}.*``, layer ids ``n_layers + i``)

@@ -1,4 +1,4 @@
-"""Engram (``model_v41.md`` section 3.3) on device: n-gram row ids, the table lookup, the gate.
+"""Engram (`docs/model.md#engram`) on device: n-gram row ids, the table lookup, the gate.
 
 An Engram layer adds, before its block, a gated value to every copy of the residual stream. The
 value and one key per copy come from a linear map (``wkv``) of table rows fetched by hashed

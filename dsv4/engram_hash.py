@@ -1,4 +1,4 @@
-"""Engram's n-gram hash ids (``model_v41.md`` section 3.3), on the host, in numpy int64.
+"""Engram's n-gram hash ids (`docs/model.md#engram`), on the host, in numpy int64.
 
 An Engram layer looks up, for every token, one table row per (n-gram size, head): the n-grams
 are the token and the ``n - 1`` tokens before it (n = 2 .. ``max_ngram_size``), taken through a

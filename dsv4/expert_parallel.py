@@ -1,4 +1,4 @@
-"""Expert parallelism with a real token dispatch (DESIGN.md section 6a).
+"""Expert parallelism with a real token dispatch (docs/scale_out.md).
 
 Under a mesh whose ``expert`` axis has more than one device, the routed experts of `layers.moe`
 run here instead of on every device: the routed experts' weights stay split over ``expert``

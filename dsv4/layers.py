@@ -1,6 +1,6 @@
 """Building blocks shared by every forward path (reference, dense-cache incremental, paged).
 
-Each function computes one piece of ``model_v41.md`` sections 2-3 on arrays with a token axis
+Each function computes one piece of `docs/model.md#the-forward-math` on arrays with a token axis
 and knows nothing about caches. Numerics follow the official reference: the activation dtype is
 the dtype of the embedding; RMSNorm, rotary embedding, hyper-connection mixing, routing and the
 SwiGLU interior run in fp32 and cast back; with ``cfg.quant_sim`` the activations entering an

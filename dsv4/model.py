@@ -236,7 +236,7 @@ def forward_step(
 
     tokens int32[B, T]; start int32[B] (position of each row's first token); lengths int32[B]
     (real tokens per row, 0..T). Rows must continue exactly where their cache ends.
-    ``write_from`` int32[B] (bounded replay, `v41_in_vllm.md` 4.5): tokens below it recompute
+    ``write_from`` int32[B] (`docs/serving.md#bounded-replay`): tokens below it recompute
     their window latents but leave the compressed entries and index keys already cached."""
     logits, new, _ = forward_step_streams(params, cfg, cache, tokens, start, lengths, (),
                                           write_from)  # fmt: skip

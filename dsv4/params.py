@@ -145,7 +145,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
 
 def _engram_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Engram's tensors (model_v41.md 3.3, 4.2): per Engram layer its table, ``wkv`` and the gate
+    """Engram's tensors (docs/model.md#engram): per Engram layer its table, ``wkv`` and the gate
     weights (ordered as the layers, after the backbone's), then the compressed token map."""
     specs: dict[str, ParamSpec] = {}
     hd, hc, d = cfg.engram_head_dim, cfg.hc_mult, cfg.dim

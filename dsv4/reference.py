@@ -4,10 +4,11 @@
 once, with no cache, in plain jnp, written for clarity rather than speed: attention is a dense
 masked softmax over the window keys and *all* compressed entries, where the sparse selection
 (indexer top-k, candidate blocks) only decides which compressed entries are unmasked. The math is
-``../shared/reference/model_v41.md`` sections 2-3, with two deliberate choices:
+`docs/model.md#the-forward-math`, with two deliberate choices:
 
 * every index source scores against its own kv source's index keys (the official reference
-  reads another layer's keys on some decode steps, a defect described in section 7.1);
+  reads another layer's keys on some decode steps, a defect described in
+  `docs/model.md#facts-from-running-the-official-reference`);
 * a top-k pick whose score is -inf (possible when the candidate mask leaves fewer finite scores
   than k) is invalid, like a pick beyond the visible entries.
 
@@ -112,7 +113,7 @@ def sink_attention(
 
 
 class _Shared:
-    """What attention layers hand down the stack within one forward (model_v41.md 2.5)."""
+    """What attention layers hand down the stack within one forward (docs/model.md#layer-roles)."""
 
     def __init__(self) -> None:
         self.compressed: dict[int, jax.Array] = {}  # kv source -> [B, N, head_dim]

@@ -1,4 +1,4 @@
-"""Meshes and the partitioning rule table of V4.1's parameters (DESIGN.md section 6a).
+"""Meshes and the partitioning rule table of V4.1's parameters (docs/scale_out.md).
 
 `make_mesh(data=, model=, expert=)` builds a named mesh ``("data", "expert", "model")`` over the
 present devices. `param_partition_specs(cfg, mesh)` gives every parameter a `PartitionSpec`,

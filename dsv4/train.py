@@ -14,8 +14,8 @@ tests compare it with) rearranged for speed and extended with what training need
 * the *dense* mode attends to every visible compressed entry (no top-k, no candidate blocks):
   the reference with ``index_topk`` and ``candidate_topk_blocks`` at least the number of entries
   and blocks (`dense_config`);
-* every index source (full and reindex layers) yields its indexer loss (``model_v41.md``
-  section 8, DeepSeek-V3.2's DSA training): per query t, ``KL(p_t || softmax(I_t))`` over a set
+* every index source (full and reindex layers) yields its indexer loss (DSA training,
+  `docs/model.md#training-the-indexer`): per query t, ``KL(p_t || softmax(I_t))`` over a set
   of compressed entries, where ``p_t`` is the layer's main attention probability on each entry,
   summed over heads and L1-normalised over the set, and ``I_t`` the indexer's scores. The set is
   every visible entry in the dense mode and the layer's selected top-k in the sparse mode.

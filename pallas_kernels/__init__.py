@@ -1,5 +1,5 @@
-"""Pallas kernels for V4.1's attention over paged caches, one folder per kernel (DESIGN.md
-section 3, the contract in pallas_kernels/README.md).
+"""Pallas kernels for V4.1's attention over paged caches, one folder per kernel (docs/kernels.md,
+the contract in pallas_kernels/README.md).
 
 Each entry picks its implementation by `jax.default_backend()` (TPU kernel, GPU kernel, or the
 pure-jnp reference on CPU) unless told otherwise with `impl=` / `interpret=`; see `_backend`.

@@ -1,4 +1,4 @@
-"""`ModelRunner`: the device side of the engine (DESIGN.md section 6).
+"""`ModelRunner`: the device side of the engine (docs/architecture.md#serving).
 
 It owns the params, the page pools (built from the same `KVCacheConfig` the allocator hands out
 block ids of), the sampler's per-slot state and, for every running request, its device-side

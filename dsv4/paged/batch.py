@@ -1,10 +1,10 @@
-"""Host-side builders (numpy) of the paged step's batch (DESIGN.md section 5).
+"""Host-side builders (numpy) of the paged step's batch (`docs/architecture.md`).
 
 `build_batch` turns the requests scheduled for one step — their new tokens, where they start,
 and the block ids the allocator (`cache.KVCacheManager.get_block_ids`) holds for them in every
-KV-cache group — into a `StepBatch` (a registered dataclass pytree, the step contract of
-DESIGN.md section 5), padded to bucket sizes so the jitted step compiles a bounded number of
-times. Slot mappings say where each token's new state goes (-1 = nothing):
+KV-cache group — into a `StepBatch` (a registered dataclass pytree, the step contract,
+docs/architecture.md#the-step-contract), padded to bucket sizes so the jitted step compiles a
+bounded number of times. Slot mappings say where each token's new state goes (-1 = nothing):
 
 * ``window_slots[g]``: token slots of a sliding-window group g (``table[p // S] * S + p % S``);
 * ``state_slots[(g, r)]``: compressed-state slots of ratio r in a full group g (state
@@ -13,9 +13,10 @@ times. Slot mappings say where each token's new state goes (-1 = nothing):
 * ``ring_slots[g]``: ring rows of a circular-buffer group g (the last ``min(len, C)`` tokens of
   each request's chunk, row ``ring_block * C + p % C``).
 
-Bounded replay (`v41_in_vllm.md` 4.5): a request with ``replay_start > 0`` recomputes tokens
-whose compressed state and index keys are already cached: rows below ``cache_write_from`` get no
-compressed/index-key slot, and the window of every row is clipped at ``replay_start``.
+Bounded replay (`docs/serving.md#bounded-replay`): a request with ``replay_start > 0``
+recomputes tokens whose compressed state and index keys are already cached: rows below
+``cache_write_from`` get no compressed/index-key slot, and the window of every row is clipped at
+``replay_start``.
 
 With ``debug=True`` every block id is checked against the pool and every slot against its page;
 a bad value raises ValueError naming the request, group, position and the allowed range. Nothing
@@ -60,7 +61,7 @@ __all__ = [
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """One step's ragged batch of T tokens over R request rows (DESIGN.md section 5).
+    """One step's ragged batch of T tokens over R rows (docs/architecture.md#the-step-contract).
 
     Every field is an int32 array (numpy on the host, jax on device; `jax.tree.map` converts
     them). T and R are bucket sizes: padding tokens have position -1 and request row R - 1,

@@ -3,7 +3,8 @@
 `dsv4.dspark` drafts from context latents it is handed (from scratch) or keeps in dense rings
 (incremental). Here the stages' window caches are the draft layers' SWA caches
 (``swa_cache_name(n_layers + i)`` for stage i), KV-cache groups of the paged pools like the
-backbone's window layers (`v41_in_vllm.md` 4.3: draft layers are SWA-only layers of their own):
+backbone's window layers (draft layers are SWA-only layers of their own:
+`docs/serving.md#speculative-decoding-and-the-ring`):
 
 * `seed_drafter` writes, for every token of a step, each stage's context latent
   (`dsv4.dspark.context_latents` of the target layers' hidden states, rotated at the token's

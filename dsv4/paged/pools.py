@@ -40,7 +40,7 @@ description into device buffers and gives every cache layer a typed view of its 
   device functions never clamp: an out-of-range slot is dropped and an out-of-range block id
   reads NaN, so a missed check shows up as missing data or NaN, never as another request's data.
 
-Page byte layout (vLLM's, ``v41_in_vllm.md`` section 2.4): a page of ``n`` states holds all
+Page byte layout (vLLM's, `docs/cache.md#record-formats`): a page of ``n`` states holds all
 ``n`` data rows first (state ``k``'s values at ``k · data_bytes``), then all ``n`` scale rows
 (at ``n · data_bytes + k · scale_bytes``), then alignment padding. Plain float records have no
 scale part, so their page is simply ``[n, record_bytes]``.

@@ -5,7 +5,7 @@ Every format here is a `RecordFormat` with ``record_bytes(dim)``, ``encode(x f32
 uint8[..., nbytes]`` and ``decode(b uint8[..., nbytes], dim) -> f32[..., dim]``. Pure ``jnp``
 (bit casts, shifts, ``float8_e4m3fn`` conversions): jit-able, no host round trips. A record is its
 *data bytes* followed by its *scale bytes*; the pools (`dsv4.paged.pools`) store a page as vLLM
-does, all data rows of the page first, then all scale rows (``v41_in_vllm.md`` section 2.4).
+does, all data rows of the page first, then all scale rows (`docs/cache.md#record-formats`).
 
 Formats (``dim`` = values per record; the released model has 512 for latents, 128 for index
 keys):
@@ -31,7 +31,7 @@ name           bytes (dim 512 / 128)       content; what ``decode(encode(x))`` e
                                            to a multiple of 8 (7 + 1 for 512)
 =============  ==========================  =====================================================
 
-Scale rules are those of ``v41_in_vllm.md`` sections 2.4 / 2.7a and of the reference's
+Scale rules: `docs/cache.md#record-formats` (index keys: the next section) and the reference's
 quantisation simulation (`dsv4.quant`): power-of-two scales ``2^ceil(log2(amax / max))`` with
 amax floored at 1e-4 (fp8) or ``6·2^-126`` (mxfp4); NVFP4 scales ``e4m3(amax / 6)`` with amax
 floored at ``6·2^-9``. The encoders compute the scale and the rounded values with exactly the
@@ -377,7 +377,7 @@ class MXFP4Record(RecordFormat):
 
 @dataclasses.dataclass(frozen=True)
 class V4Record(RecordFormat):
-    """DeepSeek-V4's 584-B record (V4.1 on every non-SM100 GPU, ``v41_in_vllm.md`` 2.4).
+    """DeepSeek-V4's 584-B record (V4.1 on every non-SM100 GPU, `docs/cache.md#record-formats`).
 
     Data: ``dim - 64`` e4m3 values (one power-of-two scale per 64, amax floored at 1e-4, the
     V4.1 rule with 64-wide tiles), then the last 64 (rope) dims as raw bf16; scales: one UE8M0

@@ -1,4 +1,4 @@
-"""The paged model step: one ragged batch over the paged caches (DESIGN.md section 5).
+"""The paged model step: one ragged batch over the paged caches (`docs/architecture.md`).
 
 `paged_step(params, cfg, layout, pools, batch)` runs the T scheduled tokens of R requests
 (chunked prefills and decodes mixed) through DeepSeek-V4.1. Per layer, in the order vLLM runs

@@ -1,6 +1,6 @@
 """Pure-jnp compressor over a ragged batch: the oracle of the kernels and the CPU path.
 
-Semantics (pallas_kernels/README.md, kernel 4; model_v41.md 2.3; v41_in_vllm.md 2.5-2.6):
+Semantics (pallas_kernels/README.md, kernel 4; docs/model.md#compressor and its ring):
 
 * ratio 1: ``latent[t] = RMSNorm(kv[t])`` for every real token, in kv's dtype.
 * ratio 2: ``kv[t] = [a | s]`` (f32). A token at an odd position ``p`` closes the group

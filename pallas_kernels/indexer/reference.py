@@ -4,7 +4,7 @@ Written for clarity, not speed: every token gathers its request's index keys den
 block table, scores all of them, and selects with `jax.lax.top_k` (ties to the lower index). The
 kernels compute the same sets without materialising scores in HBM and without a sort.
 
-Semantics (pallas_kernels/README.md, kernel 3; model_v41.md 2.4):
+Semantics (pallas_kernels/README.md, kernel 3; docs/model.md#indexer):
 
 * ``s(j) = sum_h weights[t, h] * relu(qi[t, h] . key[j])`` in f32 for ``j < visible[t]``, -inf
   beyond (and everywhere for a padding token, ``positions[t] == -1``). A -0.0 score is counted

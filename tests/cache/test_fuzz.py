@@ -3,8 +3,8 @@
 Random request lifecycles (arrive, admit with prefix hits, chunked prefill, decode, speculative
 decode with rejections, preemption and re-admission, finish, prefix-cache reset) are driven
 through the manager on small pools, so allocation failures, evictions and prefix hits are
-frequent. After every step the allocator's invariants are checked (reference
-``vllm_kv_cache.md`` sections 1.7, 5 and 7): free queue <-> ref counts, ref counts <-> block
+frequent. After every step the allocator's invariants are checked (`docs/cache.md#invariants`,
+its allocation and KV events): free queue <-> ref counts, ref counts <-> block
 tables, append-only tables, prefix index <-> block hashes, KV events replay to the index,
 hits hash-consistent (and, without EAGLE, equal to a brute-force oracle over the index).
 """

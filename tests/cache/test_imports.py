@@ -1,4 +1,7 @@
-"""`cache` is pure Python: importing all of it pulls in neither jax nor numpy (DESIGN.md)."""
+"""`cache` is pure Python: importing all of it pulls in neither jax nor numpy.
+
+The layers this keeps: docs/architecture.md#layers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Tests of cache.layout: vllm_kv_cache.md scenarios 30-33, 37, 40 and the V4.1 layouts."""
+"""Tests of cache.layout: allocator scenarios 30-33, 37, 40 and the V4.1 layouts.
+
+Scenario numbers: docs/cache.md#allocator-scenarios.
+"""
 
 import types
 

@@ -1,4 +1,4 @@
-"""Tests of cache.spec: page sizes (v41_in_vllm.md section 3.3), validation, merge, flags."""
+"""Tests of cache.spec: page sizes (docs/cache.md#page-sizes), validation, merge, flags."""
 
 import dataclasses
 

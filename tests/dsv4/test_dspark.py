@@ -3,8 +3,8 @@
 * the released ``mtp.*`` tensors, written out by hand from DeepSeek's V4.1-Flash
   ``inference/model.py`` (``DSparkBlock``, ``DSparkMarkovHead``, ``DSparkConfidenceHead`` and the
   backbone ``Block`` a stage inherits), against `dsv4.params.checkpoint_tensors`;
-* the drafter against a float64 numpy transcription of the math (model_v41.md 3.6), written
-  from the definitions without `dsv4.layers`;
+* the drafter against a float64 numpy transcription of the math (docs/model.md#dspark-drafter),
+  written from the definitions without `dsv4.layers`;
 * structural facts: the bidirectional block (slot 0 depends on the noise slots), the window of
   context positions, the Markov bias and confidence of slot i depending on the token *in* slot i,
   the targets being the streams *entering* their layers;

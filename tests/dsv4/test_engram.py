@@ -1,4 +1,4 @@
-"""Engram in the model (``model_v41.md`` 3.3): the device hash, the gate, and every path against
+"""Engram in the model (`docs/model.md#engram`): the device hash, the gate, and every path against
 the whole-sequence reference.
 
 The n-gram row ids are checked against the rule written out below in Python integers (no numpy
@@ -28,7 +28,7 @@ TOL = 1e-4
 
 
 def _definition(cfg: ModelConfig, hist: list[int], p: int, pad: int) -> list[list[int]]:
-    """Row ids of position p: the rule of model_v41.md 3.3 in Python ints."""
+    """Row ids of position p: the rule of docs/model.md#engram in Python ints."""
     n, heads, vocab = (
         cfg.engram_max_ngram_size,
         cfg.engram_n_heads,

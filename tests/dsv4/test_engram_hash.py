@@ -1,4 +1,4 @@
-"""`dsv4.engram_hash` against its definition (``model_v41.md`` 3.3), written out again below
+"""`dsv4.engram_hash` against its definition (`docs/model.md#engram`), written out again below
 with Python integers (no numpy arithmetic, no vectorisation)."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The V4.1-Flash params have exactly the released checkpoint's backbone and Engram tensors.
 
-The expected table below is written out by hand from ``../shared/reference/model_v41.md``
-section 4.2 (names, dtypes, stored shapes; scale shapes for 32 x 32 blocks, Engram table scales
+The expected table below is written out by hand from the released V4.1-Flash checkpoint
+(`docs/model.md#checkpoint-format`; names, dtypes, stored shapes; scale shapes for 32 x 32
+blocks, Engram table scales
 per 32 values of a row), not derived from ``dsv4.params``. The DSpark drafter's ``mtp.*`` have
 their own hand-written table in ``test_dspark.py``; the vision tower and ``ffn.gate.bias_vl`` are
 not modelled. Shapes come from ``jax.eval_shape``, so nothing of the 763B parameters is

@@ -1,4 +1,4 @@
-"""Device page pools: layout figures against cache.layout and v41_in_vllm.md section 3.3,
+"""Device page pools: layout figures against cache.layout and docs/cache.md#page-sizes,
 reads and writes through both layouts, isolation of pages within a group, debug checks."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_tiny_pool_bytes_equal_what_cache_layout_reports(tiny, preset):
     assert hash(a) == hash(P.PoolLayout.build(tiny, config, R.PRESETS[preset]))
 
 
-# v41_in_vllm.md section 3.3: (kind, ratio) -> (real page bytes, padded page bytes)
+# docs/cache.md#page-sizes: (kind, ratio) -> (real page bytes, padded page bytes)
 SECTION_3_3 = {
     "RELEASED_FP8": {  # SM100, B = 128, 528-B records, FP8 index keys
         ("compressed", 1): (67584, 67584),

@@ -341,7 +341,7 @@ def test_sweep_in_worker_processes_gives_the_same_rows(chat):
 
 
 def test_bounded_replay_and_memory_pressure(pool_sweep):
-    """v41_in_vllm.md 4.5: with bounded replay the windows leave the lookup, so hits are only
+    """Bounded replay (docs/serving.md#bounded-replay): windows leave the lookup, so hits are only
     bounded by the full-attention groups (much higher here, each hit paying a window of
     replay); both degrade when the pool shrinks."""
     by = {(r["layout"], r["pool_blocks"]): r for r in pool_sweep}

@@ -1,6 +1,6 @@
 """Scheduler over the real `cache.KVCacheManager`: reference scenarios 34-36 and the step rules.
 
-Scenario numbers refer to section 9 of /work/shared/reference/vllm_kv_cache.md. Every test uses
+Scenario numbers are those of docs/cache.md#allocator-scenarios. Every test uses
 one full-attention group with 16-token blocks; a pool of `num_blocks` holds block 0 (null) plus
 `num_blocks - 1` usable blocks. Prompts use disjoint token ranges so that no test gets a prefix
 hit it did not ask for.
