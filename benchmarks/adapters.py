@@ -1,13 +1,8 @@
 """The KV-cache managers the allocator benchmark drives: ours, and vLLM 0.32's behind an adapter
 shaped like ours.
 
-`serving.scheduler.Scheduler` calls a manager with `cache.KVCacheManager`'s interface
-(``new_request``, ``get_computed_blocks``, ``num_replay_tokens``, ``allocate_slots``, ``free``,
-``get_block_ids``, ``get_num_common_prefix_blocks``, ``usage``, ``num_kv_cache_groups``,
-``hash_block_size``). `VllmKVCacheManager` gives vLLM 0.32's ``KVCacheManager`` that interface,
-translating what vLLM's own scheduler does around its manager, so that one Scheduler drives
-either manager and the two make their decisions on the same calls. vLLM is imported lazily, by
-`VllmKVCacheManager.from_config` only; it is never a dependency of the project.
+vLLM is imported lazily (`VllmKVCacheManager.from_config`); it is never a dependency of the
+project. Details: docs/benchmarks.md#benchmarksadapters.
 """
 
 from __future__ import annotations

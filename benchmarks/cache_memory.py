@@ -1,39 +1,7 @@
 """KV-cache memory of DeepSeek-V4.1-Flash per record format and pool layout (no device work).
 
-Usage::
-
-    python -m benchmarks.cache_memory                      # 1000 blocks, 1M-token requests
-    python -m benchmarks.cache_memory --num-blocks 5000 --max-model-len 131072
-
-It prints ONE JSON line. For the released config (``dsv4.config.v41_flash``: 40 backbone + 3
-draft layers, kv sources 2/8/14/20, head_dim 512, index keys of 128) and every record-format
-preset of `dsv4.paged.records` it builds the ``KVCacheConfig`` (`dsv4.paged.pools.cache_desc`
-then ``cache.layout.for_model``) and both device layouts (`PoolLayout` ``aliased`` and
-``separate``) and reports:
-
-* ``records``: bytes of one window / compressed / index-key record and of a ring row;
-* ``layers``: per cache kind (``swa``, ``compressed_r1``, ``compressed_r2``, ``index_r1``,
-  ``index_r2``, ``ring``) the layer count, real and padded page bytes, states and raw tokens per
-  page, and bytes per raw token of one layer (``page / tokens``; null for rings, which are
-  one block per request; SWA pages are recycled past the window);
-* ``groups``: per KV-cache group its kind, block size in tokens, layers, its own page bytes per
-  block and per token, and what a block of it really costs per token in each layout (aliased:
-  the block stride, i.e. the largest group's page set; separate: every layer's page);
-* ``aliased`` / ``separate``: bytes per block id and pool bytes for ``--num-blocks`` blocks, and
-  the bytes one ``--max-model-len`` request holds (blocks per request from ``cache.layout``
-  times the bytes per block);
-* ``checks``: every figure of `docs/cache.md#page-sizes` (real -> padded page bytes) and
-  ``pool_bytes == cache.layout``'s memory (``config_pool_bytes`` and ``memory_report``);
-  ``all_checks_ok`` is their conjunction (the script exits 1 if one fails).
-
-Platforms (`docs/cache.md#page-sizes`): ``SM100`` = B 128, SWA block 32, pages aligned
-to 512 B (the V4.1 records; also used for the float presets); ``SM90`` = B 64, SWA block 32,
-alignment 576 (H200: the V4 584-B record, FP8 index keys). Presets: ``EXACT`` (f32), ``BF16``,
-``RELEASED`` (mxfp8 / nvfp4 / mxfp4 — the reference's quant_sim), ``RELEASED_FP8`` (mxfp8 /
-mxfp8 / fp8_132), ``SM90`` (v4_584 / v4_584 / fp8_132).
-
-``cache_layout_defaults`` adds ``cache.layout.v41_flash_desc()`` as it stands (584-B records,
-B 64, alignment 576, but kv sources inferred as all eight index sources) for comparison.
+Prints one JSON line: record, page and pool bytes per cache kind and group for both pool layouts,
+checked against docs/cache.md#page-sizes. Fields: docs/benchmarks.md#benchmarkscache_memory.
 """
 
 from __future__ import annotations

@@ -1,43 +1,8 @@
 """How a decode step's time grows with the batch: ``dsv4.generate`` and the paged step, ``tiny_v41``.
 
-Usage::
-
-    python -m benchmarks.decode_scaling                     # batches 1, 2, 4, 8
-    python -m benchmarks.decode_scaling --batches 1,8 --repeats 7
-
-It prints ONE JSON line. For every batch size B (seeded random weights, fp32, random prompts of
-``--prompt-len`` tokens, greedy, no EOS):
-
-* ``generate.ms_per_step[B]``: one decode step of the jitted ``generate`` loop (one token for each
-  of the B rows): ``(best call of generate(..., N) - best call of generate(..., 1)) / (N - 1)``
-  with N = ``--new-tokens``, the prefill and the first sample taken out;
-* ``paged.ms_per_step[B]``: one call of ``dsv4.paged.step.paged_step_jit`` decoding one token for
-  each of B requests whose ``--prompt-len`` tokens are already in the paged caches (steps planned
-  by ``serving.Scheduler`` over ``cache.KVCacheManager``, batch from
-  ``dsv4.paged.batch.build_batch``, fp32 records, pools
-  donated and fed back), the best mean over ``--paged-calls`` warm calls. By default the batch's
-  buckets fit it exactly (T = B tokens, R = B rows: no padding token, so no padding row, as in
-  the engine's decode buckets), so the step's shapes grow with B; ``--token-bucket`` /
-  ``--request-bucket`` fix them for every B instead (what a server with one bucket does: then
-  every B runs the same shapes; padding tokens need one row more than B);
-* ``matmuls.ms_per_step[B]``: the matmuls of that decode step alone (every ``dot_general`` of
-  ``dsv4.model.forward_step`` at T = 1, same shapes and dimension numbers, random operands, back
-  to back in a jitted loop), with ``mflop_per_step`` and the ``gflop_per_s`` they reach, and
-  ``b{max}_over_generate_b{min}``: those matmuls at the largest batch over the whole
-  ``generate`` step at the smallest. When that is above 2, the matmuls alone already cost more
-  than twice a whole small-batch step: a batched step cannot get under 2x on this machine
-  however cheap everything else becomes;
-* ``rest.ms_per_step[B]``: the ``generate`` decode step with every matrix product replaced by
-  a stand-in that only reads its operands (`RestCase`): what the step costs apart from its
-  products, with ``b{max}_over_generate_b{min}``: that at the largest batch over the whole
-  step at the smallest. ``generate`` minus ``rest`` is what the products cost inside the
-  step, next to what they cost alone (``matmuls``);
-* ``ratio_b{max}_over_b{min}``: step time at the largest batch over the smallest (a decode step
-  whose cost did not depend on its rows would give 1; 8 means no gain from batching).
-
-Every repeat runs every batch size of both paths in turn, so the numbers are measured side by
-side; each figure is the best of ``--repeats``. The machine's backend, device and CPU count are
-reported; on a shared machine trust ratios more than absolute times.
+Prints one JSON line: ms per decode step per batch size for ``generate``, the paged step, the
+step's matmuls alone and the step without its matmuls, measured side by side.
+Fields: docs/benchmarks.md#benchmarksdecode_scaling.
 """
 
 from __future__ import annotations

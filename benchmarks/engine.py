@@ -1,46 +1,8 @@
 """The serving engine against the jitted ``dsv4.generate`` on ``tiny_v41`` (fp32, CPU by default).
 
-Usage::
-
-    python -m benchmarks.engine                       # batches 1, 8, 32; prompt 32; 64 new
-    python -m benchmarks.engine --batches 1,8 --new-tokens 32 --repeats 2
-
-It prints ONE JSON line. For each batch size B (B random prompts of ``--prompt-len`` tokens,
-greedy, no EOS, so every request generates ``--new-tokens`` tokens), measured side by side in
-one process (best of ``--repeats`` warm runs each):
-
-* ``generate_tokens_per_s``: ``B * new_tokens / t`` of one warm ``dsv4.generate`` call (one
-  prefill chunk, then a ``lax.while_loop`` of decode steps, no host in the loop);
-* ``engine_sync_tokens_per_s`` / ``engine_async_tokens_per_s``: the same for ``LLM.generate``
-  with synchronous and asynchronous scheduling (requests admitted together; chunked prefill
-  under the token budget, then decode steps through the scheduler, the allocator, the batch
-  builder, the paged step and the sampler);
-* ``engine_over_generate``: generate tokens/s / engine (async) tokens/s — the engine's
-  overhead (1 = none); ``async_speedup``: async / sync tokens per second;
-* ``engine_burst_tokens_per_s`` and ``burst_over_generate``: the async engine again with
-  ``num_scheduler_steps=--num-scheduler-steps`` (default 16): the decode steps run in bursts of
-  up to that many steps per program (vLLM v0's multi-step scheduling), so the cost of starting
-  a program is paid once a burst rather than once a step; ``burst_ms_per_step`` its wall time
-  per step;
-* ``host_ms_per_step`` (synchronous run: scheduling, batch building and output processing,
-  the device idle meanwhile) against ``device_ms_per_step`` (the engine's jitted step alone on
-  a decode batch of B requests, timed with nothing else running) and the async run's
-  ``async_ms_per_step`` (wall time per step: when async scheduling hides the host work, this is
-  close to the device time rather than to host + device);
-* ``loop_ms_per_step``: that same step run 16 times inside ONE jitted program (the runner's
-  burst program, `ModelRunner.dispatch_burst`, on 16 copies of the batch: pools and slot state
-  carried, each iteration reading its own copy so nothing computed from it leaves the loop),
-  per step: ``(t(16) - t(1)) / 15``.
-  It is the step's work without what every call of a program costs (dispatching the
-  executable, starting it, work on the weights alone that a loop does once). ``generate``
-  runs all its steps in one program; the engine calls one program a step, so
-  ``device_ms_per_step - loop_ms_per_step`` is what it pays per step that ``generate`` does
-  not;
-* ``ttft_ms`` / ``tpot_ms`` percentiles (p50, p90, p99) of the async run;
-* ``engine_compilations``: XLA compilations during the engine runs (0: warm-up covered all).
-
-On a 2-core CPU, "device" work and host work share the cores, so async scheduling can hide less
-of the host time than on an accelerator; the figures say how much it does here.
+Prints one JSON line: tokens/s of both, the engine's overhead, host against device ms per step,
+the per-call cost of a program (bursts, loops) and TTFT / TPOT.
+Fields: docs/benchmarks.md#benchmarksengine.
 """
 
 from __future__ import annotations

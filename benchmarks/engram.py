@@ -1,29 +1,6 @@
 """What Engram costs: its share of a decode step, and the bytes and time of fetching its rows.
 
-Usage::
-
-    python -m benchmarks.engram
-    python -m benchmarks.engram --batch 8 --repeats 5 --host-rows 1048576
-
-It prints ONE JSON line:
-
-* ``decode``: one decode step of `dsv4.model.forward_step` (dense caches, fp32, ``--batch``
-  rows, after a ``--prompt-len``-token prefill) of ``tiny_v41_full`` (Engram on layers 1 and 4)
-  and of the same model without Engram (``engram_layer_ids=()``, the same backbone params),
-  measured in turn in every repeat (best mean over ``--calls`` calls); ``engram_share`` is
-  ``1 - without / with``: the fraction of the step Engram takes (hashing, row lookup, ``wkv``,
-  the gate);
-* ``released_gather``: at V4.1-Flash's sizes (2 Engram layers, 24 rows of 256 values per token
-  and layer), the bytes a token's rows take as stored (e4m3 values + one e8m0 scale per 32) and
-  as they reach the model (bf16), per token and per decode step of ``--batch`` rows;
-* ``host_gather``: the rows of one decode step of ``--batch`` rows (2 layers x 24 rows each)
-  fetched from a `dsv4.engram.HostTable` over a memory-mapped table of ``--host-rows`` random
-  rows of 256 values (a file in a temporary directory; random row ids, so mostly cache-missing
-  reads from the page cache): ``numpy_us`` the host's part (index, dequantise to bf16) and
-  ``jit_us`` the whole fetch inside a jitted function (``jax.pure_callback``: ids to the host,
-  rows back), against ``device_take_us``, a ``jnp.take`` from a device table of the same size.
-  A released table (~384M rows, 98 GB) is far larger than the page cache of most hosts: on one,
-  expect the reads to come from storage.
+Prints one JSON line. Fields: docs/benchmarks.md#benchmarksengram.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Jitted ``dsv4.generate`` on ``tiny_v41``: compile time and steady-state decode throughput.
 
-Usage::
-
-    python -m benchmarks.generate_cpu                       # batch 1 and 8, prompt 32, 64 new
-    python -m benchmarks.generate_cpu --batches 1,4,8 --new-tokens 128 --repeats 5
-
-It prints ONE JSON line. Per batch size B (random prompts of ``--prompt-len`` tokens, seeded
-random weights, greedy, no EOS so every row runs all steps):
-
-* ``compile_s``: first call minus warm call of ``generate(..., max_new_tokens=N)`` (tracing and
-  XLA compilation; the first call also runs once);
-* ``warm_call_s``: the best of ``--repeats`` warm calls (prefill + N - 1 decode steps);
-* ``prefill_s``: the best warm call of ``generate(..., max_new_tokens=1)`` (prefill and the first
-  sample; compiled separately, its compile is not reported);
-* ``decode_tokens_per_s``: ``B * (N - 1) / (warm_call_s - prefill_s)``, the steady-state decode
-  rate with the prefill taken out, and ``ms_per_decode_step`` (one token for every row);
-* ``end_to_end_tokens_per_s``: ``B * N / warm_call_s`` (what a user of one call sees).
-
-``decode_tokens_per_s_ratio_b8_over_b1`` (when both batch sizes run) says how well decode
-batches: one decode step of the tiny model is dominated by per-step overhead, so a ratio near 8
-means batching is almost free. The machine's backend, device and CPU count are reported; on a
-shared machine run it twice and trust the better numbers.
+Prints one JSON line. Fields: docs/benchmarks.md#benchmarksgenerate_cpu.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """Kernel benchmark at the released V4.1-Flash shapes: bytes moved and FLOPs from each kernel's
 cost model, and on a real chip the measured time and share of the HBM roofline.
 
-    python -m benchmarks.kernels            # every kernel, every shape; cost model only on CPU
-    python -m benchmarks.kernels --quick    # a few shapes
-    python -m benchmarks.kernels --kernels window_attention --impl gpu
-    python -m benchmarks.kernels --budget-s 200   # timed rows stop when the time is spent
-
-Prints one JSON line: for each kernel a list of rows (decode: batch 1-128 x contexts 4k-1M; prefill
-chunks), each with `bytes`, `flops`, and when timed `time_s`, `bytes_per_s`, `hbm_roofline_pct`,
-`tflops`. A kernel plugs in with a function `(Shape, impl, pool_bytes) -> Bench` in `BENCHES`.
-
-Kernels (pallas_kernels/README.md): `window_attention`, `sparse_attention`; the indexer as the
-ratio-1 candidate source (`indexer_r1`: top-512 plus the top 2048 blocks of 8), ratio-2 plain
-(`indexer_r2`) and ratio-1 consumer of 2048 candidate blocks (`indexer_r1_consumer`); the
-compressor at ratio 1 and 2 (`compressor_r1`, `compressor_r2`). `indexer_r1_scoring_jnp` is not
-a kernel: plain jnp scoring at `indexer_r1`'s shapes (gather, einsum, ReLU-weighted sum, no
-selection), an approximation of the indexer's scoring pass, which the kernels do not expose on
-its own; its rows carry `indexer_time_s` and `indexer_over_scoring` (indexer time / scoring time)
-when `indexer_r1` ran in the same call, to check that the top-k selection costs well under the
-scoring pass. Read it with care: the jnp path also writes the gathered keys and the f32 dots to
-HBM (several times the key bytes a fused pass reads), so it likely overstates the scoring pass
-and flatters the ratio; its `hbm_roofline_pct` (over the same key bytes as the indexer's) says by
-how much. The indexer row's own `hbm_roofline_pct` bounds the selection too: the key reads alone
-need `bytes / peak` seconds.
-
-On a device the caches are random pools larger than the GPU's L2 (or the TPU's VMEM), with block
-tables pointing at random pages, so every read goes to HBM as in serving; values do not matter.
-Calls that update pages in place (the compressor) have them donated and fed back between calls.
+Prints one JSON line; a kernel plugs in with ``(Shape, impl, pool_bytes) -> Bench`` in `BENCHES`.
+Usage and fields: docs/benchmarks.md#benchmarkskernels.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """The lab's own speed, and its table of the V4.1 layouts on the default workloads.
 
-    python -m benchmarks.lab                  # speed: steps/s on a 100k-request chat workload
-    python -m benchmarks.lab --max-steps 0    # ... replayed to the end (long)
-    python -m benchmarks.lab --table          # the README's layout table (markdown + JSON)
-
-Speed: a seeded chat workload of about ``--requests`` turns (short turns over 64 shared system
-prompts) on the V4.1-Flash layout for ``--max-steps`` steps, replayed twice: through the lab's
-loop with the Scheduler and the allocator alone (``scheduler_allocator_steps_per_s``), and as a
-whole `serving.lab.run` with its per-step metering (``lab_run_steps_per_s``); then a pool-size
-sweep of ``--sweep-points`` points over the allocator benchmark's chat workload
-(``--sweep-conversations`` conversations, 200 by default), in ``--sweep-workers`` processes
-(1 by default). Prints one JSON line.
-
-Table: every `serving.lab.LAYOUTS` layout on each default workload (`serving.lab.WORKLOADS`, at
-their default sizes; model length 64k, 128k for the long-context one) at 16 GiB and 0.5 GiB of
-KV pool; prints a markdown table (README section "Cache-layout lab") and one
-JSON line.
+Prints one JSON line (``--table``: the layout table of docs/lab.md, then its JSON).
+Usage and fields: docs/benchmarks.md#benchmarkslab.
 """
 
 from __future__ import annotations

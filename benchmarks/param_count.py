@@ -1,26 +1,7 @@
 """Parameter counts of the DeepSeek-V4.1-Flash backbone and of ``tiny_v41``, from abstract shapes.
 
-Usage::
-
-    python -m benchmarks.param_count
-
-It prints ONE JSON line with, per config, the total parameter count (dequantised values, one per
-weight element; routed experts counted once each) and a breakdown that sums to it:
-
-* ``embed_head``: ``embed.weight`` + ``head.weight`` (untied);
-* ``attention``: everything under ``layers.L.attn.`` (q/kv/o projections, q/kv norms, sinks,
-  compressor and indexer of the source layers);
-* ``moe_routed``: the stacked routed experts; ``moe_router``: ``ffn.gate.weight`` and
-  ``ffn.gate.bias``; ``moe_shared``: the shared expert;
-* ``mhc_norm``: the hyper-connection mixing parameters (``hc_*``), ``attn_norm``, ``ffn_norm`` and
-  the final ``norm``.
-
-``active_per_token`` is every parameter except the routed experts, plus ``n_activated_experts /
-n_routed_experts`` of them. ``total`` is the backbone; Engram (``layers.L.engram.*``: tables,
-``wkv``, gate weights) and the DSpark drafter (``mtp.*``) are counted apart (``engram``,
-``dspark``) and in ``release_total`` (the tech-report summaries quote 552B backbone + 196B
-Engram); the vision tower is not modelled.
-Shapes come from ``jax.eval_shape`` (`dsv4.params.abstract_params`): nothing is allocated.
+Prints one JSON line: per config the total and a breakdown that sums to it.
+Fields: docs/benchmarks.md#benchmarksparam_count.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Quality of the shipped small model (`tiny_v41_trained`, issue 12): held-out bits per byte next
 to ``xz -9``, and what each cache layout costs in bits per byte.
 
-    python -m benchmarks.quality            # the whole table (about 10 minutes on 2 CPU cores)
-    python -m benchmarks.quality --quick    # fewer pieces and rows, for a smoke run
-    python -m benchmarks.quality --table    # the README's markdown table (the whole run)
-
-Prints ONE JSON line (``--table``: a markdown table instead).
-
-* ``heldout``: the model's bits per byte over all of the held-out files of `dsv4.data` (the
-  files the model never saw), scored in consecutive windows of 1024 tokens as it was trained (its
-  longest) and of 256 (`dsv4.train.evaluate`), next to ``xz -9e`` on the same bytes, once as
-  one stream and once file by file. Bits per token become bits per byte through the stream's
-  tokens per byte.
-* ``rows``: `serving.lab.quality.score_layout`, the paged engine (fp32 params) scoring
-  held-out pieces with ``prompt_logprobs``, one row per cache layout: the record preset of the cache
-  (``dsv4.paged.records``: exact f32, bf16, the released fp8 / FP4 records, sm90), SWA bounded
-  replay off or on, and the indexer's top-k (the model was trained with 16). Each piece is
-  ``--prefix`` tokens then ``--tail`` tokens; ``cold_bits_per_byte`` scores the tail with no
-  prefix hit, ``hit_bits_per_byte`` scores it after the prefix was cached by an earlier request
-  (the engine's ``prompt_logprobs_on_hits``), where bounded replay rebuilds the window of the
-  hit from truncated windows: the only place it can cost anything. Bytes per token are the
-  byte-level BPE's own (one alphabet character per byte).
+Prints one JSON line (``--table``: README.md's figures table; ``--quick``: a smoke run; the whole
+run takes about 10 minutes on 2 CPU cores). Fields: docs/benchmarks.md#benchmarksquality.
 """
 
 from __future__ import annotations

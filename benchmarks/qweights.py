@@ -1,24 +1,7 @@
 """What keeping the released fp8 / FP4 weights on device saves, and what dequantising costs.
 
-Usage::
-
-    python -m benchmarks.qweights            # bytes only (no device work, a few seconds)
-    python -m benchmarks.qweights --time     # plus decode speed on tiny_v41 (CPU: minutes)
-
-It prints ONE JSON line:
-
-* ``bytes``: for ``v41_flash`` and ``tiny_v41``, the bytes of the params on device, from their
-  abstract form (`dsv4.qweights.abstract_released_params`; the float form from the specs),
-  Engram's tables left out (``engram_tables="auto"`` keeps the released ones on the host):
-  ``checkpoint`` (what the released checkpoint stores for those tensors,
-  `dsv4.qweights.checkpoint_bytes`), ``released`` (``weights_on_device="released"`` in bf16)
-  and ``dequantised_bf16``, with both ratios to the checkpoint; and the host tables' bytes;
-* ``decode`` (with ``--time``): greedy `dsv4.generate` on ``tiny_v41`` (fp32, ``--batch`` rows
-  of a ``--prompt-len`` prompt, ``--new`` tokens) with dequantised and with released params,
-  measured in turn in every repeat (best of ``--repeats``, after one compiling call each):
-  milliseconds per generated token and ``released_over_dequantised``, the cost of decoding
-  the weights inside the step. On a CPU this is dominated by the decode's elementwise work; on
-  an accelerator the step reads half (fp8) to a quarter (FP4) of the weight bytes.
+Prints one JSON line (``--time`` adds decode speed on tiny_v41).
+Fields: docs/benchmarks.md#benchmarksqweights.
 """
 
 from __future__ import annotations

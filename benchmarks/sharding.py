@@ -1,54 +1,8 @@
 """Per-chip bytes of DeepSeek-V4.1-Flash on a slice: the memory planner against XLA's compiled
 memory analysis, and the collective bytes of a decode step (no devices).
 
-Usage::
-
-    python -m benchmarks.sharding                          # v5p-16, the planner's default mesh
-    python -m benchmarks.sharding --chips h200x8 --no-compile
-    python -m benchmarks.sharding --table                  # the README's table (markdown)
-    JAX_PLATFORMS=cpu python -m benchmarks.sharding --no-reference --describe  # step compiles
-
-It prints ONE JSON line:
-
-* ``planner``: `dsv4.plan.plan` of ``v41_flash`` on ``--chips`` (per chip: weights at the
-  released formats and dequantised, KV bytes per group for ``--max-num-seqs`` requests of
-  ``--max-model-len`` tokens, the activation estimate, the most requests that fit per context);
-* ``collective_bytes_per_decode_step_per_chip``: `dsv4.plan.collective_bytes_per_decode_step`
-  on the same mesh, for ``--max-num-seqs`` requests at ``--max-model-len`` (formulas in its
-  docstring);
-* ``compiled``: `dsv4.plan.compiled_memory`, a deviceless compile (libtpu's compile-only TPU
-  topology of ``--topology``, 8 chips by default) of ``reference.forward`` on a reduced
-  V4.1-Flash (`dsv4.plan.reduced_flash`: released widths, 384 experts, 6 layers: two
-  window-only, a full and a reuse layer of ratio 2, a full and a reindex layer of ratio 1; no
-  Engram, no drafter) with its params sharded by `dsv4.sharding.PARAM_RULES` over
-  ``--compile-mesh``. The params are the dequantised bf16 ones ``reference.forward`` takes, so
-  the comparison is with the planner's bf16 weight bytes of the same reduced model and mesh:
-  ``argument_size_in_bytes`` (params + tokens) less the tokens, over the planner's figure, is
-  ``weights_ratio`` (above 1 by XLA:TPU's tile padding of small tensors: norms, sinks,
-  biases). ``temp_size_in_bytes`` is the reference's own dense math (every expert on every
-  token, full causal attention), reported, not compared: the planner's activation estimate is
-  the serving step's. ``"skipped"`` with the reason when libtpu is absent, ``--no-compile`` or
-  ``--no-reference``;
-* ``compiled_step``: `dsv4.compiled_step.compiled_step_memory` for each ``--step``
-  ``TARGET/WEIGHTS`` (default: v5p 2x2x2 and eight H100s, released and bf16 weights): the
-  sharded paged step (real kernels, expert dispatch under ``jax.set_mesh``, pools replicated)
-  of `dsv4.compiled_step.reduced_flash_roles` (12 layers, two of every attention role, 384
-  experts, released widths) over ``--step-mesh`` for ``--step-seqs`` requests of
-  ``--step-len`` tokens and ``--step-tokens`` tokens a step, compiled without devices; XLA's
-  per-device arguments, outputs, temporaries and code beside the planner's weights, KV and
-  activations (`dsv4.plan.plan` of the same model, mesh and sizes), with their ratios. A target
-  whose compiler package is absent is ``{"skipped": why}``. Run with ``JAX_PLATFORMS=cpu``
-  (the CUDA plugin then skips its check for CUDA libraries).
-
-* ``cpu_step_ratio`` (with ``--cpu-step-ratio``; for information): the engine's seconds per
-  step on ``tiny_v41`` over a mesh of 8 fake CPU devices (``data=2, expert=2, model=2``, in a
-  subprocess started with ``--xla_force_host_platform_device_count=8``) over the same on one
-  device, the same workload after warm-up in both (`cpu_step_ratio`; fp32 with exact records,
-  so ``same_tokens`` checks the two give the same greedy tokens). The 8 "devices" share
-  this machine's cores, so the ratio measures the partitioned program's overheads
-  (collectives, per-device kernels), not a speed-up.
-
-The README's table (``--table``) is the planner's rows for v5e, v6e, v5p and H200 slices.
+Prints one JSON line (``--table``: the planner table of docs/planner.md).
+Usage and fields: docs/benchmarks.md#benchmarkssharding.
 """
 
 from __future__ import annotations
@@ -212,7 +166,7 @@ def cpu_step_ratio() -> dict[str, Any]:
 
 
 def table(slices=TABLE_SLICES, **kwargs: Any) -> str:
-    """The README's markdown table: `dsv4.plan.markdown_table` of v41_flash per slice."""
+    """The markdown table of docs/planner.md: `dsv4.plan.markdown_table` of v41_flash per slice."""
     cfg = v41_flash()
     return P.markdown_table([P.plan(cfg, P.parse_slice(s), **kwargs) for s in slices])
 
@@ -248,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the engine's step on 8 fake CPU devices against one (a subprocess)",
     )
-    ap.add_argument("--table", action="store_true", help="print the README's markdown table")
+    ap.add_argument("--table", action="store_true", help="print docs/planner.md's markdown table")
     args = ap.parse_args(argv)
     try:
         if args.table:

@@ -1,45 +1,8 @@
 """Speculative decoding (fp32, CPU by default): tokens/s with and without it, n-gram drafts on
 ``tiny_v41`` and the DSpark drafter of the shipped ``tiny_v41_trained``.
 
-    python -m benchmarks.speculative                    # batches 1, 8; k = 3; 64 new tokens
-    python -m benchmarks.speculative --batches 1 --k 5 --repeats 3
-    python -m benchmarks.speculative --no-ngram --dspark-k 5 --prefixes 64   # DSpark only
-
-Prints ONE JSON line. For each batch size B, B prompts made of a few repeated phrases (a
-repetitive workload: n-gram lookup finds matches in them), greedy, no EOS; measured side by side
-in one process, interleaved, best of ``--repeats`` warm runs each:
-
-* ``plain_sync_tokens_per_s`` / ``plain_async_tokens_per_s``: `LLM.generate` without drafts;
-* ``ngram_tokens_per_s``: with ``{"method": "ngram", "num_speculative_tokens": k}`` (lookup
-  lengths 1..3), synchronous, and its ``acceptance_rate``, ``mean_acceptance_length`` and
-  per-position acceptance;
-* ``ngram_async_tokens_per_s``: the same, asynchronous (drafts proposed one token past the step
-  in flight, used only when that step accepted every draft and sampled the guessed token);
-* ``oracle_tokens_per_s``: the same engine with a drafter that proposes the true continuation
-  (known from the plain run), every draft accepted: the ceiling of the verification step at
-  this k, not a method one could serve with;
-* ``ngram_over_plain_sync`` etc.: the ratios. Every speculative output is checked equal to the
-  plain one (``outputs_equal``).
-
-The random tiny weights almost never continue a phrase of the prompt, so n-gram drafts are
-nearly all rejected there and speculation costs time; ``--ngram-model tiny_v41_trained`` runs
-the same rows on the shipped trained model, which does continue them. The oracle row shows what
-the engine gains per accepted draft.
-
-DSpark (``results["dspark"]``, unless ``--dspark-k 0``): the shipped ``tiny_v41_trained`` with
-its trained 2-stage drafter, on prefixes of ``--prompt-len`` held-out tokens of the standard
-library (`dsv4.data`), greedy, measured the same way:
-
-* ``trained_plain_sync_tokens_per_s``, ``trained_plain_async_tokens_per_s``,
-  ``dspark_tokens_per_s`` (``{"method": "dspark", "num_speculative_tokens": dspark_k}``,
-  synchronous) and ``dspark_async_tokens_per_s`` (asynchronous: the device feeds each step the
-  drafts the previous one made, and moves it back by the drafts that one rejected) with the
-  acceptance figures and ``outputs_equal``;
-* ``first_block``: the engine's mean accepted drafts of the FIRST verification after each of
-  ``--prefixes`` held-out prefixes of 128 tokens (one verification per request: max_tokens=2)
-  beside `dsv4.train_dspark.acceptance` on the same prefixes, the offline figure (reference
-  forward, drafting from scratch): the two measure the same thing, the engine through its paged
-  drafter (the README's 0.67 of 5 is the offline figure on 64 prefixes).
+Prints one JSON line, measured side by side, with acceptance figures and a check that every
+output equals the plain one. Usage and fields: docs/benchmarks.md#benchmarksspeculative.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Start-up of `LLM("tiny_v41")`: a cold start and a second start of the same configuration,
 each in a fresh process sharing one JAX persistent compilation cache directory.
 
-Usage::
-
-    python -m benchmarks.startup                        # the demo's engine configuration
-    python -m benchmarks.startup --token-buckets 8 --max-num-batched-tokens 8
-
-It prints ONE JSON line: per start, the seconds to a ready engine (params, pools, warm-up), the
-warm-up seconds, the XLA compilations of the warm-up and the executables loaded from the
-persistent cache instead. A second start compiles nothing when the cache works.
+Prints one JSON line: per start, seconds to a ready engine, warm-up seconds, compilations and
+executables loaded from the cache. Usage: docs/benchmarks.md#benchmarksstartup.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Deterministic multi-turn chat workload, replayed through `serving.scheduler.Scheduler`.
 
-`run_loop` is the lab's model-free loop (`serving.lab.drive` with its `ModelFreeBackend`: the
-Scheduler over a KV-cache manager, the workload's predetermined outputs as the sampled tokens,
-a conversation's next turn added when a turn finishes), synchronous, with every first turn
-queued at the start. This module adds the benchmark's instruments around it.
-
-Every scheduling rule (FCFS admission under the token budget and ``max_num_seqs``, chunked
-prefill, prefix hits, SWA bounded replay, preemption by recompute, lookahead slots, the length
-caps) is the Scheduler's; this module writes none of them. The KV-cache manager the Scheduler
-calls is wrapped in `TimedManager`, a proxy that times ``get_computed_blocks`` /
-``allocate_slots`` / ``free`` and request hashing, and records the decision log. The manager is
-our `cache.KVCacheManager` or anything with its interface, e.g.
-`benchmarks.adapters.VllmKVCacheManager` over vLLM 0.32's manager.
-
-The workload and its generator are `serving.lab.workloads`' (`make_chat_workload`; the names
-`ChatWorkload` and `Conversation` remain for the benchmark's callers).
-
-Nothing speculative is ever scheduled: ``num_lookahead_tokens`` only reserves slots (no drafter
-proposes tokens). No KV connector, no encoder inputs, no async scheduling.
+`run_loop` is the lab's model-free loop with the benchmark's instruments around it (`TimedManager`
+times the manager's calls and records the decision log); every scheduling rule is the
+Scheduler's. Details: docs/benchmarks.md#benchmarksworkload.
 """
 
 from __future__ import annotations
