@@ -206,12 +206,8 @@ class MirroredRequest(Request):
     """Our `cache.Request` (what the Scheduler reads and writes) paired with the vLLM
     ``Request`` that vLLM's manager reads.
 
-    The progress fields the Scheduler writes (``num_computed_tokens``, ``num_in_flight_tokens``,
-    ``num_preemptions``, ``spec_token_ids``, ``shared_prefix_boundary``) live on the vLLM
-    request, so both views always agree; output tokens are appended to both. Only the vLLM
-    request is hashed (by vLLM's hasher): ours is created without one. When the Scheduler
-    preempts (it bumps ``num_preemptions``), the vLLM request's status becomes PREEMPTED, as
-    vLLM's ``_preempt_request`` sets it.
+    The Scheduler's progress fields live on the vLLM request, so both views always agree; only the
+    vLLM request is hashed. Details: docs/benchmarks.md#benchmarksadaptersmirroredrequest.
     """
 
     def __init__(
@@ -281,19 +277,8 @@ class VllmKVCacheManager:
     """`cache.KVCacheManager`'s interface, as `serving.scheduler.Scheduler` calls it, over a
     vLLM 0.32 ``KVCacheManager``.
 
-    The translation is what vLLM's own scheduler does around its manager:
-
-    * ``new_request``: one vLLM ``Request`` per our request (`MirroredRequest`);
-    * ``get_computed_blocks``: vLLM returns ``(blocks, hit tokens, shared_prefix_boundary)``
-      and its scheduler stores the boundary on the request (``_get_local_prefix_cache_hit``);
-      hits no longer than the bounded-replay window are dropped *after* the call, as vLLM's
-      scheduler does (ours drops them inside ``get_computed_blocks``); the length vLLM returned
-      is kept in ``raw_num_hit_tokens``;
-    * ``num_replay_tokens``: vLLM's ``_mark_prefix_replay`` (the hit's last window);
-    * ``allocate_slots``: the same positional arguments, and our keyword-only arguments under
-      the same names; a successful call marks the vLLM request RUNNING (vLLM's scheduler does
-      so right after admitting it; the manager's watermark reads the status);
-    * ``free``, ``get_block_ids``, ``get_num_common_prefix_blocks``, ``usage``: forwarded.
+    The translation is what vLLM's own scheduler does around its manager, call by call:
+    docs/benchmarks.md#benchmarksadaptersvllmkvcachemanager.
 
     Args:
         manager: vLLM's ``KVCacheManager``, or anything shaped like it.

@@ -67,16 +67,13 @@ class GenerateCase:
 
 
 class RestCase(GenerateCase):
-    """`GenerateCase` with every matrix product of the model replaced by a stand-in that reads
-    its operands and multiplies nothing: the product's output shape filled with the sum of
-    every operand (each operand read once, as any product must; a sum, not one element, so
-    that XLA cannot shrink the work feeding it). What the decode step costs apart from its
-    products: the norms, mixes, rotations, softmaxes, top-ks, cache reads and writes and the
-    loop, at the step's shapes.
+    """`GenerateCase` with every matrix product replaced by a stand-in that reads its operands and
+    multiplies nothing: what the decode step costs apart from its products.
 
-    The products are all ``jnp.einsum`` calls (`dsv4.layers`, `dsv4.reference`,
-    `dsv4.model`): the stand-in replaces ``jnp.einsum`` while this case's own jit traces, and
-    the traced program is checked to hold no ``dot_general``."""
+    The stand-in replaces ``jnp.einsum`` while this case's own jit traces, and the traced program is
+    checked to hold no ``dot_general``.
+    Details: docs/benchmarks.md#benchmarksdecode_scalingrestcase.
+    """
 
     def __init__(self, params: Any, cfg: Any, prompt: Any, new_tokens: int) -> None:
         import functools
@@ -112,11 +109,10 @@ class RestCase(GenerateCase):
 class PagedCase:
     """Timed decode calls of the paged step for ``batch`` requests whose prompts are cached.
 
-    The host side is the engine's: `dsv4.paged.pools` layout and pools from the allocator's
-    `KVCacheConfig`, `serving.Scheduler` over `cache.KVCacheManager` plans a prefill step (every
-    prompt whole) and then a decode step (one token per request), `serving.InputBatch` turns
-    each plan into `StepRequest`s and `build_batch` makes the batch. The decode batch is then
-    replayed: every timed call writes the same slots."""
+    The host side is the engine's (pools from the allocator's `KVCacheConfig`, `serving.Scheduler`
+    plans a prefill then a decode step, `serving.InputBatch` and `build_batch` make the batch); the
+    decode batch is then replayed, every timed call writing the same slots.
+    """
 
     def __init__(self, params: Any, cfg: Any, prompt: Any, *, max_model_len: int,
                  num_blocks: int, calls: int, token_bucket: int | None,

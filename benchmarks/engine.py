@@ -99,12 +99,9 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> tuple
     ``prompt_len`` tokens, best of ``10 * repeats`` calls, and the same step's milliseconds
     inside a loop (`_loop_ms_per_step`).
 
-    The batch is planned as the engine plans one: a `serving.Scheduler` over the engine's
-    allocator schedules the prompts (chunked under the engine's token budget; their pages are
-    allocated, not computed: a decode step's cost does not depend on what its pages hold; the
-    first requests decode a few tokens while the last prompts are scheduled) until a step
-    decodes one token of every request, and `serving.InputBatch` turns that plan into the
-    runner's step batch."""
+    The batch is planned as the engine plans one:
+    docs/benchmarks.md#benchmarksengine_device_ms_per_step.
+    """
     import jax
     import numpy as np
 

@@ -365,10 +365,9 @@ def compressor_bench(
     """Compressor of one kv source (latent 512, rope 64) at `ratio`: every token's row in, a
     record per closed group out at random pages (pages and ring donated, updated in place).
 
-    Records, kv (ratio 1) and the norm weight are f32 on TPU (its compressor writes 32-bit
-    records only), bf16 elsewhere. Decode at ratio 2: every other request is at an odd position
-    and closes its pair from its ring row (steady state: half the requests close a group a
-    step); prefill chunks start at an even position."""
+    f32 records on TPU (its compressor writes 32-bit records only), bf16 elsewhere; at ratio 2
+    half the decode requests close a group from their ring row each step.
+    """
     t, r = shape.tokens, shape.batch
     per_req = t // r
     per_block = COMP_BLOCK // ratio

@@ -42,7 +42,7 @@ Conversation = Session
 class LoopConfig:
     """The Scheduler's arguments for one replay (vLLM's names where they differ).
 
-    Fields:
+    Attributes:
         max_num_batched_tokens, max_num_seqs, max_model_len, num_lookahead_tokens: the
             Scheduler's arguments of the same names.
         full_sequence_must_fit: the Scheduler's ``reserve_full_isl`` (vLLM 0.32's
@@ -120,12 +120,7 @@ class TimedManager:
     ``get_computed_blocks``, ``allocate_slots``, ``free`` and request hashing (creation and
     output appends) into ``result``, and appends the decision log to ``log`` when given.
 
-    Log entries: ``("get", request_id, hit_block_ids_per_group, hit_tokens)`` (hits as the
-    Scheduler receives them, i.e. after the bounded-replay drop of hits no longer than the
-    window; the manager's raw length goes to ``result.raw_hits``), ``("alloc", request_id,
-    num_new_tokens, num_new_computed_tokens, new_block_ids_per_group | None)`` and
-    ``("free", request_id, why)`` with ``why = free_reason`` ("preempt" or "finish", set by the
-    loop: ``schedule()`` frees only to preempt, ``update_from_output()`` only to finish).
+    The log's entries: docs/benchmarks.md#benchmarksworkloadtimedmanager.
     """
 
     def __init__(self, manager: Any, result: LoopResult, log: list[tuple] | None) -> None:
