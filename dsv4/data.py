@@ -1,31 +1,8 @@
 """Training text: the Python standard library's own source, as byte-level tokens.
 
-Every machine that runs this package has it: the ``*.py`` files under the running interpreter's
-``sysconfig.get_paths()["stdlib"]`` (third-party ``site-packages`` / ``dist-packages`` and
-``__pycache__`` excluded), listed in sorted order of their paths relative to that root, so the
-list depends only on the interpreter's version. The text is the Python Software Foundation's,
-under the PSF License Agreement (version 2; the interpreter ships it as ``LICENSE.txt`` beside the
-library, or see https://docs.python.org/3/license.html), which permits copying and derivative
-works provided the licence and its copyright notice are retained; a model trained on it and
-samples drawn from it are derived from PSF-licensed text.
-
-The split is by file: file i of the sorted list is held out when ``i % heldout_every ==
-heldout_every - 1`` (every 20th file by default), the rest train; no file is in both.
-
-Tokens are either the built-in byte tokenizer's (`dsv4.tokenizer.ByteTokenizer`: each file's
-raw bytes, which need not be UTF-8, become ids ``byte + 3``) or a byte-level BPE's trained on the
-train files by `train_bpe` (ids 0, 1, 2 are BOS, EOS and padding as for the byte tokenizer; the
-few files that are not UTF-8, test fixtures of other encodings, are left out of both splits on
-this path). Either way each file is framed as ``BOS ids.. EOS`` and the files of a split are
-concatenated in list order into one uint16 stream; `split_bytes` counts the bytes a stream
-encodes, for bits per byte.
-
-Batches are windows of a fixed length cut from the stream, in an order fixed by a seed:
-`batch_at(tokens, position, ...)` is the ``position``-th batch, a pure function of its
-arguments, so a run that stores how many batches it drew continues with the same batches after
-a restart. Epoch e starts its windows at a random offset below the window length and visits them
-in a random permutation (both drawn from ``numpy.random.default_rng([seed, e])``); a batch never
-spans two epochs (the last, incomplete batch of an epoch is skipped).
+The running interpreter's standard-library ``*.py`` files (PSF License), split by file (every
+``heldout_every``-th held out), framed ``BOS ids.. EOS`` and concatenated; `batch_at` is a pure
+function of its position, so a restarted run draws the same batches (docs/trained_model.md#dsv4data).
 """
 
 from __future__ import annotations

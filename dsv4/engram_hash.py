@@ -1,26 +1,8 @@
 """Engram's n-gram hash ids (`docs/model.md#engram`), on the host, in numpy int64.
 
-An Engram layer looks up, for every token, one table row per (n-gram size, head): the n-grams
-are the token and the ``n - 1`` tokens before it (n = 2 .. ``max_ngram_size``), taken through a
-*compressed* token map (token ids that normalise to the same text share an id). This module
-computes those row ids; the table lookup and the gated update are the model's business (not
-wired into the model yet: see README).
-
-The arithmetic is DeepSeek's, and needs 64-bit integers (JAX defaults to 32 bits, which is one
-reason it runs here, on the host, where the engine keeps each request's token history anyway):
-
-* per Engram layer and look-back k an odd multiplier ``2 m + 1``, m drawn by numpy's
-  ``default_rng(10007 * layer_id).integers(0, bound, size=max_ngram_size, dtype=int64)``
-  with ``bound = max(1, (int64 max // compressed_vocab_size) // 2)``, so that a compressed id
-  times a multiplier never overflows;
-* look-back k of position p reads the compressed id at p - k. From the first k that falls
-  before the sequence start or onto a DEAD position (an image span) on, that look-back and
-  every longer one read the pad token's compressed id instead (the blocking is cumulative);
-* the hash of the n-gram is the XOR of the first n products (id times multiplier), taken modulo
-  the prime of its (n, head), plus the offset of that (n, head)'s row range in the layer's table;
-* the primes: for every layer, n-gram size and head in that order, the smallest prime above
-  ``engram_vocab_size - 1`` that no earlier (layer, n, head) took; the offsets are the running
-  sums of a layer's primes in (n, head) order (its first range starts at row 0).
+DeepSeek's arithmetic needs 64-bit integers, so this transcription runs on the host; the model
+computes the same ids on device from 32-bit halves (`dsv4.engram`). The multipliers, the blocking
+and the primes, rule by rule: docs/model.md#dsv4engram_hash.
 """
 
 from __future__ import annotations

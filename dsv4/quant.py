@@ -1,17 +1,8 @@
 """Quantise-dequantise (QDQ) primitives of the official reference's quantisation simulation.
 
-Each function maps a float array to the values the reference would see after storing it in a
-low-precision format and reading it back, blockwise along the last axis:
-
-* `fp8_qdq` — e4m3 values with one power-of-two scale per block (``2^ceil(log2(amax/448))``,
-  amax floored at 1e-4): activations before fp8/fp4 GEMMs and the window latent (blocks of 32).
-* `fp4_qdq_pow2` — e2m1 values with one power-of-two scale per block of 32 (amax floored at
-  ``6·2^-126``): index queries and index keys.
-* `fp4_qdq_e4m3` — e2m1 values with one e4m3 scale per block of 16 (``e4m3(amax/6)``, amax
-  floored at ``6·2^-9``): compressed KV entries (NVFP4-like).
-
-Roundings are round-to-nearest-even with saturation, as in the reference kernels. The power-of-two
-scale is computed from the exponent and mantissa bits of ``amax * (1/max)`` so it is exact.
+Each maps a float array to what the reference sees after storing it in a low-precision format and
+reading it back, blockwise along the last axis (`fp8_qdq`, `fp4_qdq_pow2`, `fp4_qdq_e4m3`); the
+formats and scale rules: docs/model.md#dsv4quant.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Text <-> token ids for the demo and the notebooks.
 
-Two tokenizers share one small interface (`Tokenizer`): ``encode(text) -> list[int]``,
-``decode(ids) -> str``, ``bos_id``, ``eos_id``, ``vocab_size`` and a human-readable ``name``.
-
-* `ByteTokenizer` needs no files: id 0 is BOS, 1 EOS, 2 padding and byte ``b`` is ``b + 3``, so
-  any text round-trips and the random ``tiny_v41`` model (vocab 512) can be driven from strings.
-  It is the same convention as DeepSeek's special ids (BOS 0, EOS 1), which is why it is the
-  default, but it is of course *not* the vocabulary a released checkpoint was trained with.
-* `HFTokenizer` wraps the ``tokenizers`` package around a checkpoint's ``tokenizer.json``: the
-  real vocabulary of a released model.
-
-`load_tokenizer` picks between them: the checkpoint's ``tokenizer.json`` when there is one, else
-the byte tokenizer, and refuses a byte tokenizer whose ids the model's embedding cannot hold.
-
-``encode`` never adds special tokens by itself (an HF tokenizer's post-processor may or may not
-prepend BOS depending on the file); ``encode(text, add_bos=True)`` prepends ``bos_id``
-explicitly, so the prompt the model sees does not depend on how a tokenizer.json was written.
+`ByteTokenizer` (no files: BOS 0, EOS 1, padding 2, byte ``b`` is ``b + 3``) and `HFTokenizer` (a
+checkpoint's ``tokenizer.json``) share `Tokenizer`'s interface; `load_tokenizer` picks one.
+``encode`` adds no special token unless ``add_bos=True``. Details: docs/model.md#dsv4tokenizer.
 """
 
 from __future__ import annotations

@@ -2,34 +2,9 @@
 
     python scripts/train_tiny.py --out runs/tiny_v41_trained --export dsv4/weights/tiny_v41_trained
 
-with the defaults below (1900 steps of 64 windows of 1024 tokens, then 1500 drafter steps) is
-the run that made the shipped checkpoint. It took 7.6 minutes on one H200 (jax 0.11.2 with
-CUDA 13; the backbone's steps 91 ms each, 4 minutes with their compilations) on the standard
-library of Python 3.12.1 (``--data-root``: the held-out files depend on the interpreter's
-version); on two CPU cores the same steps take about 19 hours (``--measure 5`` prints the
-estimate for the machine at hand).
-
-It first trains the byte-level BPE (`dsv4.data.train_bpe`, 2048 ids) on the train files into
-``--out/tokenizer.json`` (kept, and reused on a rerun), then writes orbax checkpoints under
-``--out`` (rerunning the same command resumes from the newest one, bit for bit), one JSON line of
-metrics per step to ``--out/metrics.jsonl``, and every ``--eval-every`` steps the held-out loss in
-bits per token and per byte. At the end it writes the held-out bits per byte over all of the
-held-out text next to ``xz -9``'s on the same bytes (all files in one stream, and each file on
-its own; `serving.lab.quality.heldout_score`) into ``--out/final.json``. Then it trains the DSpark drafter for ``--drafter-steps``
-over the frozen backbone (`dsv4.train_dspark`; a few minutes, not checkpointed: a rerun trains
-it again from scratch), with its greedy acceptance on held-out prefixes before and after, and
-``--export DIR`` writes the backbone and the drafter in the released checkpoint format with the
-config and the tokenizer (`dsv4.save_pretrained`).
-
-``--cpu-hour`` trains the first, narrower version instead (width 64, 2.3M parameters; 3200 steps
-of 8 windows of 256 tokens, then 600 drafter steps), which fits in about an hour on two CPU
-cores: it scored 1.595 bits per byte on the held-out text, worse than ``xz -9e`` over the text
-as one stream (1.340), which is why the shipped model is the wider one trained on a GPU. Its
-export loads by path (``LLM(model=DIR)``); its config is `CPU_HOUR_WIDTHS` over
-`tiny_v41_trained`.
-
-``--measure N`` instead times N jitted sparse steps after the compile, prints tokens/s and the
-time ``--steps`` would take, and trains nothing that it keeps.
+with the defaults is the run that made the shipped checkpoint (``--cpu-hour``: the narrower CPU
+version; ``--measure N``: time N steps). What it writes, resumes and exports:
+docs/trained_model.md#scriptstrain_tinypy.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The cache-layout lab: the real `Scheduler` and allocator over seeded workloads, without the
 model (a cost model gives step times) or through the engine.
 
-    from serving import lab
-    wl = lab.make_workload("chat", seed=0, num_conversations=50)
-    rows = lab.sweep(wl, lab.LabConfig(pool_blocks=2000), layouts=["v41", "v41_noreplay"],
-                     knob="pool_blocks", values=range(500, 4001, 500))
-    lab.plot_sweep(rows, "pool_blocks", "out/")
-
-Model-free runs import no JAX. `serving.lab.workloads` (generators, JSONL), `serving.lab.drive`
-(the loop, model-free and engine backends), `serving.lab.experiment` (knobs, layouts, runs,
-sweeps), `serving.lab.cost` (the step-time model), `serving.lab.plots` (matplotlib, the ``lab``
-extra).
+Model-free runs import no JAX. Modules: `workloads` (generators, JSONL), `drive` (the loop),
+`experiment` (knobs, layouts, runs, sweeps), `cost` (the step-time model), `plots` (matplotlib).
+Guide and example: docs/lab.md.
 """
 
 from serving.lab.cost import CHIPS, MODELS

@@ -1,14 +1,8 @@
 """``dsv4 lab``: a model-free lab sweep from the command line.
 
-    dsv4 lab --workload chat --sweep pool_blocks=500:4000:500 --layouts v41,v41_noreplay --out DIR
-
-writes ``DIR/results.jsonl`` and ``DIR/results.csv`` (one row per layout x value), the PNG
-plots (``sweep_<knob>.png``, ``memory_per_layout.png``) and the workload (``workload.jsonl``),
-with a progress bar. ``--set knob=value`` sets any other knob (`serving.lab.KNOBS`),
-``--workload-arg name=value`` a generator argument (``lo,hi`` for a range), ``--trace FILE``
-replays a JSONL trace instead of a generated workload. Every flag, knob and point of the sweep
-is checked before anything runs; on a bad one the command exits with status 2, naming it,
-and writes nothing.
+Writes one results row per layout x value (JSONL and CSV), the plots and the workload, with a
+progress bar; every flag, knob and sweep point is checked before anything runs (exit status 2
+naming a bad one, nothing written). Flags: docs/lab.md#servinglabcli.
 """
 
 from __future__ import annotations

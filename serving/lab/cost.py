@@ -1,24 +1,8 @@
 """The lab's step-time model: bytes and FLOPs of one scheduled step, at a chip's roofline.
 
-A step's time is ``max(bytes / bandwidth, flops / peak)`` over ``num_chips`` chips (ideal
-scaling: the figure is a bound, not a prediction of a given parallel layout). Bytes are the
-weights a step reads plus the KV records its attention reads; FLOPs the matmuls of the active
-parameters plus attention and indexer scoring. The attention terms follow the kernels' own cost
-models (`pallas_kernels/*/cost.py`, `benchmarks/kernels.py`), restated here without JAX so a
-model-free lab run never imports it (tests check both give the same bytes):
-
-* window attention: a decode token reads its window (``min(window, context)`` records); a
-  chunk of ``n`` tokens of one request is read in tiles of 8 tokens, each tile reading
-  ``8 + window`` records;
-* sparse attention: every token of a compressed layer reads its top-k records
-  (``min(topk, context // ratio)``);
-* indexer: every index-source layer scores ``context // ratio`` index keys, once per decode
-  token or once per tile of 8 tokens of a chunk;
-* weights: the non-expert weights once per step, and each routed expert touched by the step's
-  tokens once (the expected number under uniform routing, ``E (1 - (1 - k/E)^T)``).
-
-Formats are the released checkpoint's: non-expert weights fp8 (1 byte), the output head bf16,
-routed experts FP4 with a one-byte scale per 32 values (17/32 byte per parameter).
+A step's time is ``max(bytes / bandwidth, flops / peak)`` over ``num_chips`` chips (a bound, not a
+prediction); the attention terms restate the kernels' cost models without JAX (tests check both
+agree). The terms, one by one: docs/lab.md#servinglabcost.
 """
 
 from __future__ import annotations
@@ -55,7 +39,7 @@ CHIPS = {
 class ModelCost:
     """What the time model needs from a model (figures of `benchmarks.param_count`).
 
-    Fields:
+    Attributes:
         dense_weight_bytes: bytes of every non-expert weight a step reads (attention, shared
             experts, router, norms, output head).
         active_params_per_token: parameters one token's forward multiplies (2 FLOPs each).
@@ -154,10 +138,8 @@ def step_cost(
     (``requests`` yields ``(n, end)``). ``ratios`` are the backbone layers' compress ratios,
     ``index_layers`` the layers that run an indexer (kv and index sources).
 
-    The per-layer terms of `step_cost_by_layer` summed once per distinct compress ratio, in
-    integers: with integer record sizes every partial sum there is an integer, exact in a
-    float below 2**53, so both give the same floats (checked here; beyond it, or with
-    non-integer sizes, the per-layer loop runs).
+    `step_cost_by_layer`'s terms summed once per distinct ratio, in integers, so both give the same
+    floats (checked here; beyond 2**53 or with non-integer sizes the per-layer loop runs).
     """
     if not isinstance(requests, list | tuple):
         requests = list(requests)  # (read twice when the per-layer loop takes over)

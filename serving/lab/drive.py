@@ -1,19 +1,8 @@
 """The lab's loop: a workload's sessions through the one `Scheduler`, with or without the model.
 
-`drive` feeds a `Workload` to a *backend* step by step: a session's first turn is added at
-its arrival step, every later turn when the previous one finishes, with the conversation so
-far (the turn's outputs as the backend produced them) as its prompt. Two backends:
-
-* `ModelFreeBackend`: the `Scheduler` over a `cache.KVCacheManager`, no model; a request whose
-  scheduled tokens reach the end of its sequence "samples" its turn's next predetermined output
-  token. Its `step` has the structure of `Engine.step` (schedule and dispatch; apply the oldest
-  step in flight once the loop is full: two steps deep asynchronously, one synchronously), so
-  the same workload makes the same decisions in both.
-* `EngineBackend`: a `serving.Engine` (the model); outputs are what the model samples
-  (``ignore_eos``, ``max_tokens`` = the turn's output length, so lengths match the workload).
-
-Every scheduling rule is the Scheduler's; nothing here decides what runs. Decision counts come
-from `SchedulerStats` and the manager's `PrefixCacheStats`, in both backends.
+`drive` feeds a `Workload` to a backend step by step: `ModelFreeBackend` (the Scheduler over a
+`cache.KVCacheManager`, outputs predetermined, steps shaped as `Engine.step`'s so both make the
+same decisions) or `EngineBackend` (the model). Details: docs/lab.md#servinglabdrive.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Lab experiments: knobs -> a V4.1 cache layout -> the real scheduler and allocator over a
 workload -> one row of results; sweeps over any knob.
 
-`LabConfig` holds every knob (validated on construction: an unknown knob or a value outside its
-range is a `LabError` naming it). `build_layout` turns it into the allocator's `KVCacheConfig`
-through `cache.layout.for_model` (layer plan, record sizes, block sizes, pool size from a block
-count or a memory budget, aliased or separate pools). `run` replays a workload through
-`serving.lab.drive` with the `ModelFreeBackend` (the `Scheduler` over a `KVCacheManager`, no
-model), meters each step (KV bytes held per group, modelled step time from
-`serving.lab.cost`, time to first token) and returns a flat `dict` row. `sweep` runs a grid of
-layouts x knob values.
+`LabConfig` holds and validates every knob, `build_layout` makes the allocator's `KVCacheConfig`,
+`run` replays and meters a workload, `sweep` runs a grid. Details: docs/lab.md#servinglabexperiment.
 """
 
 from __future__ import annotations
@@ -147,20 +141,8 @@ _LAYOUT_DEFAULTS = {"records": "sm90", "bounded_replay": False, "retention_inter
 class LabConfig:
     """Every knob of a lab run (`KNOBS` lists them with their allowed values).
 
-    Layout: ``layout`` (a `LAYOUTS` name) sets defaults for the knobs below it; ``model`` picks
-    the layer plan (``v41_flash`` | ``tiny_v41``); ``compress_ratios``, ``kv_sources``,
-    ``index_sources`` override it and ``window`` the sliding window. ``records`` is a `RECORDS`
-    preset; ``swa_record_bytes`` / ``compressed_record_bytes`` / ``indexer_key_bytes`` override
-    its sizes. ``block_size`` (raw tokens per compressed / index-key block), ``swa_block_size``.
-    Pool: ``pool_blocks`` or ``memory_gib`` (exactly one), ``pools`` (``aliased``: one byte pool
-    in which every group views its pages, a block costs the widest group's page set;
-    ``separate``: one buffer per layer, a block costs every layer's page). Allocator:
-    ``bounded_replay``, ``retention_interval`` (vLLM's ``prefix_cache_retention_interval``: 0 =
-    only where a resent prompt can resume, None = every aligned boundary, N = also every N
-    tokens), ``enable_prefix_caching``. Scheduler: ``lookahead`` (slots reserved for drafts),
-    ``num_speculative_tokens`` (ring capacity), ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``async_scheduling``. Cost model: ``chip`` (`serving.lab.cost.CHIPS`),
-    ``num_chips``.
+    Layout, pool, allocator, scheduler and cost-model knobs; ``layout`` (a `LAYOUTS` name) sets the
+    defaults of the layout knobs. Each knob: docs/lab.md#servinglabexperimentlabconfig.
     """
 
     layout: str = "v41"
@@ -685,19 +667,10 @@ class _Meter:
 def run(workload: Workload, cfg: LabConfig, *, max_steps: int | None = None) -> dict[str, Any]:
     """Replay ``workload`` under ``cfg`` without the model; one row of results.
 
-    Row fields: the knobs; ``num_blocks``, ``bytes_per_block`` (per group), ``pool_bytes``;
-    the workload's ``turns`` / ``prompt_tokens`` / ``output_tokens``; ``prefix_hit_rate``
-    (``prefix_hits`` / ``prefix_queries``: the share of first admissions' prompt tokens found
-    in the cache) and ``lookup_hit_rate`` (vLLM's logged figure, `PrefixCacheStats`: every
-    lookup counted, also a waiting request's repeated ones),
-    ``recomputed_tokens`` (= ``replay_tokens`` + ``preemption_recomputed_tokens``),
-    ``preemptions``, ``steps``; ``peak_kv_bytes`` / ``mean_kv_bytes`` per group and
-    ``peak_kv_bytes_total`` (bytes of the distinct blocks the groups hold: a prefix block
-    shared by several requests counts once; the total's peak over steps); ``max_running`` (most
-    requests in one step) and ``max_concurrency`` (``max_model_len`` requests the pool holds,
-    vLLM's figure); ``shortest_hit_prompt``; the cost model's ``modelled_time_s``,
-    ``modelled_output_tokens_per_s``, ``ttft_mean_s`` / ``ttft_p50_s`` / ``ttft_p90_s``;
-    ``sim_wall_s`` and ``sim_steps_per_s`` (the lab's own speed).
+    Returns:
+        A flat dict: the knobs, pool sizes, hit rates, recomputed tokens, preemptions, KV bytes per
+        group, concurrency, the cost model's times and the lab's own speed; each field:
+        docs/lab.md#servinglabexperimentrun.
     """
     config = build_layout(cfg)
     check_fits(workload, cfg, config)

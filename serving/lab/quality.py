@@ -2,16 +2,8 @@
 `tiny_v41_trained`, `dsv4.checkpoint.shipped_checkpoint`) on held-out text, through the paged
 engine, for a record preset, bounded replay on or off, and an index top-k.
 
-Each held-out piece is ``prefix`` tokens then a tail; `score_layout` scores the tail twice with
-``prompt_logprobs``: *cold* (vLLM's rule: a request that asks prompt logprobs reads no prefix
-cache, so every position is computed) and *after a hit* (an earlier request cached the prefix;
-the engine's ``prompt_logprobs_on_hits`` lets the scored request hit it). Bounded replay only
-acts on hits, where it rebuilds the window of the hit from truncated windows. Exact records
-without replay must give the same bits either way (the cached records are what a recompute
-writes). Bytes per token are the byte-level BPE's own, so the figures are bits per byte of text.
-
-JAX is imported by the functions that run the model, not by this module (the lab's model-free
-runs import none). `benchmarks.quality` prints the README's table from these functions.
+Tails are scored cold and after a prefix hit; JAX is imported only by the functions that run the
+model. Details: docs/lab.md#servinglabquality.
 """
 
 from __future__ import annotations

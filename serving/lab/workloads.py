@@ -1,30 +1,8 @@
 """Seeded workloads for the lab, and their JSONL form.
 
-A workload is a set of *sessions*. A session may start from a shared *prefix* (a system prompt,
-an agent's tool preamble, a document) and has one or more *turns*; each turn adds new tokens
-(a user message, a tool output, a question) and has predetermined output tokens, which a
-model-free run feeds back as the "sampled" tokens. Turn ``k``'s prompt is the prefix, every
-earlier turn's new tokens and outputs, then its own new tokens: each turn resends the whole
-conversation, as chat clients do. A session's first turn arrives at step ``arrival``; every
-later turn arrives when the previous one finishes.
-
-Generators (every one seeded: the same arguments give the same workload):
-
-* `make_chat_workload`: multi-turn chat over a few shared system prompts (the allocator
-  benchmark's workload, unchanged: vLLM's decisions were recorded on it);
-* `make_agentic_workload`: agent sessions, long shared tool preambles, many short turns whose
-  new tokens are tool outputs;
-* `make_rag_workload`: a few long documents, each shared by many one- or two-question sessions;
-* `make_long_context_workload`: single long requests with nothing shared.
-
-JSONL (`save_jsonl` / `load_jsonl`), one JSON object per line:
-
-    {"workload": "chat", "seed": 0, "version": 1}                       header, first line
-    {"prefix": 0, "tokens": [..]}                                       a shared prefix
-    {"session": 3, "turn": 0, "prefix": 0, "arrival": 0, "user": [..], "output": [..]}
-
-Prefixes come before the turns that name them; a session's turns are numbered 0, 1, ... in
-order and agree on ``prefix`` and ``arrival``. A trace recorded elsewhere loads the same way.
+A workload is a set of sessions, each an optional shared prefix and turns whose prompts resend
+the whole conversation; generators for chat, agentic, RAG and long-context workloads (same
+arguments, same workload). The model and the JSONL format: docs/lab.md#servinglabworkloads.
 """
 
 from __future__ import annotations
