@@ -1,8 +1,8 @@
 """Training text: the Python standard library's own source, as byte-level tokens.
 
-The running interpreter's standard-library ``*.py`` files (PSF License), split by file (every
-``heldout_every``-th held out), framed ``BOS ids.. EOS`` and concatenated; `batch_at` is a pure
-function of its position, so a restarted run draws the same batches (docs/trained_model.md#dsv4data).
+The running interpreter's standard-library ``*.py`` files (PSF License), split by file, framed
+``BOS ids.. EOS`` and concatenated; `batch_at` is a pure function of its position, so a restarted
+run draws the same batches. Details: docs/trained_model.md#dsv4data.
 """
 
 from __future__ import annotations
