@@ -1,10 +1,8 @@
 """Engine-wide figures: compilations, throughput, prefix-cache hits, KV usage, preemptions.
 
 `compilation_count()` counts XLA backend compilations in this process (`jax.monitoring`
-listeners, installed once): the engine's tests read it before and after a workload to prove that
-nothing compiles after warm-up. JAX reports a backend-compile event also when it loads an
-executable from its persistent compilation cache instead of compiling; those loads are counted
-apart (`persistent_cache_hits()`) and not as compilations.
+listeners), so tests can prove nothing compiles after warm-up; executables loaded from the
+persistent compilation cache count apart (`persistent_cache_hits()`), not as compilations.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Waiting queues for the scheduler: first-come-first-served and priority order.
 
-Mirrors vLLM v1's `vllm/v1/core/sched/request_queue.py`: the same policy enum, the same
-queue operations (`add_request`, `pop_request`, `peek_request`, `prepend_request`,
-`prepend_requests`, `remove_request`, `remove_requests`) and the same factory
-`create_request_queue`. A queue holds request objects; it reads only `request_id`,
-`priority` and `arrival_time` from them.
+Mirrors vLLM v1's `vllm/v1/core/sched/request_queue.py`: the same policy enum, queue operations
+and factory `create_request_queue`. A queue reads only `request_id`, `priority` and
+`arrival_time` from the requests it holds.
 """
 
 from __future__ import annotations
@@ -100,14 +98,11 @@ class FCFSRequestQueue:
 
 
 class PriorityRequestQueue:
-    """Binary heap ordered by `(priority, arrival_time)`, lower first (vLLM
+    """Binary heap ordered by `(priority, arrival_time)`, lower first (vLLM's
     `PriorityRequestQueue`).
 
-    Ties are broken by `request_id` and then by insertion order, as vLLM's `Request.__lt__`
-    does (it falls back to object identity where we use an insertion counter, which is
-    deterministic). A priority queue has no front to prepend to: `prepend_request` and
-    `prepend_requests` insert by key, so a preempted request returns to its place in the
-    order rather than jumping the queue.
+    Ties go to `request_id`, then to insertion order (deterministic, where vLLM falls back to
+    object identity). `prepend_request(s)` insert by key: a preempted request returns to its place.
     """
 
     __slots__ = ("_counter", "_heap")

@@ -1,33 +1,9 @@
 """The on-device sampler: one token per request row, with per-request parameters (vLLM v1).
 
-`sample` follows vLLM v1's `Sampler.forward` (`vllm/v1/sample/sampler.py`) in its order:
-
-1. raw logprobs: log_softmax of the model's logits before anything touches them (vLLM's
-   default ``logprobs_mode="raw_logprobs"``); the sampled token's logprob, its rank and the top
-   L come from them (`logprobs_of`);
-2. logits in f32;
-3. min_tokens (vLLM `MinTokensLogitsProcessor`): rows that have not produced min_tokens yet get
-   -inf on their stop tokens (EOS and stop_token_ids);
-4. penalties (vLLM `apply_penalties`): repetition over the prompt and the outputs so far
-   (positive logits divided, the others multiplied), then ``frequency * count`` and
-   ``presence * (count > 0)`` over the outputs subtracted;
-5. greedy rows (temperature < 1e-5): argmax of those logits;
-6. random rows: divide by the temperature, min_p on the probabilities (vLLM
-   `MinPLogitsProcessor`), top-k then top-p (vLLM `apply_top_k_top_p`), and a Gumbel-max draw
-   with the row's own key (vLLM draws exponentials, ``argmax(p / q)``: the same distribution).
-
-Per-request state that outlives a step (output counts, prompt and stop-token masks) lives on
-device in `SamplerState`, one row per persistent slot; the engine writes a slot's rows when a
-request enters (`slot_rows` + `write_slots`) and `sample` counts each sampled token. Nothing
-here keeps host state: `sample` is a pure function, jitted inside the engine's step once per
-request bucket R; work a batch does not need (the [R, V] state gathers, the sort of top-k /
-top-p, the whole random path) is skipped with `lax.cond` on array values, never with Python.
-
-Randomness is per row: row r draws from ``fold_in(wrap_key_data(key_data[r]), counter[r])``,
-so a row gets the same token whatever else is in the batch, whatever R is, and wherever it sits.
-
-Deviation from vLLM: top-p keeps every token whose (processed) logit ties the last one kept,
-where vLLM's sort order decides among tied tokens; the kept set is otherwise the same.
+`sample` follows vLLM v1's `Sampler.forward` in its order (raw logprobs, min_tokens, penalties,
+greedy or temperature / min-p / top-k / top-p and a Gumbel-max draw); it is a pure function, and
+each row's key makes its token independent of the rest of the batch; per-request counts and masks
+live on device in `SamplerState`. Steps, state, one deviation: docs/serving.md#servingsampler.
 """
 
 from __future__ import annotations
@@ -377,10 +353,9 @@ def _top_k_top_p(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
     """vLLM's `apply_top_k_top_p` as value thresholds (f32[R, V]; ``k`` i32[R] in [1, V],
     V = off; ``p`` f32[R], 1 = off).
 
-    Top-k keeps values >= the k-th largest (ties kept). Top-p then works on the top-k survivors
-    in ascending order: tokens whose cumulative probability from the smallest is <= 1 - p are
-    dropped, the most likely never. The kept set of either rule is "values >= a threshold",
-    so each becomes a threshold on the unsorted row and no scatter back is needed.
+    Top-k keeps values >= the k-th largest (ties kept); top-p then drops the survivors whose
+    cumulative probability from the smallest is <= 1 - p (never the most likely). Each kept set is
+    "values >= a threshold", so nothing sorted is scattered back.
     """
     vocab = x.shape[-1]
     ascending = jnp.sort(x, axis=-1)

@@ -1,21 +1,8 @@
 """`SamplingParams`: what a request asks of the sampler, with vLLM's names, defaults and checks.
 
-The fields, their defaults and the validation follow vLLM's `vllm/sampling_params.py`
-(`SamplingParams.__post_init__`, `_verify_args`, `_verify_greedy_sampling`); the checks that need
-the model (token ids inside the vocabulary, the engine's logprobs limit) are in `verify`, as
-vLLM's `SamplingParams.verify` / `_validate_logprobs` / `_validate_stop_token_ids` are.
-
-Every error is a ValueError naming the field, the offending value and what is allowed.
-
-Normalisation done at construction (as vLLM does):
-* ``stop`` becomes a list of strings and ``stop_token_ids`` a list of ints (duplicates removed,
-  order kept); ``seed=-1`` means no seed; ``logprobs=True`` / ``prompt_logprobs=True`` mean 1;
-* a greedy request (``temperature < 1e-5``) gets ``top_p=1``, ``top_k=0``, ``min_p=0`` (they
-  cannot change an argmax) and must have ``n == 1``.
-
-Left out, compared with vLLM: structured outputs, logit bias, allowed / bad words, beam search,
-output kinds and streaming intervals, logits processors' extra args, full-vocabulary logprobs
-(``-1``), and vLLM's newer clamp of temperatures in (0, 0.01) and cap at 2.
+Fields, defaults, normalisation and validation follow vLLM's `vllm/sampling_params.py`; checks
+that need the model are in `verify`. Every error is a ValueError naming the field, the value and
+what is allowed. Normalisation and what is left out: docs/serving.md#servingsampling_params.
 """
 
 from __future__ import annotations
@@ -69,7 +56,9 @@ def _fail(name: str, value: object, allowed: str) -> ValueError:
 class SamplingParams:
     """Sampling parameters of one request (vLLM `SamplingParams`, the subset served here).
 
-    Attributes (vLLM's defaults):
+    The defaults are vLLM's.
+
+    Attributes:
         n: outputs per prompt, >= 1.
         presence_penalty: subtracted once from tokens already generated, in [-2, 2].
         frequency_penalty: subtracted per occurrence of a generated token, in [-2, 2].

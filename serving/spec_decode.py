@@ -1,41 +1,9 @@
 """Speculative decoding: the configuration and the proposers (host side).
 
-`SpeculativeConfig` is vLLM's ``speculative_config`` dict, checked: ``method`` ("ngram", or
-"dspark": the model's DSpark drafter), ``num_speculative_tokens`` k, and for n-gram
-``prompt_lookup_min`` / ``prompt_lookup_max`` (vLLM's defaults: both 5 when neither is given,
-else each defaults to the other).
-
-The engine asks its proposer one question after each step, `next_drafts`: the drafts of the
-running requests for the next step (the scheduler keeps those of requests that decode next).
-
-With asynchronous scheduling the next step is planned while the request's current step is still
-in flight, so a host-side proposer (`next_drafts_ahead`) proposes one token further, under a
-*guess* of what the step in flight does: that it accepts all its drafts (the proposal then
-continues the request's tokens and those drafts), or, once its drafts are known to be unusable,
-that it rejects them all (the proposal continues the known tokens). The first proposed token is
-the guess of the token that step samples, the k after it are the drafts. The device verifies
-the drafts only if the guess held (else none is accepted and the row moves back:
-`serving.runner`); outputs never depend on drafts. DSpark needs no guess: the device drafts
-after the token it sampled.
-
-* `NgramProposer` is vLLM's prompt lookup, on the host: find the longest n-gram
-  (``prompt_lookup_min <= n <= prompt_lookup_max``) that ends the sequence and occurred before,
-  take its earliest earlier occurrence, and propose the (at most k) tokens that followed it,
-  never past ``max_model_len``. It answers per sequence (``propose(token_ids)``), as any
-  host-side proposer may (the tests' oracles do).
-* `DSparkProposer` is the model's drafter. It runs on the device inside the step
-  (`dsv4.paged.draft`, started by the model runner with ``drafter=True``): after verification
-  it drafts k = ``num_speculative_tokens`` (1..``dspark_block_size``) tokens after each sampling
-  request's last sampled token, and the drafts come back with the step's tokens; the proposer
-  hands them on, cut at ``max_model_len``.
-
-Verification runs in the model runner's step: the 1 + d rows of a request with d drafts are
-scored together, each position's token is drawn by the sampler with the key of its position (as
-the non-speculative engine draws it), and drafts are accepted while they equal the drawn
-tokens; the first drawn token that differs (or the one after the last draft) is the bonus.
-For deterministic drafts (n-gram) that is exactly the speculative-sampling rule (accept a draft
-with the target's probability of it; on rejection draw from the target with the draft removed),
-and it makes the output token-for-token the output without speculation, at any temperature.
+`SpeculativeConfig` is vLLM's checked ``speculative_config``; `NgramProposer` is vLLM's prompt
+lookup on the host, `DSparkProposer` hands on the drafts the device made. `next_drafts` and (for
+asynchronous scheduling, one token further under a guess) `next_drafts_ahead` are what the engine
+asks. Proposers, guesses and verification: docs/serving.md#servingspec_decode.
 """
 
 from __future__ import annotations
@@ -187,10 +155,9 @@ def next_drafts(proposer: Any, requests: Iterable[Any], step_output: Any) -> dic
     """The engine's one question to a proposer after a step: drafts for the next step of the
     running ``requests`` (`cache.request.Request`), request id -> tokens (empty ones left out).
 
-    A proposer with ``propose_step(requests, step_output)`` answers for all of them at once
-    (`DSparkProposer`: what the device drafted in the step); any other answers per sequence
-    with ``propose(token_ids) -> list[int]`` over the request's prompt and outputs
-    (`NgramProposer`, or a test's oracle)."""
+    ``propose_step(requests, step_output)`` answers for all at once (`DSparkProposer`); any other
+    proposer answers per sequence with ``propose(token_ids) -> list[int]`` (`NgramProposer`).
+    """
     propose_step = getattr(proposer, "propose_step", None)
     if propose_step is not None:
         return {
@@ -210,12 +177,16 @@ def next_drafts_ahead(
     in_flight: Mapping[str, tuple[Sequence[int], bool]],
     k: int,
 ) -> dict[str, tuple[tuple[int, int] | None, list[int]]]:
-    """A host-side proposer's drafts for the step after the one in flight (module docstring):
-    request id -> (guess, drafts) for every running request, the guess being (the token the
-    step in flight samples, the drafts it rejects). ``in_flight``: the requests that sample in
-    the step in flight -> (the drafts it verifies, whether they can be accepted at all); their
-    proposal starts one token further. Others get (None, drafts) after their known tokens. The
-    proposer answers ``propose(token_ids, num_tokens)``."""
+    """A host-side proposer's drafts for the step after the one in flight (module docstring).
+
+    ``in_flight``: the requests that sample in the step in flight -> (the drafts it verifies,
+    whether they can be accepted at all); their proposal starts one token further, after a guess.
+    The proposer answers ``propose(token_ids, num_tokens)``.
+
+    Returns:
+        request id -> (guess, drafts) for every running request; the guess is (the token the step
+        in flight samples, the drafts it rejects), None for requests not in flight.
+    """
     out = {}
     for request in requests:
         tokens = list(request.all_token_ids)
