@@ -38,9 +38,14 @@ def _files(root: Path, pattern: str) -> list[Path]:
     return out
 
 
-def _names_a_path(span: str) -> bool:
-    """A backticked `dir/file.ext` or `file.md` names a file; a bare `test_x.py` only a name."""
-    return "/" in span or span.partition("#")[0].endswith(".md")
+def _names_a_path(root: Path, span: str) -> bool:
+    """A backticked `file.md`, or `dir/file.ext` under one of the repository's folders, names a
+    file of ours; a bare `test_x.py` is only a name, and `vllm/...` another project's path."""
+    path = span.partition("#")[0]
+    if path.endswith(".md"):
+        return True
+    first = path.split("/")[0]
+    return "/" in path and (first in (".", "..") or (root / first).is_dir())
 
 
 def _prose_lines(text: str) -> list[tuple[int, str]]:
@@ -123,7 +128,7 @@ def markdown_problems(root: Path, path: Path) -> list[str]:
         spans = CODE_SPAN.findall(line)
         prose = CODE_SPAN.sub("", line)
         found = [(t, False) for t in LINK.findall(prose)]
-        found += [(s, True) for s in spans if PATH_LIKE.match(s) and _names_a_path(s)]
+        found += [(s, True) for s in spans if PATH_LIKE.match(s) and _names_a_path(root, s)]
         for target, root_relative in found:
             why = check_target(root, path, target, root_relative=root_relative)
             if why:
@@ -190,7 +195,8 @@ def tiny_repo(tmp_path: Path) -> Path:
     (tmp_path / "docs" / "good.md").write_text("# Good\n\n## A section\n\n## A section\n")
     (tmp_path / "README.md").write_text(
         "# Repo\n\n[good](docs/good.md#a-section), [again](docs/good.md#a-section-1), "
-        "`docs/good.md`, [web](https://example.com), [self](#repo)\n\n"
+        "`docs/good.md`, `pkg/mod.py`, [web](https://example.com), [self](#repo), vLLM's "
+        "`vllm/v1/request.py`\n\n"
         "```\n[in a code block](docs/missing.md)\n```\n"
     )
     (tmp_path / "pkg" / "mod.py").write_text('"""See `docs/good.md#a-section`."""\n')
@@ -209,6 +215,7 @@ def test_checker_passes_a_good_tree(tiny_repo: Path):
         ("docs/bad.md", "[x](#nowhere)\n", "no heading #nowhere"),
         ("docs/bad.md", "see `docs/missing.md`\n", "no such file"),
         ("docs/bad.md", "see `missing.md`\n", "no such file"),
+        ("docs/bad.md", "see `pkg/missing.py`\n", "no such file"),
         ("docs/bad.md", f"[x]({OUTSIDE}/reference/model_v41.md)\n", "outside the repository"),
         ("docs/bad.md", "[x](/etc/passwd.md)\n", "absolute path"),
         ("docs/bad.md", "[x](../../elsewhere/README.md)\n", "no such file"),
