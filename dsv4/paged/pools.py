@@ -1,49 +1,9 @@
 """Device page pools: the byte buffers behind every paged cache, built from a ``KVCacheConfig``.
 
-The host allocator (`cache`) hands out block ids from ONE id space shared by every KV-cache
-group; a block id belongs to one group at a time. This module turns the allocator's static
-description into device buffers and gives every cache layer a typed view of its pages:
-
-* `cache_desc` — the `cache.layout.ModelCacheDesc` of a `ModelConfig` and a `CacheFormats`
-  (record bytes from the formats, ring rows of ``2·head_dim`` floats), so that
-  ``cache.layout.for_model(desc, num_gpu_blocks_override=N)`` gives the ``KVCacheConfig``.
-* `PoolLayout` — per cache layer (compressed KV, index keys, SWA per layer, compressor ring):
-  buffer key, byte offset of its page inside a block row, page bytes, states per page, record
-  format, dim and KV-cache group. Frozen and hashable: a static jit argument. Two layouts:
-
-  - ``"aliased"`` (default, vLLM's packed block-outermost layout): ONE ``uint8`` pool
-    ``[num_blocks, block_stride]``; block ``b`` of a layer is ``pool[b, offset:offset+page]``.
-    Pages of one group sit side by side; groups overlap each other (a block belongs to one
-    group at a time), so a block costs the largest group's page set, not the sum. This is
-    exactly what `cache.layout` sizes: `PoolLayout.pool_bytes` equals `config_pool_bytes`.
-  - ``"separate"`` (debugging): one ``uint8`` buffer ``[num_blocks, page_bytes]`` per layer.
-    Nothing aliases, so a stray write shows up only in its own layer; it costs
-    ``num_blocks · sum(page bytes of every layer)`` (every buffer has a row for every id).
-
-* `init_pools` — zero or NaN-filled buffers (``fill="nan"``: every byte 0xFF, which decodes to
-  NaN in every record format; tests poison unused pages with it); `fill_blocks` resets whole
-  blocks (vLLM zeroes newly allocated blocks when groups of different precisions alias).
-* `read_layer` / `read_blocks` / `write_layer` (and the ring aliases `read_ring` /
-  `write_ring`) — decode pages to ``f32[blocks, states, dim]`` (what the kernels take:
-  ``swa_pages``, ``comp_pages``, ``ikey_pages``, ``ring_pages`` of ``pallas_kernels``), and
-  encode + scatter rows through a slot mapping (``slot = block · states + row``, -1 = no
-  write). Pure jnp, jit-able. `read_layer` decodes every page of the pool (O(num_blocks));
-  `read_blocks` decodes only the given ids.
-* `read_for_table` / `read_ring_for_table` — what the paged step uses: decode only the pages
-  a step's block tables reference (compressed entries and index keys: every entry of the
-  table; window: the columns the batch's windows cover, `window_page_bound` of them at most;
-  ring: one page per request), plus a copy of the null block, and return a remapped table into
-  those pages. A static choice by shapes: when that page count is not smaller than the pool,
-  the whole pool (`read_layer`) and the original table.
-* `check_slots` / `check_block_ids` — host-side (numpy) debug checks: a bad id or slot raises a
-  ValueError naming the layer or group, the value, where it is and the allowed range. The
-  device functions never clamp: an out-of-range slot is dropped and an out-of-range block id
-  reads NaN, so a missed check shows up as missing data or NaN, never as another request's data.
-
-Page byte layout (vLLM's, `docs/cache.md#record-formats`): a page of ``n`` states holds all
-``n`` data rows first (state ``k``'s values at ``k · data_bytes``), then all ``n`` scale rows
-(at ``n · data_bytes + k · scale_bytes``), then alignment padding. Plain float records have no
-scale part, so their page is simply ``[n, record_bytes]``.
+`PoolLayout` gives every cache layer a typed view of its pages (``"aliased"``: vLLM's one byte
+pool, exactly what `cache.layout` sizes; ``"separate"``: one buffer per layer, for debugging);
+the read / write functions decode and encode records through block tables and slot mappings,
+never clamping a bad id. Each function and the page byte layout: docs/cache.md#dsv4pagedpools.
 """
 
 from __future__ import annotations
@@ -121,11 +81,9 @@ def cache_desc(
 ) -> ModelCacheDesc:
     """The cache layout description of a model whose caches store ``formats`` records.
 
-    Record bytes come from the formats (window / compressed records of ``head_dim`` values,
-    index keys of ``index_head_dim``), ring rows are ``[a | s]`` of ``2 · head_dim`` floats.
-    ``block_size`` is B (raw tokens per compressed / index-key block: 128 on SM100, 64 on
-    SM90), ``swa_block_size`` the window block (32 in V4.1); alignments round pages up
-    (V4.1 SM100: 512 for both; SM90: 576). Draft layers (``n_mtp_layers``) get SWA caches.
+    Record bytes come from the formats, ring rows are ``[a | s]`` of ``2 · head_dim`` floats; block
+    sizes and alignments are the platform's (docs/cache.md#cache-specs-and-block-sizes). Draft layers
+    (``n_mtp_layers``) get SWA caches.
 
     Raises:
         ValueError: if a record cannot store its dim (e.g. ``mxfp4`` for a dim that is not a
@@ -187,7 +145,7 @@ def config_pool_bytes(kv_cache_config: KVCacheConfig) -> int:
 class LayerPool:
     """Where one cache layer's pages live and how they are encoded.
 
-    Fields:
+    Attributes:
         name: cache layer name (`cache.layout`'s ``*_name`` functions).
         kind: ``"swa"`` | ``"compressed"`` | ``"index"`` | ``"ring"``; layer_id: model layer.
         group: KV-cache group index (the block table that addresses this layer).
@@ -252,7 +210,7 @@ class PoolLayout:
     Build it with `PoolLayout.build`; look layers up with `layer`. Hashable (pass it as a
     static jit argument).
 
-    Fields:
+    Attributes:
         alias: ``"aliased"`` or ``"separate"``.
         num_blocks: blocks in the shared id space (block 0 is the null block).
         formats: the record formats.
@@ -503,12 +461,9 @@ def fill_blocks(
     (``fill="zeros"``) or 0xFF (``"nan"``); ids outside ``[0, num_blocks)`` (e.g. -1 padding)
     are skipped.
 
-    Why: in the aliased layout a block freed by one group and handed to another still holds the
-    old group's bytes, which the new group's records decode as arbitrary values, NaN or Inf
-    included (e.g. ring floats read as e4m3). vLLM zeroes newly allocated blocks when groups mix
-    precisions (``KVCacheConfig.needs_kv_cache_zeroing``); this is that operation, and with
-    ``"nan"`` the test variant (stale rows read as NaN, so a kernel that reads a row it should
-    not poisons its output)."""
+    Why: an aliased block handed from one group to another still holds the old group's bytes; vLLM
+    zeroes such blocks when groups mix precisions, and ``"nan"`` is the tests' poisoned variant.
+    """
     byte = {"zeros": 0, "nan": NAN_BYTE}.get(fill)
     if byte is None:
         raise ValueError(f"fill must be 'zeros' or 'nan', got {fill!r}")
@@ -692,17 +647,13 @@ def read_layer(
     scaled: bool = False,
     chunk: int | None = DECODE_CHUNK,
 ):
-    """Every page of layer ``name`` decoded: ``dtype[num_blocks, states, dim]`` (f32 default).
+    """Every page of layer ``name`` decoded: ``dtype[num_blocks, states, dim]`` (f32 default), the
+    kernels' ``swa_pages`` / ``comp_pages`` / ``ikey_pages`` / ``ring_pages`` (block 0 = null).
 
-    For SWA / compressed / index-key / ring layers this is the ``swa_pages`` / ``comp_pages`` /
-    ``ikey_pages`` / ``ring_pages`` array of the kernels (block 0 = the null block).
-
-    ``scaled=True`` (``fp8_132`` records only): the records as they are, ``(values e4m3[...,
-    states, dim], scales f32[..., states])`` (the indexer's ``ikey_pages`` and ``key_scales``),
-    instead of decoded pages; ``dtype`` is then unused.
-
-    ``chunk``: pages decoded at a time (a loop over the pool; None = all at once). The values
-    are the same either way; a decode in chunks holds its intermediates for one chunk only."""
+    ``scaled=True`` (``fp8_132`` records only) returns ``(values e4m3, scales f32)`` undecoded, as
+    the indexer takes them; ``chunk`` decodes that many pages at a time (the same values, with one
+    chunk's intermediates held).
+    """
     lp = layout.layer(name)
     if scaled:
         _check_scaled(lp)
@@ -752,12 +703,9 @@ def write_layer(
 ) -> dict[str, jax.Array]:
     """Encode ``values f32[T, dim]`` and store row ``t`` at ``slots[t]`` of layer ``name``.
 
-    ``slot = block · states + row``; ``-1`` means no write. Only the bytes of the written
-    records change (their data and scale rows); the rest of the page, other layers' pages and
-    alignment padding keep their bytes. Slots outside ``[0, num_blocks · states)`` are dropped,
-    never clamped (`check_slots` reports them in debug mode). Two rows with the same slot: one of
-    them wins, unspecified which (`check_slots` rejects duplicates). Returns a new pools dict
-    (only ``pools[buffer]`` replaced).
+    ``slot = block · states + row``; ``-1`` means no write, and slots out of range are dropped,
+    never clamped (`check_slots` reports them, and duplicates, in debug mode). Only the written
+    records' bytes change. Returns a new pools dict (only ``pools[buffer]`` replaced).
     """
     lp = layout.layer(name)
     buf = _buffer(layout, pools, lp)
@@ -805,13 +753,10 @@ def write_ring(
 
 def window_page_bound(num_tokens: int, num_requests: int, window: int, page: int) -> int:
     """Most window-table columns ``T`` tokens of ``R`` requests can read (``page`` = S tokens
-    per page), given that each request's positions in the batch are contiguous.
-
-    A request with ``n`` tokens from ``p0`` reads columns ``(p0 - W + 1) // S .. (p0 + n - 1) // S``
-    (the low end clipped at 0). With ``a = p0 - W + 1 = q·S + s`` (``0 <= s < S``) that is
-    ``(s + n + W - 2) // S + 1 <= (n + W + S - 3) // S + 1 <= n // S + (W + 2S - 4) // S + 1``
-    columns (split ``n = m·S + u``, ``u <= S - 1``). Summed over requests, ``sum(n // S) <=
-    T // S``, so at most ``T // S + R · ((W + 2S - 4) // S + 1)`` columns."""
+    per page), given that each request's positions in the batch are contiguous:
+    ``T // S + R · ((W + 2S - 4) // S + 1)``. The derivation:
+    docs/cache.md#dsv4pagedpoolswindow_page_bound.
+    """
     if min(num_tokens, num_requests) < 0 or min(window, page) < 1:
         raise ValueError(
             f"need num_tokens, num_requests >= 0 and window, page >= 1, got {num_tokens}, "
@@ -879,30 +824,10 @@ def read_for_table(
     chunk: int | None = DECODE_CHUNK,
 ) -> tuple[Any, jax.Array]:
     """Decode only the pages of layer ``name`` that block table ``table i32[R, nb]`` lets a
-    kernel read: ``(pages dtype[P', states, dim], table2 i32[R, nb])`` such that for every
-    such entry ``pages[table2[r, j]]`` is the decoded page ``table[r, j]`` (what
-    ``read_layer(...)[table[r, j]]`` gives). Hand ``pages`` and ``table2`` to the kernel in
-    place of the whole pool and ``table``.
-
-    * Compressed-entry / index-key layers: every column may be read. When ``R·nb + 1 <
-      num_blocks`` the pages are ``[block 0] + table.ravel()`` and ``table2 = 1 + arange``;
-      otherwise the whole pool and ``table`` itself.
-    * Window (SWA) layers need ``positions`` (-1 = padding), ``token_req`` (both ``i32[T]``)
-      and ``window``: a token at ``p`` reads columns ``(p - window + 1) // S .. p // S`` (low
-      end clipped at 0). Each request's columns, from its first position in the batch to its
-      last, are packed after a copy of block 0; every other column of ``table2`` points at that
-      copy (column 0 of a padding row, say). The packed size is static,
-      ``window_page_bound(T, R, window, S)`` capped at ``R·nb``, plus the null copy and one
-      NaN page that any column past the capacity points at (only reachable if a request's
-      positions in the batch are not contiguous: `build_batch` never makes such a batch). When
-      that is not smaller than ``num_blocks``: the whole pool and ``table``.
-    * ``chunk``: pages decoded at a time (`read_layer`).
-    * Rings: use `read_ring_for_table`.
-    * ``scaled=True`` (``fp8_132`` records: the index keys of RELEASED_FP8 / SM90): the pages
-      come as ``(values, scales)`` without decoding (see `read_layer`).
-
-    Like `read_blocks`, ids outside ``[0, num_blocks)`` are never clamped: their pages read NaN.
-    The choice of path is static (shapes only), so one jit serves every batch of a bucket.
+    kernel read: ``(pages dtype[P', states, dim], table2 i32[R, nb])`` with ``pages[table2[r, j]]``
+    the decoded page ``table[r, j]``; hand them to the kernel in place of the pool and ``table``.
+    Window layers also need ``positions``, ``token_req`` and ``window``; the path is static (shapes
+    only), and bad ids read NaN. Each layer kind's rule: docs/cache.md#dsv4pagedpoolsread_for_table.
 
     Raises:
         ValueError: a ring layer; a table that is not 2-D integer; for a window layer, missing
@@ -980,19 +905,14 @@ def read_selected(
     dtype=jnp.float32,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Decode only the entries of compressed-entry layer ``name`` that ``topk i32[T, K]``
-    (request-local entry ids, -1 = none) picks for each token, instead of whole pages.
+    (request-local entry ids, -1 = none) picks for each token, instead of whole pages: ``T·K``
+    records, fewer than `read_for_table` decodes whenever `selected_is_smaller`.
 
-    Returns ``(pages dtype[T, K', dim], table2 i32[T, 1], token_req2 i32[T], topk2 i32[T,
-    K'])``, K' = K rounded up to even (an odd K gets one more pick, -1): token ``t``'s pick
-    ``j`` is entry ``j`` of its own page ``t``, so a sparse-attention kernel given these (with
-    ``entries_per_block = K'``) in place of the pool, ``table``, ``token_req`` and ``topk``
-    reads the same entries in the same order. Picks of -1 and padding tokens (position -1)
-    are -1 in ``topk2`` and their entries read 0.
-
-    A sparse step reads K entries per token, so this is ``T·K`` records where
-    `read_for_table` decodes every page the table references (the whole pool once the
-    batch's tables cover it): use it when `selected_is_smaller`. Block ids outside ``[0,
-    num_blocks)`` are never clamped: those entries read NaN.
+    Returns:
+        ``(pages dtype[T, K', dim], table2 i32[T, 1], token_req2 i32[T], topk2 i32[T, K'])`` with
+        K' = K rounded up to even: token ``t``'s pick ``j`` is entry ``j`` of its own page ``t``, so
+        a sparse-attention kernel given these reads the same entries in the same order
+        (docs/cache.md#dsv4pagedpoolsread_selected).
 
     Raises:
         ValueError: a layer that is not a compressed-entry layer, or arrays of other shapes
