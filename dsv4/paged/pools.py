@@ -81,9 +81,9 @@ def cache_desc(
 ) -> ModelCacheDesc:
     """The cache layout description of a model whose caches store ``formats`` records.
 
-    Record bytes come from the formats, ring rows are ``[a | s]`` of ``2 · head_dim`` floats; block
-    sizes and alignments are the platform's (docs/cache.md#cache-specs-and-block-sizes). Draft layers
-    (``n_mtp_layers``) get SWA caches.
+    Record bytes come from the formats, ring rows are ``[a | s]`` of ``2 · head_dim`` floats;
+    block sizes and alignments are the platform's (docs/cache.md#cache-specs-and-block-sizes).
+    Draft layers (``n_mtp_layers``) get SWA caches.
 
     Raises:
         ValueError: if a record cannot store its dim (e.g. ``mxfp4`` for a dim that is not a
