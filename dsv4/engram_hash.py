@@ -205,13 +205,13 @@ def compressed_token_map(tokenizer: Any, vocab_size: int | None = None) -> tuple
     """(int64[vocab] compressed id of every token id, number of compressed ids) for a
     ``tokenizers.Tokenizer`` (a checkpoint's tokenizer.json, added tokens included).
 
-    A token's key is its decoded text normalised by NFKC, NFD, accent stripping, lower case and
-    whitespace runs collapsed to one space, then stripped; a token that is exactly one space
-    keeps its space (it would otherwise strip to nothing and merge with unrelated tokens), a
-    token whose decoded text is empty keeps its raw text, and a token that decodes to a partial
-    UTF-8 sequence (U+FFFD) is keyed by its raw vocabulary string. Compressed ids are handed
-    out in token-id order of first appearance. With ``vocab_size`` (the model's, at least the
-    tokenizer's), ids the tokenizer does not have map to `DEAD`."""
+    A token's key is its decoded text normalised (NFKC, NFD, accents stripped, lower case,
+    whitespace collapsed), with exceptions for a lone space, empty and partial-UTF-8 tokens; ids go
+    out in token-id order of first appearance (docs/model.md#dsv4engram_hashcompressed_token_map).
+
+    Args:
+        vocab_size: the model's (at least the tokenizer's); ids the tokenizer lacks map to `DEAD`.
+    """
     norm = _normaliser()
     keys = []
     for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):

@@ -1,47 +1,9 @@
 """Byte records of the paged caches: one cache state (a window latent, a compressed entry, an
 index key) as a fixed number of bytes, with bit-exact encoders and decoders.
 
-Every format here is a `RecordFormat` with ``record_bytes(dim)``, ``encode(x f32[..., dim]) ->
-uint8[..., nbytes]`` and ``decode(b uint8[..., nbytes], dim) -> f32[..., dim]``. Pure ``jnp``
-(bit casts, shifts, ``float8_e4m3fn`` conversions): jit-able, no host round trips. A record is its
-*data bytes* followed by its *scale bytes*; the pools (`dsv4.paged.pools`) store a page as vLLM
-does, all data rows of the page first, then all scale rows (`docs/cache.md#record-formats`).
-
-Formats (``dim`` = values per record; the released model has 512 for latents, 128 for index
-keys):
-
-=============  ==========================  =====================================================
-name           bytes (dim 512 / 128)       content; what ``decode(encode(x))`` equals
-=============  ==========================  =====================================================
-``f32``        ``4·dim``                   raw float32; x itself
-``bf16``       ``2·dim``                   raw bfloat16 (round to nearest even); ``bf16(x)``
-``mxfp8``      ``dim + dim/32`` (528)      e4m3 values, then one UE8M0 (power-of-two exponent)
-                                           byte per 32 dims; ``quant.fp8_qdq(x, 32)``
-``nvfp4``      ``dim/2 + dim/16`` (288)    e2m1 codes two per byte (even dim in the low
-                                           nibble), then one e4m3 scale per 16 dims;
-                                           ``quant.fp4_qdq_e4m3(x, 16)``
-``fp8_132``    ``dim + 4`` (132 for 128)   e4m3 values, then one float32 power-of-two scale
-                                           over all dims; ``quant.fp8_qdq(x, dim)``
-``mxfp4``      ``dim/2 + dim/32`` (68)     e2m1 pairs, then one UE8M0 byte per 32 dims;
-                                           ``quant.fp4_qdq_pow2(x, 32)``
-``v4_584``     ``dim + 64 + k`` (584)      DeepSeek-V4's record (vLLM ``fp8_ds_mla``, what V4.1
-                                           uses on every non-SM100 GPU): dims ``0..dim-65`` as
-                                           e4m3 with one UE8M0 byte per 64, the last 64 (rope)
-                                           dims raw bf16, then the scale bytes padded with zeros
-                                           to a multiple of 8 (7 + 1 for 512)
-=============  ==========================  =====================================================
-
-Scale rules: `docs/cache.md#record-formats` (index keys: the next section) and the reference's
-quantisation simulation (`dsv4.quant`): power-of-two scales ``2^ceil(log2(amax / max))`` with
-amax floored at 1e-4 (fp8) or ``6·2^-126`` (mxfp4); NVFP4 scales ``e4m3(amax / 6)`` with amax
-floored at ``6·2^-9``. The encoders compute the scale and the rounded values with exactly the
-operations of the QDQ functions, so decoding reproduces them bit for bit (tested).
-
-NaN fill: every byte 0xFF decodes to NaN in every format (0xFF is NaN as float32 / bfloat16 /
-e4m3 / UE8M0 and the NVFP4 scale byte is an e4m3), which is how tests poison unused pages.
-
-`CacheFormats` picks one record per cache kind; its presets are the configurations the project
-runs (`EXACT`, `BF16`, `RELEASED`, `RELEASED_FP8`, and `SM90` for the H200 584-B record).
+Each `RecordFormat` (f32, bf16, mxfp8, nvfp4, fp8_132, mxfp4, v4_584) encodes and decodes in pure
+``jnp``, reproducing `dsv4.quant`'s QDQ bit for bit; 0xFF bytes decode to NaN in every format.
+`CacheFormats` picks one per cache kind. Formats and rules: docs/cache.md#dsv4pagedrecords.
 """
 
 from __future__ import annotations
@@ -483,21 +445,14 @@ _KIND_FIELD = {"swa": "window", "compressed": "compressed", "index": "index"}
 class CacheFormats:
     """Which record each cache kind stores (frozen and hashable: part of static jit args).
 
-    Fields:
+    The compressor rings always hold raw float32 ``[a | s]`` rows, as in vLLM. Presets:
+    ``EXACT`` (f32), ``BF16`` (the serving default), ``RELEASED`` (the reference's quant_sim),
+    ``RELEASED_FP8`` and ``SM90`` (H200): docs/cache.md#dsv4pagedrecordscacheformats.
+
+    Attributes:
         window: record of the sliding-window latents (every layer's SWA cache).
         compressed: record of the compressed KV entries (kv sources).
         index: record of the index keys (kv sources that are index sources).
-
-    The compressor rings always hold raw float32 ``[a | s]`` rows (``"f32"``), as in vLLM.
-
-    Presets (class attributes and module constants):
-        ``EXACT``: f32 everywhere (tests against ``reference.forward`` at 1e-4);
-        ``BF16``: bf16 everywhere (the serving default);
-        ``RELEASED``: window mxfp8, compressed nvfp4, index mxfp4 — what the official
-            reference's quantisation simulation stores (``ModelConfig(quant_sim=True)``);
-        ``RELEASED_FP8``: window mxfp8, compressed mxfp8, index fp8_132 (V4.1 on SM100
-            without NVFP4 / MXFP4 keys);
-        ``SM90``: window / compressed v4_584, index fp8_132 (V4.1 on H200).
     """
 
     window: str = "bf16"
