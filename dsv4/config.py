@@ -134,7 +134,7 @@ def _storage_dtype(key: str, value: Any) -> str:
 class ModelConfig:
     """The DeepSeek-V4.1 text model. Defaults are the released V4.1-Flash values.
 
-    The vision tower is parsed, not computed (see README).
+    The vision tower is parsed, not computed (see docs/model.md).
     """
 
     vocab_size: int = 129280

@@ -964,7 +964,7 @@ def describe_compiled(got: dict) -> str:
     )
 
 
-# -- the README table --------------------------------------------------------------------------
+# -- the planner table (docs/planner.md) -----------------------------------------------------------
 
 
 def describe(p: ChipPlan, model: str) -> str:

@@ -398,7 +398,7 @@ def _add_plan_command(sub) -> None:
     )
     out = plan.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON line per slice")
-    out.add_argument("--markdown", action="store_true", help="the README's table")
+    out.add_argument("--markdown", action="store_true", help="the table of docs/planner.md")
     plan.set_defaults(func=_plan, subparser=plan)
 
 

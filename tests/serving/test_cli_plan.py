@@ -1,5 +1,5 @@
 """`dsv4 plan`: per-chip weights, KV pages per group, activations and the largest batch per
-slice, as text, JSON lines or the README's markdown; bad slices, meshes and sizes exit 2 with a
+slice, as text, JSON lines or docs/planner.md's markdown; bad slices, meshes and sizes exit 2 with a
 message naming the value."""
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def test_trained_drafter_acceptance_equals_the_offline_figure():
         llm.engine.runner.params, llm.cfg, stream, prefix_len=128, num_prefixes=32
     )
     assert engine == pytest.approx(offline["mean_acceptance_length"], abs=0.1)
-    assert engine > 0.3  # a trained drafter: the README's figure is 0.67 of 5
+    assert engine > 0.3  # a trained drafter: docs/trained_model.md's figure is 0.67 of 5
 
 
 # -- the layout ----------------------------------------------------------------------------------
