@@ -304,6 +304,108 @@ def _ratio(ms: dict[str, float], batches: Sequence[int]) -> dict[str, float]:
     return {f"ratio_b{hi}_over_b{lo}": round(ms[str(hi)] / ms[str(lo)], 3)}
 
 
+def _check_args(
+    cfg, batches, prompt_len, new_tokens, repeats, paged_calls, token_bucket, request_bucket
+) -> None:
+    """Refuse sizes the benchmark cannot run, naming the value."""
+    from dsv4.paged.batch import rows_needed
+
+    if prompt_len < 1 or new_tokens < 2 or prompt_len + new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt_len={prompt_len} >= 1 and new_tokens={new_tokens} >= 2 must fit "
+            f"max_seq_len {cfg.max_seq_len}"
+        )
+    if repeats < 1 or paged_calls < 1 or not batches or min(batches) < 1:
+        raise ValueError(f"repeats={repeats}, paged_calls={paged_calls} and batches must be >= 1")
+    if token_bucket is not None and token_bucket < max(batches):
+        raise ValueError(f"token_bucket={token_bucket} cannot hold batch {max(batches)}")
+    rows = max(rows_needed(b, b, token_bucket or b) for b in batches)
+    if request_bucket is not None and request_bucket < rows:
+        raise ValueError(
+            f"request_bucket={request_bucket} cannot hold {rows} rows (batch {max(batches)}, "
+            "and a row for padding tokens when the token bucket is larger)"
+        )
+
+
+def _cases(
+    params,
+    cfg,
+    batches,
+    paths,
+    prompt_len,
+    new_tokens,
+    seed,
+    *,
+    num_blocks,
+    paged_calls,
+    token_bucket,
+    request_bucket,
+) -> dict[tuple[str, int], Any]:
+    """One case per (path, batch): built (and compiled) once, measured in alternation."""
+    max_model_len = prompt_len + new_tokens
+    cases: dict[tuple[str, int], Any] = {}
+    for b in batches:
+        prompt = _prompts(cfg, b, prompt_len, seed)
+        if "generate" in paths:
+            cases[("generate", b)] = GenerateCase(params, cfg, prompt, new_tokens)
+        if "matmuls" in paths:
+            cases[("matmuls", b)] = MatmulCase(params, cfg, b, max_model_len, new_tokens)
+        if "rest" in paths:
+            cases[("rest", b)] = RestCase(params, cfg, prompt, new_tokens)
+        if "paged" in paths:
+            cases[("paged", b)] = PagedCase(
+                params,
+                cfg,
+                prompt,
+                max_model_len=max_model_len,
+                num_blocks=num_blocks,
+                calls=paged_calls,
+                token_bucket=token_bucket,
+                request_bucket=request_bucket,
+            )
+    return cases
+
+
+def _over_smallest_whole_step(out: dict[str, Any], path: str, batches: Sequence[int]) -> None:
+    """``path``'s largest-batch step over generate's smallest-batch whole step (None when the
+    latter measured 0: too few --new-tokens to time it). For the matmuls path it is the floor
+    argument (the products alone of the largest batch against a 2x budget); for the rest path,
+    what the step costs without its products."""
+    lo, hi = str(min(batches)), str(max(batches))
+    whole = out["generate"]["ms_per_step"][lo]
+    part = out[path]["ms_per_step"][hi]
+    out[path][f"b{hi}_over_generate_b{lo}"] = round(part / whole, 3) if whole else None
+
+
+def _summary(out: dict[str, Any], cases, batches, paths, paged: dict[str, Any]) -> None:
+    """Add each path's per-step times, ratios and extra figures to ``out`` (``paged``: the
+    paged path's settings, reported beside its figures)."""
+    for path in paths:
+        ms = {str(b): round(cases[(path, b)].ms_per_step(), 4) for b in batches}
+        out[path] = {"ms_per_step": ms, **_ratio(ms, batches)}
+    compare = "generate" in paths and len(batches) > 1
+    if "matmuls" in paths:
+        flops = {str(b): cases[("matmuls", b)].flops for b in batches}
+        out["matmuls"].update(
+            count=len(cases[("matmuls", max(batches))].matmuls),
+            mflop_per_step={b: round(f / 1e6, 3) for b, f in flops.items()},
+            gflop_per_s={
+                b: round(f / 1e6 / max(out["matmuls"]["ms_per_step"][b], 1e-9), 2)
+                for b, f in flops.items()
+            },
+        )
+        if compare:
+            _over_smallest_whole_step(out, "matmuls", batches)
+    if "rest" in paths and compare:
+        _over_smallest_whole_step(out, "rest", batches)
+    if "paged" in paths:
+        out["paged"].update(
+            **paged,
+            token_bucket={str(b): cases[("paged", b)].token_bucket for b in batches},
+            request_bucket={str(b): cases[("paged", b)].request_bucket for b in batches},
+        )
+
+
 def run_benchmark(
     *,
     batches: Sequence[int] = DEFAULT_BATCHES,
@@ -321,45 +423,20 @@ def run_benchmark(
     import jax
 
     from dsv4.config import tiny_v41
-    from dsv4.paged.batch import rows_needed
     from dsv4.params import count_params, init_params
 
     t0 = time.perf_counter()
     cfg = tiny_v41()
     max_model_len = prompt_len + new_tokens
-    if prompt_len < 1 or new_tokens < 2 or max_model_len > cfg.max_seq_len:
-        raise ValueError(
-            f"prompt_len={prompt_len} >= 1 and new_tokens={new_tokens} >= 2 must fit "
-            f"max_seq_len {cfg.max_seq_len}"
-        )
-    if repeats < 1 or paged_calls < 1 or not batches or min(batches) < 1:
-        raise ValueError(f"repeats={repeats}, paged_calls={paged_calls} and batches must be >= 1")
-    if token_bucket is not None and token_bucket < max(batches):
-        raise ValueError(f"token_bucket={token_bucket} cannot hold batch {max(batches)}")
-    rows = max(rows_needed(b, b, token_bucket or b) for b in batches)
-    if request_bucket is not None and request_bucket < rows:
-        raise ValueError(
-            f"request_bucket={request_bucket} cannot hold {rows} rows (batch {max(batches)}, "
-            "and a row for padding tokens when the token bucket is larger)"
-        )
+    _check_args(cfg, batches, prompt_len, new_tokens, repeats, paged_calls, token_bucket,
+                request_bucket)  # fmt: skip
     params = init_params(cfg, jax.random.PRNGKey(seed))
     # one pool size for every batch (the step reads pages by table while the pool is larger):
     # a request needs its compressed and ring blocks plus window blocks for max_model_len
     num_blocks = 1 + max(batches) * (4 + 4 * -(-max_model_len // SWA_BLOCK_SIZE))
-    cases: dict[tuple[str, int], Any] = {}
-    for b in batches:
-        prompt = _prompts(cfg, b, prompt_len, seed)
-        if "generate" in paths:
-            cases[("generate", b)] = GenerateCase(params, cfg, prompt, new_tokens)
-        if "matmuls" in paths:
-            cases[("matmuls", b)] = MatmulCase(params, cfg, b, max_model_len, new_tokens)
-        if "rest" in paths:
-            cases[("rest", b)] = RestCase(params, cfg, prompt, new_tokens)
-        if "paged" in paths:
-            cases[("paged", b)] = PagedCase(
-                params, cfg, prompt, max_model_len=max_model_len, num_blocks=num_blocks,
-                calls=paged_calls, token_bucket=token_bucket, request_bucket=request_bucket,
-            )  # fmt: skip
+    cases = _cases(params, cfg, batches, paths, prompt_len, new_tokens, seed,
+                   num_blocks=num_blocks, paged_calls=paged_calls, token_bucket=token_bucket,
+                   request_bucket=request_bucket)  # fmt: skip
     for _ in range(repeats):
         for case in cases.values():
             case.measure()
@@ -379,42 +456,8 @@ def run_benchmark(
         "repeats": repeats,
         "sampling": "greedy, no eos",
     }
-    for path in paths:
-        ms = {str(b): round(cases[(path, b)].ms_per_step(), 4) for b in batches}
-        out[path] = {"ms_per_step": ms, **_ratio(ms, batches)}
-    if "matmuls" in paths:
-        flops = {str(b): cases[("matmuls", b)].flops for b in batches}
-        out["matmuls"].update(
-            count=len(cases[("matmuls", max(batches))].matmuls),
-            mflop_per_step={b: round(f / 1e6, 3) for b, f in flops.items()},
-            gflop_per_s={
-                b: round(f / 1e6 / max(out["matmuls"]["ms_per_step"][b], 1e-9), 2)
-                for b, f in flops.items()
-            },
-        )
-        if "generate" in paths and len(batches) > 1:
-            # the floor argument: if the matmuls of the largest batch alone take more than
-            # 2x the whole step of the smallest, no schedule of the other ops gets under 2x
-            lo, hi = str(min(batches)), str(max(batches))
-            whole = out["generate"]["ms_per_step"][lo]
-            mm = out["matmuls"]["ms_per_step"][hi]
-            # None when the generate step measured 0 (too few --new-tokens to time it)
-            out["matmuls"][f"b{hi}_over_generate_b{lo}"] = round(mm / whole, 3) if whole else None
-    if "rest" in paths and "generate" in paths and len(batches) > 1:
-        # what the largest batch's step costs without its products, next to the smallest
-        # batch's whole step: the rest of a 2x step's budget is all the products may take
-        lo, hi = str(min(batches)), str(max(batches))
-        whole = out["generate"]["ms_per_step"][lo]
-        rest = out["rest"]["ms_per_step"][hi]
-        out["rest"][f"b{hi}_over_generate_b{lo}"] = round(rest / whole, 3) if whole else None
-    if "paged" in paths:
-        out["paged"].update(
-            calls=paged_calls,
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
-            token_bucket={str(b): cases[("paged", b)].token_bucket for b in batches},
-            request_bucket={str(b): cases[("paged", b)].request_bucket for b in batches},
-        )
+    paged = {"calls": paged_calls, "num_blocks": num_blocks, "max_model_len": max_model_len}
+    _summary(out, cases, batches, paths, paged)
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
 
