@@ -16,7 +16,6 @@ Invariants (tests check every one after every step):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from cache.hashing import (
@@ -26,9 +25,7 @@ from cache.hashing import (
     make_block_hash_with_group_id,
     resolve_block_hashes,
 )
-
-if TYPE_CHECKING:
-    from cache.request import Request
+from cache.request import Request
 
 
 class KVCacheBlock:

@@ -11,19 +11,17 @@ longest prefix-cache hit common to all groups (vLLM's ``kv_cache_coordinator.py`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from cache import spec as specs
 from cache.block_pool import BlockPool, KVCacheBlock
-from cache.managers import (
+from cache.request import Request
+from cache.single_type_kv_cache_manager import (
     CrossAttentionManager,
     SingleTypeKVCacheManager,
     allocator_spec,
     get_manager_for_kv_cache_spec,
 )
-
-if TYPE_CHECKING:
-    from cache.request import Request
 
 
 def replay_boundaries(

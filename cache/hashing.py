@@ -17,10 +17,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NewType
-
-if TYPE_CHECKING:
-    from cache.request import Request
+from typing import Any, NewType, Protocol
 
 BlockHash = NewType("BlockHash", bytes)
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
@@ -30,6 +27,19 @@ _GROUP_ID_BYTES = 4
 _sha256 = hashlib.sha256
 _dumps = pickle.dumps
 _PROTO = pickle.HIGHEST_PROTOCOL
+
+
+class HashedRequest(Protocol):
+    """What hashing reads from a request (`cache.request.Request` is the one implementation)."""
+
+    all_token_ids: list[int]
+    lora_name: str | None
+    mm_features: list[tuple[str, int, int]]
+    cache_salt: str | None
+    needs_extra_keys: bool
+
+    @property
+    def block_hashes(self) -> BlockHashes: ...
 
 
 def sha256(obj: Any) -> bytes:
@@ -88,7 +98,7 @@ def get_group_id(key: bytes) -> int:
 
 
 def generate_block_hash_extra_keys(
-    request: Request, start_token_idx: int, end_token_idx: int
+    request: HashedRequest, start_token_idx: int, end_token_idx: int
 ) -> tuple[Any, ...] | None:
     """Extra keys of the block ``[start_token_idx, end_token_idx)``, in vLLM's order.
 
@@ -109,7 +119,7 @@ def generate_block_hash_extra_keys(
 
 def get_request_block_hasher(
     hash_block_size: int, hash_fn: HashFn = sha256, seed: int = 0
-) -> Callable[[Request], list[BlockHash]]:
+) -> Callable[[HashedRequest], list[BlockHash]]:
     """A function computing the hashes of a request's *new* full blocks.
 
     It starts after the request's existing ``block_hashes`` and stops before a partial block,
@@ -121,7 +131,7 @@ def get_request_block_hasher(
         )
     root = none_hash(hash_fn, seed)
 
-    def request_block_hasher(request: Request) -> list[BlockHash]:
+    def request_block_hasher(request: HashedRequest) -> list[BlockHash]:
         hashes = request.block_hashes
         start = len(hashes) * hash_block_size
         tokens = request.all_token_ids

@@ -31,7 +31,11 @@ from cache import KVCacheManager, Request
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache.hashing import make_block_hash_with_group_id, resolve_block_hashes
 from cache.layout import for_model, tiny_v41_desc
-from cache.managers import CircularBufferManager, FullAttentionManager, SlidingWindowManager
+from cache.single_type_kv_cache_manager import (
+    CircularBufferManager,
+    FullAttentionManager,
+    SlidingWindowManager,
+)
 from cache.spec import KVCacheConfig
 
 VOCAB = 5

@@ -14,7 +14,7 @@ from cache_testing import admit, chunked, free_ids, full, ids, manager, request,
 from cache import AllBlocksCleared, BlockPool, Request
 from cache.block_pool import BlockHashToBlockMap, KVCacheBlock
 from cache.hashing import generate_block_hash_extra_keys, make_block_hash_with_group_id
-from cache.managers import ChunkedLocalAttentionManager, SlidingWindowManager
+from cache.single_type_kv_cache_manager import ChunkedLocalAttentionManager, SlidingWindowManager
 
 COMMON = list(range(48))
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from cache import spec as specs
 from cache.block_pool import BlockPool, KVCacheBlock
 from cache.hashing import BlockHashes, resolve_block_hashes
-
-if TYPE_CHECKING:
-    from cache.request import Request
+from cache.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
