@@ -151,11 +151,7 @@ class KVCacheManager:
         scheduler_block_size: int | None = None,
         max_in_flight_tokens: int | None = None,
     ) -> None:
-        _check_count("max_model_len", max_model_len)
-        if max_model_len == 0:
-            raise ValueError("max_model_len must be positive")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        _check_limits(max_model_len, watermark)
         if swa_bounded_replay:
             kv_cache_config = _with_bounded_replay(kv_cache_config)
         self.kv_cache_config = kv_cache_config
@@ -164,24 +160,10 @@ class KVCacheManager:
         self.use_eagle = use_eagle
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
-        self.scheduler_block_size, self.hash_block_size = resolve_kv_cache_block_sizes(
-            kv_cache_config, enable_caching=enable_caching, hash_block_size=hash_block_size
+        self.scheduler_block_size, self.hash_block_size = _block_sizes(
+            kv_cache_config, enable_caching, hash_block_size, scheduler_block_size
         )
-        if scheduler_block_size is not None and scheduler_block_size != self.scheduler_block_size:
-            raise ValueError(
-                f"scheduler_block_size={scheduler_block_size} does not match this config's "
-                f"{self.scheduler_block_size} (the lcm of its group block sizes)"
-            )
-        if max_in_flight_tokens is not None:
-            if (
-                max_num_batched_tokens is not None
-                and max_num_batched_tokens != max_in_flight_tokens
-            ):
-                raise ValueError(
-                    f"max_in_flight_tokens={max_in_flight_tokens} and max_num_batched_tokens="
-                    f"{max_num_batched_tokens} disagree; give one"
-                )
-            max_num_batched_tokens = max_in_flight_tokens
+        max_num_batched_tokens = _batch_budget(max_num_batched_tokens, max_in_flight_tokens)
         group_specs = [allocator_spec(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
         self.num_replay_tokens_max = max((s.prefix_replay_tokens for s in group_specs), default=0)
         self.coordinator = get_kv_cache_coordinator(
@@ -272,6 +254,7 @@ class KVCacheManager:
 
     # -- allocation ---------------------------------------------------------------------------
 
+    # Over 60 lines: the public entry point's Args list; the steps are the helpers below.
     def allocate_slots(
         self,
         request: Request,
@@ -310,6 +293,64 @@ class KVCacheManager:
             The newly allocated blocks per group, or None if the pool cannot supply them (then
             nothing changed except blocks freed because they left a window).
         """
+        hit_blocks = self._check_allocation(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+            num_external_computed_tokens,
+        )
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_main = num_local_computed + num_new_tokens
+        num_tokens_need_slot = num_tokens_main + num_lookahead_tokens
+        if num_tokens_need_slot > self.max_model_len:
+            num_tokens_need_slot = self.max_model_len
+        watermark = reserved_blocks
+        if self.watermark_blocks and has_scheduled_reqs and request.num_computed_tokens == 0:
+            watermark += self.watermark_blocks
+        num_tokens_to_cache = -1  # -1: register nothing
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens_to_cache = min(num_tokens_main, len(request.all_token_ids))
+        if hit_blocks is None and not full_sequence_must_fit and self.coordinator.plain_path:
+            # The common step (decode, next prefill chunk, a first chunk without hits).
+            new_blocks = self.coordinator.allocate_plain(
+                request, num_local_computed, num_tokens_need_slot, num_tokens_to_cache, watermark
+            )
+            if new_blocks is None:
+                return None
+            if new_blocks is self.coordinator.no_new_blocks:
+                return self.empty_kv_cache_blocks
+            return KVCacheBlocks(new_blocks)
+        if full_sequence_must_fit and not self._full_sequence_fits(
+            request, hit_blocks, num_local_computed, num_encoder_tokens, watermark
+        ):
+            return None
+        return self._allocate_general(
+            request,
+            hit_blocks,
+            num_local_computed,
+            num_tokens_need_slot,
+            num_tokens_to_cache,
+            num_encoder_tokens,
+            watermark,
+        )
+
+    def _check_allocation(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_encoder_tokens: int,
+        reserved_blocks: int,
+        num_external_computed_tokens: int,
+    ) -> tuple[Sequence[KVCacheBlock], ...] | None:
+        """Validates `allocate_slots`'s arguments; returns the hit blocks per group, or None
+        when there are no hits."""
         if type(request) is not Request:
             self._check_request(request)
         if (
@@ -335,18 +376,8 @@ class KVCacheManager:
             )
         if reserved_blocks:
             _check_count("reserved_blocks", reserved_blocks)
-        if new_computed_blocks is not None:
-            hit_blocks = new_computed_blocks.blocks
-            if len(hit_blocks) != self.num_kv_cache_groups:
-                raise ValueError(
-                    f"new_computed_blocks has {len(hit_blocks)} groups, the manager has "
-                    f"{self.num_kv_cache_groups}"
-                )
-            has_hits = any(hit_blocks)
-        else:
-            hit_blocks = self.empty_kv_cache_blocks.blocks
-            has_hits = False
-        if (has_hits or num_new_computed_tokens) and self.coordinator.has_request(
+        hit_blocks = None if new_computed_blocks is None else self._hits(new_computed_blocks)
+        if (hit_blocks or num_new_computed_tokens) and self.coordinator.has_request(
             request.request_id
         ):
             raise ValueError(
@@ -354,52 +385,56 @@ class KVCacheManager:
                 "given at its first allocation"
             )
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_main = num_local_computed + num_new_tokens
-        if num_tokens_main > self.max_model_len:
+        if num_local_computed + num_new_tokens > self.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r} would reach {num_tokens_main} tokens "
-                f"({num_local_computed} computed + {num_new_tokens} new), over max_model_len="
-                f"{self.max_model_len}"
+                f"request {request.request_id!r} would reach {num_local_computed + num_new_tokens}"
+                f" tokens ({num_local_computed} computed + {num_new_tokens} new), over "
+                f"max_model_len={self.max_model_len}"
             )
-        num_tokens_need_slot = num_tokens_main + num_lookahead_tokens
-        if num_tokens_need_slot > self.max_model_len:
-            num_tokens_need_slot = self.max_model_len
+        return hit_blocks
+
+    def _hits(self, blocks: KVCacheBlocks) -> tuple[Sequence[KVCacheBlock], ...] | None:
+        """The hit blocks per group, or None when every group's list is empty."""
+        if len(blocks.blocks) != self.num_kv_cache_groups:
+            raise ValueError(
+                f"new_computed_blocks has {len(blocks.blocks)} groups, the manager has "
+                f"{self.num_kv_cache_groups}"
+            )
+        return blocks.blocks if any(blocks.blocks) else None
+
+    def _full_sequence_fits(
+        self,
+        request: Request,
+        hit_blocks: tuple[Sequence[KVCacheBlock], ...] | None,
+        num_local_computed: int,
+        num_encoder_tokens: int,
+        watermark: int,
+    ) -> bool:
+        """Whether the whole request fits, with the window kinds at their admission cap."""
+        need = self.coordinator.get_num_blocks_to_allocate(
+            request.request_id,
+            min(request.num_tokens, self.max_model_len),
+            hit_blocks or self.empty_kv_cache_blocks.blocks,
+            num_local_computed,
+            num_encoder_tokens,
+            apply_admission_cap=True,
+        )
+        return need + watermark <= self.block_pool.get_num_free_blocks()
+
+    def _allocate_general(
+        self,
+        request: Request,
+        hit_blocks: tuple[Sequence[KVCacheBlock], ...] | None,
+        num_local_computed: int,
+        num_tokens_need_slot: int,
+        num_tokens_to_cache: int,
+        num_encoder_tokens: int,
+        watermark: int,
+    ) -> KVCacheBlocks | None:
+        """`allocate_slots` step by step, as vLLM writes it: free what left a window, count,
+        touch the hits, allocate, register full blocks."""
         coordinator = self.coordinator
         request_id = request.request_id
-        watermark = reserved_blocks
-        if self.watermark_blocks and has_scheduled_reqs and request.num_computed_tokens == 0:
-            watermark += self.watermark_blocks
-
-        if not has_hits and not full_sequence_must_fit and coordinator.plain_path:
-            # The common step (decode, next prefill chunk, a first chunk without hits): one
-            # fused pass over the groups, same decisions as the general path below.
-            num_to_cache = -1
-            if self.enable_caching and not delay_cache_blocks:
-                num_to_cache = len(request.all_token_ids)
-                if num_tokens_main < num_to_cache:
-                    num_to_cache = num_tokens_main
-            new_blocks = coordinator.allocate_plain(
-                request, num_local_computed, num_tokens_need_slot, num_to_cache, watermark
-            )
-            if new_blocks is None:
-                return None
-            if new_blocks is coordinator.no_new_blocks:
-                return self.empty_kv_cache_blocks
-            return KVCacheBlocks(new_blocks)
-
-        if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
-            need = coordinator.get_num_blocks_to_allocate(
-                request_id,
-                full,
-                hit_blocks,
-                num_local_computed,
-                num_encoder_tokens,
-                apply_admission_cap=True,
-            )
-            if need + watermark > self.block_pool.get_num_free_blocks():
-                return None
-
         # Blocks that left a window are freed before counting demand, so they can be reused
         # right away (vLLM does this even when the request then does not fit).
         coordinator.remove_skipped_blocks(
@@ -408,20 +443,22 @@ class KVCacheManager:
             request.num_prompt_tokens,
         )
         need = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hit_blocks, num_local_computed, num_encoder_tokens
+            request_id,
+            num_tokens_need_slot,
+            hit_blocks or self.empty_kv_cache_blocks.blocks,
+            num_local_computed,
+            num_encoder_tokens,
         )
         if need + watermark > self.block_pool.get_num_free_blocks():
             return None
-        if has_hits:
+        if hit_blocks is not None:
             coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_local_computed)
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_encoder_tokens
         )
-        if self.enable_caching and not delay_cache_blocks:
-            coordinator.cache_blocks(request, min(num_tokens_main, request.num_tokens))
-        if not any(new_blocks):
-            return self.empty_kv_cache_blocks
-        return KVCacheBlocks(new_blocks)
+        if num_tokens_to_cache >= 0:
+            coordinator.cache_blocks(request, num_tokens_to_cache)
+        return self.create_kv_cache_blocks(new_blocks)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's full blocks up to ``num_computed_tokens`` (after a delay)."""
@@ -480,6 +517,46 @@ class KVCacheManager:
     def _check_request(request: Request) -> None:
         if not isinstance(request, Request):
             raise TypeError(f"expected a cache.Request, got {type(request).__name__}")
+
+
+def _check_limits(max_model_len: int, watermark: float) -> None:
+    _check_count("max_model_len", max_model_len)
+    if max_model_len == 0:
+        raise ValueError("max_model_len must be positive")
+    if not 0.0 <= watermark < 1.0:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+
+
+def _block_sizes(
+    kv_cache_config: specs.KVCacheConfig,
+    enable_caching: bool,
+    hash_block_size: int | None,
+    scheduler_block_size: int | None,
+) -> tuple[int, int]:
+    """(scheduler block, hash block) of the config; a given scheduler block must match."""
+    resolved = resolve_kv_cache_block_sizes(
+        kv_cache_config, enable_caching=enable_caching, hash_block_size=hash_block_size
+    )
+    if scheduler_block_size is not None and scheduler_block_size != resolved[0]:
+        raise ValueError(
+            f"scheduler_block_size={scheduler_block_size} does not match this config's "
+            f"{resolved[0]} (the lcm of its group block sizes)"
+        )
+    return resolved
+
+
+def _batch_budget(
+    max_num_batched_tokens: int | None, max_in_flight_tokens: int | None
+) -> int | None:
+    """The token budget from either of its two names (they must agree when both are given)."""
+    if max_in_flight_tokens is None:
+        return max_num_batched_tokens
+    if max_num_batched_tokens is not None and max_num_batched_tokens != max_in_flight_tokens:
+        raise ValueError(
+            f"max_in_flight_tokens={max_in_flight_tokens} and max_num_batched_tokens="
+            f"{max_num_batched_tokens} disagree; give one"
+        )
+    return max_in_flight_tokens
 
 
 def _with_bounded_replay(config: specs.KVCacheConfig) -> specs.KVCacheConfig:
