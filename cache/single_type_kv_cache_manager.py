@@ -195,7 +195,7 @@ class SingleTypeKVCacheManager:
         Hit blocks that are currently free (evictable) count too: touching them takes them out
         of the free queue. Hits that fall outside the window are not touched, so not counted.
         """
-        num_required = cdiv(num_tokens, self.block_size)
+        num_required = self.fixed_num_blocks or cdiv(num_tokens, self.block_size)
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
             num_required = min(num_required, self.max_admission_blocks_per_request)
         req_blocks = self.req_to_blocks.get(request_id)
@@ -245,7 +245,7 @@ class SingleTypeKVCacheManager:
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Extends the request's list to ``cdiv(num_tokens, B)`` entries with fresh blocks."""
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        num_new = (self.fixed_num_blocks or cdiv(num_tokens, self.block_size)) - len(req_blocks)
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
@@ -306,9 +306,10 @@ class SingleTypeKVCacheManager:
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Longest hit of at most ``max_length`` tokens common to all ``kv_cache_group_ids``.
 
-        Returns one block list per group (nulls at skipped positions) and the hit length.
+        Returns one block list per group (nulls at skipped positions) and the hit length; by
+        default no hit (kinds that are never prefix-cached).
         """
-        raise NotImplementedError
+        return tuple([] for _ in kv_cache_group_ids), 0
 
     # -- release ------------------------------------------------------------------------------
 
@@ -650,44 +651,13 @@ class CircularBufferManager(SingleTypeKVCacheManager):
     supports_prefix_caching = False
     fixed_num_blocks = 1
 
-    def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
-        total_computed_tokens: int,
-        apply_admission_cap: bool = False,
-    ) -> int:
-        return 0 if self.req_to_blocks.get(request_id) else 1
-
     def add_local_computed_blocks(
         self,
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_local_computed_tokens: int,
     ) -> None:
-        return
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        if req_blocks:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(1)
-        req_blocks.extend(new_blocks)
-        return new_blocks
-
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: specs.KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        return tuple([] for _ in kv_cache_group_ids), 0
+        return  # a ring takes no prefix hits
 
 
 SPEC_MANAGER_MAP: dict[type, type[SingleTypeKVCacheManager]] = {
