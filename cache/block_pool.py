@@ -1,16 +1,8 @@
 """Blocks, the free queue, the prefix index and the block pool (vLLM v1's ``block_pool.py``).
 
-Invariants (tests check every one after every step):
-
-1. Block 0 is the *null block*: a placeholder for skipped positions (outside a window). It is
-   never in the free queue, never hashed, and its ``ref_cnt`` is not maintained.
-2. A non-null block is in the free queue iff its ``ref_cnt`` is 0.
-3. A free block may still be cached ("evictable"): freeing never touches the prefix index; an
-   entry is dropped only when its block is reused (lazy eviction), evicted explicitly, or the
-   cache is reset.
-4. A block's hash is set at most once between resets, and a hashed block is in the index under
-   exactly that key.
-5. Free-queue order is eviction order: the head is reused first.
+Block 0 is the null block; a non-null block is in the free queue iff unreferenced; freeing keeps
+a block's index entry until the block is reused (lazy eviction). The invariants the tests check,
+the free ordering and prompt-tail entries: docs/allocator_internals.md, section 3.
 """
 
 from __future__ import annotations
@@ -359,10 +351,8 @@ class BlockPool:
     ) -> None:
         """Makes ``block`` reachable from the prefix boundary ``num_tokens`` inside it.
 
-        vLLM 0.32 registers the prompt's last hash boundary when it falls inside a larger
-        full-attention block. The key is the fine hash at that boundary. A block without a
-        primary hash takes it as primary (so it is then freed to the LRU tail like any cached
-        block); otherwise it is an extra key. Idempotent.
+        The key is the fine hash at that boundary: the block's primary hash if it has none,
+        else an extra key. Idempotent. See docs/allocator_internals.md, section 3.
         """
         if block.is_null:
             return

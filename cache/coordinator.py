@@ -1,11 +1,8 @@
 """Coordinators: fan every allocator operation out to the groups' managers, and find the
 longest prefix-cache hit common to all groups (vLLM's ``kv_cache_coordinator.py``).
 
-* `KVCacheCoordinatorNoPrefixCache`: caching off; any number of groups; hits are always 0.
-* `UnitaryKVCacheCoordinator`: one group; its manager's own lookup.
-* `HybridKVCacheCoordinator`: several groups; an iterative fixed point over the groups' lookups
-  yields the longest length that every group can serve and that is a multiple of the scheduler
-  block size (the lcm of the groups' block sizes).
+One class per case: caching off, one group, several groups (an iterative fixed point over the
+groups' lookups). See docs/allocator_internals.md, section 5.
 """
 
 from __future__ import annotations
@@ -162,11 +159,9 @@ class KVCacheCoordinator:
     ) -> tuple[Sequence[KVCacheBlock], ...] | None:
         """`KVCacheManager.allocate_slots` for a request taking no new prefix hits, fused.
 
-        Frees blocks that left a window, checks capacity, allocates, then registers full blocks
-        up to ``num_tokens_to_cache`` (-1: none). The decisions are those of the per-manager
-        methods (``remove_skipped_blocks``, ``get_num_blocks_to_allocate`` without hits,
-        ``allocate_new_blocks``, ``cache_blocks``), written out in one pass because this runs
-        for every request in every step (tests compare both paths decision for decision).
+        Frees what left a window, checks capacity, allocates, then registers full blocks up to
+        ``num_tokens_to_cache`` (-1: none): the per-manager steps' decisions in one pass, since
+        this runs for every request in every step (docs/allocator_internals.md, section 5).
         """
         rid = request.request_id
         processed = num_computed_tokens - request.num_in_flight_tokens
@@ -276,12 +271,7 @@ class KVCacheCoordinator:
         """Bounds under which `allocate_plain` for ``rid`` has nothing to do, from its tables
         as they are now: (slots needed, processed tokens, tokens to cache), each exclusive.
 
-        Below all three a call frees nothing (every window block it would release is already
-        the null block), needs no block (each group holds enough for the slots), and registers
-        nothing (no group gains a full block to cache). Every quantity only matters through
-        these thresholds, and smaller values (rejected drafts) stay below them. The bounds are
-        dropped whenever anything else changes the request's tables or cache progress (every
-        other coordinator method that does pops them; `forget_quiet_limits` drops all).
+        Every other coordinator method drops them (docs/allocator_internals.md, section 5).
         """
         slots = _UNBOUNDED
         for _, _, tables, block_size, fixed, _, _ in self._plan:
@@ -540,15 +530,9 @@ class SpecGroup(NamedTuple):
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several groups; the common hit is found by an iterative fixed point.
 
-    Each pass asks every attention group for its longest hit not exceeding the current
-    candidate; any group may lower it, and then all are asked again. Full attention is asked
-    once (its hits are prefix-closed) and merely truncated afterwards.
-
-    EAGLE groups (``eagle_drop_once``, vLLM 0.32) match up to one block past the candidate and
-    drop their last matched block at most once per candidate length (vLLM's fix of issue
-    #32802). With ``eagle_drop_once=False`` every lookup drops a block, as vLLM did before;
-    with several window groups that can spiral down to a shorter hit than necessary.
-    Groups that are not prefix-cacheable (rings, bounded-replay windows) take no part.
+    Each pass asks every attention group for its longest hit not above the current candidate,
+    until none lowers it; EAGLE groups drop a block at most once per candidate length with
+    ``eagle_drop_once`` (vLLM 0.32). See docs/allocator_internals.md, section 5.
     """
 
     def __init__(self, *args, **kwargs) -> None:

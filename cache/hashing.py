@@ -1,15 +1,8 @@
 """Chained block hashes, as vLLM v1 computes them for prefix caching.
 
-A block's hash identifies the whole prefix that ends with it:
-``hash_i = H((hash_{i-1}, tuple(tokens of block i), extra_keys_i))`` with ``hash_{-1} = NONE_HASH``.
-Only full blocks are hashed. Hashes are plain ``bytes``; the prefix index keys them together
-with a 4-byte big-endian KV-cache group id (`make_block_hash_with_group_id`), so one token
-content yields one key per group and groups never share index entries.
-
-Where this differs from vLLM: vLLM draws ``NONE_HASH`` at random unless ``PYTHONHASHSEED`` is
-set, so hashes differ between processes. We take the seed as an explicit argument (default 0):
-no environment switch, and runs are reproducible. Block ids and hit lengths never depend on
-the hash bytes, only on their equality.
+A block's hash names the whole prefix that ends with it; the prefix index keys it together with
+a 4-byte group id. Unlike vLLM, ``NONE_HASH`` comes from an explicit seed, so runs are
+reproducible. See docs/allocator_internals.md, section 2.
 """
 
 from __future__ import annotations
@@ -202,11 +195,9 @@ class BlockHashListWithBlockSize(Sequence[bytes]):
 class BlockHashes(list):
     """A request's fine block hashes (append-only), with memoised coarser views.
 
-    vLLM rebuilds a coarse block's key (the concatenation of its fine hashes) at every lookup;
-    a waiting request is looked up again every step, so we keep each coarse list and only
-    extend it as the fine list grows. Element ``i`` of ``coarse(n)`` equals
-    ``BlockHashListWithBlockSize(self, hash_block_size, block_size)[i]`` for ``n`` fine hashes
-    per coarse block.
+    ``coarse(n)[i]`` is the concatenation of fine hashes ``i*n .. i*n+n-1`` (equal to
+    `BlockHashListWithBlockSize`'s element); each coarse list is kept and only extended, since
+    a waiting request is looked up again every step.
     """
 
     __slots__ = ("_coarse", "_keys")

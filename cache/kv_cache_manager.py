@@ -1,14 +1,8 @@
 """`KVCacheManager`: the scheduler's interface to the allocator (vLLM's ``kv_cache_manager.py``).
 
-Token layout of one ``allocate_slots`` call::
-
-    | computed | new prefix hits | new tokens | lookahead |
-                                 |< to compute >|
-               |<------------ to allocate ------------->|
-               |<-- to cache (only final tokens) ->|
-
-Every call either succeeds whole or returns None having changed nothing but the frees of
-blocks that fell out of a window (vLLM frees those first so they can be reused at once).
+Every ``allocate_slots`` call either succeeds whole or returns None having changed nothing but
+the frees of blocks that fell out of a window. The token layout of a call and its steps:
+docs/allocator_internals.md, section 6.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """Grouping layers into KV-cache groups, sizing the shared block pool, and the V4.1 layout.
 
-Pure Python and pure data: the result, a ``KVCacheConfig``, is what the allocator manages and
-what the device side reads to build its page arrays.
-
-Grouping (``get_kv_cache_groups``) follows vLLM's decision tree:
-
-1. hybrid manager disabled: rewrite window / chunked specs as full attention (compute keeps
-   the window);
-2. no layers: no groups;
-3. all specs mergeable: one group;
-4. one uniform type (same block size and token slots, page sizes may differ): one group of a
-   ``UniformTypeKVCacheSpecs``;
-5. packed (block-outermost) layout, as vLLM 0.32 uses for DeepSeek V4/V4.1: greedy uniform-type
-   buckets, balanced buckets split into equal groups, state buckets capped to fit a block
-   (``get_packed_kv_cache_groups``);
-6. any ``SlidingWindowMLASpec`` (DeepSeek-V4.0 layer-tuple path, ``group_and_unify``);
-7. otherwise: unify page sizes by scaling block sizes, then equal-size groups with vLLM's 1.5x
-   heuristic and strided assignment.
-
-Sizing (``get_kv_cache_config``): one pool of ``num_blocks`` blocks shared by every group; a
-block id belongs to one group at a time, so groups alias the same bytes.
+Pure data: the result, a ``KVCacheConfig``, is what the allocator manages and what the device
+side reads to build its page arrays. Grouping follows vLLM's decision tree; sizing shares one
+pool of blocks between all groups. See docs/allocator_internals.md, section 8.
 """
 
 from __future__ import annotations
@@ -260,13 +243,9 @@ def approximate_gcd(values: Sequence[int], *, lower_bound: int = 1) -> int:
 def group_and_unify_kv_cache_specs(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     """DeepSeek-V4.0 grouping into ``UniformTypeKVCacheSpecs`` groups of aligned layer tuples.
 
-    1. All ``MLAAttentionSpec`` layers form one full group; ``SlidingWindowMLASpec`` layers are
-       bucketed by ``(block_size, sliding_window)`` in order of first appearance.
-    2. Each group's tuple count is the count of its most common page size;
-       ``num_layer_tuples = approximate_gcd(counts, lower_bound=full count)``.
-    3. Each bucket's pages are padded up to the nearest page size of the full group.
-    4. Each bucket is split into ``cdiv(layers per page size, num_layer_tuples)`` groups by
-       strided assignment of layer tuples.
+    MLA layers form one full group; SWA-MLA layers are bucketed by (block size, window), padded
+    to the full group's pages and split into strided groups of layer tuples
+    (docs/allocator_internals.md, section 8).
 
     Raises:
         ValueError: if other spec types are present, there is no MLA layer, a bucket page
@@ -344,12 +323,8 @@ def get_packed_kv_cache_groups(
     """Group mixed-page layers for a block-outermost layout (one block = one slab holding one
     page of every layer of a group). None if all pages are already equal.
 
-    Layers are bucketed greedily by uniform type. A bucket is *balanced* if every page size in
-    it has the same number of layers (a repeating pattern). If some balanced bucket mixes page
-    sizes, ``repeats_per_group = approximate_gcd`` over the balanced buckets' repeat counts and
-    balanced buckets are split into groups of that many repeats; unbalanced buckets stay whole.
-    *State* buckets (rings; sliding windows when nothing sets the repeats) are split only as far
-    as needed to fit the widest other group's block.
+    Uniform-type buckets; balanced ones split into groups of equal repeats, state buckets only
+    as far as needed to fit (docs/allocator_internals.md, section 8).
     """
     if len({s.page_size_bytes for s in specs.values()}) <= 1:
         return None
@@ -988,9 +963,9 @@ def _latest_at_most(ids: tuple[int, ...], layer: int) -> int | None:
 def v41_flash_desc(**overrides: Any) -> ModelCacheDesc:
     """DeepSeek-V4.1-Flash (40 backbone + 3 DSpark layers) on SM90, H200 record sizes.
 
-    Layers 0-1 SWA only, 2-19 r=2, 20-39 r=1. The released config.json (model_v41.md section
-    1.1): layers 2, 8, 14, 20 own a compressor, a compressed cache and index keys (kv sources);
-    24, 28, 32, 36 are index sources only (reindex: they score layer 20's keys).
+    Layers 0-1 SWA only, 2-19 r=2, 20-39 r=1. As in the released config.json, layers 2, 8, 14,
+    20 own a compressor, a compressed cache and index keys (kv sources); 24, 28, 32, 36 are
+    index sources only (reindex: they score layer 20's keys).
     """
     fields_ = {
         "compress_ratios": (0, 0) + (2,) * 18 + (1,) * 20 + (0,) * 3,

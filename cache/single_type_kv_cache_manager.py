@@ -1,11 +1,8 @@
 """One manager per KV-cache group, by attention kind (vLLM's ``single_type_kv_cache_manager``).
 
-A manager keeps, per request, the list of blocks of its group: entry ``i`` holds tokens
-``[i*B, (i+1)*B)``; positions no longer needed (outside a window) hold the null block. Lists
-are append-only: an id, once given to a request, never moves. Managers share one `BlockPool`.
-
-Which manager serves which spec is decided by exact type (`SPEC_MANAGER_MAP`), as in vLLM:
-a new spec subclass must be registered explicitly.
+A manager keeps each request's list of its group's blocks (entry i: tokens ``[i*B, (i+1)*B)``,
+the null block where no longer needed); lists are append-only. Specs map to managers by exact
+type (`SPEC_MANAGER_MAP`). See docs/allocator_internals.md, section 4.
 """
 
 from __future__ import annotations
@@ -424,12 +421,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> bool:
         """Registers the prompt's last hash boundary when it ends inside one of our blocks.
 
-        vLLM 0.32 does this for blocks coarser than the hash block (a resend matches at most
-        ``num_prompt_tokens - 1`` tokens; EAGLE lookups read the whole prompt). The entry only
-        serves sub-block lookups, which need Mamba; here it matters because the block then
-        counts as cached when freed (LRU tail instead of the front).
-
-        Returns whether nothing more can happen before the request's next block fills.
+        vLLM 0.32 does this for blocks coarser than the hash block (docs/allocator_internals.md,
+        section 3). Returns whether nothing more can happen before the next block fills.
         """
         hash_block = self.block_pool.hash_block_size
         limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
@@ -559,11 +552,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ) -> list[bool] | None:
         """Index only blocks that can end an aligned hit (vLLM's sparse window retention).
 
-        A hit needs ``need`` contiguous blocks ending on an aligned boundary, so only the last
-        ``need`` blocks of each aligned segment can ever serve one. ``retention_interval``:
-        None = every aligned boundary (dense); 0 = only the replay boundaries (a resend of the
-        prompt, vLLM 0.32's default); N > 0 = one boundary per N-token segment plus the replay
-        boundaries.
+        Only the last ``need`` blocks of each aligned segment can serve a hit; which segments
+        count depends on ``retention_interval`` (docs/allocator_internals.md, section 4).
         """
         alignment = self.cache_hit_alignment_tokens
         block_size = self.block_size

@@ -1,4 +1,5 @@
-"""`cache` is pure Python: importing all of it pulls in neither jax nor numpy (DESIGN.md)."""
+"""`cache` is pure Python (importing it pulls in neither jax nor numpy), and its modules import
+only downward (docs/allocator_internals.md, section 1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of cache.layout: vllm_kv_cache.md scenarios 30-33, 37, 40 and the V4.1 layouts."""
+"""Tests of cache.layout: scenarios 30-33, 37, 40 (docs/allocator_internals.md, section 9) and the V4.1 layouts."""
 
 import types
 

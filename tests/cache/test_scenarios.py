@@ -1,4 +1,4 @@
-"""The allocator scenarios of ``reference/vllm_kv_cache.md`` section 9, one named test each.
+"""The allocator scenarios of docs/allocator_internals.md section 9, one named test each.
 
 Scenarios 30-33 (sizing) and 37/40 (V4 grouping, admission caps) are in test_layout.py and
 test_spec.py; 34-36 (scheduler) in tests/serving. Unless a test says otherwise it runs with

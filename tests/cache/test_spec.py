@@ -1,4 +1,4 @@
-"""Tests of cache.spec: page sizes (v41_in_vllm.md section 3.3), validation, merge, flags."""
+"""Tests of cache.spec: page sizes (vLLM 0.32's V4.1 records), validation, merge, flags."""
 
 import dataclasses
 
