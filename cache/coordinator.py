@@ -209,7 +209,7 @@ class KVCacheCoordinator:
             if num_skipped > len(blocks):
                 num_skipped = len(blocks)
             if blocks[num_skipped - 1] is not null:
-                m._remove_blocks_in_range(blocks, 0, num_skipped)
+                m.free_blocks_in_range(blocks, 0, num_skipped)
 
     def _plain_demand(
         self, rid: str, num_computed_tokens: int, num_tokens_need_slot: int

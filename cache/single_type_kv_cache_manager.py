@@ -347,11 +347,13 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        self._remove_blocks_in_range(
+        self.free_blocks_in_range(
             blocks, 0, min(num_skipped_tokens // self.block_size, len(blocks))
         )
 
-    def _remove_blocks_in_range(self, blocks: list[KVCacheBlock], first: int, last: int) -> None:
+    def free_blocks_in_range(self, blocks: list[KVCacheBlock], first: int, last: int) -> None:
+        """Frees ``blocks[first:last]`` into nulls, walking back from the end to the first null
+        (earlier ones were nulled before)."""
         null = self._null_block
         freed: list[KVCacheBlock] = []
         for i in range(min(last, len(blocks)) - 1, first - 1, -1):
@@ -470,7 +472,7 @@ class RSWAManager(FullAttentionManager):
             return
         first_gap = cdiv(num_prompt_tokens, self.block_size)
         window_start = max(num_prompt_tokens, num_computed_tokens - self.kv_cache_spec.rswa_window)
-        self._remove_blocks_in_range(blocks, first_gap, window_start // self.block_size)
+        self.free_blocks_in_range(blocks, first_gap, window_start // self.block_size)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
