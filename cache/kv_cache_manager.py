@@ -248,7 +248,7 @@ class KVCacheManager:
 
     # -- allocation ---------------------------------------------------------------------------
 
-    # Over 60 lines: the public entry point's Args list; the steps are the helpers below.
+    # Over 60 lines: the Args list, and the per-step checks kept inline (hot path).
     def allocate_slots(
         self,
         request: Request,
@@ -280,34 +280,51 @@ class KVCacheManager:
                 watermark applies only then, and only to requests not yet running.
             reserved_blocks: free blocks this call must leave untouched (vLLM: for in-flight
                 asynchronous loads).
-            num_external_computed_tokens: tokens a KV connector holds; only 0 is supported
-                (no connectors here).
+            num_external_computed_tokens: tokens a KV connector holds; must be 0 (no connectors).
 
         Returns:
-            The newly allocated blocks per group, or None if the pool cannot supply them (then
-            nothing changed except blocks freed because they left a window).
+            The newly allocated blocks per group, or None if the pool cannot supply them.
         """
-        hit_blocks = self._check_allocation(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_encoder_tokens,
-            reserved_blocks,
-            num_external_computed_tokens,
-        )
+        hit_blocks = None
+        if (
+            type(request) is not Request
+            or new_computed_blocks is not None
+            or type(num_new_tokens) is not int
+            or type(num_new_computed_tokens) is not int
+            or type(num_lookahead_tokens) is not int
+            or type(num_encoder_tokens) is not int
+            or num_new_tokens <= 0
+            or num_new_computed_tokens
+            or num_lookahead_tokens < 0
+            or num_encoder_tokens
+            or reserved_blocks
+            or num_external_computed_tokens
+        ):  # anything but a running request's next tokens: every check (inline: hot path)
+            hit_blocks = self._check_allocation(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                num_encoder_tokens,
+                reserved_blocks,
+                num_external_computed_tokens,
+            )
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_main = num_local_computed + num_new_tokens
+        if num_tokens_main > self.max_model_len:
+            self._raise_too_long(request, num_local_computed, num_new_tokens)
         num_tokens_need_slot = num_tokens_main + num_lookahead_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
         watermark = reserved_blocks
         if self.watermark_blocks and has_scheduled_reqs and request.num_computed_tokens == 0:
             watermark += self.watermark_blocks
-        num_tokens_to_cache = -1  # -1: register nothing
+        num_tokens_to_cache = -1  # -1: register nothing; else only final tokens
         if self.enable_caching and not delay_cache_blocks:
-            num_tokens_to_cache = min(num_tokens_main, len(request.all_token_ids))
+            num_tokens_to_cache = len(request.all_token_ids)
+            if num_tokens_main < num_tokens_to_cache:
+                num_tokens_to_cache = num_tokens_main
         if hit_blocks is None and not full_sequence_must_fit and self.coordinator.plain_path:
             # The common step (decode, next prefill chunk, a first chunk without hits).
             new_blocks = self.coordinator.allocate_plain(
@@ -378,14 +395,14 @@ class KVCacheManager:
                 f"request {request.request_id!r} already holds blocks; prefix hits are only "
                 "given at its first allocation"
             )
-        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        if num_local_computed + num_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} would reach {num_local_computed + num_new_tokens}"
-                f" tokens ({num_local_computed} computed + {num_new_tokens} new), over "
-                f"max_model_len={self.max_model_len}"
-            )
         return hit_blocks
+
+    def _raise_too_long(self, request: Request, num_computed: int, num_new_tokens: int) -> None:
+        raise ValueError(
+            f"request {request.request_id!r} would reach {num_computed + num_new_tokens} tokens "
+            f"({num_computed} computed + {num_new_tokens} new), over max_model_len="
+            f"{self.max_model_len}"
+        )
 
     def _hits(self, blocks: KVCacheBlocks) -> tuple[Sequence[KVCacheBlock], ...] | None:
         """The hit blocks per group, or None when every group's list is empty."""
