@@ -6,7 +6,7 @@ Pure Python; never imports jax. Start with `cache.layout` (specs -> KV-cache gro
 
 from cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from cache.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from cache.request import Request
 
 __all__ = [

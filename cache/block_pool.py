@@ -1,22 +1,13 @@
 """Blocks, the free queue, the prefix index and the block pool (vLLM v1's ``block_pool.py``).
 
-Invariants (tests check every one after every step):
-
-1. Block 0 is the *null block*: a placeholder for skipped positions (outside a window). It is
-   never in the free queue, never hashed, and its ``ref_cnt`` is not maintained.
-2. A non-null block is in the free queue iff its ``ref_cnt`` is 0.
-3. A free block may still be cached ("evictable"): freeing never touches the prefix index; an
-   entry is dropped only when its block is reused (lazy eviction), evicted explicitly, or the
-   cache is reset.
-4. A block's hash is set at most once between resets, and a hashed block is in the index under
-   exactly that key.
-5. Free-queue order is eviction order: the head is reused first.
+Block 0 is the null block; a non-null block is in the free queue iff unreferenced; freeing keeps
+a block's index entry until the block is reused (lazy eviction). The invariants the tests check,
+the free ordering and prompt-tail entries: docs/allocator_internals.md, section 3.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from cache.hashing import (
@@ -26,9 +17,7 @@ from cache.hashing import (
     make_block_hash_with_group_id,
     resolve_block_hashes,
 )
-
-if TYPE_CHECKING:
-    from cache.request import Request
+from cache.request import Request
 
 
 class KVCacheBlock:
@@ -88,18 +77,14 @@ class FreeKVCacheBlockQueue:
     __slots__ = ("fake_free_list_head", "fake_free_list_tail", "num_free_blocks")
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.num_free_blocks = len(blocks)
         head = KVCacheBlock(-1)
         tail = KVCacheBlock(-1)
         self.fake_free_list_head = head
         self.fake_free_list_tail = tail
-        prev = head
-        for block in blocks:
-            prev.next_free_block = block
-            block.prev_free_block = prev
-            prev = block
-        prev.next_free_block = tail
-        tail.prev_free_block = prev
+        head.next_free_block = tail
+        tail.prev_free_block = head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
 
     def popleft(self) -> KVCacheBlock:
         """Removes and returns the head block."""
@@ -148,31 +133,24 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Puts ``blocks`` at the tail in the given order, relinking the tail once."""
-        if not blocks:
-            return
-        tail = self.fake_free_list_tail
-        prev = tail.prev_free_block
-        for block in blocks:
-            block.prev_free_block = prev
-            prev.next_free_block = block  # type: ignore[union-attr]
-            prev = block
-        prev.next_free_block = tail  # type: ignore[union-attr]
-        tail.prev_free_block = prev
-        self.num_free_blocks += len(blocks)
+        if blocks:
+            tail = self.fake_free_list_tail
+            self._link(tail.prev_free_block, blocks, tail)  # type: ignore[arg-type]
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Puts ``blocks`` at the head in the given order (the first is reused first)."""
-        if not blocks:
-            return
-        head = self.fake_free_list_head
-        first = head.next_free_block
-        prev = head
+        if blocks:
+            head = self.fake_free_list_head
+            self._link(head, blocks, head.next_free_block)  # type: ignore[arg-type]
+
+    def _link(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock], nxt: KVCacheBlock) -> None:
+        """Links ``blocks`` as a chain between the adjacent nodes ``prev`` and ``nxt``."""
         for block in blocks:
             block.prev_free_block = prev
             prev.next_free_block = block
             prev = block
-        prev.next_free_block = first
-        first.prev_free_block = prev  # type: ignore[union-attr]
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
@@ -338,43 +316,33 @@ class BlockPool:
             )
         index = self.cached_block_hash_to_block
         suffix = kv_cache_group_id.to_bytes(4, "big")
-        events = self.enable_kv_cache_events
-        new_hashes: list[bytes] = []
-        new_ids: list[int] = []
-        extra_keys: list = []
+        stored: list[int] | None = [] if self.enable_kv_cache_events else None
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             if blk.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
-            block_hash = block_hashes[i]
-            key = block_hash + suffix
+            key = block_hashes[i] + suffix
             if blk._block_hash is None:
                 blk._block_hash = key
                 blk._block_hash_num_tokens = (i + 1) * block_size
                 index.insert(key, blk)
-            else:
+            else:  # a prompt-tail partial entry becomes a full one
                 self._emit_removed(self._remove_cached_block_hashes(blk), blk.block_id)
                 self._insert_block_hash(key, blk, (i + 1) * block_size)
-            if events:
-                new_hashes.append(block_hash)
-                new_ids.append(blk.block_id)
-                extra_keys.append(
-                    generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size)
-                    if request.needs_extra_keys
-                    else None
-                )
-        if events:
+            if stored is not None:
+                stored.append(i)
+        if stored is not None:
             self.kv_event_queue.append(
                 self._stored_event(
                     request,
-                    new_hashes,
+                    [block_hashes[i] for i in stored],
                     block_hashes[num_cached_blocks - 1] if num_cached_blocks else None,
                     num_cached_blocks * block_size,
                     num_full_blocks * block_size,
                     block_size,
                     kv_cache_group_id,
-                    extra_keys,
-                    new_ids,
+                    [(i * block_size, (i + 1) * block_size) for i in stored],
+                    [blocks[i].block_id for i in stored],
                 )
             )
 
@@ -383,10 +351,8 @@ class BlockPool:
     ) -> None:
         """Makes ``block`` reachable from the prefix boundary ``num_tokens`` inside it.
 
-        vLLM 0.32 registers the prompt's last hash boundary when it falls inside a larger
-        full-attention block. The key is the fine hash at that boundary. A block without a
-        primary hash takes it as primary (so it is then freed to the LRU tail like any cached
-        block); otherwise it is an extra key. Idempotent.
+        The key is the fine hash at that boundary: the block's primary hash if it has none,
+        else an extra key. Idempotent. See docs/allocator_internals.md, section 3.
         """
         if block.is_null:
             return
@@ -415,11 +381,7 @@ class BlockPool:
                     num_tokens,
                     num_tokens - start,
                     kv_cache_group_id,
-                    [
-                        generate_block_hash_extra_keys(request, start, num_tokens)
-                        if request.needs_extra_keys
-                        else None
-                    ],
+                    [(start, num_tokens)],
                     [block.block_id],
                 )
             )
@@ -433,12 +395,19 @@ class BlockPool:
         end_token: int,
         block_size: int,
         group_id: int,
-        extra_keys: list,
+        block_ranges: list[tuple[int, int]],
         block_ids: list[int],
     ) -> BlockStored:
+        """The event of storing blocks whose token ranges are ``block_ranges``."""
         kind, window = (
             self.group_metadata[group_id] if group_id < len(self.group_metadata) else ("", None)
         )
+        extra_keys = [
+            generate_block_hash_extra_keys(request, start, end)
+            if request.needs_extra_keys
+            else None
+            for start, end in block_ranges
+        ]
         return BlockStored(
             block_hashes=block_hashes,
             parent_block_hash=parent_block_hash,

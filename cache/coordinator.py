@@ -1,29 +1,24 @@
 """Coordinators: fan every allocator operation out to the groups' managers, and find the
 longest prefix-cache hit common to all groups (vLLM's ``kv_cache_coordinator.py``).
 
-* `KVCacheCoordinatorNoPrefixCache`: caching off; any number of groups; hits are always 0.
-* `UnitaryKVCacheCoordinator`: one group; its manager's own lookup.
-* `HybridKVCacheCoordinator`: several groups; an iterative fixed point over the groups' lookups
-  yields the longest length that every group can serve and that is a multiple of the scheduler
-  block size (the lcm of the groups' block sizes).
+One class per case: caching off, one group, several groups (an iterative fixed point over the
+groups' lookups). See docs/allocator_internals.md, section 5.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from cache import spec as specs
 from cache.block_pool import BlockPool, KVCacheBlock
-from cache.managers import (
+from cache.request import Request
+from cache.single_type_kv_cache_manager import (
     CrossAttentionManager,
     SingleTypeKVCacheManager,
     allocator_spec,
     get_manager_for_kv_cache_spec,
 )
-
-if TYPE_CHECKING:
-    from cache.request import Request
 
 
 def replay_boundaries(
@@ -72,6 +67,25 @@ def validate_retention_interval(
         )
 
 
+def _check_scheduler_block_size(
+    scheduler_block_size: int, groups: Sequence[specs.KVCacheGroupSpec]
+) -> None:
+    for g in groups:
+        if scheduler_block_size % g.kv_cache_spec.block_size:
+            raise ValueError(
+                f"scheduler block size {scheduler_block_size} is not a multiple of a group's "
+                f"block size {g.kv_cache_spec.block_size}"
+            )
+
+
+def _eagle_group_ids(groups: Sequence[specs.KVCacheGroupSpec], use_eagle: bool) -> set[int]:
+    """The groups marked ``is_eagle_group``; with ``use_eagle`` and none marked, all of them."""
+    marked = {i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)}
+    if use_eagle and not marked:
+        return set(range(len(groups)))
+    return marked
+
+
 _UNBOUNDED = 1 << 62  # above any token count
 
 
@@ -96,12 +110,7 @@ class KVCacheCoordinator:
         self.kv_cache_config = kv_cache_config
         self.eagle_drop_once = eagle_drop_once
         groups = kv_cache_config.kv_cache_groups
-        for g in groups:
-            if scheduler_block_size % g.kv_cache_spec.block_size:
-                raise ValueError(
-                    f"scheduler block size {scheduler_block_size} is not a multiple of a group's "
-                    f"block size {g.kv_cache_spec.block_size}"
-                )
+        _check_scheduler_block_size(scheduler_block_size, groups)
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
         self.enable_caching = enable_caching
@@ -113,11 +122,7 @@ class KVCacheCoordinator:
             unhashed_blocks_to_front=unhashed_blocks_to_front,
             group_metadata=group_metadata,
         )
-        self.eagle_group_ids = {
-            i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)
-        }
-        if use_eagle and not self.eagle_group_ids:
-            self.eagle_group_ids = set(range(len(groups)))
+        self.eagle_group_ids = _eagle_group_ids(groups, use_eagle)
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
                 g.kv_cache_spec,
@@ -154,11 +159,9 @@ class KVCacheCoordinator:
     ) -> tuple[Sequence[KVCacheBlock], ...] | None:
         """`KVCacheManager.allocate_slots` for a request taking no new prefix hits, fused.
 
-        Frees blocks that left a window, checks capacity, allocates, then registers full blocks
-        up to ``num_tokens_to_cache`` (-1: none). The decisions are those of the per-manager
-        methods (``remove_skipped_blocks``, ``get_num_blocks_to_allocate`` without hits,
-        ``allocate_new_blocks``, ``cache_blocks``), written out in one pass because this runs
-        for every request in every step (tests compare both paths decision for decision).
+        Frees what left a window, checks capacity, allocates, then registers full blocks up to
+        ``num_tokens_to_cache`` (-1: none): the per-manager steps' decisions in one pass, since
+        this runs for every request in every step (docs/allocator_internals.md, section 5).
         """
         rid = request.request_id
         processed = num_computed_tokens - request.num_in_flight_tokens
@@ -177,21 +180,42 @@ class KVCacheCoordinator:
                 return self.no_new_blocks
             del self._quiet[rid]
         if self._freeing:
-            null = self.block_pool.null_block
-            for m, tables, block_size, offset in self._freeing:
-                if offset is None:
-                    m.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
-                    continue
-                blocks = tables.get(rid)
-                if not blocks:
-                    continue
-                num_skipped = (processed - offset) // block_size
-                if num_skipped <= 0:
-                    continue
-                if num_skipped > len(blocks):
-                    num_skipped = len(blocks)
-                if blocks[num_skipped - 1] is not null:
-                    m._remove_blocks_in_range(blocks, 0, num_skipped)
+            self._free_skipped_plain(rid, processed, request.num_prompt_tokens)
+        need, todo = self._plain_demand(rid, num_computed_tokens, num_tokens_need_slot)
+        if need + reserved_blocks > self.block_pool.free_block_queue.num_free_blocks:
+            return None
+        new_blocks = self.no_new_blocks if todo is None else self._take_new_blocks(rid, todo)
+        if num_tokens_to_cache >= 0 and self._caching:
+            self._cache_plain(request, num_tokens_to_cache)
+        if self._quiet_ok:
+            limits = self._quiet_limits(rid, processed)
+            if limits is not None:
+                self._quiet[rid] = limits
+        return new_blocks
+
+    def _free_skipped_plain(self, rid: str, processed: int, num_prompt_tokens: int) -> None:
+        """`remove_skipped_blocks` of every freeing group, by its skip offset where it has one."""
+        null = self.block_pool.null_block
+        for m, tables, block_size, offset in self._freeing:
+            if offset is None:
+                m.remove_skipped_blocks(rid, processed, num_prompt_tokens)
+                continue
+            blocks = tables.get(rid)
+            if not blocks:
+                continue
+            num_skipped = (processed - offset) // block_size
+            if num_skipped <= 0:
+                continue
+            if num_skipped > len(blocks):
+                num_skipped = len(blocks)
+            if blocks[num_skipped - 1] is not null:
+                m.free_blocks_in_range(blocks, 0, num_skipped)
+
+    def _plain_demand(
+        self, rid: str, num_computed_tokens: int, num_tokens_need_slot: int
+    ) -> tuple[int, list[tuple[int, dict, int]] | None]:
+        """`get_num_blocks_to_allocate` without hits: (free blocks needed, and per group that
+        grows (group index, its tables, blocks to add), or None when none grows)."""
         need = 0
         todo = None
         for i, m, tables, block_size, fixed, skips, cached in self._plan:
@@ -211,49 +235,43 @@ class KVCacheCoordinator:
                     need += required - held
             else:
                 need += required - held
-        pool = self.block_pool
-        if need + reserved_blocks > pool.free_block_queue.num_free_blocks:
-            return None
-        new_blocks = self.no_new_blocks
-        if todo is not None:
-            new_blocks = list(new_blocks)
-            for i, tables, k in todo:
-                new = pool.get_new_blocks(k)
-                blocks = tables.get(rid)
-                if blocks is None:
-                    tables[rid] = new[:]
-                else:
-                    blocks.extend(new)
-                new_blocks[i] = new
-            new_blocks = tuple(new_blocks)
-        if num_tokens_to_cache >= 0 and self._caching:
-            align = self._cache_alignment
-            boundaries = None
-            for m, cached, block_size, use_eagle, below, settled in self._cache_plan:
-                n = num_tokens_to_cache
-                if align:
-                    aligned = n // align * align
-                    n = min(n, aligned + block_size) if use_eagle and aligned else aligned
-                if n // block_size > cached.get(rid, 0) or (below and rid not in settled):
-                    if boundaries is None:
-                        boundaries = self._boundaries(request)
-                    m.cache_blocks(request, n, self.retention_interval, boundaries)
-        if self._quiet_ok:
-            limits = self._quiet_limits(rid, processed)
-            if limits is not None:
-                self._quiet[rid] = limits
-        return new_blocks
+        return need, todo
+
+    def _take_new_blocks(
+        self, rid: str, todo: list[tuple[int, dict, int]]
+    ) -> tuple[Sequence[KVCacheBlock], ...]:
+        """`allocate_new_blocks` for the groups `_plain_demand` found growing."""
+        new_blocks = list(self.no_new_blocks)
+        for i, tables, k in todo:
+            new = self.block_pool.get_new_blocks(k)
+            blocks = tables.get(rid)
+            if blocks is None:
+                tables[rid] = new[:]
+            else:
+                blocks.extend(new)
+            new_blocks[i] = new
+        return tuple(new_blocks)
+
+    def _cache_plain(self, request: Request, num_tokens_to_cache: int) -> None:
+        """`cache_blocks`, asking only the groups that gained a block to register."""
+        rid = request.request_id
+        align = self._cache_alignment
+        boundaries = None
+        for m, cached, block_size, use_eagle, below, settled in self._cache_plan:
+            n = num_tokens_to_cache
+            if align:
+                aligned = n // align * align
+                n = min(n, aligned + block_size) if use_eagle and aligned else aligned
+            if n // block_size > cached.get(rid, 0) or (below and rid not in settled):
+                if boundaries is None:
+                    boundaries = self._boundaries(request)
+                m.cache_blocks(request, n, self.retention_interval, boundaries)
 
     def _quiet_limits(self, rid: str, processed: int) -> tuple[int, int, int] | None:
         """Bounds under which `allocate_plain` for ``rid`` has nothing to do, from its tables
         as they are now: (slots needed, processed tokens, tokens to cache), each exclusive.
 
-        Below all three a call frees nothing (every window block it would release is already
-        the null block), needs no block (each group holds enough for the slots), and registers
-        nothing (no group gains a full block to cache). Every quantity only matters through
-        these thresholds, and smaller values (rejected drafts) stay below them. The bounds are
-        dropped whenever anything else changes the request's tables or cache progress (every
-        other coordinator method that does pops them; `forget_quiet_limits` drops all).
+        Every other coordinator method drops them (docs/allocator_internals.md, section 5).
         """
         slots = _UNBOUNDED
         for _, _, tables, block_size, fixed, _, _ in self._plan:
@@ -512,15 +530,9 @@ class SpecGroup(NamedTuple):
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several groups; the common hit is found by an iterative fixed point.
 
-    Each pass asks every attention group for its longest hit not exceeding the current
-    candidate; any group may lower it, and then all are asked again. Full attention is asked
-    once (its hits are prefix-closed) and merely truncated afterwards.
-
-    EAGLE groups (``eagle_drop_once``, vLLM 0.32) match up to one block past the candidate and
-    drop their last matched block at most once per candidate length (vLLM's fix of issue
-    #32802). With ``eagle_drop_once=False`` every lookup drops a block, as vLLM did before;
-    with several window groups that can spiral down to a shorter hit than necessary.
-    Groups that are not prefix-cacheable (rings, bounded-replay windows) take no part.
+    Each pass asks every attention group for its longest hit not above the current candidate,
+    until none lowers it; EAGLE groups drop a block at most once per candidate length with
+    ``eagle_drop_once`` (vLLM 0.32). See docs/allocator_internals.md, section 5.
     """
 
     def __init__(self, *args, **kwargs) -> None:

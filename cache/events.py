@@ -15,11 +15,9 @@ from typing import Any
 class BlockStored:
     """Blocks of one group became cached in one ``cache_full_blocks`` call.
 
-    ``block_hashes`` has one entry per newly hashed block (null and masked blocks contribute
-    none, so for window groups ``len(token_ids) / block_size`` can exceed it);
-    ``parent_block_hash`` is the hash of the logical block before the first one (None at the
-    sequence start); ``token_ids`` spans the blocks' tokens; ``block_ids`` are the physical
-    blocks now holding ``block_hashes`` (our addition, aligned with ``block_hashes``).
+    ``block_hashes`` and ``block_ids`` (our addition) have one entry per newly hashed block (null
+    and masked blocks add none); ``parent_block_hash`` is the hash of the block before the first
+    (None at the start); ``token_ids`` spans all the call's blocks.
     """
 
     block_hashes: list[bytes]

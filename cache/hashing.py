@@ -1,15 +1,8 @@
 """Chained block hashes, as vLLM v1 computes them for prefix caching.
 
-A block's hash identifies the whole prefix that ends with it:
-``hash_i = H((hash_{i-1}, tuple(tokens of block i), extra_keys_i))`` with ``hash_{-1} = NONE_HASH``.
-Only full blocks are hashed. Hashes are plain ``bytes``; the prefix index keys them together
-with a 4-byte big-endian KV-cache group id (`make_block_hash_with_group_id`), so one token
-content yields one key per group and groups never share index entries.
-
-Where this differs from vLLM: vLLM draws ``NONE_HASH`` at random unless ``PYTHONHASHSEED`` is
-set, so hashes differ between processes. We take the seed as an explicit argument (default 0):
-no environment switch, and runs are reproducible. Block ids and hit lengths never depend on
-the hash bytes, only on their equality.
+A block's hash names the whole prefix that ends with it; the prefix index keys it together with
+a 4-byte group id. Unlike vLLM, ``NONE_HASH`` comes from an explicit seed, so runs are
+reproducible. See docs/allocator_internals.md, section 2.
 """
 
 from __future__ import annotations
@@ -17,10 +10,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NewType
-
-if TYPE_CHECKING:
-    from cache.request import Request
+from typing import Any, NewType, Protocol
 
 BlockHash = NewType("BlockHash", bytes)
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
@@ -30,6 +20,19 @@ _GROUP_ID_BYTES = 4
 _sha256 = hashlib.sha256
 _dumps = pickle.dumps
 _PROTO = pickle.HIGHEST_PROTOCOL
+
+
+class HashedRequest(Protocol):
+    """What hashing reads from a request (`cache.request.Request` is the one implementation)."""
+
+    all_token_ids: list[int]
+    lora_name: str | None
+    mm_features: list[tuple[str, int, int]]
+    cache_salt: str | None
+    needs_extra_keys: bool
+
+    @property
+    def block_hashes(self) -> BlockHashes: ...
 
 
 def sha256(obj: Any) -> bytes:
@@ -88,7 +91,7 @@ def get_group_id(key: bytes) -> int:
 
 
 def generate_block_hash_extra_keys(
-    request: Request, start_token_idx: int, end_token_idx: int
+    request: HashedRequest, start_token_idx: int, end_token_idx: int
 ) -> tuple[Any, ...] | None:
     """Extra keys of the block ``[start_token_idx, end_token_idx)``, in vLLM's order.
 
@@ -109,7 +112,7 @@ def generate_block_hash_extra_keys(
 
 def get_request_block_hasher(
     hash_block_size: int, hash_fn: HashFn = sha256, seed: int = 0
-) -> Callable[[Request], list[BlockHash]]:
+) -> Callable[[HashedRequest], list[BlockHash]]:
     """A function computing the hashes of a request's *new* full blocks.
 
     It starts after the request's existing ``block_hashes`` and stops before a partial block,
@@ -121,7 +124,7 @@ def get_request_block_hasher(
         )
     root = none_hash(hash_fn, seed)
 
-    def request_block_hasher(request: Request) -> list[BlockHash]:
+    def request_block_hasher(request: HashedRequest) -> list[BlockHash]:
         hashes = request.block_hashes
         start = len(hashes) * hash_block_size
         tokens = request.all_token_ids
@@ -192,11 +195,9 @@ class BlockHashListWithBlockSize(Sequence[bytes]):
 class BlockHashes(list):
     """A request's fine block hashes (append-only), with memoised coarser views.
 
-    vLLM rebuilds a coarse block's key (the concatenation of its fine hashes) at every lookup;
-    a waiting request is looked up again every step, so we keep each coarse list and only
-    extend it as the fine list grows. Element ``i`` of ``coarse(n)`` equals
-    ``BlockHashListWithBlockSize(self, hash_block_size, block_size)[i]`` for ``n`` fine hashes
-    per coarse block.
+    ``coarse(n)[i]`` is the concatenation of fine hashes ``i*n .. i*n+n-1`` (equal to
+    `BlockHashListWithBlockSize`'s element); each coarse list is kept and only extended, since
+    a waiting request is looked up again every step.
     """
 
     __slots__ = ("_coarse", "_keys")

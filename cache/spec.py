@@ -1,24 +1,9 @@
 """KV-cache specs: what one layer's cache looks like, per block (vLLM v1's ``kv_cache_interface``).
 
-A *spec* says how many tokens a block covers (``block_size``), how many bytes one block of one
-layer occupies (``page_size_bytes``), how much memory one request can need at most
-(``max_memory_usage_bytes``) and whether its blocks may be shared through the prefix cache
-(``prefix_cacheable``). The allocator reads only those and the window fields named in the API
-contract; the device side reads the byte geometry (``num_heads``, ``num_states``,
-``state_content_size_bytes``, ``page_size_bytes``).
-
-Conventions and invariants:
-
-* Every spec is a frozen, slotted, keyword-only dataclass, validated on construction; bad values
-  raise ``ValueError`` naming the field, the value and what is allowed.
-* Units are in the names: ``*_bytes`` are bytes, ``block_size`` / windows are tokens,
-  ``num_states`` are stored rows (one row covers ``tokens_per_state`` tokens).
-* ``dtype`` is a string name (``"bfloat16"``, ``"uint8"``, ...); ``DTYPE_SIZE_BYTES`` gives its
-  width, so this module needs neither torch nor numpy.
-* Page bytes = ``num_heads * num_states * state_content_size_bytes``, rounded up to ``alignment``
-  for the MLA-format specs (stored in ``page_size_padded``), and never below the real size.
-
-Where we differ from vLLM 0.32 the docstring of the class says so and why.
+A spec gives ``block_size`` (tokens), ``page_size_bytes``, ``max_memory_usage_bytes`` and
+``prefix_cacheable``; specs are frozen keyword-only dataclasses validated on construction, with
+units in their field names. Where a class differs from vLLM 0.32 its docstring says so. See
+docs/allocator_internals.md, section 7.
 """
 
 from __future__ import annotations
@@ -788,12 +773,9 @@ def iter_layer_specs(spec: KVCacheSpec) -> tuple[KVCacheSpec, ...]:
 class KVCacheTensor:
     """One backing buffer (or a view into the shared pool buffer) and the layers using it.
 
-    Two layouts:
-    * layer-outermost (``block_stride=None``): a buffer of ``size`` bytes, block ``b`` of every
-      layer in ``shared_by`` at ``b * page_size_bytes``. Layers of *different groups* alias the
-      same bytes; that is safe because a block id belongs to one group at a time.
-    * packed / block-outermost (``block_stride`` set): every packed tensor views one pool buffer
-      of ``size`` bytes; block ``b`` of the layer starts at ``offset + b * block_stride``.
+    Layer-outermost (``block_stride=None``): block ``b`` of each layer in ``shared_by`` at
+    ``b * page_size_bytes``. Packed (``block_stride`` set): block ``b`` of the layer at
+    ``offset + b * block_stride`` (docs/allocator_internals.md, section 7).
     """
 
     size: int

@@ -16,7 +16,7 @@ from cache.hashing import (
     none_hash,
     sha256,
 )
-from cache.managers import FullAttentionManager
+from cache.single_type_kv_cache_manager import FullAttentionManager
 from cache.spec import FullAttentionSpec
 
 

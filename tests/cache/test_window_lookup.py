@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache import BlockPool, Request
-from cache.managers import SlidingWindowManager, cdiv
+from cache.single_type_kv_cache_manager import SlidingWindowManager, cdiv
 from cache.spec import SlidingWindowSpec
 
 

@@ -1,29 +1,129 @@
 """One manager per KV-cache group, by attention kind (vLLM's ``single_type_kv_cache_manager``).
 
-A manager keeps, per request, the list of blocks of its group: entry ``i`` holds tokens
-``[i*B, (i+1)*B)``; positions no longer needed (outside a window) hold the null block. Lists
-are append-only: an id, once given to a request, never moves. Managers share one `BlockPool`.
-
-Which manager serves which spec is decided by exact type (`SPEC_MANAGER_MAP`), as in vLLM:
-a new spec subclass must be registered explicitly.
+A manager keeps each request's list of its group's blocks (entry i: tokens ``[i*B, (i+1)*B)``,
+the null block where no longer needed); lists are append-only. Specs map to managers by exact
+type (`SPEC_MANAGER_MAP`). See docs/allocator_internals.md, section 4.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from cache import spec as specs
 from cache.block_pool import BlockPool, KVCacheBlock
 from cache.hashing import BlockHashes, resolve_block_hashes
-
-if TYPE_CHECKING:
-    from cache.request import Request
+from cache.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _cached_prefix_of_group(
+    block_hashes: Sequence[bytes],
+    max_length: int,
+    block_size: int,
+    group_id: int,
+    block_pool: BlockPool,
+) -> list[KVCacheBlock]:
+    """One group's cached blocks from the start up to the first miss (at most ``max_length``).
+
+    One dict lookup per block; keys are built lazily up to the first miss and memoised on the
+    request (a waiting request is looked up again every step).
+    """
+    factor = block_size // block_pool.hash_block_size
+    num_blocks = min(max_length // block_size, len(block_hashes) // factor)
+    raw = block_pool.cached_block_hash_to_block.raw_get
+    suffix = group_id.to_bytes(4, "big")
+    memo = block_hashes.key_memo(factor, group_id) if isinstance(block_hashes, BlockHashes) else []
+    num_memo = len(memo)
+    join = b"".join
+    out: list[KVCacheBlock] = []
+    for i in range(num_blocks):
+        if i < num_memo:
+            key = memo[i]
+        else:
+            if factor == 1:
+                key = block_hashes[i] + suffix
+            elif factor == 2:  # (V4.1-Flash: 64-token blocks over 32-token hashes)
+                key = block_hashes[2 * i] + block_hashes[2 * i + 1] + suffix
+            else:
+                key = join(block_hashes[i * factor : (i + 1) * factor]) + suffix
+            memo.append(key)
+            num_memo += 1
+        block = raw(key)
+        if block is None:
+            break
+        if block.__class__ is dict:  # duplicates under one key: take the first
+            block = next(iter(block.values()))
+        out.append(block)
+    return out
+
+
+def _extend_cached_prefix(
+    computed: tuple[list[KVCacheBlock], ...],
+    hashes: Sequence[bytes],
+    start: int,
+    stop: int,
+    group_ids: Sequence[int],
+    block_pool: BlockPool,
+) -> None:
+    """Appends every group's cached block for blocks ``start, start + 1, ...`` up to the first
+    block that any group misses (or ``stop``)."""
+    for i in range(start, stop):
+        cached = block_pool.get_cached_block(hashes[i], group_ids)
+        if cached is None:
+            break
+        for out, block in zip(computed, cached):
+            out.append(block)
+
+
+def _rightmost_aligned_run(
+    hashes: Sequence[bytes],
+    num_blocks: int,
+    need: int,
+    step: int,
+    shift: int,
+    group_ids: Sequence[int],
+    block_pool: BlockPool,
+) -> tuple[list[list[KVCacheBlock]], int]:
+    """The rightmost run of ``need`` blocks cached in every group whose right end ``e`` has
+    ``(e + shift) % step == 0``; else the longest cached prefix ending on such an ``e``.
+
+    Returns the run right to left (one block per group per entry) and ``e`` (-1: no hit).
+    vLLM scans every block right to left; visiting only aligned ends and jumping below each
+    miss finds the same run with far fewer lookups when hits are sparse.
+    """
+    raw = block_pool.cached_block_hash_to_block.raw_get
+    suffixes = [gid.to_bytes(4, "big") for gid in group_ids]
+    e = num_blocks - 1
+    e -= (e + shift) % step
+    while e >= 0:
+        run: list[list[KVCacheBlock]] = []
+        j = e
+        stop = e - need + 1 if e >= need - 1 else 0
+        while j >= stop:
+            h = hashes[j]
+            cached = []
+            for suffix in suffixes:  # `BlockPool.get_cached_block`, inlined: the hot probe
+                block = raw(h + suffix)
+                if block is None:
+                    break
+                if block.__class__ is dict:  # duplicates: the first one
+                    block = next(iter(block.values()))
+                cached.append(block)
+            else:
+                run.append(cached)
+                j -= 1
+                continue
+            break
+        else:
+            return run, e
+        e = j - 1
+        e -= (e + shift) % step
+    return [], -1
 
 
 class SingleTypeKVCacheManager:
@@ -92,7 +192,7 @@ class SingleTypeKVCacheManager:
         Hit blocks that are currently free (evictable) count too: touching them takes them out
         of the free queue. Hits that fall outside the window are not touched, so not counted.
         """
-        num_required = cdiv(num_tokens, self.block_size)
+        num_required = self.fixed_num_blocks or cdiv(num_tokens, self.block_size)
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
             num_required = min(num_required, self.max_admission_blocks_per_request)
         req_blocks = self.req_to_blocks.get(request_id)
@@ -142,7 +242,7 @@ class SingleTypeKVCacheManager:
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Extends the request's list to ``cdiv(num_tokens, B)`` entries with fresh blocks."""
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        num_new = (self.fixed_num_blocks or cdiv(num_tokens, self.block_size)) - len(req_blocks)
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
@@ -203,9 +303,10 @@ class SingleTypeKVCacheManager:
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Longest hit of at most ``max_length`` tokens common to all ``kv_cache_group_ids``.
 
-        Returns one block list per group (nulls at skipped positions) and the hit length.
+        Returns one block list per group (nulls at skipped positions) and the hit length; by
+        default no hit (kinds that are never prefix-cached).
         """
-        raise NotImplementedError
+        return tuple([] for _ in kv_cache_group_ids), 0
 
     # -- release ------------------------------------------------------------------------------
 
@@ -246,11 +347,13 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        self._remove_blocks_in_range(
+        self.free_blocks_in_range(
             blocks, 0, min(num_skipped_tokens // self.block_size, len(blocks))
         )
 
-    def _remove_blocks_in_range(self, blocks: list[KVCacheBlock], first: int, last: int) -> None:
+    def free_blocks_in_range(self, blocks: list[KVCacheBlock], first: int, last: int) -> None:
+        """Frees ``blocks[first:last]`` into nulls, walking back from the end to the first null
+        (earlier ones were nulled before)."""
         null = self._null_block
         freed: list[KVCacheBlock] = []
         for i in range(min(last, len(blocks)) - 1, first - 1, -1):
@@ -282,49 +385,18 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         alignment_tokens: int,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         block_size = kv_cache_spec.block_size
-        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-        factor = block_size // block_pool.hash_block_size
+        computed: tuple[list[KVCacheBlock], ...]
         if len(kv_cache_group_ids) == 1 and block_size % block_pool.hash_block_size == 0:
-            # Common case, written out: one dict lookup per block. Keys are built lazily up to
-            # the first miss and memoised on the request (a waiting request is looked up again
-            # every step).
-            num_blocks = min(max_length // block_size, len(block_hashes) // factor)
-            raw = block_pool.cached_block_hash_to_block.raw_get
-            gid = kv_cache_group_ids[0]
-            suffix = gid.to_bytes(4, "big")
-            memo = (
-                block_hashes.key_memo(factor, gid) if isinstance(block_hashes, BlockHashes) else []
+            computed = (
+                _cached_prefix_of_group(
+                    block_hashes, max_length, block_size, kv_cache_group_ids[0], block_pool
+                ),
             )
-            num_memo = len(memo)
-            join = b"".join
-            out = computed[0]
-            for i in range(num_blocks):
-                if i < num_memo:
-                    key = memo[i]
-                else:
-                    if factor == 1:
-                        key = block_hashes[i] + suffix
-                    elif factor == 2:  # (V4.1-Flash: 64-token blocks over 32-token hashes)
-                        key = block_hashes[2 * i] + block_hashes[2 * i + 1] + suffix
-                    else:
-                        key = join(block_hashes[i * factor : (i + 1) * factor]) + suffix
-                    memo.append(key)
-                    num_memo += 1
-                block = raw(key)
-                if block is None:
-                    break
-                if block.__class__ is dict:  # duplicates under one key: take the first
-                    block = next(iter(block.values()))
-                out.append(block)
         else:
             hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
-            num_blocks = min(max_length // block_size, len(hashes))
-            for i in range(num_blocks):
-                cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
-                if cached is None:
-                    break
-                for out, block in zip(computed, cached):
-                    out.append(block)
+            computed = tuple([] for _ in kv_cache_group_ids)
+            stop = min(max_length // block_size, len(hashes))
+            _extend_cached_prefix(computed, hashes, 0, stop, kv_cache_group_ids, block_pool)
         hit_length = len(computed[0]) * block_size
         if drop_eagle_block and hit_length > 0:
             hit_length -= min(alignment_tokens, block_size)
@@ -351,12 +423,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> bool:
         """Registers the prompt's last hash boundary when it ends inside one of our blocks.
 
-        vLLM 0.32 does this for blocks coarser than the hash block (a resend matches at most
-        ``num_prompt_tokens - 1`` tokens; EAGLE lookups read the whole prompt). The entry only
-        serves sub-block lookups, which need Mamba; here it matters because the block then
-        counts as cached when freed (LRU tail instead of the front).
-
-        Returns whether nothing more can happen before the request's next block fills.
+        vLLM 0.32 does this for blocks coarser than the hash block (docs/allocator_internals.md,
+        section 3). Returns whether nothing more can happen before the next block fills.
         """
         hash_block = self.block_pool.hash_block_size
         limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
@@ -404,7 +472,7 @@ class RSWAManager(FullAttentionManager):
             return
         first_gap = cdiv(num_prompt_tokens, self.block_size)
         window_start = max(num_prompt_tokens, num_computed_tokens - self.kv_cache_spec.rswa_window)
-        self._remove_blocks_in_range(blocks, first_gap, window_start // self.block_size)
+        self.free_blocks_in_range(blocks, first_gap, window_start // self.block_size)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -442,54 +510,25 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             kv_cache_spec.sliding_window, block_size, drop_eagle_block
         )
         max_num_blocks = min(max_length // block_size, len(hashes))
-        # A hit is the rightmost run of `need` cached blocks whose right end e is aligned
-        # (``(e + 1) * B``, or ``e * B`` with the EAGLE drop, a multiple of the alignment);
-        # failing that, the longest cached prefix ending on an aligned e (the window then
-        # reaches back before the sequence start). vLLM scans every block right to left; we
-        # visit only aligned candidate ends and jump below each miss, which finds the same run
-        # with far fewer lookups when hits are sparse (vLLM's own TODO).
-        q = alignment_tokens // math.gcd(block_size, alignment_tokens)
-        c = 0 if drop_eagle_block else 1
+        # The run's right end e is aligned when ``(e + 1) * B`` (``e * B`` with the EAGLE drop)
+        # is a multiple of the alignment; a shorter run is a prefix the window reaches before.
         need = max(need, 1)  # vLLM's scan always needs one cached block, even for window 1
-        num_groups = len(kv_cache_group_ids)
-        raw = block_pool.cached_block_hash_to_block.raw_get
-        suffixes = [gid.to_bytes(4, "big") for gid in kv_cache_group_ids]
-        run: list = []
-        end = -1
-        e = max_num_blocks - 1
-        e -= (e + c) % q
-        while e >= 0:
-            run = []
-            j = e
-            stop = e - need + 1 if e >= need - 1 else 0
-            while j >= stop:
-                h = hashes[j]
-                cached = []
-                for suffix in suffixes:
-                    block = raw(h + suffix)
-                    if block is None:
-                        cached = None
-                        break
-                    if block.__class__ is dict:  # duplicates: the first one
-                        block = next(iter(block.values()))
-                    cached.append(block)
-                if cached is None:
-                    break
-                run.append(cached)
-                j -= 1
-            else:
-                end = e
-                break
-            e = j - 1
-            e -= (e + c) % q
-        null = block_pool.null_block
+        run, end = _rightmost_aligned_run(
+            hashes,
+            max_num_blocks,
+            need,
+            alignment_tokens // math.gcd(block_size, alignment_tokens),
+            0 if drop_eagle_block else 1,
+            kv_cache_group_ids,
+            block_pool,
+        )
         computed: tuple[list[KVCacheBlock], ...]
         if end < 0:
             computed = tuple([] for _ in kv_cache_group_ids)
         else:
             run.reverse()
-            lead = [null] * (end + 1 - len(run))
-            computed = tuple(lead + [cached[g] for cached in run] for g in range(num_groups))
+            lead = [block_pool.null_block] * (end + 1 - len(run))
+            computed = tuple(lead + [blocks[g] for blocks in run] for g in range(len(run[0])))
             if len(run) < need:
                 cls._pop_to_alignment(computed, block_size, alignment_tokens)
         if drop_eagle_block and computed[0]:
@@ -515,11 +554,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ) -> list[bool] | None:
         """Index only blocks that can end an aligned hit (vLLM's sparse window retention).
 
-        A hit needs ``need`` contiguous blocks ending on an aligned boundary, so only the last
-        ``need`` blocks of each aligned segment can ever serve one. ``retention_interval``:
-        None = every aligned boundary (dense); 0 = only the replay boundaries (a resend of the
-        prompt, vLLM 0.32's default); N > 0 = one boundary per N-token segment plus the replay
-        boundaries.
+        Only the last ``need`` blocks of each aligned segment can serve a hit; which segments
+        count depends on ``retention_interval`` (docs/allocator_internals.md, section 4).
         """
         alignment = self.cache_hit_alignment_tokens
         block_size = self.block_size
@@ -583,12 +619,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         computed: tuple[list[KVCacheBlock], ...] = tuple(
             [block_pool.null_block] * first_block for _ in kv_cache_group_ids
         )
-        for i in range(first_block, min(max_length // block_size, len(hashes))):
-            cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
-            if cached is None:
-                break
-            for out, block in zip(computed, cached):
-                out.append(block)
+        stop = min(max_length // block_size, len(hashes))
+        _extend_cached_prefix(computed, hashes, first_block, stop, kv_cache_group_ids, block_pool)
         return computed, len(computed[0]) * block_size
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -611,44 +643,13 @@ class CircularBufferManager(SingleTypeKVCacheManager):
     supports_prefix_caching = False
     fixed_num_blocks = 1
 
-    def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
-        total_computed_tokens: int,
-        apply_admission_cap: bool = False,
-    ) -> int:
-        return 0 if self.req_to_blocks.get(request_id) else 1
-
     def add_local_computed_blocks(
         self,
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_local_computed_tokens: int,
     ) -> None:
-        return
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        if req_blocks:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(1)
-        req_blocks.extend(new_blocks)
-        return new_blocks
-
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: specs.KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        return tuple([] for _ in kv_cache_group_ids), 0
+        return  # a ring takes no prefix hits
 
 
 SPEC_MANAGER_MAP: dict[type, type[SingleTypeKVCacheManager]] = {
