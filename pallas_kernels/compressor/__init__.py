@@ -3,7 +3,7 @@ path (ratio 1), RMSNorm, RoPE at the group's first position, the slot-mapped rec
 the ring rows of open groups.
 
 `compressor(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
-kernel on TPU and the Triton kernel on GPU (`pallas_kernels._backend.resolve_impl`).
+kernel on TPU and the Triton kernel on GPU (`pallas_kernels.backend.resolve_impl`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._backend import check_block_tables, resolve_impl
+from pallas_kernels.backend import check_block_tables, resolve_impl
 from pallas_kernels.compressor import reference
 from pallas_kernels.compressor.common import cost
 

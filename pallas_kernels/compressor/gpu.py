@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._backend import cost_estimate, gpu_interpret
+from pallas_kernels.backend import cost_estimate, gpu_interpret
 from pallas_kernels.compressor.common import (
     check_compressor_args,
     cost,

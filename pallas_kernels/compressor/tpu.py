@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._backend import cdiv, cost_estimate, tpu_interpret
+from pallas_kernels.backend import cdiv, cost_estimate, tpu_interpret
 from pallas_kernels.compressor.common import (
     check_compressor_args,
     cost,

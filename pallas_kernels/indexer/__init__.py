@@ -2,7 +2,7 @@
 against paged index keys, the candidate blocks of the two-level selection, and the exact top-k.
 
 `indexer_topk(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
-kernel on TPU and the Triton kernel on GPU (`pallas_kernels._backend.resolve_impl`). The kernels
+kernel on TPU and the Triton kernel on GPU (`pallas_kernels.backend.resolve_impl`). The kernels
 keep every score on chip and select without a sort (see `tpu.py` / `gpu.py`).
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from pallas_kernels._backend import check_block_tables, resolve_impl
+from pallas_kernels.backend import check_block_tables, resolve_impl
 from pallas_kernels.indexer import reference
 from pallas_kernels.indexer.common import cost
 

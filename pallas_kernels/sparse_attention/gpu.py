@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.backend import MASK_VALUE
 from pallas_kernels.sparse_attention.cost import sparse_cost
 from pallas_kernels.window_attention.gpu import _dot
 

@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _backend
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels import backend
+from pallas_kernels.backend import MASK_VALUE
 from pallas_kernels.sparse_attention.cost import sparse_cost
 
 CHUNK = 128  # slab rows per softmax step (one lane tile of logits)
@@ -168,7 +168,7 @@ def _kernel(
                 qq, kk = q, rows
                 if qq.dtype != kk.dtype:
                     qq, kk = qq.astype(jnp.float32), kk.astype(jnp.float32)
-                prec = _backend.mxu_precision(kk.dtype)
+                prec = backend.mxu_precision(kk.dtype)
                 z = lax.dot_general(
                     qq, kk, (((1,), (1,)), ((), ())), precision=prec,
                     preferred_element_type=jnp.float32,
@@ -289,8 +289,8 @@ def sparse_attention(
             for i in range(0, num_tokens, max_tokens_per_call)
         ]
         return jnp.concatenate(parts)
-    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
-    cores, per_core = _backend.core_split(num_tokens // tq, num_cores)
+    tq = backend.pow2_divisor(num_tokens, tokens_per_tile)
+    cores, per_core = backend.core_split(num_tokens // tq, num_cores)
     pad = cores * per_core * tq - num_tokens
     if pad:  # whole tiles per core: padding tokens (position -1) read nothing, output zeros
         padded = lambda x, v=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=v)  # noqa: E731
@@ -312,7 +312,7 @@ def sparse_attention(
         )[:num_tokens]
     k = topk.shape[1]
     packed = comp_pages.dtype == jnp.bfloat16
-    if not packed and _backend.itemsize(comp_pages.dtype) != 4:
+    if not packed and backend.itemsize(comp_pages.dtype) != 4:
         raise ValueError(
             f"comp_pages must be f32 or bf16 for the TPU kernel, got {comp_pages.dtype}"
         )
@@ -320,7 +320,7 @@ def sparse_attention(
         raise ValueError(f"bf16 pages need an even entries_per_block, got {entries_per_block}")
     bitcast_in_kernel = packed and not isinstance(interpret, pltpu.InterpretParams)
     slab_dtype = jnp.uint32 if packed else comp_pages.dtype
-    kp = _backend.cdiv(k, CHUNK) * CHUNK
+    kp = backend.cdiv(k, CHUNK) * CHUNK
     topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
     if tq > 8 or comp_tables.shape[1] * entries_per_block > 2**_ID_BITS:
         raise ValueError(
@@ -363,7 +363,7 @@ def sparse_attention(
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     inputs.append(comp_pages if bitcast_in_kernel or not packed else pack_row_pairs(comp_pages))
 
-    isz = _backend.itemsize
+    isz = backend.itemsize
     cost = sparse_cost(
         num_tokens=num_tokens,
         heads=heads,
@@ -408,7 +408,7 @@ def sparse_attention(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=int(min(max(32 << 20, 2 * vmem), 100 << 20)),
         ),
-        cost_estimate=_backend.cost_estimate(**cost.as_estimate()),
+        cost_estimate=backend.cost_estimate(**cost.as_estimate()),
         interpret=interpret,
         name="sparse_attention",
     )(positions, seg.reshape(-1), *inputs)

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.backend import MASK_VALUE
 
 BLOCK_HEADS = 16  # heads per program (tl.dot needs >= 16 rows)
 BLOCK_KEYS = 32  # key positions per loop step

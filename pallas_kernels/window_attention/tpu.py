@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _backend
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels import backend
+from pallas_kernels.backend import MASK_VALUE
 from pallas_kernels.window_attention.cost import window_cost
 
 TOKENS_PER_TILE = 8  # tokens per grid step (largest power of two <= this that divides T)
@@ -144,7 +144,7 @@ def _kernel(
             q = q_ref[i]  # [H, D]
             if q.dtype != kv.dtype:
                 q, kv = q.astype(jnp.float32), kv.astype(jnp.float32)
-            prec = _backend.mxu_precision(kv.dtype)
+            prec = backend.mxu_precision(kv.dtype)
             z = lax.dot_general(
                 q, kv, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
             )  # [H, rows]
@@ -218,8 +218,8 @@ def window_attention(
             for i in range(0, num_tokens, max_tokens_per_call)
         ]
         return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
-    cores, per_core = _backend.core_split(num_tokens // tq, num_cores)
+    tq = backend.pow2_divisor(num_tokens, tokens_per_tile)
+    cores, per_core = backend.core_split(num_tokens // tq, num_cores)
     pad = cores * per_core * tq - num_tokens
     if pad:  # whole tiles per core: padding tokens (position -1) read nothing, output zeros
         out = window_attention(
@@ -241,7 +241,7 @@ def window_attention(
         return jax.tree.map(lambda x: x[:num_tokens], out)
     _, page, _ = swa_pages.shape
     nb = swa_tables.shape[1]
-    nw = _backend.window_pages(window, page)
+    nw = backend.window_pages(window, page)
 
     lo = jnp.maximum(positions - window + 1, 0)
     if replay_start is not None:
@@ -249,7 +249,7 @@ def window_attention(
     logical = lo[:, None] // page + jnp.arange(nw, dtype=jnp.int32)[None, :]
     tok_pages = swa_tables[token_req[:, None], jnp.clip(logical, 0, nb - 1)]  # [T, NW]
 
-    itemsize = _backend.itemsize
+    itemsize = backend.itemsize
     tile_block = lambda c, j, *_: (c * per_core + j, 0, 0)  # noqa: E731
     if return_state:
         out_shape = (
@@ -317,7 +317,7 @@ def window_attention(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=int(min(max(32 << 20, 2 * vmem), 100 << 20)),
         ),
-        cost_estimate=_backend.cost_estimate(**cost.as_estimate()),
+        cost_estimate=backend.cost_estimate(**cost.as_estimate()),
         interpret=interpret,
         name="window_attention",
     )(
