@@ -17,6 +17,7 @@ Nothing here reads environment variables: the choice is always an explicit argum
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from typing import Any
 
@@ -44,6 +45,30 @@ def resolve_impl(impl: str | None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {(None, *IMPLS)}")
     return impl
+
+
+def dispatch(
+    package: str,
+    name: str,
+    impl: str | None,
+    interpret: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    kernel_options: dict[str, Any] | None = None,
+    tpu_options: dict[str, Any] | None = None,
+) -> Any:
+    """Call ``name`` of ``package``'s implementation module picked by ``impl`` (see
+    `resolve_impl`): ``reference`` with ``args, kwargs``; a kernel (imported only when it runs)
+    also with the options that are not None and ``interpret`` checked for its platform."""
+    impl = resolve_impl(impl)
+    fn = getattr(importlib.import_module(f"{package}.{impl}"), name)
+    if impl == "reference":
+        return fn(*args, **kwargs)
+    options = dict(kernel_options or {}, **(tpu_options or {} if impl == "tpu" else {}))
+    options = {k: v for k, v in options.items() if v is not None}
+    interpret = tpu_interpret(interpret) if impl == "tpu" else gpu_interpret(interpret)
+    return fn(*args, **kwargs, **options, interpret=interpret)
 
 
 def tpu_interpret(interpret: Any) -> Any:
