@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _backend, compressor, indexer_topk, sparse_attention, window_attention
+from pallas_kernels import compressor, indexer_topk, sparse_attention, window_attention
+from pallas_kernels.backend import IMPLS, Cost, resolve_impl
 from pallas_kernels.compressor.common import cost as compressor_cost
 from pallas_kernels.indexer.common import cost as indexer_cost
 from pallas_kernels.indexer.common import weighted_relu_sum
@@ -71,7 +72,7 @@ class Bench:
     is donated (updated in place, as in serving) and the output is fed back for the next call.
     `info` adds fields to the row (mode, dtypes, entries scored)."""
 
-    cost: _backend.Cost
+    cost: Cost
     make_args: Callable[[np.random.Generator], tuple[Any, ...]]
     run: Callable[..., Any]
     donate: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -184,7 +185,7 @@ def indexer_tile(impl: str | None) -> int:
     from pallas_kernels.indexer import gpu as gpu_indexer
     from pallas_kernels.indexer import tpu as tpu_indexer
 
-    if _backend.resolve_impl(impl) == "gpu":
+    if resolve_impl(impl) == "gpu":
         return getattr(gpu_indexer, "TOKENS_PER_TILE", 1)
     return tpu_indexer.TOKENS_PER_TILE
 
@@ -224,7 +225,7 @@ def _indexer_cost(
             key_reads=int((at & reader).sum()), key_scale_bytes=4 if fp8 else 0,
         )  # fmt: skip
         flops, bytes_ = flops + c["flops"], bytes_ + c["bytes"]
-    return _backend.Cost(bytes_accessed=bytes_, flops=flops)
+    return Cost(bytes_accessed=bytes_, flops=flops)
 
 
 def _indexer_inputs(shape: Shape, ratio: int, pool_bytes: float):
@@ -371,7 +372,7 @@ def compressor_bench(
     t, r = shape.tokens, shape.batch
     per_req = t // r
     per_block = COMP_BLOCK // ratio
-    fdtype = jnp.float32 if _backend.resolve_impl(impl) == "tpu" else DTYPE
+    fdtype = jnp.float32 if resolve_impl(impl) == "tpu" else DTYPE
     fbytes = jnp.dtype(fdtype).itemsize
     num_pages = _pool_pages(per_block, pool_bytes, LATENT * fbytes)
     pos = _positions(shape)
@@ -384,7 +385,7 @@ def compressor_bench(
     ring_writes = r * min(per_req, RING) if ratio == 2 else 0
     c = compressor_cost(t, LATENT, ratio=ratio, record_dtype=fdtype, ring_rows=0)
     ring_bytes = (ring_reads + ring_writes) * 2 * LATENT * 4
-    cost = _backend.Cost(bytes_accessed=c["bytes"] + ring_bytes, flops=c["flops"])
+    cost = Cost(bytes_accessed=c["bytes"] + ring_bytes, flops=c["flops"])
 
     def make_args(rng: np.random.Generator):
         # each (request, page) that receives records gets its own random page
@@ -549,7 +550,7 @@ def run_benchmark(
         "benchmark": "kernels",
         "backend": backend,
         "device": device.device_kind,
-        "impl": _backend.resolve_impl(impl),
+        "impl": resolve_impl(impl),
         "dtype": jnp.dtype(DTYPE).name,
         "timed": timed,
         "peak_hbm_bytes_per_s": peak,
@@ -563,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default=",".join(BENCHES), help="comma-separated names")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--impl", default=None, choices=[None, *_backend.IMPLS])
+    parser.add_argument("--impl", default=None, choices=[None, *IMPLS])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--pool-mb", type=float, default=POOL_BYTES / 1e6, help="cache pool size")
     parser.add_argument(

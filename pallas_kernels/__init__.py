@@ -2,7 +2,7 @@
 the contract in pallas_kernels/README.md).
 
 Each entry picks its implementation by `jax.default_backend()` (TPU kernel, GPU kernel, or the
-pure-jnp reference on CPU) unless told otherwise with `impl=` / `interpret=`; see `_backend`.
+pure-jnp reference on CPU) unless told otherwise with `impl=` / `interpret=`; see `backend`.
 
 Note: the names below are the entry *functions*; their folders are reached as modules, e.g.
 `from pallas_kernels.window_attention import reference`.

@@ -3,7 +3,7 @@ path (ratio 1), RMSNorm, RoPE at the group's first position, the slot-mapped rec
 the ring rows of open groups.
 
 `compressor(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
-kernel on TPU and the Triton kernel on GPU (`pallas_kernels._backend.resolve_impl`).
+kernel on TPU and the Triton kernel on GPU (`pallas_kernels.backend.resolve_impl`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._backend import check_block_tables, resolve_impl
-from pallas_kernels.compressor import reference
+from pallas_kernels.backend import check_block_tables, dispatch
 from pallas_kernels.compressor.common import cost
 
 __all__ = ["compressor", "cost"]
@@ -54,7 +53,6 @@ def compressor(
     ``debug=True`` checks at run time that every written slot's block and every ring block is
     a block id in range (raises otherwise; nothing is clamped).
     """
-    impl = resolve_impl(impl)
     if debug:
         if comp_pages is not None and comp_slot is not None:
             e = comp_pages.shape[1]
@@ -62,25 +60,7 @@ def compressor(
             check_block_tables(blocks, comp_pages.shape[0], "comp_slot // entries_per_block")
         if ring_block is not None and ring_pages is not None:
             check_block_tables(ring_block, ring_pages.shape[0], "ring_block")
-    args = (
-        kv,
-        token_req,
-        positions,
-        query_start_loc,
-        norm_weight,
-        inv_freq,
-        comp_slot,
-        ring_block,
-        comp_pages,
-        ring_pages,
-    )
-    kw = dict(ratio=ratio, eps=eps, latent_dtype=latent_dtype)
-    if impl == "reference":
-        return reference.compressor(*args, **kw)
-    if impl == "tpu":
-        from pallas_kernels.compressor import tpu
-
-        return tpu.compressor(*args, **kw, interpret=interpret)
-    from pallas_kernels.compressor import gpu
-
-    return gpu.compressor(*args, **kw, interpret=interpret)
+    args = (kv, token_req, positions, query_start_loc, norm_weight, inv_freq, comp_slot)
+    args += (ring_block, comp_pages, ring_pages)
+    kwargs = dict(ratio=ratio, eps=eps, latent_dtype=latent_dtype)
+    return dispatch(__name__, "compressor", impl, interpret, args, kwargs)

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_compressor_args", "cost", "pair_pool", "rms_norm", "rope_rows"]
+__all__ = [
+    "Arrays",
+    "check_compressor_args",
+    "cost",
+    "pair_pool",
+    "prepare",
+    "rms_norm",
+    "rope_rows",
+]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype) -> jax.Array:
@@ -73,23 +83,40 @@ def records_or_placeholder(kv, comp_slot, comp_pages, latent_dtype, ratio):
     return comp_slot, comp_pages, jnp.dtype(latent_dtype), records
 
 
-def check_compressor_args(
-    kv,
-    token_req,
-    positions,
-    query_start_loc,
-    norm_weight,
-    inv_freq,
-    comp_slot,
-    ring_block,
-    comp_pages,
-    ring_pages,
-    *,
-    ratio,
-) -> int:
+class Arrays(NamedTuple):
+    """The ten arrays of `pallas_kernels.compressor`, in its order (see there)."""
+
+    kv: Any
+    token_req: Any
+    positions: Any
+    query_start_loc: Any
+    norm_weight: Any
+    inv_freq: Any
+    comp_slot: Any
+    ring_block: Any
+    comp_pages: Any
+    ring_pages: Any
+
+
+def prepare(arrays: tuple[Any, ...], *, ratio: int, latent_dtype: Any):
+    """The implementations' first step: `records_or_placeholder`, then the static checks.
+
+    Returns:
+      (Arrays with the placeholder records, latent width D, latent dtype, records written?).
+    """
+    a = Arrays(*arrays)
+    comp_slot, comp_pages, latent_dtype, records = records_or_placeholder(
+        a.kv, a.comp_slot, a.comp_pages, latent_dtype, ratio
+    )
+    a = a._replace(comp_slot=comp_slot, comp_pages=comp_pages)
+    return a, check_compressor_args(a, ratio=ratio), latent_dtype, records
+
+
+def check_compressor_args(a: Arrays, *, ratio: int) -> int:
     """Static checks; returns the latent width D."""
     if ratio not in (1, 2):
         _fail(f"ratio must be 1 or 2 (V4.1's kv sources), got {ratio}")
+    kv, ring_block, comp_pages, ring_pages = a.kv, a.ring_block, a.comp_pages, a.ring_pages
     if kv.ndim != 2:
         _fail(f"kv must be [T, D] (ratio 1) or [T, 2D] (ratio 2), got {kv.shape}")
     t = kv.shape[0]
@@ -107,20 +134,22 @@ def check_compressor_args(
             _fail(f"ring_pages must be f32, got {ring_pages.dtype}")
     if comp_pages.ndim != 3 or comp_pages.shape[2] != d:
         _fail(f"comp_pages must be [P, E, D={d}], got {comp_pages.shape}")
-    if norm_weight.shape != (d,):
-        _fail(f"norm_weight must be [D={d}], got {norm_weight.shape}")
-    if inv_freq.ndim != 1 or 2 * inv_freq.shape[0] > d:
-        _fail(f"inv_freq must be [rope/2] with rope <= D={d}, got {inv_freq.shape}")
-    for name, a in (("token_req", token_req), ("positions", positions), ("comp_slot", comp_slot)):
-        if a.shape != (t,) or a.dtype != jnp.int32:
-            _fail(f"{name} must be i32[T={t}], got {a.dtype}{list(a.shape)}")
-    if query_start_loc.ndim != 1 or query_start_loc.dtype != jnp.int32:
-        _fail(f"query_start_loc must be i32[R + 1], got {query_start_loc.dtype}")
+    if a.norm_weight.shape != (d,):
+        _fail(f"norm_weight must be [D={d}], got {a.norm_weight.shape}")
+    if a.inv_freq.ndim != 1 or 2 * a.inv_freq.shape[0] > d:
+        _fail(f"inv_freq must be [rope/2] with rope <= D={d}, got {a.inv_freq.shape}")
+    for name in ("token_req", "positions", "comp_slot"):
+        x = getattr(a, name)
+        if x.shape != (t,) or x.dtype != jnp.int32:
+            _fail(f"{name} must be i32[T={t}], got {x.dtype}{list(x.shape)}")
+    qsl = a.query_start_loc
+    if qsl.ndim != 1 or qsl.dtype != jnp.int32:
+        _fail(f"query_start_loc must be i32[R + 1], got {qsl.dtype}")
     if ring_block is not None and (
-        ring_block.shape != (query_start_loc.shape[0] - 1,) or ring_block.dtype != jnp.int32
+        ring_block.shape != (qsl.shape[0] - 1,) or ring_block.dtype != jnp.int32
     ):
         _fail(
-            f"ring_block must be i32[R={query_start_loc.shape[0] - 1}], got "
+            f"ring_block must be i32[R={qsl.shape[0] - 1}], got "
             f"{ring_block.dtype}{list(ring_block.shape)}"
         )
     return d

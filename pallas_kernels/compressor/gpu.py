@@ -22,13 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._backend import cost_estimate, gpu_interpret
-from pallas_kernels.compressor.common import (
-    check_compressor_args,
-    cost,
-    pair_pool,
-    records_or_placeholder,
-)
+from pallas_kernels.backend import cost_estimate, gpu_interpret
+from pallas_kernels.compressor.common import cost, pair_pool, prepare
 from pallas_kernels.compressor.tpu import CLOSES, FROM_RING, token_metadata
 
 __all__ = ["compressor"]
@@ -119,40 +114,10 @@ def _kernel(
         pages_ref[slot, pl.ds(head + 1, half, stride=2)] = y1
 
 
-def compressor(
-    kv,
-    token_req,
-    positions,
-    query_start_loc,
-    norm_weight,
-    inv_freq,
-    comp_slot,
-    ring_block,
-    comp_pages,
-    ring_pages,
-    *,
-    ratio: int,
-    eps: float,
-    latent_dtype=None,
-    interpret=False,
-):
-    """Triton compressor; same arguments and results as `reference.compressor`."""
-    comp_slot, comp_pages, latent_dtype, records = records_or_placeholder(
-        kv, comp_slot, comp_pages, latent_dtype, ratio
-    )
-    d = check_compressor_args(
-        kv,
-        token_req,
-        positions,
-        query_start_loc,
-        norm_weight,
-        inv_freq,
-        comp_slot,
-        ring_block,
-        comp_pages,
-        ring_pages,
-        ratio=ratio,
-    )
+def compressor(*arrays, ratio: int, eps: float, latent_dtype=None, interpret=False):
+    """Triton compressor; the arguments and results of `reference.compressor`."""
+    a, d, latent_dtype, records = prepare(arrays, ratio=ratio, latent_dtype=latent_dtype)
+    kv, inv_freq, comp_pages, ring_pages = a.kv, a.inv_freq, a.comp_pages, a.ring_pages
     t = kv.shape[0]
     half = inv_freq.shape[0]
     for name, n in (("D", d), ("rope / 2", half)):
@@ -160,9 +125,7 @@ def compressor(
             raise ValueError(f"compressor (gpu): {name}={n} must be a power of two (Triton)")
     p, e, _ = comp_pages.shape
     cap = ring_pages.shape[1] if ratio == 2 else 1
-    slot, src, dst, flags, gpos = token_metadata(
-        token_req, positions, query_start_loc, comp_slot, ring_block, ratio=ratio, cap=cap
-    )
+    slot, src, dst, flags, gpos = token_metadata(a, ratio=ratio, cap=cap)
     pages_flat = comp_pages.reshape(p * e, d)
     ring_flat = ring_pages.reshape(-1, 2 * d) if ratio == 2 else jnp.zeros((1, 1), jnp.float32)
     c = cost(t, d, ratio=ratio, record_dtype=comp_pages.dtype, ring_rows=min(t, cap))
@@ -184,7 +147,7 @@ def compressor(
         gpos,
         kv,
         ring_flat,
-        norm_weight,
+        a.norm_weight,
         inv_freq.astype(jnp.float32),
         pages_flat,
     )

@@ -21,16 +21,9 @@ Semantics (pallas_kernels/README.md, kernel 4; docs/model.md#compressor and its 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from pallas_kernels.compressor.common import (
-    check_compressor_args,
-    pair_pool,
-    records_or_placeholder,
-    rms_norm,
-    rope_rows,
-)
+from pallas_kernels.compressor.common import pair_pool, prepare, rms_norm, rope_rows
 
 __all__ = ["compressor"]
 
@@ -58,62 +51,36 @@ def _store_ring(kv, token_req, positions, query_start_loc, ring_block, ring_page
     return flat.reshape(ring_pages.shape)
 
 
-def compressor(
-    kv: jax.Array,  # [T, D] (ratio 1) | f32[T, 2D] (ratio 2: [a | s])
-    token_req: jax.Array,  # i32[T]
-    positions: jax.Array,  # i32[T], -1 = padding
-    query_start_loc: jax.Array,  # i32[R + 1]
-    norm_weight: jax.Array,  # [D]
-    inv_freq: jax.Array,  # f32[rope / 2]
-    comp_slot: jax.Array | None,  # i32[T], -1 = no write; None: no records
-    ring_block: jax.Array | None,  # i32[R], 0 = none (ratio 2)
-    comp_pages: jax.Array | None,  # [P, E, D]; None: no records
-    ring_pages: jax.Array | None,  # f32[Pr, C, 2D] (ratio 2)
-    *,
-    ratio: int,
-    eps: float,
-    latent_dtype=None,
-):
+def compressor(*arrays, ratio: int, eps: float, latent_dtype=None):
     """Compress a ragged batch into paged cache records (reference).
 
-    Returns ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latents (zeros where no
-    group closes), the pages with the new records (None without pages), and the ring (unchanged /
-    None for ratio 1).
+    Args:
+      arrays: the ten arrays of `pallas_kernels.compressor`, in its order.
+    Returns:
+      ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latents (zeros where no group
+      closes), the pages with the new records (None without pages), and the ring (unchanged /
+      None for ratio 1).
     """
-    comp_slot, comp_pages, ldt, records = records_or_placeholder(
-        kv, comp_slot, comp_pages, latent_dtype, ratio
-    )
-    d = check_compressor_args(
-        kv,
-        token_req,
-        positions,
-        query_start_loc,
-        norm_weight,
-        inv_freq,
-        comp_slot,
-        ring_block,
-        comp_pages,
-        ring_pages,
-        ratio=ratio,
-    )
+    a, d, ldt, records = prepare(arrays, ratio=ratio, latent_dtype=latent_dtype)
+    kv, token_req, positions, qsl = a.kv, a.token_req, a.positions, a.query_start_loc
+    ring_pages = a.ring_pages
     valid = positions >= 0
     if ratio == 1:
-        z = rms_norm(kv, norm_weight, eps, ldt)
+        z = rms_norm(kv, a.norm_weight, eps, ldt)
         closes = valid
     else:
-        member0, closes = _closing_pairs(
-            kv, token_req, positions, query_start_loc, ring_block, ring_pages
-        )
+        member0, closes = _closing_pairs(kv, token_req, positions, qsl, a.ring_block, ring_pages)
         pooled = pair_pool(member0[:, :d], member0[:, d:], kv[:, :d], kv[:, d:])
-        z = rms_norm(pooled.astype(ldt), norm_weight, eps, ldt)
+        z = rms_norm(pooled.astype(ldt), a.norm_weight, eps, ldt)
     latent = jnp.where(closes[:, None], z, jnp.zeros_like(z))
-    angle = (ratio * (positions // ratio)).astype(jnp.float32)[:, None] * inv_freq[None, :]
-    entry = rope_rows(latent, jnp.cos(angle), jnp.sin(angle)).astype(comp_pages.dtype)
+    angle = (ratio * (positions // ratio)).astype(jnp.float32)[:, None] * a.inv_freq[None, :]
+    entry = rope_rows(latent, jnp.cos(angle), jnp.sin(angle)).astype(a.comp_pages.dtype)
 
-    p, e, _ = comp_pages.shape
-    write = closes & (comp_slot >= 0)
-    slot = jnp.where(write, comp_slot, p * e)
-    pages = comp_pages.reshape(p * e, d).at[slot].set(entry, mode="drop").reshape(comp_pages.shape)
+    p, e, _ = a.comp_pages.shape
+    write = closes & (a.comp_slot >= 0)
+    slot = jnp.where(write, a.comp_slot, p * e)
+    flat = a.comp_pages.reshape(p * e, d).at[slot].set(entry, mode="drop")
+    pages = flat.reshape(a.comp_pages.shape)
     if ratio == 2:
-        ring_pages = _store_ring(kv, token_req, positions, query_start_loc, ring_block, ring_pages)
+        ring_pages = _store_ring(kv, token_req, positions, qsl, a.ring_block, ring_pages)
     return latent, pages if records else None, ring_pages

@@ -28,14 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._backend import cdiv, cost_estimate, tpu_interpret
-from pallas_kernels.compressor.common import (
-    check_compressor_args,
-    cost,
-    pair_pool,
-    records_or_placeholder,
-    rms_norm,
-)
+from pallas_kernels.backend import cdiv, cost_estimate, tpu_interpret
+from pallas_kernels.compressor.common import cost, pair_pool, prepare, rms_norm
 
 __all__ = ["compressor", "token_metadata"]
 
@@ -43,13 +37,15 @@ TILE = 8
 CLOSES, FROM_RING = 1, 2
 
 
-def token_metadata(token_req, positions, query_start_loc, comp_slot, ring_block, *, ratio, cap):
+def token_metadata(a, *, ratio: int, cap: int):
     """Per-token addresses and flags: (slot, ring_src, ring_dst, flags, group_pos).
 
     ``slot``: record row in the flattened pages or -1; ``ring_src``: flattened ring row the
     token's pair starts from or -1; ``ring_dst``: flattened ring row the token's raw row is
     stored to or -1; ``flags``: CLOSES | FROM_RING bits; ``group_pos`` f32: the group's first
-    position (rope angle)."""
+    position (rope angle). ``a``: the compressor's `common.Arrays`."""
+    token_req, positions, query_start_loc = a.token_req, a.positions, a.query_start_loc
+    comp_slot, ring_block = a.comp_slot, a.ring_block
     t = positions.shape[0]
     valid = positions >= 0
     if ratio == 1:
@@ -196,40 +192,10 @@ def _kernel(
                 ring_store(j).wait()
 
 
-def compressor(
-    kv,
-    token_req,
-    positions,
-    query_start_loc,
-    norm_weight,
-    inv_freq,
-    comp_slot,
-    ring_block,
-    comp_pages,
-    ring_pages,
-    *,
-    ratio: int,
-    eps: float,
-    latent_dtype=None,
-    interpret=False,
-):
-    """Mosaic TPU compressor; same arguments and results as `reference.compressor`."""
-    comp_slot, comp_pages, latent_dtype, records = records_or_placeholder(
-        kv, comp_slot, comp_pages, latent_dtype, ratio
-    )
-    d = check_compressor_args(
-        kv,
-        token_req,
-        positions,
-        query_start_loc,
-        norm_weight,
-        inv_freq,
-        comp_slot,
-        ring_block,
-        comp_pages,
-        ring_pages,
-        ratio=ratio,
-    )
+def compressor(*arrays, ratio: int, eps: float, latent_dtype=None, interpret=False):
+    """Mosaic TPU compressor; the arguments and results of `reference.compressor`."""
+    a, d, latent_dtype, records = prepare(arrays, ratio=ratio, latent_dtype=latent_dtype)
+    comp_pages, ring_pages = a.comp_pages, a.ring_pages
     if comp_pages.dtype.itemsize != 4:
         # a record is one row of a tiled HBM array; rows of a 16-bit array are packed in pairs,
         # so a single-row DMA cannot address one (Mosaic: "unit subtile (2)")
@@ -237,54 +203,24 @@ def compressor(
             f"compressor (tpu): comp_pages of {comp_pages.dtype} records; the TPU kernel writes "
             "32-bit records (f32 here, the quantised formats later)"
         )
-    t, width = kv.shape
-    p, e, _ = comp_pages.shape
+    t, width = a.kv.shape
     cap = ring_pages.shape[1] if ratio == 2 else 1
-    slot, src, dst, flags, gpos = token_metadata(
-        token_req, positions, query_start_loc, comp_slot, ring_block, ratio=ratio, cap=cap
-    )
+    slot, src, dst, flags, gpos = token_metadata(a, ratio=ratio, cap=cap)
     tp = cdiv(max(t, 1), TILE) * TILE
     pad = tp - t
 
     def pad_rows(x, value):
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
-    kv_p = pad_rows(kv, 0)
+    kv_p = pad_rows(a.kv, 0)
     slot, src, dst = (pad_rows(x, -1) for x in (slot, src, dst))
     flags = pad_rows(flags, 0)[:, None]
     gpos = pad_rows(gpos, 0)[:, None]
-    inv_lane, sign_lane = rope_lanes(inv_freq.astype(jnp.float32), d)
-    pages_flat = comp_pages.reshape(p * e, d)
-
-    row_block = lambda i, *_: (i, 0)  # noqa: E731
-    whole = lambda i, *_: (0, 0)  # noqa: E731
-    in_specs = [
-        pl.BlockSpec((TILE, width), row_block),
-        pl.BlockSpec((8, width), lambda i, *_: (jnp.maximum(i * (TILE // 8) - 1, 0), 0)),
-        pl.BlockSpec((TILE, 1), row_block),
-        pl.BlockSpec((TILE, 1), row_block),
-        pl.BlockSpec((1, d), whole),
-        pl.BlockSpec((1, d), whole),
-        pl.BlockSpec((1, d), whole),
-        pl.BlockSpec(memory_space=pltpu.HBM),
-    ]
-    out_specs = [pl.BlockSpec((TILE, d), row_block), pl.BlockSpec(memory_space=pltpu.HBM)]
-    out_shape = [
-        jax.ShapeDtypeStruct((tp, d), latent_dtype),
-        jax.ShapeDtypeStruct(pages_flat.shape, pages_flat.dtype),
-    ]
-    operands = [kv_p, kv_p, flags, gpos, norm_weight[None, :], inv_lane, sign_lane, pages_flat]
-    scratch = [pltpu.VMEM((TILE, 1, d), comp_pages.dtype), pltpu.SemaphoreType.DMA((3,))]
-    # operand indices count the 3 scalar-prefetch arrays
-    aliases = {3 + 7: 1}
-    if ratio == 2:
-        ring_flat = ring_pages.reshape(-1, 2 * d)
-        in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
-        out_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
-        out_shape.append(jax.ShapeDtypeStruct(ring_flat.shape, ring_flat.dtype))
-        operands.append(ring_flat)
-        scratch[:0] = [pltpu.VMEM((TILE, 1, width), jnp.float32)] * 2  # ring rows, raw rows
-        aliases[3 + 8] = 2
+    inv_lane, sign_lane = rope_lanes(a.inv_freq.astype(jnp.float32), d)
+    tiles = (kv_p, flags, gpos, inv_lane, sign_lane)
+    in_specs, out_specs, out_shape, scratch, aliases, operands = _specs(
+        tiles, a, ratio=ratio, width=width, tp=tp, latent_dtype=latent_dtype
+    )
     c = cost(t, d, ratio=ratio, record_dtype=comp_pages.dtype, ring_rows=min(t, cap))
     outs = pl.pallas_call(
         functools.partial(_kernel, ratio=ratio, eps=eps, d=d, latent_dtype=latent_dtype),
@@ -306,3 +242,42 @@ def compressor(
     pages = outs[1].reshape(comp_pages.shape)
     ring = outs[2].reshape(ring_pages.shape) if ratio == 2 else None
     return latent, pages if records else None, ring
+
+
+def _specs(tiles, a, *, ratio: int, width: int, tp: int, latent_dtype):
+    """(in_specs, out_specs, out_shape, scratch, aliases, operands) of the kernel: token tiles in
+    VMEM, the record pages (and ratio 2's ring) aliased in place in HBM."""
+    comp_pages, ring_pages = a.comp_pages, a.ring_pages
+    p, e, d = comp_pages.shape
+    pages_flat = comp_pages.reshape(p * e, d)
+    row_block = lambda i, *_: (i, 0)  # noqa: E731
+    whole = lambda i, *_: (0, 0)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((TILE, width), row_block),
+        pl.BlockSpec((8, width), lambda i, *_: (jnp.maximum(i * (TILE // 8) - 1, 0), 0)),
+        pl.BlockSpec((TILE, 1), row_block),
+        pl.BlockSpec((TILE, 1), row_block),
+        pl.BlockSpec((1, d), whole),
+        pl.BlockSpec((1, d), whole),
+        pl.BlockSpec((1, d), whole),
+        pl.BlockSpec(memory_space=pltpu.HBM),
+    ]
+    out_specs = [pl.BlockSpec((TILE, d), row_block), pl.BlockSpec(memory_space=pltpu.HBM)]
+    out_shape = [
+        jax.ShapeDtypeStruct((tp, d), latent_dtype),
+        jax.ShapeDtypeStruct(pages_flat.shape, pages_flat.dtype),
+    ]
+    kv_p, flags, gpos, inv_lane, sign_lane = tiles
+    operands = [kv_p, kv_p, flags, gpos, a.norm_weight[None, :], inv_lane, sign_lane, pages_flat]
+    scratch = [pltpu.VMEM((TILE, 1, d), comp_pages.dtype), pltpu.SemaphoreType.DMA((3,))]
+    # operand indices count the 3 scalar-prefetch arrays
+    aliases = {3 + 7: 1}
+    if ratio == 2:
+        ring_flat = ring_pages.reshape(-1, 2 * d)
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
+        out_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
+        out_shape.append(jax.ShapeDtypeStruct(ring_flat.shape, ring_flat.dtype))
+        operands.append(ring_flat)
+        scratch[:0] = [pltpu.VMEM((TILE, 1, width), jnp.float32)] * 2  # ring rows, raw rows
+        aliases[3 + 8] = 2
+    return in_specs, out_specs, out_shape, scratch, aliases, operands

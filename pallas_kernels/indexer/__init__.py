@@ -2,7 +2,7 @@
 against paged index keys, the candidate blocks of the two-level selection, and the exact top-k.
 
 `indexer_topk(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
-kernel on TPU and the Triton kernel on GPU (`pallas_kernels._backend.resolve_impl`). The kernels
+kernel on TPU and the Triton kernel on GPU (`pallas_kernels.backend.resolve_impl`). The kernels
 keep every score on chip and select without a sort (see `tpu.py` / `gpu.py`).
 """
 
@@ -12,8 +12,7 @@ from typing import Any
 
 import jax
 
-from pallas_kernels._backend import check_block_tables, resolve_impl
-from pallas_kernels.indexer import reference
+from pallas_kernels.backend import check_block_tables, dispatch
 from pallas_kernels.indexer.common import cost
 
 __all__ = ["cost", "indexer_topk"]
@@ -56,10 +55,9 @@ def indexer_topk(
     tokens of one request within a tile (a prefill chunk, speculative rows) read the request's
     index keys from HBM once instead of once each.
     """
-    impl = resolve_impl(impl)
     if debug:
         check_block_tables(comp_tables, ikey_pages.shape[0], "comp_tables")
-    kwargs = dict(
+    options = dict(
         entries_per_block=entries_per_block,
         k=k,
         candidate_block_size=candidate_block_size,
@@ -67,15 +65,12 @@ def indexer_topk(
         candidates=candidates,
         key_scales=key_scales,
     )
-    args = (qi, weights, ikey_pages, comp_tables, token_req, positions, visible)
-    if impl == "reference":
-        return reference.indexer_topk(*args, **kwargs)
-    if tokens_per_tile is not None:
-        kwargs["tokens_per_tile"] = tokens_per_tile
-    if impl == "tpu":
-        from pallas_kernels.indexer import tpu
-
-        return tpu.indexer_topk(*args, **kwargs, interpret=interpret)
-    from pallas_kernels.indexer import gpu
-
-    return gpu.indexer_topk(*args, **kwargs, interpret=interpret)
+    return dispatch(
+        __name__,
+        "indexer_topk",
+        impl,
+        interpret,
+        (qi, weights, ikey_pages, comp_tables, token_req, positions, visible),
+        options,
+        kernel_options=dict(tokens_per_tile=tokens_per_tile),
+    )

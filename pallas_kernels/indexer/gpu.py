@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._backend import cdiv, cost_estimate, gpu_interpret
+from pallas_kernels.backend import cdiv, cost_estimate, gpu_interpret
 from pallas_kernels.indexer.common import check_indexer_args, cost, weighted_relu_sum
 
 __all__ = ["indexer_topk"]

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._backend import cdiv, cost_estimate, mxu_precision, tpu_interpret
+from pallas_kernels.backend import cdiv, cost_estimate, mxu_precision, tpu_interpret
 from pallas_kernels.indexer.common import check_indexer_args, cost, weighted_relu_sum
 
 __all__ = ["indexer_topk"]

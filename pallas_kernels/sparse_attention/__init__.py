@@ -11,8 +11,7 @@ from typing import Any
 
 import jax
 
-from pallas_kernels import _backend
-from pallas_kernels.sparse_attention import reference
+from pallas_kernels import backend
 from pallas_kernels.window_attention.reference import State
 
 __all__ = ["sparse_attention"]
@@ -83,29 +82,21 @@ def sparse_attention(
             state_l=(state[1], ("T", "H")),
             state_acc=(state[2], ("T", "H", "D")),
         )
-    _backend.check_shapes(**shapes)
-    _backend.check_int32(
+    backend.check_shapes(**shapes)
+    backend.check_int32(
         comp_tables=comp_tables, token_req=token_req, positions=positions, topk=topk
     )
-    impl = _backend.resolve_impl(impl)
     if debug:
-        _backend.check_block_tables(comp_tables, comp_pages.shape[0], "comp_tables")
         span = comp_tables.shape[1] * entries_per_block
-        _backend.check_range(topk, -1, span, "topk", "an entry id the table covers")
-        _backend.check_range(token_req, 0, comp_tables.shape[0], "token_req", "a request row")
-    args = (q, comp_pages, comp_tables, token_req, positions, topk, sink)
-    kwargs = dict(entries_per_block=entries_per_block, scale=scale, state=state)
-    if impl == "reference":
-        return reference.sparse_attention(*args, **kwargs)
-    if impl == "tpu":
-        from pallas_kernels.sparse_attention import tpu
-
-        tiling = {} if tokens_per_tile is None else {"tokens_per_tile": tokens_per_tile}
-        if max_tokens_per_call is not None:
-            tiling["max_tokens_per_call"] = max_tokens_per_call
-        return tpu.sparse_attention(
-            *args, **kwargs, **tiling, interpret=_backend.tpu_interpret(interpret)
-        )
-    from pallas_kernels.sparse_attention import gpu
-
-    return gpu.sparse_attention(*args, **kwargs, interpret=_backend.gpu_interpret(interpret))
+        backend.check_block_tables(comp_tables, comp_pages.shape[0], "comp_tables")
+        backend.check_range(topk, -1, span, "topk", "an entry id the table covers")
+        backend.check_range(token_req, 0, comp_tables.shape[0], "token_req", "a request row")
+    return backend.dispatch(
+        __name__,
+        "sparse_attention",
+        impl,
+        interpret,
+        (q, comp_pages, comp_tables, token_req, positions, topk, sink),
+        dict(entries_per_block=entries_per_block, scale=scale, state=state),
+        tpu_options=dict(tokens_per_tile=tokens_per_tile, max_tokens_per_call=max_tokens_per_call),
+    )

@@ -23,9 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.softmax import empty_state, sink_weight
 from pallas_kernels.sparse_attention.cost import sparse_cost
-from pallas_kernels.window_attention.gpu import _dot
+from pallas_kernels.triton_ops import attend_chunk
 
 BLOCK_HEADS = 16
 BLOCK_KEYS = 32
@@ -55,57 +55,54 @@ def _kernel(
     if with_state:
         init = (refs[0][...], refs[1][...], refs[2][...])
     else:
-        init = (
-            jnp.full((heads,), MASK_VALUE, jnp.float32),
-            jnp.zeros((heads,), jnp.float32),
-            jnp.zeros((heads, dim), jnp.float32),
-        )
+        init = empty_state(heads, dim, keepdims=False)
 
     def chunk(c, carry):
-        m, denom, acc = carry
         ids = topk_ref[pl.ds(c * block_keys, block_keys)]
         picked = ids >= 0
         ids = jnp.maximum(ids, 0)
         blocks = tables_ref[r * nbc + ids // per_block]
         keys = kv_ref[blocks * per_block + ids % per_block]  # [BK, D]
         keys = jnp.where(picked[:, None], keys, jnp.zeros_like(keys))
-        z = _dot(q, keys, trans_b=True) * scale  # [BH, BK]
-        z = jnp.where(picked[None, :], z, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(z, axis=1))
-        alpha = jnp.exp(m - m_new)
-        e = jnp.where(picked[None, :], jnp.exp(z - m_new[:, None]), 0.0)
-        denom = alpha * denom + jnp.sum(e, axis=1)
-        acc = alpha[:, None] * acc + _dot(e.astype(keys.dtype), keys)
-        return m_new, denom, acc
+        return attend_chunk(carry, q, keys, picked, scale)
 
     num_chunks = jnp.where(p >= 0, jnp.int32(topk_ref.shape[0] // block_keys), jnp.int32(0))
     m, denom, acc = lax.fori_loop(jnp.int32(0), num_chunks, chunk, init)
-    sink = sink_ref[...]
-    top = jnp.maximum(m, sink)
-    w = jnp.exp(m - top)
-    out = acc * (w / (denom * w + jnp.exp(sink - top)))[:, None]
+    out = acc * sink_weight(m, denom, sink_ref[...])[:, None]
     o_ref[...] = jnp.where(p >= 0, out, 0.0).astype(o_ref.dtype)
 
 
+def _operands(args, state, qspec, bh: int, kp: int):
+    """(in_specs, inputs) of the kernel: the gathered arrays whole, q / sink / top-k / state
+    blocked per (token, head block)."""
+    q, comp_pages, comp_tables, token_req, positions, topk, sink = args
+    whole = pl.BlockSpec()  # the whole array: gathered from inside the kernel
+    head_block = pl.BlockSpec((bh,), lambda t, h: (h,))
+    topk_row = pl.BlockSpec((None, kp), lambda t, h: (t, 0))
+    in_specs = [whole, whole, whole, whole, qspec, head_block, topk_row]
+    inputs = [
+        token_req,
+        positions,
+        comp_tables.reshape(-1),
+        comp_pages.reshape(comp_pages.shape[0] * comp_pages.shape[1], q.shape[2]),
+        q,
+        sink.astype(jnp.float32),
+        topk,
+    ]
+    if state is not None:
+        vec = pl.BlockSpec((None, bh), lambda t, h: (t, h))
+        in_specs += [vec, vec, qspec]
+        inputs += [x.astype(jnp.float32) for x in state]
+    return in_specs, inputs
+
+
 def sparse_attention(
-    q: jax.Array,  # [T, H, D]
-    comp_pages: jax.Array,  # [P, E, D]
-    comp_tables: jax.Array,  # i32[R, nbc]
-    token_req: jax.Array,  # i32[T]
-    positions: jax.Array,  # i32[T]
-    topk: jax.Array,  # i32[T, K]
-    sink: jax.Array,  # f32[H]
-    *,
-    entries_per_block: int,
-    scale: float,
-    state=None,
-    interpret: bool = False,
-    block_heads: int = BLOCK_HEADS,
+    q, comp_pages, comp_tables, token_req, positions, topk, sink, *, entries_per_block: int,
+    scale: float, state=None, interpret: bool = False, block_heads: int = BLOCK_HEADS,
     block_keys: int = BLOCK_KEYS,
-):
+):  # fmt: skip
     """The GPU kernel behind `pallas_kernels.sparse_attention` (same arguments and results)."""
     num_tokens, heads, dim = q.shape
-    num_pages = comp_pages.shape[0]
     k = topk.shape[1]
     bh = min(block_heads, heads)
     if heads % bh:
@@ -115,30 +112,10 @@ def sparse_attention(
     topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
 
     qspec = pl.BlockSpec((None, bh, dim), lambda t, h: (t, h, 0))
-    whole = pl.BlockSpec()  # the whole array: gathered from inside the kernel
-    in_specs = [
-        whole,
-        whole,
-        whole,
-        whole,
-        qspec,
-        pl.BlockSpec((bh,), lambda t, h: (h,)),
-        pl.BlockSpec((None, kp), lambda t, h: (t, 0)),
-    ]
-    inputs = [
-        token_req,
-        positions,
-        comp_tables.reshape(-1),
-        comp_pages.reshape(num_pages * entries_per_block, dim),
-        q,
-        sink.astype(jnp.float32),
-        topk,
-    ]
     with_state = state is not None
-    if with_state:
-        vec = pl.BlockSpec((None, bh), lambda t, h: (t, h))
-        in_specs += [vec, vec, qspec]
-        inputs += [x.astype(jnp.float32) for x in state]
+    in_specs, inputs = _operands(
+        (q, comp_pages, comp_tables, token_req, positions, topk, sink), state, qspec, bh, kp
+    )
     cost = sparse_cost(
         num_tokens=num_tokens,
         heads=heads,

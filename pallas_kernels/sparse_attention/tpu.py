@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _backend
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels import backend
+from pallas_kernels.softmax import empty_state, online_step, sink_weight
 from pallas_kernels.sparse_attention.cost import sparse_cost
 
 CHUNK = 128  # slab rows per softmax step (one lane tile of logits)
@@ -72,6 +72,43 @@ def _kernel(
     step, per_core = pl.program_id(1), pl.num_programs(1)
     tile = pl.program_id(0) * per_core + step
     buf = step % 2
+    fetch = (rows_hbm, rows_smem, list_sem, words, row_of, slab, row_sem, n_fetch)
+    _fetch_rows(fetch, step, per_core, tile, buf, per_block=per_block)
+
+    sink = sink_ref[...]  # [H, 1]
+
+    def token(i, c):
+        t = tile * tq + i
+
+        @pl.when(pos_ref[t] < 0)
+        def _():
+            o_ref[i] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
+
+        @pl.when(pos_ref[t] >= 0)
+        def _():
+            lo, hi = seg_ref[2 * t], seg_ref[2 * t + 1]
+            q = q_ref[i]  # [H, D]
+            heads, dim = q.shape
+            if with_state:
+                init = tuple(ref[i] for ref in state_refs)
+            else:
+                init = empty_state(heads, dim, keepdims=True)
+            picks = topk_ref[i] if tq > 1 else None  # [1, Kp]
+            chunk = functools.partial(
+                _chunk, slab, buf, ucol_ref, urow_ref, q, lo, hi, picks, scale, packed
+            )
+            m, denom, acc = lax.fori_loop(lo // CHUNK, (hi + CHUNK - 1) // CHUNK, chunk, init)
+            o_ref[i] = (acc * sink_weight(m, denom, sink)).astype(o_ref.dtype)
+
+        return c
+
+    lax.fori_loop(0, tq, token, 0)
+
+
+def _fetch_rows(fetch, step, per_core, tile, buf, *, per_block: int):
+    """The kernel's DMA pipeline: the row lists two tiles ahead into SMEM, the rows of the next
+    tile into the other slab, then wait for this tile's rows in slab ``buf``."""
+    rows_hbm, rows_smem, list_sem, words, row_of, slab, row_sem, n_fetch = fetch
     slots = slab.shape[1]
 
     def list_copy(which, slot):
@@ -121,76 +158,40 @@ def _kernel(
 
     lax.fori_loop(0, n_fetch[buf], wait, 0)
 
-    sink = sink_ref[...]  # [H, 1]
 
-    def token(i, c):
-        t = tile * tq + i
-
-        @pl.when(pos_ref[t] < 0)
-        def _():
-            o_ref[i] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
-
-        @pl.when(pos_ref[t] >= 0)
-        def _():
-            lo, hi = seg_ref[2 * t], seg_ref[2 * t + 1]
-            q = q_ref[i]  # [H, D]
-            heads, dim = q.shape
-            if with_state:
-                init = tuple(ref[i] for ref in state_refs)
-            else:
-                init = (
-                    jnp.full((heads, 1), MASK_VALUE, jnp.float32),
-                    jnp.zeros((heads, 1), jnp.float32),
-                    jnp.zeros((heads, dim), jnp.float32),
-                )
-            picks = topk_ref[i] if tq > 1 else None  # [1, Kp]
-
-            def chunk(k, carry):
-                m, denom, acc = carry
-                base = pl.multiple_of(k * CHUNK, CHUNK)
-                rows = slab[buf, pl.ds(base, CHUNK), :]  # [C, D]
-                ucol = ucol_ref[pl.ds(base, CHUNK), :]  # [C, 1]
-                urow = urow_ref[:, pl.ds(base, CHUNK)]  # [1, C]
-                scol = base + lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
-                srow = base + lax.broadcasted_iota(jnp.int32, (1, CHUNK), 1)
-                keep_col = (ucol >= 0) & (scol >= lo) & (scol < hi)
-                keep_row = (urow >= 0) & (srow >= lo) & (srow < hi)
-                if picks is not None:  # the union holds other tokens' picks too
-                    hit = ((ucol == picks) & (ucol >= 0)).astype(jnp.float32)  # [C, Kp]
-                    keep_col &= jnp.max(hit, axis=1, keepdims=True) > 0.5
-                    ones = jnp.ones((8, hit.shape[1]), jnp.float32)
-                    count = lax.dot_general(ones, hit, (((1,), (1,)), ((), ())))  # [8, C]
-                    keep_row &= count[0:1] > 0.5
-                if packed:  # exact bf16 -> f32 from the half of the word that holds the row
-                    odd = (ucol & 1) == 1
-                    bits = jnp.where(odd, rows & jnp.uint32(0xFFFF0000), rows << 16)
-                    rows = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
-                qq, kk = q, rows
-                if qq.dtype != kk.dtype:
-                    qq, kk = qq.astype(jnp.float32), kk.astype(jnp.float32)
-                prec = _backend.mxu_precision(kk.dtype)
-                z = lax.dot_general(
-                    qq, kk, (((1,), (1,)), ((), ())), precision=prec,
-                    preferred_element_type=jnp.float32,
-                )  # fmt: skip  # [H, C]
-                z = jnp.where(keep_row, z * scale, MASK_VALUE)
-                m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
-                alpha = jnp.exp(m - m_new)
-                e = jnp.where(keep_row, jnp.exp(z - m_new), 0.0)
-                kk = jnp.where(keep_col, kk, jnp.zeros_like(kk))
-                pv = jnp.dot(
-                    e.astype(kk.dtype), kk, precision=prec, preferred_element_type=jnp.float32
-                )
-                return m_new, alpha * denom + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv
-
-            m, denom, acc = lax.fori_loop(lo // CHUNK, (hi + CHUNK - 1) // CHUNK, chunk, init)
-            top = jnp.maximum(m, sink)
-            w = jnp.exp(m - top)
-            o_ref[i] = (acc * (w / (denom * w + jnp.exp(sink - top)))).astype(o_ref.dtype)
-
-        return c
-
-    lax.fori_loop(0, tq, token, 0)
+def _chunk(slab, buf, ucol_ref, urow_ref, q, lo, hi, picks, scale, packed, k, carry):
+    """Fold slab rows ``k * CHUNK ..`` of the token's segment ``[lo, hi)`` into its state; with
+    ``picks`` [1, Kp] (shared rows) only the rows the token selected count."""
+    m, denom, acc = carry
+    base = pl.multiple_of(k * CHUNK, CHUNK)
+    rows = slab[buf, pl.ds(base, CHUNK), :]  # [C, D]
+    ucol = ucol_ref[pl.ds(base, CHUNK), :]  # [C, 1]
+    urow = urow_ref[:, pl.ds(base, CHUNK)]  # [1, C]
+    scol = base + lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
+    srow = base + lax.broadcasted_iota(jnp.int32, (1, CHUNK), 1)
+    keep_col = (ucol >= 0) & (scol >= lo) & (scol < hi)
+    keep_row = (urow >= 0) & (srow >= lo) & (srow < hi)
+    if picks is not None:  # the union holds other tokens' picks too
+        hit = ((ucol == picks) & (ucol >= 0)).astype(jnp.float32)  # [C, Kp]
+        keep_col &= jnp.max(hit, axis=1, keepdims=True) > 0.5
+        ones = jnp.ones((8, hit.shape[1]), jnp.float32)
+        count = lax.dot_general(ones, hit, (((1,), (1,)), ((), ())))  # [8, C]
+        keep_row &= count[0:1] > 0.5
+    if packed:  # exact bf16 -> f32 from the half of the word that holds the row
+        odd = (ucol & 1) == 1
+        bits = jnp.where(odd, rows & jnp.uint32(0xFFFF0000), rows << 16)
+        rows = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+    qq, kk = q, rows
+    if qq.dtype != kk.dtype:
+        qq, kk = qq.astype(jnp.float32), kk.astype(jnp.float32)
+    prec = backend.mxu_precision(kk.dtype)
+    z = lax.dot_general(
+        qq, kk, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+    )  # [H, C]
+    m_new, alpha, e = online_step(m, z, keep_row, scale)
+    kk = jnp.where(keep_col, kk, jnp.zeros_like(kk))
+    pv = jnp.dot(e.astype(kk.dtype), kk, precision=prec, preferred_element_type=jnp.float32)
+    return m_new, alpha * denom + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv
 
 
 def _row_lists(comp_tables, token_req, positions, topk, *, per_block: int, tq: int):
@@ -245,102 +246,46 @@ def pack_row_pairs(pages: jax.Array) -> jax.Array:
 
 
 def sparse_attention(
-    q: jax.Array,  # [T, H, D]
-    comp_pages: jax.Array,  # [P, E, D]
-    comp_tables: jax.Array,  # i32[R, nbc]
-    token_req: jax.Array,  # i32[T]
-    positions: jax.Array,  # i32[T]
-    topk: jax.Array,  # i32[T, K]
-    sink: jax.Array,  # f32[H]
-    *,
-    entries_per_block: int,
-    scale: float,
-    state=None,
-    interpret=False,
-    tokens_per_tile: int = TOKENS_PER_TILE,
-    num_cores: int | None = None,
-    max_tokens_per_call: int = MAX_TOKENS_PER_CALL,
-):
+    q, comp_pages, comp_tables, token_req, positions, topk, sink, *, entries_per_block: int,
+    scale: float, state=None, interpret=False, tokens_per_tile: int = TOKENS_PER_TILE,
+    num_cores: int | None = None, max_tokens_per_call: int = MAX_TOKENS_PER_CALL,
+):  # fmt: skip
     """The TPU kernel behind `pallas_kernels.sparse_attention` (same arguments and results).
 
     ``num_cores``: TensorCores to split the tiles over (None: the device's, 2 on megacore
     chips); each core walks a contiguous run of tiles with its own prefetch pipeline.
     ``max_tokens_per_call``: longer batches run as several kernel calls (their scalar-prefetched
     metadata must fit in SMEM)."""
-    num_tokens, heads, dim = q.shape
-    if num_tokens > max_tokens_per_call:  # one kernel call per slice of tokens
-        cut = lambda x, i: None if x is None else x[i : i + max_tokens_per_call]  # noqa: E731
-        parts = [
-            sparse_attention(
-                cut(q, i),
-                comp_pages,
-                comp_tables,
-                cut(token_req, i),
-                cut(positions, i),
-                cut(topk, i),
-                sink,
-                entries_per_block=entries_per_block,
-                scale=scale,
-                state=None if state is None else tuple(cut(x, i) for x in state),
-                interpret=interpret,
-                tokens_per_tile=tokens_per_tile,
-                num_cores=num_cores,
-            )
-            for i in range(0, num_tokens, max_tokens_per_call)
-        ]
-        return jnp.concatenate(parts)
-    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
-    cores, per_core = _backend.core_split(num_tokens // tq, num_cores)
-    pad = cores * per_core * tq - num_tokens
-    if pad:  # whole tiles per core: padding tokens (position -1) read nothing, output zeros
-        padded = lambda x, v=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=v)  # noqa: E731
-        return sparse_attention(
-            padded(q),
-            comp_pages,
-            comp_tables,
-            padded(token_req),
-            padded(positions, -1),
-            padded(topk, -1),
-            sink,
-            entries_per_block=entries_per_block,
-            scale=scale,
-            state=None if state is None else tuple(padded(x) for x in state),
-            interpret=interpret,
-            tokens_per_tile=tq,
-            num_cores=cores,
-            max_tokens_per_call=max_tokens_per_call,
-        )[:num_tokens]
-    k = topk.shape[1]
-    packed = comp_pages.dtype == jnp.bfloat16
-    if not packed and _backend.itemsize(comp_pages.dtype) != 4:
-        raise ValueError(
-            f"comp_pages must be f32 or bf16 for the TPU kernel, got {comp_pages.dtype}"
-        )
-    if packed and entries_per_block % 2:
-        raise ValueError(f"bf16 pages need an even entries_per_block, got {entries_per_block}")
-    bitcast_in_kernel = packed and not isinstance(interpret, pltpu.InterpretParams)
-    slab_dtype = jnp.uint32 if packed else comp_pages.dtype
-    kp = _backend.cdiv(k, CHUNK) * CHUNK
-    topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
-    if tq > 8 or comp_tables.shape[1] * entries_per_block > 2**_ID_BITS:
-        raise ValueError(
-            f"row sharing needs tokens_per_tile <= 8 and < 2^{_ID_BITS} entries per request, got "
-            f"{tokens_per_tile} and {comp_tables.shape[1] * entries_per_block}"
-        )
-    tiles, slots = num_tokens // tq, tq * kp
-    addr, ids, seg = _row_lists(
-        comp_tables, token_req, positions, topk, per_block=entries_per_block, tq=tq
-    )
-    ids = ids.reshape(tiles, slots)
 
-    with_state = state is not None
-    tok_block = lambda c, j, *_: (c * per_core + j, 0, 0)  # noqa: E731
+    def run(tokens, tq, cores, per_core):
+        q, token_req, positions, topk, state = tokens
+        return _sparse_call(
+            q, comp_pages, comp_tables, token_req, positions, topk, sink,
+            entries_per_block=entries_per_block, scale=scale, state=state, interpret=interpret,
+            tq=tq, cores=cores, per_core=per_core,
+        )  # fmt: skip
+
+    return backend.token_tiles(
+        run,
+        (q, token_req, positions, topk, None if state is None else tuple(state)),
+        (0, 0, -1, -1, 0),
+        tokens_per_tile=tokens_per_tile,
+        num_cores=num_cores,
+        max_tokens_per_call=max_tokens_per_call,
+    )
+
+
+def _operands(q, sink, topk, state, addr, ids, pages, *, tq: int, block):
+    """(in_specs, inputs) after the scalar prefetch: row lists, q, sink, slot ids, the top-k
+    rows when tokens share rows, the window state, the pages (HBM)."""
+    tiles, slots = ids.shape
+    _, heads, dim = q.shape
     in_specs = [
         pl.BlockSpec(memory_space=pl.ANY),
-        pl.BlockSpec((tq, heads, dim), tok_block),
+        pl.BlockSpec((tq, heads, dim), block),
         pl.BlockSpec((heads, 1), lambda c, j, *_: (0, 0)),
-        pl.BlockSpec((None, slots, 1), tok_block),
-        pl.BlockSpec((None, 1, slots), tok_block),
+        pl.BlockSpec((None, slots, 1), block),
+        pl.BlockSpec((None, 1, slots), block),
     ]
     inputs = [
         addr.reshape(tiles, slots),
@@ -350,20 +295,60 @@ def sparse_attention(
         ids[:, None, :],
     ]
     if tq > 1:
-        in_specs.append(pl.BlockSpec((tq, 1, kp), tok_block))
+        in_specs.append(pl.BlockSpec((tq, 1, topk.shape[1]), block))
         inputs.append(topk[:, None, :])
-    if with_state:
+    if state is not None:
         m, denom, acc = (x.astype(jnp.float32) for x in state)
         in_specs += [
-            pl.BlockSpec((tq, heads, 1), tok_block),
-            pl.BlockSpec((tq, heads, 1), tok_block),
-            pl.BlockSpec((tq, heads, dim), tok_block),
+            pl.BlockSpec((tq, heads, 1), block),
+            pl.BlockSpec((tq, heads, 1), block),
+            pl.BlockSpec((tq, heads, dim), block),
         ]
         inputs += [m[..., None], denom[..., None], acc]
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    inputs.append(comp_pages if bitcast_in_kernel or not packed else pack_row_pairs(comp_pages))
+    inputs.append(pages)
+    return in_specs, inputs
 
-    isz = _backend.itemsize
+
+def _check(page_dtype, entries_per_block: int, entries: int, tq: int) -> None:
+    """The TPU kernel's limits: f32 or bf16 pages (bf16: pairs of rows), row-sharing keys."""
+    packed = page_dtype == jnp.bfloat16
+    if not packed and backend.itemsize(page_dtype) != 4:
+        raise ValueError(f"comp_pages must be f32 or bf16 for the TPU kernel, got {page_dtype}")
+    if packed and entries_per_block % 2:
+        raise ValueError(f"bf16 pages need an even entries_per_block, got {entries_per_block}")
+    if tq > 8 or entries > 2**_ID_BITS:
+        raise ValueError(
+            f"row sharing needs tokens_per_tile <= 8 and < 2^{_ID_BITS} entries per request, got "
+            f"{tq} tokens per tile and {entries}"
+        )
+
+
+def _sparse_call(
+    q, comp_pages, comp_tables, token_req, positions, topk, sink, *, entries_per_block, scale,
+    state, interpret, tq, cores, per_core,
+):  # fmt: skip
+    """One kernel call over whole tiles of ``tq`` tokens, ``per_core`` tiles per core."""
+    num_tokens, heads, dim = q.shape
+    k = topk.shape[1]
+    packed = comp_pages.dtype == jnp.bfloat16
+    _check(comp_pages.dtype, entries_per_block, comp_tables.shape[1] * entries_per_block, tq)
+    bitcast_in_kernel = packed and not isinstance(interpret, pltpu.InterpretParams)
+    slab_dtype = jnp.uint32 if packed else comp_pages.dtype
+    kp = backend.cdiv(k, CHUNK) * CHUNK
+    topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
+    tiles, slots = num_tokens // tq, tq * kp
+    addr, ids, seg = _row_lists(
+        comp_tables, token_req, positions, topk, per_block=entries_per_block, tq=tq
+    )
+    ids = ids.reshape(tiles, slots)
+
+    with_state = state is not None
+    tok_block = lambda c, j, *_: (c * per_core + j, 0, 0)  # noqa: E731
+    pages = comp_pages if bitcast_in_kernel or not packed else pack_row_pairs(comp_pages)
+    in_specs, inputs = _operands(q, sink, topk, state, addr, ids, pages, tq=tq, block=tok_block)
+
+    isz = backend.itemsize
     cost = sparse_cost(
         num_tokens=num_tokens,
         heads=heads,
@@ -408,7 +393,7 @@ def sparse_attention(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=int(min(max(32 << 20, 2 * vmem), 100 << 20)),
         ),
-        cost_estimate=_backend.cost_estimate(**cost.as_estimate()),
+        cost_estimate=backend.cost_estimate(**cost.as_estimate()),
         interpret=interpret,
         name="sparse_attention",
     )(positions, seg.reshape(-1), *inputs)

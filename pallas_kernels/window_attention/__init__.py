@@ -10,8 +10,7 @@ from typing import Any
 
 import jax
 
-from pallas_kernels import _backend
-from pallas_kernels.window_attention import reference
+from pallas_kernels import backend
 from pallas_kernels.window_attention.reference import State
 
 __all__ = ["State", "window_attention"]
@@ -66,7 +65,7 @@ def window_attention(
     Returns:
       out [T, H, D] in q's dtype, or the state triple when `return_state`.
     """
-    _backend.check_shapes(
+    backend.check_shapes(
         q=(q, ("T", "H", "D")),
         swa_pages=(swa_pages, ("P", "S", "D")),
         swa_tables=(swa_tables, ("R", "nb")),
@@ -75,28 +74,20 @@ def window_attention(
         sink=(sink, ("H",)),
         **({} if replay_start is None else {"replay_start": (replay_start, ("R",))}),
     )
-    _backend.check_int32(swa_tables=swa_tables, token_req=token_req, positions=positions)
+    backend.check_int32(swa_tables=swa_tables, token_req=token_req, positions=positions)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    impl = _backend.resolve_impl(impl)
     if debug:
-        _backend.check_block_tables(swa_tables, swa_pages.shape[0], "swa_tables")
         span = swa_tables.shape[1] * swa_pages.shape[1]
-        _backend.check_range(positions, -1, span, "positions", "a position the table covers")
-        _backend.check_range(token_req, 0, swa_tables.shape[0], "token_req", "a request row")
-    kwargs = dict(window=window, scale=scale, replay_start=replay_start, return_state=return_state)
-    args = (q, swa_pages, swa_tables, token_req, positions, sink)
-    if impl == "reference":
-        return reference.window_attention(*args, **kwargs)
-    if impl == "tpu":
-        from pallas_kernels.window_attention import tpu
-
-        tiling = {} if tokens_per_tile is None else {"tokens_per_tile": tokens_per_tile}
-        if max_tokens_per_call is not None:
-            tiling["max_tokens_per_call"] = max_tokens_per_call
-        return tpu.window_attention(
-            *args, **kwargs, **tiling, interpret=_backend.tpu_interpret(interpret)
-        )
-    from pallas_kernels.window_attention import gpu
-
-    return gpu.window_attention(*args, **kwargs, interpret=_backend.gpu_interpret(interpret))
+        backend.check_block_tables(swa_tables, swa_pages.shape[0], "swa_tables")
+        backend.check_range(positions, -1, span, "positions", "a position the table covers")
+        backend.check_range(token_req, 0, swa_tables.shape[0], "token_req", "a request row")
+    return backend.dispatch(
+        __name__,
+        "window_attention",
+        impl,
+        interpret,
+        (q, swa_pages, swa_tables, token_req, positions, sink),
+        dict(window=window, scale=scale, replay_start=replay_start, return_state=return_state),
+        tpu_options=dict(tokens_per_tile=tokens_per_tile, max_tokens_per_call=max_tokens_per_call),
+    )

@@ -6,7 +6,7 @@ benchmarks/kernels.py for the roofline.
 
 from __future__ import annotations
 
-from pallas_kernels._backend import Cost, cdiv, window_pages
+from pallas_kernels.backend import Cost, cdiv, window_pages
 
 
 def window_cost(

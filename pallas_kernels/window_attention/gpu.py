@@ -23,20 +23,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.softmax import empty_state, sink_weight
+from pallas_kernels.triton_ops import attend_chunk
+from pallas_kernels.window_attention.cost import window_cost
 
 BLOCK_HEADS = 16  # heads per program (tl.dot needs >= 16 rows)
 BLOCK_KEYS = 32  # key positions per loop step
 NUM_WARPS = 4
-
-
-def _dot(a, b, *, trans_b=False):
-    """f32-accumulating dot without TF32 (f32 results must match the reference)."""
-    if a.dtype == jnp.float32 or b.dtype == jnp.float32:
-        return pltriton.dot(
-            a.astype(jnp.float32), b.astype(jnp.float32), trans_b=trans_b, allow_tf32=False
-        )
-    return pltriton.dot(a, b, trans_b=trans_b).astype(jnp.float32)
 
 
 def _kernel(
@@ -61,59 +54,43 @@ def _kernel(
     count = jnp.where(p >= 0, jnp.maximum(p - lo + 1, 0), 0)
 
     def chunk(c, carry):
-        m, denom, acc = carry
         kpos = lo + c * block_keys + jnp.arange(block_keys, dtype=jnp.int32)
         seen = kpos <= p
         kpos = jnp.minimum(kpos, p)
         blocks = tables_ref[r * nb + kpos // page]
         keys = kv_ref[blocks * page + kpos % page]  # [BK, D]
-        z = _dot(q, keys, trans_b=True) * scale  # [BH, BK]
-        z = jnp.where(seen[None, :], z, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(z, axis=1))
-        alpha = jnp.exp(m - m_new)
-        e = jnp.where(seen[None, :], jnp.exp(z - m_new[:, None]), 0.0)
-        denom = alpha * denom + jnp.sum(e, axis=1)
-        acc = alpha[:, None] * acc + _dot(e.astype(keys.dtype), keys)
-        return m_new, denom, acc
+        return attend_chunk(carry, q, keys, seen, scale)
 
-    init = (
-        jnp.full((heads,), MASK_VALUE, jnp.float32),
-        jnp.zeros((heads,), jnp.float32),
-        jnp.zeros((heads, dim), jnp.float32),
-    )
+    init = empty_state(heads, dim, keepdims=False)
     m, denom, acc = lax.fori_loop(jnp.int32(0), (count + block_keys - 1) // block_keys, chunk, init)
     if return_state:
         outs[0][...] = m
         outs[1][...] = denom
         outs[2][...] = acc
     else:
-        sink = sink_ref[...]
-        top = jnp.maximum(m, sink)
-        w = jnp.exp(m - top)
-        outs[0][...] = (acc * (w / (denom * w + jnp.exp(sink - top)))[:, None]).astype(
-            outs[0].dtype
-        )
+        outs[0][...] = (acc * sink_weight(m, denom, sink_ref[...])[:, None]).astype(outs[0].dtype)
+
+
+def _outputs(q: jax.Array, bh: int, qspec, return_state: bool):
+    """(out_shape, out_specs, bytes written) of `out` [T, H, D] or the f32 state."""
+    num_tokens, heads, dim = q.shape
+    if not return_state:
+        return jax.ShapeDtypeStruct(q.shape, q.dtype), qspec, q.size * q.dtype.itemsize
+    out_shape = (
+        jax.ShapeDtypeStruct((num_tokens, heads), jnp.float32),
+        jax.ShapeDtypeStruct((num_tokens, heads), jnp.float32),
+        jax.ShapeDtypeStruct((num_tokens, heads, dim), jnp.float32),
+    )
+    vec = pl.BlockSpec((None, bh), lambda t, h: (t, h))
+    return out_shape, (vec, vec, qspec), num_tokens * heads * (dim + 2) * 4
 
 
 def window_attention(
-    q: jax.Array,  # [T, H, D]
-    swa_pages: jax.Array,  # [P, S, D]
-    swa_tables: jax.Array,  # i32[R, nb]
-    token_req: jax.Array,  # i32[T]
-    positions: jax.Array,  # i32[T]
-    sink: jax.Array,  # f32[H]
-    *,
-    window: int,
-    scale: float,
-    replay_start: jax.Array | None = None,
-    return_state: bool = False,
-    interpret: bool = False,
-    block_heads: int = BLOCK_HEADS,
-    block_keys: int = BLOCK_KEYS,
-):
+    q, swa_pages, swa_tables, token_req, positions, sink, *, window: int, scale: float,
+    replay_start=None, return_state: bool = False, interpret: bool = False,
+    block_heads: int = BLOCK_HEADS, block_keys: int = BLOCK_KEYS,
+):  # fmt: skip
     """The GPU kernel behind `pallas_kernels.window_attention` (same arguments and results)."""
-    from pallas_kernels.window_attention.cost import window_cost
-
     num_tokens, heads, dim = q.shape
     num_pages, page, _ = swa_pages.shape
     nb = swa_tables.shape[1]
@@ -127,19 +104,7 @@ def window_attention(
 
     grid = (num_tokens, heads // bh)
     qspec = pl.BlockSpec((None, bh, dim), lambda t, h: (t, h, 0))
-    if return_state:
-        out_shape = (
-            jax.ShapeDtypeStruct((num_tokens, heads), jnp.float32),
-            jax.ShapeDtypeStruct((num_tokens, heads), jnp.float32),
-            jax.ShapeDtypeStruct((num_tokens, heads, dim), jnp.float32),
-        )
-        vec = pl.BlockSpec((None, bh), lambda t, h: (t, h))
-        out_specs = (vec, vec, qspec)
-        out_bytes = num_tokens * heads * (dim + 2) * 4
-    else:
-        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-        out_specs = qspec
-        out_bytes = q.size * q.dtype.itemsize
+    out_shape, out_specs, out_bytes = _outputs(q, bh, qspec, return_state)
     cost = window_cost(
         num_tokens=num_tokens,
         num_requests=num_tokens,  # every token reads its whole window (shared via L2)
@@ -158,15 +123,7 @@ def window_attention(
     return pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[
-            whole,
-            whole,
-            whole,
-            whole,
-            whole,
-            qspec,
-            pl.BlockSpec((bh,), lambda t, h: (h,)),
-        ],
+        in_specs=[whole, whole, whole, whole, whole, qspec, pl.BlockSpec((bh,), lambda t, h: (h,))],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.backend import MASK_VALUE
 
 State = tuple[jax.Array, jax.Array, jax.Array]
 

@@ -32,8 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _backend
-from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels import backend
+from pallas_kernels.backend import MASK_VALUE
+from pallas_kernels.softmax import sink_weight
 from pallas_kernels.window_attention.cost import window_cost
 
 TOKENS_PER_TILE = 8  # tokens per grid step (largest power of two <= this that divides T)
@@ -71,36 +72,8 @@ def _kernel(
         )
 
     def issue(t0, b):
-        """Start the page DMAs of the tile starting at token t0 into slab b."""
-
-        def token(i, carry):
-            seg_req, seg_lo, seg_hi, seg_start, n_free, count = carry
-            t = t0 + i
-            r, p, lo = req_ref[t], pos_ref[t], lo_ref[t]
-            active = (p >= 0) & (lo <= p)
-            first, last = lo // page, p // page
-            join = (r == seg_req) & (first >= seg_lo) & (first <= seg_hi + 1)
-            start = jnp.where(join, seg_start, n_free)
-            new_lo = jnp.where(join, seg_lo, first)
-            have = jnp.where(join, seg_hi, first - 1)  # pages new_lo..have are in the slab
-            new_hi = jnp.maximum(have, last)
-
-            def fetch(logical, c):
-                phys = pages_ref[t * nw + logical - first]
-                page_copy(phys, b, start + logical - new_lo).start()
-                return c
-
-            lax.fori_loop(
-                jnp.where(active, have + 1, 0), jnp.where(active, new_hi + 1, 0), fetch, 0
-            )
-            tok_slot[b, i] = jnp.where(active, start + first - new_lo, -1)
-            fetched = jnp.where(active, new_hi - have, 0)
-            new = (r, new_lo, new_hi, start, start + new_hi - new_lo + 1, count + fetched)
-            old = (seg_req, seg_lo, seg_hi, seg_start, n_free, count + fetched)
-            return tuple(jnp.where(active, a, o) for a, o in zip(new, old))
-
-        init = tuple(jnp.int32(v) for v in (-1, 0, -2, 0, 0, 0))
-        n_fetch[b] = lax.fori_loop(0, tq, token, init)[-1]
+        metadata = (req_ref, pos_ref, lo_ref, pages_ref)
+        n_fetch[b] = _issue_tile(metadata, page_copy, tok_slot, t0, b, tq=tq, nw=nw, page=page)
 
     @pl.when(step == 0)
     def _():
@@ -141,37 +114,77 @@ def _kernel(
                 from_row = (first // align) * align
                 kv = slab[buf, pl.ds(pl.multiple_of(from_row, align), rows + align), :]
                 base = (lo // page) * page - (first - from_row)
-            q = q_ref[i]  # [H, D]
-            if q.dtype != kv.dtype:
-                q, kv = q.astype(jnp.float32), kv.astype(jnp.float32)
-            prec = _backend.mxu_precision(kv.dtype)
-            z = lax.dot_general(
-                q, kv, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
-            )  # [H, rows]
-            n = kv.shape[0]
-            col = base + lax.broadcasted_iota(jnp.int32, (1, n), 1)
-            seen = (col >= lo) & (col <= p)
-            z = jnp.where(seen, z * scale, MASK_VALUE)
-            m = jnp.max(z, axis=1, keepdims=True)  # [H, 1], finite: position p is visible
-            e = jnp.where(seen, jnp.exp(z - m), 0.0)
-            denom = jnp.sum(e, axis=1, keepdims=True)
-            row = base + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
-            kv = jnp.where((row >= lo) & (row <= p), kv, jnp.zeros_like(kv))
-            acc = jnp.dot(
-                e.astype(kv.dtype), kv, precision=prec, preferred_element_type=jnp.float32
-            )  # [H, D]
+            state = _attend(q_ref[i], kv, base, lo, p, scale)
             if return_state:
-                outs[0][i] = m
-                outs[1][i] = denom
-                outs[2][i] = acc
+                for o, x in zip(outs, state):
+                    o[i] = x
             else:
-                top = jnp.maximum(m, sink)
-                w = jnp.exp(m - top)
-                outs[0][i] = (acc * (w / (denom * w + jnp.exp(sink - top)))).astype(outs[0].dtype)
+                m, denom, acc = state
+                outs[0][i] = (acc * sink_weight(m, denom, sink)).astype(outs[0].dtype)
 
         return c
 
     lax.fori_loop(0, tq, token, 0)
+
+
+def _issue_tile(metadata, page_copy, tok_slot, t0, b, *, tq: int, nw: int, page: int):
+    """Start the page DMAs of the tile starting at token t0 into slab b; returns their count.
+
+    Consecutive tokens of one request whose windows overlap form a segment whose pages sit in
+    the slab once, in logical order; ``tok_slot[b, i]`` gets token i's first slab page (-1: none).
+    """
+    req_ref, pos_ref, lo_ref, pages_ref = metadata
+
+    def token(i, carry):
+        seg_req, seg_lo, seg_hi, seg_start, n_free, count = carry
+        t = t0 + i
+        r, p, lo = req_ref[t], pos_ref[t], lo_ref[t]
+        active = (p >= 0) & (lo <= p)
+        first, last = lo // page, p // page
+        join = (r == seg_req) & (first >= seg_lo) & (first <= seg_hi + 1)
+        start = jnp.where(join, seg_start, n_free)
+        new_lo = jnp.where(join, seg_lo, first)
+        have = jnp.where(join, seg_hi, first - 1)  # pages new_lo..have are in the slab
+        new_hi = jnp.maximum(have, last)
+
+        def fetch(logical, c):
+            phys = pages_ref[t * nw + logical - first]
+            page_copy(phys, b, start + logical - new_lo).start()
+            return c
+
+        lax.fori_loop(jnp.where(active, have + 1, 0), jnp.where(active, new_hi + 1, 0), fetch, 0)
+        tok_slot[b, i] = jnp.where(active, start + first - new_lo, -1)
+        fetched = jnp.where(active, new_hi - have, 0)
+        new = (r, new_lo, new_hi, start, start + new_hi - new_lo + 1, count + fetched)
+        old = (seg_req, seg_lo, seg_hi, seg_start, n_free, count + fetched)
+        return tuple(jnp.where(active, a, o) for a, o in zip(new, old))
+
+    init = tuple(jnp.int32(v) for v in (-1, 0, -2, 0, 0, 0))
+    return lax.fori_loop(0, tq, token, init)[-1]
+
+
+def _attend(q, kv, base, lo, p, scale: float):
+    """One pass of softmax for one token: q [H, D] against slab rows kv [n, D] holding positions
+    ``base ..``; rows outside ``lo .. p`` are masked and zeroed. Returns (m, l [H, 1], acc)."""
+    if q.dtype != kv.dtype:
+        q, kv = q.astype(jnp.float32), kv.astype(jnp.float32)
+    prec = backend.mxu_precision(kv.dtype)
+    z = lax.dot_general(
+        q, kv, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+    )  # [H, rows]
+    n = kv.shape[0]
+    col = base + lax.broadcasted_iota(jnp.int32, (1, n), 1)
+    seen = (col >= lo) & (col <= p)
+    z = jnp.where(seen, z * scale, MASK_VALUE)
+    m = jnp.max(z, axis=1, keepdims=True)  # [H, 1], finite: position p is visible
+    e = jnp.where(seen, jnp.exp(z - m), 0.0)
+    denom = jnp.sum(e, axis=1, keepdims=True)
+    row = base + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    kv = jnp.where((row >= lo) & (row <= p), kv, jnp.zeros_like(kv))
+    acc = jnp.dot(
+        e.astype(kv.dtype), kv, precision=prec, preferred_element_type=jnp.float32
+    )  # [H, D]
+    return m, denom, acc
 
 
 def window_attention(
@@ -197,51 +210,72 @@ def window_attention(
     chips); each core walks a contiguous run of tiles with its own prefetch pipeline.
     ``max_tokens_per_call``: longer batches run as several kernel calls (their scalar-prefetched
     metadata must fit in SMEM)."""
+
+    def run(tokens, tq, cores, per_core):
+        q, token_req, positions = tokens
+        return _window_call(
+            q, swa_pages, swa_tables, token_req, positions, sink, window=window, scale=scale,
+            replay_start=replay_start, return_state=return_state, interpret=interpret, tq=tq,
+            cores=cores, per_core=per_core,
+        )  # fmt: skip
+
+    return backend.token_tiles(
+        run,
+        (q, token_req, positions),
+        (0, 0, -1),
+        tokens_per_tile=tokens_per_tile,
+        num_cores=num_cores,
+        max_tokens_per_call=max_tokens_per_call,
+    )
+
+
+def _outputs(q: jax.Array, tq: int, tile_block, return_state: bool):
+    """(out_shape, out_specs, bytes written) of `out` or of the f32 state (m, l as [T, H, 1])."""
     num_tokens, heads, dim = q.shape
-    if num_tokens > max_tokens_per_call:  # one kernel call per slice of tokens
-        parts = [
-            window_attention(
-                q[i : i + max_tokens_per_call],
-                swa_pages,
-                swa_tables,
-                token_req[i : i + max_tokens_per_call],
-                positions[i : i + max_tokens_per_call],
-                sink,
-                window=window,
-                scale=scale,
-                replay_start=replay_start,
-                return_state=return_state,
-                interpret=interpret,
-                tokens_per_tile=tokens_per_tile,
-                num_cores=num_cores,
-            )
-            for i in range(0, num_tokens, max_tokens_per_call)
-        ]
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-    tq = _backend.pow2_divisor(num_tokens, tokens_per_tile)
-    cores, per_core = _backend.core_split(num_tokens // tq, num_cores)
-    pad = cores * per_core * tq - num_tokens
-    if pad:  # whole tiles per core: padding tokens (position -1) read nothing, output zeros
-        out = window_attention(
-            jnp.pad(q, ((0, pad), (0, 0), (0, 0))),
-            swa_pages,
-            swa_tables,
-            jnp.pad(token_req, (0, pad)),
-            jnp.pad(positions, (0, pad), constant_values=-1),
-            sink,
-            window=window,
-            scale=scale,
-            replay_start=replay_start,
-            return_state=return_state,
-            interpret=interpret,
-            tokens_per_tile=tq,
-            num_cores=cores,
-            max_tokens_per_call=max_tokens_per_call,
-        )
-        return jax.tree.map(lambda x: x[:num_tokens], out)
+    if not return_state:
+        out_spec = pl.BlockSpec((tq, heads, dim), tile_block)
+        return jax.ShapeDtypeStruct(q.shape, q.dtype), out_spec, q.size * backend.itemsize(q.dtype)
+    out_shape = (
+        jax.ShapeDtypeStruct((num_tokens, heads, 1), jnp.float32),
+        jax.ShapeDtypeStruct((num_tokens, heads, 1), jnp.float32),
+        jax.ShapeDtypeStruct((num_tokens, heads, dim), jnp.float32),
+    )
+    out_specs = (
+        pl.BlockSpec((tq, heads, 1), tile_block),
+        pl.BlockSpec((tq, heads, 1), tile_block),
+        pl.BlockSpec((tq, heads, dim), tile_block),
+    )
+    return out_shape, out_specs, num_tokens * heads * (dim + 2) * 4
+
+
+def _slab(swa_pages: jax.Array, tq: int, nw: int, heads: int) -> tuple[int, int, int]:
+    """(row alignment, slab rows, VMEM bytes) of a tile's page slab.
+
+    Packed (16-bit) rows live in sublane tiles of 16: a token's rows are read from the tile
+    boundary before its first page when pages do not fill whole tiles (the extra rows are
+    masked like any other row outside the window)."""
+    _, page, dim = swa_pages.shape
+    packing = 4 // max(1, min(4, backend.itemsize(swa_pages.dtype)))
+    align = 8 * packing if packing > 1 and page % (8 * packing) else 1
+    slab_rows = (tq + 1) * nw * page + (align if align > 1 else 0)
+    vmem = (
+        2 * slab_rows * dim * backend.itemsize(swa_pages.dtype)
+        + 4 * tq * heads * dim * 4  # q and output blocks, double-buffered (f32 bound)
+        + 4 * tq * heads * 128 * 4  # m, l blocks (lane-padded)
+        + 8 * nw * page * max(dim, 128) * 4  # matmul temporaries
+    )
+    return align, slab_rows, vmem
+
+
+def _window_call(
+    q, swa_pages, swa_tables, token_req, positions, sink, *, window, scale, replay_start,
+    return_state, interpret, tq, cores, per_core,
+):  # fmt: skip
+    """One kernel call over whole tiles of ``tq`` tokens, ``per_core`` tiles per core."""
+    num_tokens, heads, dim = q.shape
     _, page, _ = swa_pages.shape
     nb = swa_tables.shape[1]
-    nw = _backend.window_pages(window, page)
+    nw = backend.window_pages(window, page)
 
     lo = jnp.maximum(positions - window + 1, 0)
     if replay_start is not None:
@@ -249,25 +283,9 @@ def window_attention(
     logical = lo[:, None] // page + jnp.arange(nw, dtype=jnp.int32)[None, :]
     tok_pages = swa_tables[token_req[:, None], jnp.clip(logical, 0, nb - 1)]  # [T, NW]
 
-    itemsize = _backend.itemsize
+    itemsize = backend.itemsize
     tile_block = lambda c, j, *_: (c * per_core + j, 0, 0)  # noqa: E731
-    if return_state:
-        out_shape = (
-            jax.ShapeDtypeStruct((num_tokens, heads, 1), jnp.float32),
-            jax.ShapeDtypeStruct((num_tokens, heads, 1), jnp.float32),
-            jax.ShapeDtypeStruct((num_tokens, heads, dim), jnp.float32),
-        )
-        out_specs = (
-            pl.BlockSpec((tq, heads, 1), tile_block),
-            pl.BlockSpec((tq, heads, 1), tile_block),
-            pl.BlockSpec((tq, heads, dim), tile_block),
-        )
-        out_bytes = num_tokens * heads * (dim + 2) * 4
-    else:
-        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-        out_specs = pl.BlockSpec((tq, heads, dim), tile_block)
-        out_bytes = q.size * itemsize(q.dtype)
-
+    out_shape, out_specs, out_bytes = _outputs(q, tq, tile_block, return_state)
     cost = window_cost(
         num_tokens=num_tokens,
         num_requests=swa_tables.shape[0],
@@ -279,18 +297,7 @@ def window_attention(
         kv_bytes=itemsize(swa_pages.dtype),
         out_bytes_total=out_bytes,
     )
-    # packed (16-bit) rows live in sublane tiles of 16: a token's rows are read from the tile
-    # boundary before its first page when pages do not fill whole tiles (the extra rows are
-    # masked like any other row outside the window)
-    packing = 4 // max(1, min(4, itemsize(swa_pages.dtype)))
-    align = 8 * packing if packing > 1 and page % (8 * packing) else 1
-    slab_rows = (tq + 1) * nw * page + (align if align > 1 else 0)
-    vmem = (
-        2 * slab_rows * dim * itemsize(swa_pages.dtype)
-        + 4 * tq * heads * dim * 4  # q and output blocks, double-buffered (f32 bound)
-        + 4 * tq * heads * 128 * 4  # m, l blocks (lane-padded)
-        + 8 * nw * page * max(dim, 128) * 4  # matmul temporaries
-    )
+    align, slab_rows, vmem = _slab(swa_pages, tq, nw, heads)
     kernel = functools.partial(
         _kernel, tq=tq, nw=nw, page=page, scale=scale, return_state=return_state, align=align
     )
@@ -317,7 +324,7 @@ def window_attention(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=int(min(max(32 << 20, 2 * vmem), 100 << 20)),
         ),
-        cost_estimate=_backend.cost_estimate(**cost.as_estimate()),
+        cost_estimate=backend.cost_estimate(**cost.as_estimate()),
         interpret=interpret,
         name="window_attention",
     )(

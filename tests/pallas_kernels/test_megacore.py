@@ -28,23 +28,23 @@ from test_window_attention import _check_out, _check_state, _step
 from test_window_attention import _entry as window_entry
 from test_window_attention import _released as window_released
 
-from pallas_kernels import _backend
+from pallas_kernels import backend
 from pallas_kernels.sparse_attention import tpu as sparse_tpu
 from pallas_kernels.window_attention import tpu as window_tpu
 
 
 def test_core_split():
-    assert _backend.core_split(7, 2) == (2, 4)  # 8 tile slots: the last one is padding
-    assert _backend.core_split(8, 2) == (2, 4)
-    assert _backend.core_split(1, 2) == (1, 1)  # never more cores than tiles
-    assert _backend.core_split(5, 1) == (1, 5)
+    assert backend.core_split(7, 2) == (2, 4)  # 8 tile slots: the last one is padding
+    assert backend.core_split(8, 2) == (2, 4)
+    assert backend.core_split(1, 2) == (1, 1)  # never more cores than tiles
+    assert backend.core_split(5, 1) == (1, 5)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="num_cores"):
-            _backend.core_split(4, bad)
+            backend.core_split(4, bad)
 
 
 def test_cpu_has_one_core():
-    assert _backend.tpu_num_cores() == 1
+    assert backend.tpu_num_cores() == 1
 
 
 @pytest.mark.parametrize("tq", [1, 8])
@@ -108,7 +108,7 @@ def test_compile_sees_two_cores():
     seen = []
 
     def probe(*args):
-        seen.append(_backend.tpu_num_cores())
+        seen.append(backend.tpu_num_cores())
         return window_entry("tpu", False)(*args)
 
     compile_for_tpu(probe, *window_released(16, 16, jnp.bfloat16), topology=MEGACORE_TOPOLOGY)

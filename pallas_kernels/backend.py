@@ -16,6 +16,8 @@ Nothing here reads environment variables: the choice is always an explicit argum
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from typing import Any
 
@@ -43,6 +45,30 @@ def resolve_impl(impl: str | None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {(None, *IMPLS)}")
     return impl
+
+
+def dispatch(
+    package: str,
+    name: str,
+    impl: str | None,
+    interpret: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    kernel_options: dict[str, Any] | None = None,
+    tpu_options: dict[str, Any] | None = None,
+) -> Any:
+    """Call ``name`` of ``package``'s implementation module picked by ``impl`` (see
+    `resolve_impl`): ``reference`` with ``args, kwargs``; a kernel (imported only when it runs)
+    also with the options that are not None and ``interpret`` checked for its platform."""
+    impl = resolve_impl(impl)
+    fn = getattr(importlib.import_module(f"{package}.{impl}"), name)
+    if impl == "reference":
+        return fn(*args, **kwargs)
+    options = dict(kernel_options or {}, **(tpu_options or {} if impl == "tpu" else {}))
+    options = {k: v for k, v in options.items() if v is not None}
+    interpret = tpu_interpret(interpret) if impl == "tpu" else gpu_interpret(interpret)
+    return fn(*args, **kwargs, **options, interpret=interpret)
 
 
 def tpu_interpret(interpret: Any) -> Any:
@@ -91,6 +117,58 @@ def core_split(num_tiles: int, num_cores: int | None) -> tuple[int, int]:
         raise ValueError(f"num_cores={num_cores!r} must be a positive int or None")
     cores = max(1, min(cores, num_tiles))
     return cores, cdiv(num_tiles, cores)
+
+
+def _pad_rows(x: jax.Array, pad: int, value: Any) -> jax.Array:
+    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+
+def token_tiles(
+    run: Any,
+    tokens: tuple[Any, ...],
+    fills: tuple[Any, ...],
+    *,
+    tokens_per_tile: int,
+    num_cores: int | None,
+    max_tokens_per_call: int,
+) -> Any:
+    """Run a TPU kernel over whole tiles of tokens split over TensorCores (window, sparse).
+
+    Calls ``run(tokens, tq, cores, per_core)`` on at most ``max_tokens_per_call`` tokens at a
+    time (SMEM budget), padded to ``cores * per_core * tq`` tokens with each entry's fill (a
+    padding token has position -1: it reads nothing); results are cut back and concatenated.
+
+    Args:
+      tokens: per-token pytrees with a leading T axis (None entries allowed).
+      fills: one pad value per entry of ``tokens``.
+    Returns:
+      ``run``'s result for the T tokens.
+    """
+    num_tokens = jax.tree.leaves(tokens)[0].shape[0]
+    again = functools.partial(
+        token_tiles, run, fills=fills, max_tokens_per_call=max_tokens_per_call
+    )
+    if num_tokens > max_tokens_per_call:  # one kernel call per slice of tokens
+        parts = [
+            again(
+                jax.tree.map(lambda x, i=i: x[i : i + max_tokens_per_call], tokens),
+                tokens_per_tile=tokens_per_tile,
+                num_cores=num_cores,
+            )
+            for i in range(0, num_tokens, max_tokens_per_call)
+        ]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+    tq = pow2_divisor(num_tokens, tokens_per_tile)
+    cores, per_core = core_split(num_tokens // tq, num_cores)
+    pad = cores * per_core * tq - num_tokens
+    if pad:  # whole tiles per core
+        padded = tuple(
+            jax.tree.map(lambda x, v=v: _pad_rows(x, pad, v), entry)
+            for entry, v in zip(tokens, fills)
+        )
+        out = again(padded, tokens_per_tile=tq, num_cores=cores)
+        return jax.tree.map(lambda x: x[:num_tokens], out)
+    return run(tokens, tq, cores, per_core)
 
 
 def cost_estimate(flops: float, bytes_accessed: float, transcendentals: float = 0) -> Any:
