@@ -110,7 +110,8 @@ def _host_gather(batch: int, rows: int, calls: int, repeats: int) -> dict[str, A
     import jax.numpy as jnp
     import numpy as np
 
-    from dsv4.engram import HostTable, table_rows
+    from dsv4.engram import table_rows
+    from dsv4.formats import HostTable
 
     width, block, cols, layers = 256, 32, 24, 2
     rng = np.random.default_rng(0)

@@ -51,35 +51,52 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.experimental.layout import Format
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from dsv4.config import ModelConfig
-from dsv4.engram import HostTable
+from dsv4.engram_hash import compressed_token_map
+from dsv4.formats import (
+    DTYPE_BYTES,
+    CheckpointError,
+    HostTable,
+    QuantisedWeight,
+    check_e4m3,
+    check_e8m0,
+    dequant_fp4,
+    dequant_fp8,
+    dequant_fp8_rows,
+    e8m0_to_float,
+    format_problems,
+    quant_fp4,
+    quant_fp8,
+    quant_fp8_rows,
+    stored_shapes,
+)
 from dsv4.params import (
     CheckpointTensor,
     Storage,
     byte_token_map,
+    check_params,
     check_token_map,
     checkpoint_tensors,
     param_specs,
 )
-from dsv4.quant import E2M1_VALUES
-from dsv4.qweights import (
-    STORAGE_FORMATS,
-    QuantisedWeight,
-    check_weights_on_device,
-    released_weight_spec,
-    stored_shapes,
-)
+from dsv4.qweights import STORAGE_FORMATS, check_weights_on_device, released_weight_spec
+from dsv4.sharding import AXES, make_mesh, param_formats
 
+# the codecs and CheckpointError live in dsv4.formats; their names here are kept for callers
 __all__ = [
     "CheckpointError",
     "dequant_fp4",
     "dequant_fp8",
+    "dequant_fp8_rows",
     "e8m0_to_float",
     "load_pretrained",
     "quant_fp4",
     "quant_fp8",
+    "quant_fp8_rows",
     "quantize_params_like_checkpoint",
     "restore_params",
     "save_params",
@@ -91,33 +108,6 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-FP4_GROUP = 32  # inputs per e8m0 scale of a packed fp4 expert weight
-E8M0_BIAS = 127
-# problems listed per category in one error message; the count of the rest is still given
-MAX_LISTED = 100
-
-# bytes per element of every safetensors dtype string (others in a header are "unknown")
-_ITEMSIZE = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
 # numpy dtypes of the 1-byte storage dtypes (what save_pretrained hands safetensors)
 _NUMPY_DTYPE = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn,
@@ -140,10 +130,6 @@ _OUT_OF_SCOPE = (
 )
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or does not match the config / the params."""
-
-
 def _out_of_scope(name: str, cfg: ModelConfig) -> str | None:
     for label, pattern in _OUT_OF_SCOPE:
         if pattern.match(name):
@@ -155,206 +141,6 @@ def _out_of_scope(name: str, cfg: ModelConfig) -> str | None:
                 return None
             return label
     return None
-
-
-# -- codecs ----------------------------------------------------------------------------------
-
-# e2m1 code -> value (bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6, -0, ..., -6
-_E2M1 = np.asarray(E2M1_VALUES, np.float32)
-# midpoints between consecutive magnitudes; at a tie round-to-nearest-even takes the even code
-_E2M1_MIDS = (_E2M1[:7] + _E2M1[1:8]) / 2
-_E2M1_TIE_UP = np.arange(1, 8) % 2 == 0  # the upper neighbour's code is even
-
-
-def _as_bytes(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a)
-    if a.dtype.itemsize != 1:
-        raise TypeError(f"expected a 1-byte dtype (raw bytes), got {a.dtype}")
-    return a.view(np.uint8)
-
-
-def _check_e8m0(b: np.ndarray, name: str) -> None:
-    """e8m0 bytes must not hold its NaN code (255)."""
-    if b.size and int(b.max()) == 255:
-        where = tuple(int(i) for i in np.argwhere(b == 255)[0])
-        raise CheckpointError(
-            f"{name}: F8_E8M0 scale byte 255 (NaN) at index {where}; scale bytes must be 0..254"
-        )
-
-
-def e8m0_to_float(scale: np.ndarray, name: str = "scale") -> np.ndarray:
-    """E8M0 scale bytes -> float32 ``2^(byte - 127)``. Byte 255 is e8m0's NaN: rejected, since a
-    NaN scale would silently poison a whole tile of weights."""
-    b = _as_bytes(scale)
-    _check_e8m0(b, name)
-    return np.ldexp(np.float32(1.0), b.astype(np.int32) - E8M0_BIAS).astype(np.float32)
-
-
-def _expand_tiles(scale: np.ndarray, shape: tuple[int, ...], block: int) -> np.ndarray:
-    """Per-tile scales ``[..., ceil(o/B), ceil(i/B)]`` -> per-element ``[..., o, i]``."""
-    o, i = shape[-2:]
-    full = np.repeat(np.repeat(scale, block, axis=-2), block, axis=-1)
-    return full[..., :o, :i]
-
-
-def _check_e4m3(b: np.ndarray, name: str) -> None:
-    """e4m3 bytes must not hold its NaN codes (0x7F, 0xFF)."""
-    if b.size and bool(np.any((b & 0x7F) == 0x7F)):
-        where = tuple(int(k) for k in np.argwhere((b & 0x7F) == 0x7F)[0])
-        raise CheckpointError(f"{name}: F8_E4M3 NaN byte (0x7F/0xFF) at index {where}")
-
-
-def dequant_fp8(
-    values: np.ndarray,
-    scale: np.ndarray,
-    block: int,
-    name: str = "weight",
-    scale_name: str | None = None,
-) -> np.ndarray:
-    """FP8 weight bytes ``[..., o, i]`` (e4m3) and e8m0 tile scales ``[..., ceil(o/B),
-    ceil(i/B)]`` -> float32 ``e4m3 · 2^(scale - 127)`` per ``block x block`` tile (exact).
-    ``name`` / ``scale_name`` only label errors."""
-    b = _as_bytes(values)
-    o, i = b.shape[-2:]
-    want = (*b.shape[:-2], -(-o // block), -(-i // block))
-    if tuple(scale.shape) != want:
-        raise CheckpointError(
-            f"{name}: scale shape {tuple(scale.shape)} does not tile weight {b.shape} in "
-            f"{block}x{block} blocks (expected {want})"
-        )
-    _check_e4m3(b, name)
-    s = e8m0_to_float(scale, scale_name or f"scale of {name}")
-    v = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    if o % block == 0 and i % block == 0:
-        lead = v.shape[:-2]
-        tiles = v.reshape(*lead, o // block, block, i // block, block)
-        return (tiles * s[..., :, None, :, None]).reshape(v.shape)
-    return v * _expand_tiles(s, v.shape, block)
-
-
-def dequant_fp4(
-    packed: np.ndarray,
-    scale: np.ndarray,
-    name: str = "weight",
-    scale_name: str | None = None,
-) -> np.ndarray:
-    """Packed fp4 bytes ``[..., o, i/2]`` (low nibble = even input index, high nibble = odd) and
-    e8m0 scales ``[..., o, ceil(i/32)]`` -> float32 ``e2m1 · 2^(scale - 127)`` ``[..., o, i]``.
-    ``name`` / ``scale_name`` only label errors."""
-    b = _as_bytes(packed)
-    half = b.shape[-1]
-    i = 2 * half
-    want = (*b.shape[:-1], -(-i // FP4_GROUP))
-    if tuple(scale.shape) != want:
-        raise CheckpointError(
-            f"{name}: scale shape {tuple(scale.shape)} does not match packed fp4 weight "
-            f"{b.shape} (one scale per {FP4_GROUP} inputs: expected {want})"
-        )
-    s = e8m0_to_float(scale, scale_name or f"scale of {name}")
-    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], i)
-    v = _E2M1[codes]
-    s_full = np.repeat(s, FP4_GROUP, axis=-1)[..., :i]
-    return v * s_full
-
-
-def _pow2_exponent(amax: np.ndarray, max_value: float) -> np.ndarray:
-    """``ceil(log2(amax / max_value))`` exactly (float64 frexp, no log rounding), clamped to the
-    e8m0 range [-127, 127]. An all-zero block gets the smallest scale, 2^-127: this is the
-    "amax floored at a tiny positive number" of the reference's quantiser."""
-    x = np.asarray(amax, np.float64) / max_value
-    m, e = np.frexp(x)  # x = m · 2^e, m in [0.5, 1)
-    e = np.where(m == 0.5, e - 1, e)  # exact powers of two
-    e = np.where(x > 0, e, -E8M0_BIAS)
-    return np.clip(e, -E8M0_BIAS, E8M0_BIAS).astype(np.int32)
-
-
-def _scale_bytes(exp: np.ndarray) -> np.ndarray:
-    return (exp + E8M0_BIAS).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
-
-
-def _finite_f64(x: Any, name: str) -> np.ndarray:
-    a = np.asarray(x)
-    if not jnp.issubdtype(a.dtype, jnp.floating):  # numpy's floats and bfloat16
-        raise CheckpointError(f"{name}: cannot quantise dtype {a.dtype}; expected a float array")
-    a = a.astype(np.float64)
-    if not np.all(np.isfinite(a)):
-        raise CheckpointError(f"{name}: cannot quantise a tensor that holds NaN or Inf")
-    return a
-
-
-def quant_fp8(x: Any, block: int, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
-    """Float ``[..., o, i]`` -> (e4m3 values ``[..., o, i]``, e8m0 scales ``[..., ceil(o/B),
-    ceil(i/B)]``). Per tile: scale ``2^ceil(log2(amax / 448))``, values ``x / scale`` rounded to
-    nearest even and saturated at ±448."""
-    a = _finite_f64(x, name)
-    if a.ndim < 2:
-        raise CheckpointError(f"{name}: fp8 tiles need a matrix, got shape {a.shape}")
-    o, i = a.shape[-2:]
-    to, ti = -(-o // block), -(-i // block)
-    pad = [(0, 0)] * (a.ndim - 2) + [(0, to * block - o), (0, ti * block - i)]
-    tiles = np.pad(a, pad).reshape(*a.shape[:-2], to, block, ti, block)
-    exp = _pow2_exponent(np.max(np.abs(tiles), axis=(-3, -1)), FP8_MAX)
-    q = tiles / np.ldexp(1.0, exp)[..., :, None, :, None]
-    q = np.clip(q, -FP8_MAX, FP8_MAX).reshape(*a.shape[:-2], to * block, ti * block)
-    q = q[..., :o, :i].astype(ml_dtypes.float8_e4m3fn)
-    return q, _scale_bytes(exp)
-
-
-def quant_fp4(x: Any, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
-    """Float ``[..., o, i]`` (i a multiple of 32) -> (packed int8 ``[..., o, i/2]``, e8m0 scales
-    ``[..., o, i/32]``). Per 32 inputs: scale ``2^ceil(log2(amax / 6))``, values ``x / scale``
-    rounded to the nearest e2m1 value (ties to even) and saturated at ±6; two codes per byte,
-    the even index in the low nibble."""
-    a = _finite_f64(x, name)
-    if a.ndim < 2 or a.shape[-1] % FP4_GROUP:
-        raise CheckpointError(
-            f"{name}: packed fp4 needs a matrix whose input width is a multiple of "
-            f"{FP4_GROUP}, got shape {a.shape}"
-        )
-    groups = a.reshape(*a.shape[:-1], a.shape[-1] // FP4_GROUP, FP4_GROUP)
-    exp = _pow2_exponent(np.max(np.abs(groups), axis=-1), FP4_MAX)
-    v = np.clip(groups / np.ldexp(1.0, exp)[..., None], -FP4_MAX, FP4_MAX).reshape(a.shape)
-    mag = np.abs(v)
-    code = np.searchsorted(_E2M1_MIDS, mag, side="left")  # number of midpoints below mag
-    at_mid = np.take(_E2M1_MIDS, np.minimum(code, 6)) == mag
-    code = code + (at_mid & np.take(_E2M1_TIE_UP, np.minimum(code, 6)))
-    code = (code | (np.signbit(v).astype(code.dtype) << 3)).astype(np.uint8)
-    packed = code[..., 0::2] | (code[..., 1::2] << 4)
-    return packed.view(np.int8), _scale_bytes(exp)
-
-
-def dequant_fp8_rows(
-    values: np.ndarray,
-    scale: np.ndarray,
-    block: int,
-    name: str = "weight",
-    scale_name: str | None = None,
-) -> np.ndarray:
-    """An Engram table: e4m3 bytes ``[rows, width]`` and e8m0 scales ``[rows, width / B]`` (one
-    per B consecutive values of a row) -> float32 ``[rows, width]`` (exact)."""
-    b = _as_bytes(values)
-    rows, width = b.shape
-    if width % block or tuple(scale.shape) != (rows, width // block):
-        raise CheckpointError(
-            f"{name}: scale shape {tuple(scale.shape)} does not match table {b.shape} with one "
-            f"scale per {block} values of a row (expected {(rows, width // block)})"
-        )
-    _check_e4m3(b, name)
-    s = e8m0_to_float(scale, scale_name or f"scale of {name}")
-    v = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(rows, width // block, block)
-    return (v * s[..., None]).reshape(rows, width)
-
-
-def quant_fp8_rows(x: Any, block: int, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
-    """Float ``[rows, width]`` -> (e4m3 ``[rows, width]``, e8m0 ``[rows, width / B]``): per B
-    values of a row, scale ``2^ceil(log2(amax / 448))`` as in `quant_fp8`."""
-    a = _finite_f64(x, name)
-    if a.ndim != 2 or a.shape[1] % block:
-        raise CheckpointError(f"{name}: an fp8 table needs [rows, k * {block}], got {a.shape}")
-    groups = a.reshape(a.shape[0], -1, block)
-    exp = _pow2_exponent(np.max(np.abs(groups), axis=-1), FP8_MAX)
-    q = np.clip(groups / np.ldexp(1.0, exp)[..., None], -FP8_MAX, FP8_MAX).reshape(a.shape)
-    return q.astype(ml_dtypes.float8_e4m3fn), _scale_bytes(exp)
 
 
 # -- safetensors headers ---------------------------------------------------------------------
@@ -427,12 +213,12 @@ def _read_header(path: str) -> dict[str, _Entry]:
                         f"data_offsets {offsets} lie outside the file's {data_len}-byte data "
                         "region (truncated file?)"
                     )
-                elif not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+                elif not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
                     problem = problem or f"unknown dtype {dtype!r}"
-                elif shape is not None and nbytes != math.prod(shape) * _ITEMSIZE[dtype]:
+                elif shape is not None and nbytes != math.prod(shape) * DTYPE_BYTES[dtype]:
                     problem = (
                         f"holds {nbytes} bytes but {dtype} {list(shape)} needs "
-                        f"{math.prod(shape) * _ITEMSIZE[dtype]}"
+                        f"{math.prod(shape) * DTYPE_BYTES[dtype]}"
                     )
         if problem is not None:
             problem = f"{name} in {fname}: {problem}"
@@ -483,19 +269,6 @@ def _on_process() -> str:
     multi-host load lacks a file."""
     n = jax.process_count()
     return f" on process {jax.process_index()} of {n}" if n > 1 else ""
-
-
-def _format_problems(title: str, groups: list[tuple[str, list[str]]]) -> str:
-    total = sum(len(items) for _, items in groups)
-    lines = [f"{title} ({total} problem{'' if total == 1 else 's'})"]
-    for label, items in groups:
-        if not items:
-            continue
-        lines.append(f"{label} ({len(items)}):")
-        lines.extend(f"  {item}" for item in items[:MAX_LISTED])
-        if len(items) > MAX_LISTED:
-            lines.append(f"  ... and {len(items) - MAX_LISTED} more")
-    return "\n".join(lines)
 
 
 def _index_checkpoint(
@@ -567,7 +340,7 @@ def _index_checkpoint(
     ]
     if any(items for _, items in groups):
         raise CheckpointError(
-            _format_problems(f"checkpoint {path} does not match its config", groups)
+            format_problems(f"checkpoint {path} does not match its config", groups)
         )
     return entries, expected, skipped
 
@@ -709,7 +482,7 @@ def _released_slice(
     pairs: Mapping[int | None, Mapping[str, CheckpointTensor]],
     entries: Mapping[str, _Entry],
     bounds: Bounds,
-    check_e4m3: bool,
+    codes_are_e4m3: bool,
 ) -> np.ndarray:
     """The codes (``role`` "weight") or e8m0 scales ("scale") of a quantised param at
     ``bounds`` of the stored leaf (a leading expert dim for stacked experts: only the per-expert
@@ -724,9 +497,9 @@ def _released_slice(
         raw = files.read(e, t.shape, _slices(rest))
         where = f"{t.name} (in {os.path.basename(e.file)})"
         if role == "scale":
-            _check_e8m0(raw, where)
-        elif check_e4m3:
-            _check_e4m3(raw, where)
+            check_e8m0(raw, where)
+        elif codes_are_e4m3:
+            check_e4m3(raw, where)
         out.append(raw)
     return np.stack(out) if stacked else out[0]
 
@@ -734,8 +507,6 @@ def _released_slice(
 def _resolve_mesh(mesh: Any, caller: str = "load_pretrained") -> jax.sharding.Mesh:
     """A `jax.sharding.Mesh` with the rule table's axes, or a mapping of axis sizes for
     `dsv4.sharding.make_mesh`; anything else is a ValueError naming it."""
-    from dsv4.sharding import AXES, make_mesh
-
     if isinstance(mesh, Mapping):
         unknown = sorted(set(mesh) - set(AXES))
         if unknown:
@@ -1018,8 +789,8 @@ def _load_released(
         raw = files.raw(w).reshape(ts["weight"].shape)
         sraw = files.raw(s).reshape(ts["scale"].shape)
         if fmt != "fp4":  # every e2m1 code is a number
-            _check_e4m3(raw, f"{w.name} (in {os.path.basename(w.file)})")
-        _check_e8m0(sraw, f"{s.name} (in {os.path.basename(s.file)})")
+            check_e4m3(raw, f"{w.name} (in {os.path.basename(w.file)})")
+        check_e8m0(sraw, f"{s.name} (in {os.path.basename(s.file)})")
         where = ... if expert is None else expert
         values[where], scales[where] = raw, sraw
     return QuantisedWeight(
@@ -1038,8 +809,6 @@ def _abstract_shardings(
     """`dsv4.sharding.param_formats` of the params `load_pretrained` builds (a
     `QuantisedWeight` of shardings for a released weight; the routed experts' device layout
     under an ``expert`` axis), from shapes alone."""
-    from dsv4.sharding import param_formats
-
     abstract: dict[str, Any] = {}
     for name, spec in param_specs(cfg).items():
         w = released_weight_spec(spec, dtype, cfg.fp8_block_size) if released else None
@@ -1062,10 +831,6 @@ def engram_token_map(path: str | os.PathLike[str] | None, cfg: ModelConfig) -> n
     file = None if path is None else os.path.join(os.fspath(path), "tokenizer.json")
     if file is None or not os.path.isfile(file):
         return byte_token_map(cfg)
-    from tokenizers import Tokenizer
-
-    from dsv4.engram_hash import compressed_token_map
-
     tok = Tokenizer.from_file(file)
     n = tok.get_vocab_size(with_added_tokens=True)
     if n > cfg.vocab_size:
@@ -1085,21 +850,6 @@ def _progress(total: int, enabled: bool, desc: str) -> tqdm:
 
 
 # -- saving ----------------------------------------------------------------------------------
-
-
-def _check_params(params: Mapping[str, Any], cfg: ModelConfig, what: str) -> None:
-    """Names and shapes of ``params`` must be exactly ``param_specs(cfg)``'s."""
-    specs = param_specs(cfg)
-    missing = [n for n in specs if n not in params]
-    unexpected = [n for n in params if n not in specs]
-    wrong = [
-        f"{n}: expected {list(specs[n].shape)}, got {list(np.shape(params[n]))}"
-        for n in specs
-        if n in params and tuple(np.shape(params[n])) != specs[n].shape
-    ]
-    groups = [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
-    if missing or unexpected or wrong:
-        raise CheckpointError(_format_problems(f"{what}: params do not match the config", groups))
 
 
 def _encode(params: Mapping[str, Any], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
@@ -1183,7 +933,7 @@ def save_pretrained(
     the new files. One shard's tensors are held in memory at a time.
     """
     path = os.fspath(path)
-    _check_params(params, cfg, "save_pretrained")
+    check_params(params, cfg, "save_pretrained")
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive or None")
     hf = _hf_config(cfg)
@@ -1191,7 +941,7 @@ def save_pretrained(
     shards: list[list[str]] = [[]]
     size = 0
     for t in tensors:
-        nbytes = math.prod(t.shape) * _ITEMSIZE[t.dtype]
+        nbytes = math.prod(t.shape) * DTYPE_BYTES[t.dtype]
         if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -1211,8 +961,6 @@ def save_pretrained(
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(hf, f, indent=2)
         f.write("\n")
-
-    from safetensors.numpy import save_file
 
     encoded = _encode(params, cfg)
     weight_map: dict[str, str] = {}
@@ -1240,7 +988,7 @@ def quantize_params_like_checkpoint(
     memory: fp8 / fp4 quantise-dequantise (same codecs), BF16 rounding for BF16-stored tensors.
     Each result keeps its input's dtype (F32-stored tensors: float32), so with float32 params
     this equals ``load_pretrained(..., dtype=jnp.float32)`` of a saved checkpoint bit for bit."""
-    _check_params(params, cfg, "quantize_params_like_checkpoint")
+    check_params(params, cfg, "quantize_params_like_checkpoint")
     blk = cfg.fp8_block_size
     out: dict[str, jax.Array] = {}
     for name, spec in param_specs(cfg).items():
@@ -1282,7 +1030,7 @@ def save_params(
     (float8_e4m3fn for fp8, uint8 for fp4) and uint8 scales, under ``<name>/values`` and
     ``<name>/scales``; its format, logical shape, dtype and block go in the checkpoint's custom
     metadata, from which `restore_params` rebuilds it."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # reason: ~0.8 s at import; only save/restore use it
 
     tree: dict[str, Any] = {}
     quantised: dict[str, dict[str, Any]] = {}
@@ -1320,7 +1068,7 @@ def restore_params(
     codes and scales are kept); with ``cfg`` the tensors the released checkpoint stores as F32
     stay float32, without ``cfg`` every float array is cast.
     """
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # reason: ~0.8 s at import; only save/restore use it
 
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
@@ -1347,7 +1095,7 @@ def restore_params(
         groups = [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
         if missing or unexpected or wrong:
             raise CheckpointError(
-                _format_problems(f"orbax checkpoint {path} does not match the config", groups)
+                format_problems(f"orbax checkpoint {path} does not match the config", groups)
             )
     abstract: dict[str, Any] = {}
     for n, m in tree.items():
@@ -1368,8 +1116,6 @@ def restore_params(
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: single, abstract)
     else:
-        from dsv4.sharding import param_formats
-
         # orbax restores into shardings; the routed experts' layout is applied after
         formats = param_formats(abstract, cfg, _resolve_mesh(mesh, "restore_params"))
         shardings = {n: f.sharding if isinstance(f, Format) else f for n, f in formats.items()}

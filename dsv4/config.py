@@ -21,6 +21,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from dsv4.engram_hash import next_prime
+
 __all__ = [
     "LayerInfo",
     "LayerPlan",
@@ -604,8 +606,6 @@ def _engram_primes(
     """Per Engram layer, its primes in (n, head) order (`dsv4.engram_hash.EngramHashing`)."""
     key = (n_layers, max_ngram, n_heads, vocab)
     if key not in _PRIMES_CACHE:
-        from dsv4.engram_hash import next_prime
-
         taken: set[int] = set()
         out = []
         for _ in range(n_layers):

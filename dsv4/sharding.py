@@ -51,7 +51,8 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4.config import ModelConfig
-from dsv4.qweights import QuantisedWeight
+from dsv4.formats import QuantisedWeight
+from dsv4.params import param_specs
 
 __all__ = [
     "AXES",
@@ -159,8 +160,6 @@ def param_partition_specs(
 ) -> dict[str, PartitionSpec]:
     """Every parameter's spec: of ``params`` when given, else of `dsv4.params.param_specs`."""
     if params is None:
-        from dsv4.params import param_specs
-
         shapes = {n: tuple(s.shape) for n, s in param_specs(cfg).items()}
     else:
         shapes = {n: tuple(np.shape(v)) for n, v in params.items()}

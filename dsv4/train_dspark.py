@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from dsv4 import data as D
 from dsv4 import dspark, reference
@@ -225,8 +226,6 @@ def train_drafter(
     """Train the drafter of ``cfg`` on ``tokens`` (`dsv4.data`) over the frozen ``backbone``
     for ``dcfg.steps`` steps (from ``state`` when given); returns the state and a metrics row
     per step."""
-    from tqdm.auto import tqdm
-
     _check(cfg, dcfg)
     D.check_tokens(tokens, dcfg.seq_len + 1, dcfg.batch_size, cfg.vocab_size)
     backbone = {k: v for k, v in backbone.items() if not k.startswith("mtp.")}

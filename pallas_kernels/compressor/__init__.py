@@ -78,9 +78,11 @@ def compressor(
     if impl == "reference":
         return reference.compressor(*args, **kw)
     if impl == "tpu":
+        # reason: a backend loads on its own platform only (Pallas TPU: ~0.5 s)
         from pallas_kernels.compressor import tpu
 
         return tpu.compressor(*args, **kw, interpret=interpret)
+    # reason: a backend loads on its own platform only (Pallas Triton: ~0.5 s)
     from pallas_kernels.compressor import gpu
 
     return gpu.compressor(*args, **kw, interpret=interpret)

@@ -98,6 +98,7 @@ def sparse_attention(
     if impl == "reference":
         return reference.sparse_attention(*args, **kwargs)
     if impl == "tpu":
+        # reason: a backend loads on its own platform only (Pallas TPU: ~0.5 s)
         from pallas_kernels.sparse_attention import tpu
 
         tiling = {} if tokens_per_tile is None else {"tokens_per_tile": tokens_per_tile}
@@ -106,6 +107,7 @@ def sparse_attention(
         return tpu.sparse_attention(
             *args, **kwargs, **tiling, interpret=_backend.tpu_interpret(interpret)
         )
+    # reason: a backend loads on its own platform only (Pallas Triton: ~0.5 s)
     from pallas_kernels.sparse_attention import gpu
 
     return gpu.sparse_attention(*args, **kwargs, interpret=_backend.gpu_interpret(interpret))

@@ -89,6 +89,7 @@ def window_attention(
     if impl == "reference":
         return reference.window_attention(*args, **kwargs)
     if impl == "tpu":
+        # reason: a backend loads on its own platform only (Pallas TPU: ~0.5 s)
         from pallas_kernels.window_attention import tpu
 
         tiling = {} if tokens_per_tile is None else {"tokens_per_tile": tokens_per_tile}
@@ -97,6 +98,7 @@ def window_attention(
         return tpu.window_attention(
             *args, **kwargs, **tiling, interpret=_backend.tpu_interpret(interpret)
         )
+    # reason: a backend loads on its own platform only (Pallas Triton: ~0.5 s)
     from pallas_kernels.window_attention import gpu
 
     return gpu.window_attention(*args, **kwargs, interpret=_backend.gpu_interpret(interpret))

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._backend import MASK_VALUE
+from pallas_kernels.window_attention.cost import window_cost
 
 BLOCK_HEADS = 16  # heads per program (tl.dot needs >= 16 rows)
 BLOCK_KEYS = 32  # key positions per loop step
@@ -112,8 +113,6 @@ def window_attention(
     block_keys: int = BLOCK_KEYS,
 ):
     """The GPU kernel behind `pallas_kernels.window_attention` (same arguments and results)."""
-    from pallas_kernels.window_attention.cost import window_cost
-
     num_tokens, heads, dim = q.shape
     num_pages, page, _ = swa_pages.shape
     nb = swa_tables.shape[1]
