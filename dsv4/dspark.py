@@ -77,10 +77,13 @@ Cache = dict[str, jax.Array]
 __all__ = [
     "Attend",
     "DraftBlock",
+    "context_latent",
     "context_latents",
     "draft",
     "draft_from_hidden",
+    "draft_over_latents",
     "init_draft_cache",
+    "main_projection",
     "param_specs",  # dsv4.params.dspark_specs: the drafter's tensors, beside the backbone's
     "run_drafter",
     "seed",
@@ -187,13 +190,13 @@ def target_hidden(cfg: ModelConfig, streams: Mapping[int, jax.Array]) -> jax.Arr
     return jnp.concatenate(parts, axis=-1)
 
 
-def _main_x(params: Params, cfg: ModelConfig, main_hidden: jax.Array) -> jax.Array:
+def main_projection(params: Params, cfg: ModelConfig, main_hidden: jax.Array) -> jax.Array:
     """Stage 0's projection of the target hidden [.., n_t * dim] -> [.., dim]."""
     y = L.linear(main_hidden, params, "mtp.0.main_proj.weight", cfg)
     return L.rms_norm(y, params["mtp.0.main_norm.weight"], cfg.norm_eps)
 
 
-def _context_latent(
+def context_latent(
     params: Params,
     cfg: ModelConfig,
     i: int,
@@ -227,9 +230,9 @@ def context_latents(
     """Every stage's context latents [.., head_dim] of the target hidden states main_hidden
     [.., n_t * dim] (`target_hidden`) at positions pos [..]: what the stages' window caches
     hold (stage 0's ``main_x`` projected with each stage's own ``wkv`` / ``kv_norm``, rotated
-    at pos). ``qdq`` as in `_context_latent`."""
-    main_x = _main_x(params, cfg, main_hidden)
-    return [_context_latent(params, cfg, i, main_x, pos, qdq=qdq) for i in range(cfg.n_mtp_layers)]
+    at pos). ``qdq`` as in `context_latent`."""
+    main_x = main_projection(params, cfg, main_hidden)
+    return [context_latent(params, cfg, i, main_x, pos, qdq=qdq) for i in range(cfg.n_mtp_layers)]
 
 
 # attend(i, q, kv, sink) -> f32[B, K, H, head_dim]: stage i's attention of the block queries
@@ -273,7 +276,7 @@ def _block_attention(
     return L.attention_output(o.astype(h.dtype), cos, sin, params, a, cfg)
 
 
-def _drafter(
+def draft_over_latents(
     params: Params,
     cfg: ModelConfig,
     ctx: Sequence[jax.Array],
@@ -382,7 +385,7 @@ def draft_from_hidden(
     pos = jnp.broadcast_to(pos[None, :], (b, pos.shape[0]))
     ctx_mask = (pos < lengths[:, None]) & (pos >= lengths[:, None] - w)
     ctx = context_latents(params, cfg, main_hidden, pos)
-    return _drafter(params, cfg, ctx, ctx_mask, next_token, lengths)
+    return draft_over_latents(params, cfg, ctx, ctx_mask, next_token, lengths)
 
 
 def draft(
@@ -475,10 +478,10 @@ def seed(
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
     new = dict(cache)
     new["win_pos"] = cache["win_pos"].at[rows, slot].set(pos, mode="drop")
-    main_x = _main_x(params, cfg, main_hidden)
+    main_x = main_projection(params, cfg, main_hidden)
     for i in range(cfg.n_mtp_layers):
         ring = cache[_ring(cfg, i)]
-        kv = _context_latent(params, cfg, i, main_x, pos)
+        kv = context_latent(params, cfg, i, main_x, pos)
         new[_ring(cfg, i)] = ring.at[rows, slot].set(kv.astype(ring.dtype), mode="drop")
     return new
 
@@ -518,4 +521,4 @@ def step(
     held = cache["win_pos"]  # [B, w]
     ctx_mask = (held >= 0) & (held < start[:, None]) & (held >= start[:, None] - cfg.window_size)
     ctx = [cache[_ring(cfg, i)] for i in range(cfg.n_mtp_layers)]
-    return _drafter(params, cfg, ctx, ctx_mask, next_token, start), cache
+    return draft_over_latents(params, cfg, ctx, ctx_mask, next_token, start), cache

@@ -146,9 +146,9 @@ def _blocks(
     block_tokens = windows[rows, after].reshape(b * m, k + 1)
     hidden = hidden.reshape(b * m, w, hidden.shape[-1])
     pos = pos.reshape(b * m, w)
-    main_x = dspark._main_x(params, cfg, hidden)
-    ctx = [dspark._context_latent(params, cfg, i, main_x, pos) for i in range(cfg.n_mtp_layers)]
-    block = dspark._drafter(
+    main_x = dspark.main_projection(params, cfg, hidden)
+    ctx = [dspark.context_latent(params, cfg, i, main_x, pos) for i in range(cfg.n_mtp_layers)]
+    block = dspark.draft_over_latents(
         params,
         cfg,
         ctx,
