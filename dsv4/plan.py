@@ -94,7 +94,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from cache.layout import for_model, memory_report
 from cache.spec import KVCacheConfig
 from dsv4 import reference, sharding
-from dsv4.config import ModelConfig, tiny_v41, tiny_v41_full, tiny_v41_trained, v41_flash
+from dsv4.config import MODEL_PRESETS, ModelConfig, v41_flash
 from dsv4.formats import DTYPE_BYTES
 from dsv4.paged.pools import SCALED_RECORDS, PoolLayout, cache_desc
 from dsv4.paged.records import PRESETS
@@ -133,12 +133,7 @@ ACT_BYTES = 2  # bf16 activations
 LOGIT_BYTES = 4  # f32 logits
 CONTEXTS = (8192, 131_072, 1_048_576)  # context lengths of the largest-batch column
 _QUANTISED = (Storage.FP8, Storage.FP4)  # stored formats a weight is dequantised from
-MODELS = {
-    "v41_flash": v41_flash,
-    "tiny_v41": tiny_v41,
-    "tiny_v41_full": tiny_v41_full,
-    "tiny_v41_trained": tiny_v41_trained,
-}
+MODELS = {name: preset.config for name, preset in MODEL_PRESETS.items()}  # every model name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

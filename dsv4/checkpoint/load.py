@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from dsv4.checkpoint.files import CONFIG_FILE, Entry, Files, index_checkpoint
+from dsv4.checkpoint.shipped import SHIPPED, shipped_checkpoint
 from dsv4.config import ModelConfig
 from dsv4.engram_hash import compressed_token_map
 from dsv4.formats import (
@@ -265,7 +266,8 @@ def load_pretrained(
     weights_on_device: str = "dequantised",
     mesh: Any = None,
 ) -> tuple[ModelConfig, dict[str, jax.Array]]:
-    """Load a released-format checkpoint directory into ``(config, params)``.
+    """Load a released-format checkpoint directory (or a shipped model's name, `SHIPPED`)
+    into ``(config, params)``.
 
     ``engram_tables``: where Engram's tables live: "device" (arrays like every other tensor),
     "host" (`dsv4.engram.HostTable`: the checkpoint's fp8 bytes, memory-mapped, rows fetched
@@ -300,6 +302,8 @@ def load_pretrained(
     needs more devices than are present, an axis that does not divide a tensor, or a mesh
     without the rule table's axes is a ValueError naming the sizes / the tensor."""
     path = os.fspath(path)
+    if path in SHIPPED:
+        path = shipped_checkpoint(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
     mesh = None if mesh is None else resolve_mesh(mesh)

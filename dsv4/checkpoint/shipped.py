@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 
+from dsv4.config import MODEL_PRESETS
+
 __all__ = ["SHIPPED", "SHIPPED_DIR", "shipped_checkpoint"]
 
 # Checkpoints that ship inside the package, in the released format (`shipped_checkpoint`).
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights")
-SHIPPED = ("tiny_v41_trained",)
+SHIPPED = tuple(name for name, preset in MODEL_PRESETS.items() if preset.weights == "shipped")
 
 
 def shipped_checkpoint(name: str) -> str:
