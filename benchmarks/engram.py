@@ -17,7 +17,7 @@ It prints ONE JSON line:
   and layer), the bytes a token's rows take as stored (e4m3 values + one e8m0 scale per 32) and
   as they reach the model (bf16), per token and per decode step of ``--batch`` rows;
 * ``host_gather``: the rows of one decode step of ``--batch`` rows (2 layers x 24 rows each)
-  fetched from a `dsv4.engram.HostTable` over a memory-mapped table of ``--host-rows`` random
+  fetched from a `dsv4.formats.HostTable` over a memory-mapped table of ``--host-rows`` random
   rows of 256 values (a file in a temporary directory; random row ids, so mostly cache-missing
   reads from the page cache): ``numpy_us`` the host's part (index, dequantise to bf16) and
   ``jit_us`` the whole fetch inside a jitted function (``jax.pure_callback``: ids to the host,

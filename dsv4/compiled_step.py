@@ -92,7 +92,7 @@ def reduced_flash_roles(**overrides) -> ModelConfig:
     """V4.1-Flash at its released widths (384 experts) with 12 layers, two of every attention
     role: window-only (0, 1), full ratio 2 (2, 4), reuse ratio 2 (3, 5), full ratio 1 (6: the
     candidate source, 9), reuse ratio 1 (7, 10), reindex (8, 11: candidate consumers); no Engram
-    (its tables stay on the host, `dsv4.engram.HostTable`), no DSpark drafter."""
+    (its tables stay on the host, `dsv4.formats.HostTable`), no DSpark drafter."""
     fields: dict = dict(
         n_layers=12,
         compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),

@@ -7,7 +7,7 @@ SwiGLU interior run in fp32 and cast back; with ``cfg.quant_sim`` the activation
 fp8 or fp4 GEMM are fake-quantised to fp8 (power-of-two scales per ``fp8_block_size``).
 
 A weight is read as ``params[name].astype(dtype)`` (after indexing its leading expert axis, if
-any), never reshaped or used before that cast: a `dsv4.qweights.QuantisedWeight` (fp8 / FP4
+any), never reshaped or used before that cast: a `dsv4.formats.QuantisedWeight` (fp8 / FP4
 weights kept in their released bytes) dequantises there, so every path runs the same code on
 dequantised and on released params.
 """

@@ -11,7 +11,7 @@
   Replicated tensors count on every chip. The bf16 column is the same split of the
   dequantised params (bf16, f32 where the checkpoint stores f32), what
   `dsv4.params.init_params` holds. Engram's tables (``layers.L.engram.embed.weight``, most of
-  the release's bytes) stay on the host (`dsv4.engram.HostTable`): they are reported as
+  the release's bytes) stay on the host (`dsv4.formats.HostTable`): they are reported as
   ``host_bytes``, not on the chip. The Engram token map (derived, int32 per vocabulary id) is
   not counted.
 * **KV pages** per chip, per KV-cache group: the packed layout of `cache.layout.for_model` for

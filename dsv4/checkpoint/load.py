@@ -270,13 +270,13 @@ def load_pretrained(
     into ``(config, params)``.
 
     ``engram_tables``: where Engram's tables live: "device" (arrays like every other tensor),
-    "host" (`dsv4.engram.HostTable`: the checkpoint's fp8 bytes, memory-mapped, rows fetched
+    "host" (`dsv4.formats.HostTable`: the checkpoint's fp8 bytes, memory-mapped, rows fetched
     per step through the host), or "auto" (host for a table that would take more than 1 GiB on
     device, such as the released ones: ~98 GB of fp8 each).
 
     ``weights_on_device``: "dequantised" (float arrays in ``dtype``, the default) or
     "released": every fp8 / FP4 tensor (and an Engram table on device) stays in the
-    checkpoint's bytes as a `dsv4.qweights.QuantisedWeight` that the model dequantises where it
+    checkpoint's bytes as a `dsv4.formats.QuantisedWeight` that the model dequantises where it
     reads it, standing for a ``dtype`` weight; the values the model computes with are the same
     bit for bit, the params take the checkpoint's bytes (in bf16) instead of about twice them.
 

@@ -27,7 +27,7 @@ def save_params(
 
     Sharded params (global `jax.Array`s, e.g. of ``load_pretrained(..., mesh=)``) are written
     by the processes that hold their shards (every process must call this, as orbax requires).
-    A released weight (`dsv4.qweights.QuantisedWeight`) is stored as its two arrays, codes
+    A released weight (`dsv4.formats.QuantisedWeight`) is stored as its two arrays, codes
     (float8_e4m3fn for fp8, uint8 for fp4) and uint8 scales, under ``<name>/values`` and
     ``<name>/scales``; its format, logical shape, dtype and block go in the checkpoint's custom
     metadata, from which `restore_params` rebuilds it."""
