@@ -2,7 +2,7 @@
 
 * `ModelConfig`, `tiny_v41`, `tiny_v41_full` (with Engram and DSpark), `tiny_v41_trained` (the
   config of the shipped trained checkpoint), `v41_flash`, `LayerPlan`, `Role` — configuration
-  and layer plan;
+  and layer plan; `MODEL_PRESETS` — the one table of those model names;
 * `init_params`, `abstract_params`, `param_specs` — the parameter pytree (checkpoint names);
 * `reference.forward` — the whole-sequence oracle;
 * `model.init_cache` / `model.forward_step` — incremental inference with dense caches;
@@ -24,6 +24,7 @@ import jax.experimental.pallas  # noqa: F401  (isort: keep first)
 from dsv4 import dspark, engram, qweights, reference
 from dsv4.checkpoint import load_pretrained, restore_params, save_params, save_pretrained
 from dsv4.config import (
+    MODEL_PRESETS,
     LayerPlan,
     ModelConfig,
     Role,
@@ -37,6 +38,7 @@ from dsv4.params import abstract_params, init_params, param_specs
 from dsv4.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
+    "MODEL_PRESETS",
     "ByteTokenizer",
     "HFTokenizer",
     "LayerPlan",

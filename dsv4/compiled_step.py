@@ -57,8 +57,23 @@ import re
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.experimental.layout import Format
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from cache.layout import for_model
 from dsv4 import plan as P
+from dsv4 import sharding
 from dsv4.config import ModelConfig, v41_flash
+from dsv4.paged.batch import empty_batch
+from dsv4.paged.pools import PoolLayout, cache_desc
+from dsv4.paged.records import PRESETS
+from dsv4.paged.step import paged_step, paged_step_data_parallel
+from dsv4.params import abstract_params
+from dsv4.qweights import abstract_released_params
 
 __all__ = [
     "H100X8",
@@ -77,7 +92,7 @@ def reduced_flash_roles(**overrides) -> ModelConfig:
     """V4.1-Flash at its released widths (384 experts) with 12 layers, two of every attention
     role: window-only (0, 1), full ratio 2 (2, 4), reuse ratio 2 (3, 5), full ratio 1 (6: the
     candidate source, 9), reuse ratio 1 (7, 10), reindex (8, 11: candidate consumers); no Engram
-    (its tables stay on the host, `dsv4.engram.HostTable`), no DSpark drafter."""
+    (its tables stay on the host, `dsv4.formats.HostTable`), no DSpark drafter."""
     fields: dict = dict(
         n_layers=12,
         compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
@@ -121,8 +136,6 @@ def target_devices(target: str) -> tuple[list, str, str, P.SliceSpec]:
     Raises:
         ValueError: an unknown target.
     """
-    from jax.experimental import topologies
-
     if target == H100X8:
         topo = topologies.get_topology_desc(
             "", platform="cuda", target_config=h100_target_config(), topology="1x1x8"
@@ -137,15 +150,6 @@ def target_devices(target: str) -> tuple[list, str, str, P.SliceSpec]:
 
 
 def _sharded_params(cfg: ModelConfig, jmesh, weights: str):
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental.layout import Format
-    from jax.sharding import NamedSharding
-
-    from dsv4 import sharding
-    from dsv4.params import abstract_params
-    from dsv4.qweights import abstract_released_params
-
     if weights == "bf16":
         params = abstract_params(cfg, jnp.bfloat16)
     elif weights == "released":
@@ -174,9 +178,6 @@ def _shard_bytes(tree, shardings) -> int:
     """Bytes per device of a pytree of abstract arrays under the compiled program's input
     ``shardings`` (the same pytree): each leaf's shard; a leaf the program does not read
     (pruned by jit: its sharding is None, XLA gets no such argument) counts 0."""
-    import jax
-    import numpy as np
-
     placed = jax.tree.leaves(shardings, is_leaf=lambda x: x is None)
     return sum(
         0 if s is None else math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
@@ -205,17 +206,6 @@ def compiled_step_memory(
         ValueError: a mesh of another device count than the target, or an unknown target /
             weights kind.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from cache.layout import for_model
-    from dsv4.paged.batch import empty_batch
-    from dsv4.paged.pools import PoolLayout, cache_desc
-    from dsv4.paged.records import PRESETS
-    from dsv4.paged.step import paged_step, paged_step_data_parallel
-
     devices, _, impl, slice_ = target_devices(target)
     if len(devices) != mesh.num_chips:
         raise ValueError(f"mesh {mesh} needs {mesh.num_chips} devices; {target} has {len(devices)}")

@@ -18,13 +18,17 @@ import enum
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from dsv4.engram_hash import next_prime
+
 __all__ = [
+    "MODEL_PRESETS",
     "LayerInfo",
     "LayerPlan",
     "ModelConfig",
+    "Preset",
     "Role",
     "tiny_v41",
     "tiny_v41_full",
@@ -604,8 +608,6 @@ def _engram_primes(
     """Per Engram layer, its primes in (n, head) order (`dsv4.engram_hash.EngramHashing`)."""
     key = (n_layers, max_ngram, n_heads, vocab)
     if key not in _PRIMES_CACHE:
-        from dsv4.engram_hash import next_prime
-
         taken: set[int] = set()
         out = []
         for _ in range(n_layers):
@@ -937,6 +939,26 @@ def tiny_v41_full(**overrides: Any) -> ModelConfig:
     )
     fields.update(overrides)
     return tiny_v41(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A model name: its config builder (keyword overrides win) and where its weights come from:
+    ``"random"`` (seeded `dsv4.init_params`), ``"shipped"`` (a checkpoint inside the package,
+    `dsv4.checkpoint.shipped_checkpoint`), or None (a released checkpoint you supply)."""
+
+    config: Callable[..., ModelConfig]
+    weights: str | None = None
+
+
+# The one table of model names: the planner (`dsv4.plan.MODELS`), the shipped checkpoints
+# (`dsv4.checkpoint.SHIPPED`, which `load_pretrained` accepts by name) read it.
+MODEL_PRESETS: dict[str, Preset] = {
+    "v41_flash": Preset(v41_flash),
+    "tiny_v41": Preset(tiny_v41, "random"),
+    "tiny_v41_full": Preset(tiny_v41_full, "random"),
+    "tiny_v41_trained": Preset(tiny_v41_trained, "shipped"),
+}
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -12,6 +12,7 @@ import os
 import sysconfig
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsv4.tokenizer import ByteTokenizer
 
@@ -140,8 +141,6 @@ def train_bpe(split: Split, vocab_size: int, path: str | os.PathLike[str]) -> No
     train files of ``split`` with the ``tokenizers`` package and write it to ``path`` (a
     tokenizer.json). Its pre-tokenizer and decoder are the byte-level ones, so any text
     round-trips; it has no post-processor (`dsv4.tokenizer` adds BOS itself)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if not isinstance(vocab_size, int) or not 256 + len(BPE_SPECIAL_TOKENS) < vocab_size <= 1 << 16:
         raise ValueError(f"vocab_size={vocab_size!r} must be an int in 260..65536")
     tok = Tokenizer(models.BPE())

@@ -66,7 +66,8 @@ import numpy as np
 from dsv4 import layers as L
 from dsv4 import reference
 from dsv4.config import ModelConfig
-from dsv4.params import ParamSpec, _bf16, _linear, block_specs
+from dsv4.params import dspark_specs as param_specs
+from dsv4.params import require_drafter
 from dsv4.quant import fp8_qdq
 from dsv4.reference import sink_attention
 
@@ -76,11 +77,14 @@ Cache = dict[str, jax.Array]
 __all__ = [
     "Attend",
     "DraftBlock",
+    "context_latent",
     "context_latents",
     "draft",
     "draft_from_hidden",
+    "draft_over_latents",
     "init_draft_cache",
-    "param_specs",
+    "main_projection",
+    "param_specs",  # dsv4.params.dspark_specs: the drafter's tensors, beside the backbone's
     "run_drafter",
     "seed",
     "step",
@@ -103,49 +107,12 @@ class DraftBlock(NamedTuple):
 # -- config and parameters ----------------------------------------------------------------------
 
 
-def _require_drafter(cfg: ModelConfig) -> None:
-    if not (cfg.n_mtp_layers and cfg.dspark_block_size):
-        raise ValueError(
-            f"config has no DSpark drafter (n_mtp_layers={cfg.n_mtp_layers}, "
-            f"dspark_block_size={cfg.dspark_block_size}; both must be > 0)"
-        )
-
-
 def _stage(i: int) -> str:
     return f"mtp.{i}."
 
 
 def _last(cfg: ModelConfig) -> str:
     return _stage(cfg.n_mtp_layers - 1)
-
-
-def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Every ``mtp.{i}.*`` tensor of the drafter with its released storage and shape.
-
-    Per stage the tensors of a window-only backbone layer, with ``dspark_n_routed_experts``
-    routed experts (stacked ``[E, out, in]`` as in `dsv4.params`); stage 0 adds ``main_proj``
-    (fp8 [dim, n_t * dim]) and ``main_norm``; the last stage adds ``norm``, the Markov head
-    (``embed`` and ``head``, bf16 [vocab, markov_rank]) and ``confidence_head.proj`` (bf16
-    [1, dim + markov_rank]). ``ffn.gate.bias_vl`` (the image-span routing bias, present in the
-    release because the model has a vision tower, never used by the text-only drafts) is left
-    out like the backbone's."""
-    _require_drafter(cfg)
-    d = cfg.dim
-    specs: dict[str, ParamSpec] = {}
-    for i in range(cfg.n_mtp_layers):
-        p = _stage(i)
-        specs.update(block_specs(cfg, p, cfg.dspark_n_routed_experts))  # a window-only block
-        if i == 0:
-            n_t = len(cfg.dspark_target_layer_ids)
-            specs[p + "main_proj.weight"] = _linear(cfg, d, n_t * d)
-            specs[p + "main_norm.weight"] = _bf16(d, init="norm")
-        if i == cfg.n_mtp_layers - 1:
-            r = cfg.dspark_markov_rank
-            specs[p + "norm.weight"] = _bf16(d, init="norm")
-            specs[p + "markov_head.embed.weight"] = _bf16(cfg.vocab_size, r, init="embed")
-            specs[p + "markov_head.head.weight"] = _bf16(cfg.vocab_size, r)
-            specs[p + "confidence_head.proj.weight"] = _bf16(1, d + r)
-    return specs
 
 
 @functools.lru_cache(maxsize=16)
@@ -212,7 +179,7 @@ def target_hidden(cfg: ModelConfig, streams: Mapping[int, jax.Array]) -> jax.Arr
     """The drafter's input [B, T, n_t * dim] from the backbone streams entering the target
     layers, ``streams[layer]`` [B, T, hc_mult, dim]: the mean over the copies, concatenated in
     ascending layer order (the order of ``dspark_target_layer_ids``)."""
-    _require_drafter(cfg)
+    require_drafter(cfg)
     missing = [t for t in cfg.dspark_target_layer_ids if t not in streams]
     if missing:
         raise ValueError(f"streams lack the target layers {missing}")
@@ -223,13 +190,13 @@ def target_hidden(cfg: ModelConfig, streams: Mapping[int, jax.Array]) -> jax.Arr
     return jnp.concatenate(parts, axis=-1)
 
 
-def _main_x(params: Params, cfg: ModelConfig, main_hidden: jax.Array) -> jax.Array:
+def main_projection(params: Params, cfg: ModelConfig, main_hidden: jax.Array) -> jax.Array:
     """Stage 0's projection of the target hidden [.., n_t * dim] -> [.., dim]."""
     y = L.linear(main_hidden, params, "mtp.0.main_proj.weight", cfg)
     return L.rms_norm(y, params["mtp.0.main_norm.weight"], cfg.norm_eps)
 
 
-def _context_latent(
+def context_latent(
     params: Params,
     cfg: ModelConfig,
     i: int,
@@ -263,9 +230,9 @@ def context_latents(
     """Every stage's context latents [.., head_dim] of the target hidden states main_hidden
     [.., n_t * dim] (`target_hidden`) at positions pos [..]: what the stages' window caches
     hold (stage 0's ``main_x`` projected with each stage's own ``wkv`` / ``kv_norm``, rotated
-    at pos). ``qdq`` as in `_context_latent`."""
-    main_x = _main_x(params, cfg, main_hidden)
-    return [_context_latent(params, cfg, i, main_x, pos, qdq=qdq) for i in range(cfg.n_mtp_layers)]
+    at pos). ``qdq`` as in `context_latent`."""
+    main_x = main_projection(params, cfg, main_hidden)
+    return [context_latent(params, cfg, i, main_x, pos, qdq=qdq) for i in range(cfg.n_mtp_layers)]
 
 
 # attend(i, q, kv, sink) -> f32[B, K, H, head_dim]: stage i's attention of the block queries
@@ -309,7 +276,7 @@ def _block_attention(
     return L.attention_output(o.astype(h.dtype), cos, sin, params, a, cfg)
 
 
-def _drafter(
+def draft_over_latents(
     params: Params,
     cfg: ModelConfig,
     ctx: Sequence[jax.Array],
@@ -400,7 +367,7 @@ def draft_from_hidden(
     main_hidden [B, T, n_t * dim] (`target_hidden` of positions 0..T-1); next_token int32[B], the
     token at position ``lengths[b]`` that opens the draft block; lengths int32[B] (default T):
     row b's prefix is its first ``lengths[b]`` positions (1..T), the rest is ignored."""
-    _require_drafter(cfg)
+    require_drafter(cfg)
     main_hidden = _check_hidden(cfg, main_hidden)
     b, t, _ = main_hidden.shape
     next_token = _int_array("next_token", next_token, (b,))
@@ -418,7 +385,7 @@ def draft_from_hidden(
     pos = jnp.broadcast_to(pos[None, :], (b, pos.shape[0]))
     ctx_mask = (pos < lengths[:, None]) & (pos >= lengths[:, None] - w)
     ctx = context_latents(params, cfg, main_hidden, pos)
-    return _drafter(params, cfg, ctx, ctx_mask, next_token, lengths)
+    return draft_over_latents(params, cfg, ctx, ctx_mask, next_token, lengths)
 
 
 def draft(
@@ -429,7 +396,7 @@ def draft(
     tokens int32[B, T] (positions 0..T-1) runs through the backbone for the target hidden
     states; next_token int32[B] is the token at position T that opens the draft block (None:
     the backbone's greedy pick after the prefix). ``logits[:, i]`` is for position T+1+i."""
-    _require_drafter(cfg)
+    require_drafter(cfg)
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be int32[B, T] with T >= 1, got shape {tokens.shape}")
@@ -464,7 +431,7 @@ def init_draft_cache(
     ``win.{n_layers + i}`` [batch, window_size, head_dim] of context latents (slot = position
     mod window_size), and one ``win_pos`` int32[batch, window_size] of the positions the rings
     hold (-1 = empty), shared by the stages. Unwritten rows hold ``fill`` (tests use NaN)."""
-    _require_drafter(cfg)
+    require_drafter(cfg)
     if batch <= 0:
         raise ValueError(f"batch={batch} must be positive")
     w = cfg.window_size
@@ -495,7 +462,7 @@ def seed(
     padding and writes nothing. Only the last window_size real positions of a row are written.
     Seed only committed positions (the verified prefix): a ring slot holds one position, so a
     rejected draft's hidden state written here would evict a committed one."""
-    _require_drafter(cfg)
+    require_drafter(cfg)
     b = _cache_batch(cfg, cache)
     main_hidden = _check_hidden(cfg, main_hidden)
     if main_hidden.shape[0] != b:
@@ -511,10 +478,10 @@ def seed(
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
     new = dict(cache)
     new["win_pos"] = cache["win_pos"].at[rows, slot].set(pos, mode="drop")
-    main_x = _main_x(params, cfg, main_hidden)
+    main_x = main_projection(params, cfg, main_hidden)
     for i in range(cfg.n_mtp_layers):
         ring = cache[_ring(cfg, i)]
-        kv = _context_latent(params, cfg, i, main_x, pos)
+        kv = context_latent(params, cfg, i, main_x, pos)
         new[_ring(cfg, i)] = ring.at[rows, slot].set(kv.astype(ring.dtype), mode="drop")
     return new
 
@@ -537,7 +504,7 @@ def step(
     ``start - lengths .. start - 1`` are seeded from ``main_hidden[b, :lengths[b]]`` first, the
     decode-time pattern: commit the verified tokens, then draft after them. Returns the block
     and the cache (updated only by that seeding; the block's own latents are not kept)."""
-    _require_drafter(cfg)
+    require_drafter(cfg)
     b = _cache_batch(cfg, cache)
     next_token = _int_array("next_token", next_token, (b,))
     _check_ids("next_token", next_token, cfg.vocab_size)
@@ -554,4 +521,4 @@ def step(
     held = cache["win_pos"]  # [B, w]
     ctx_mask = (held >= 0) & (held < start[:, None]) & (held >= start[:, None] - cfg.window_size)
     ctx = [cache[_ring(cfg, i)] for i in range(cfg.n_mtp_layers)]
-    return _drafter(params, cfg, ctx, ctx_mask, next_token, start), cache
+    return draft_over_latents(params, cfg, ctx, ctx_mask, next_token, start), cache

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from tokenizers import Regex, normalizers
 
 __all__ = [
     "DEAD",
@@ -172,8 +173,6 @@ class EngramHashing:
 
 
 def _normaliser():
-    from tokenizers import Regex, normalizers
-
     keep_space = "\ue000"  # private use: survives Strip
     return normalizers.Sequence(
         [

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 from dsv4.config import ModelConfig
 from dsv4.quant import fp8_qdq
 
-__all__ = ["ambient_expert_mesh", "routed_experts"]
+__all__ = ["ambient_expert_mesh", "routed_experts", "swiglu"]
 
 EXPERT = "expert"
 
@@ -62,10 +62,15 @@ def ambient_expert_mesh(cfg: ModelConfig):
     return mesh
 
 
-def _swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    from dsv4.layers import _swiglu as swiglu  # one definition (layers imports this module)
-
-    return swiglu(gate, up, limit)
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """An expert's activation, f32: ``silu(gate) * up``, with ``up`` clipped to ``±limit`` and
+    ``gate`` capped at ``limit`` when ``limit > 0`` (the one definition; `dsv4.layers` uses it)."""
+    gate = gate.astype(jnp.float32)
+    up = up.astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    return jax.nn.silu(gate) * up
 
 
 def routed_experts(
@@ -144,7 +149,7 @@ def _dispatch(x, weights, ids, w1, w2, w3, *, num_shards, limit, block, quant):
 
     g = grouped(xs, w1).astype(dt)
     u = grouped(xs, w3).astype(dt)
-    act = (ws[:, None] * _swiglu(g, u, limit)).astype(dt)
+    act = (ws[:, None] * swiglu(g, u, limit)).astype(dt)
     if quant:  # fp8 blocks run along inter
         act = fp8_qdq(act, block)
     out = grouped(act, w2).astype(dt)  # [m, dim]

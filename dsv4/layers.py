@@ -7,7 +7,7 @@ SwiGLU interior run in fp32 and cast back; with ``cfg.quant_sim`` the activation
 fp8 or fp4 GEMM are fake-quantised to fp8 (power-of-two scales per ``fp8_block_size``).
 
 A weight is read as ``params[name].astype(dtype)`` (after indexing its leading expert axis, if
-any), never reshaped or used before that cast: a `dsv4.qweights.QuantisedWeight` (fp8 / FP4
+any), never reshaped or used before that cast: a `dsv4.formats.QuantisedWeight` (fp8 / FP4
 weights kept in their released bytes) dequantises there, so every path runs the same code on
 dequantised and on released params.
 """
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4.config import ModelConfig, rope_inv_freq
-from dsv4.expert_parallel import ambient_expert_mesh, routed_experts
+from dsv4.expert_parallel import ambient_expert_mesh, routed_experts, swiglu
 from dsv4.params import quantised_weights
 from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2, fp8_qdq
 
@@ -39,6 +39,7 @@ __all__ = [
     "moe",
     "rms_norm",
     "rope_tables",
+    "swiglu",
 ]
 
 
@@ -195,13 +196,7 @@ def attention_output(
 # -- MoE -----------------------------------------------------------------------------------------
 
 
-def _swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    gate = gate.astype(jnp.float32)
-    up = up.astype(jnp.float32)
-    if limit > 0:
-        up = jnp.clip(up, -limit, limit)
-        gate = jnp.minimum(gate, limit)
-    return jax.nn.silu(gate) * up
+_swiglu = swiglu  # the old private name, still read by dsv4.train
 
 
 def route(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig):
@@ -238,7 +233,7 @@ def _all_experts(x, dense_w, w1, w2, w3, cfg: ModelConfig, *, quant: bool) -> ja
         y = jnp.einsum("od,nd->on", flat, x, preferred_element_type=jnp.float32)
         return y.reshape(e, inter, -1).astype(dt)
 
-    act = (dense_w.T[:, None, :] * _swiglu(up(w1), up(w3), cfg.swiglu_limit)).astype(dt)
+    act = (dense_w.T[:, None, :] * swiglu(up(w1), up(w3), cfg.swiglu_limit)).astype(dt)
     if quant:  # fp8 blocks run along inter
         act = jnp.swapaxes(fp8_qdq(jnp.swapaxes(act, 1, 2), cfg.fp8_block_size), 1, 2)
     if dt == jnp.float32:
@@ -276,9 +271,7 @@ def moe(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig) -> jax.Arra
         # few tokens: gather each token's selected experts
         g = jnp.einsum("nd,nkid->nki", xq, w1[ids].astype(dt), preferred_element_type=jnp.float32)
         u = jnp.einsum("nd,nkid->nki", xq, w3[ids].astype(dt), preferred_element_type=jnp.float32)
-        act = (weights[..., None] * _swiglu(g.astype(dt), u.astype(dt), cfg.swiglu_limit)).astype(
-            dt
-        )
+        act = (weights[..., None] * swiglu(g.astype(dt), u.astype(dt), cfg.swiglu_limit)).astype(dt)
         if quant:
             act = fp8_qdq(act, cfg.fp8_block_size)
         out = jnp.einsum(
@@ -292,7 +285,7 @@ def moe(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig) -> jax.Arra
     s = prefix + "shared_experts."
     sg = linear(xf, params, s + "w1.weight", cfg)
     su = linear(xf, params, s + "w3.weight", cfg)
-    sy = linear(_swiglu(sg, su, cfg.swiglu_limit).astype(dt), params, s + "w2.weight", cfg)
+    sy = linear(swiglu(sg, su, cfg.swiglu_limit).astype(dt), params, s + "w2.weight", cfg)
     y = y + sy.astype(jnp.float32)
     return y.astype(dt).reshape(shape)
 

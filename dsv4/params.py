@@ -18,25 +18,32 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4 import engram_hash
 from dsv4.config import ModelConfig, Role
+from dsv4.formats import CheckpointError, format_problems
 
 __all__ = [
     "CheckpointTensor",
     "ParamSpec",
     "Storage",
     "abstract_params",
+    "block_specs",
     "byte_token_map",
+    "check_params",
     "check_token_map",
     "checkpoint_tensors",
     "count_params",
+    "dspark_specs",
     "init_params",
     "param_specs",
+    "require_drafter",
 ]
 
 
@@ -138,10 +145,61 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     if cfg.engram_layer_ids:
         specs.update(_engram_specs(cfg))
     if cfg.n_mtp_layers and cfg.dspark_block_size:
-        from dsv4 import dspark  # imports this module
-
-        specs.update(dspark.param_specs(cfg))
+        specs.update(dspark_specs(cfg))
     return specs
+
+
+def require_drafter(cfg: ModelConfig) -> None:
+    """A ValueError unless the config has a DSpark drafter."""
+    if not (cfg.n_mtp_layers and cfg.dspark_block_size):
+        raise ValueError(
+            f"config has no DSpark drafter (n_mtp_layers={cfg.n_mtp_layers}, "
+            f"dspark_block_size={cfg.dspark_block_size}; both must be > 0)"
+        )
+
+
+def dspark_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Every ``mtp.{i}.*`` tensor of the DSpark drafter with its released storage and shape.
+
+    Per stage the tensors of a window-only backbone layer, with ``dspark_n_routed_experts``
+    routed experts (stacked ``[E, out, in]``); stage 0 adds ``main_proj`` (fp8 [dim, n_t * dim])
+    and ``main_norm``; the last stage adds ``norm``, the Markov head (``embed`` and ``head``,
+    bf16 [vocab, markov_rank]) and ``confidence_head.proj`` (bf16 [1, dim + markov_rank]).
+    ``ffn.gate.bias_vl`` (the image-span routing bias, never used by the text-only drafts) is
+    left out like the backbone's."""
+    require_drafter(cfg)
+    d = cfg.dim
+    specs: dict[str, ParamSpec] = {}
+    for i in range(cfg.n_mtp_layers):
+        p = f"mtp.{i}."
+        specs.update(block_specs(cfg, p, cfg.dspark_n_routed_experts))  # a window-only block
+        if i == 0:
+            n_t = len(cfg.dspark_target_layer_ids)
+            specs[p + "main_proj.weight"] = _linear(cfg, d, n_t * d)
+            specs[p + "main_norm.weight"] = _bf16(d, init="norm")
+        if i == cfg.n_mtp_layers - 1:
+            r = cfg.dspark_markov_rank
+            specs[p + "norm.weight"] = _bf16(d, init="norm")
+            specs[p + "markov_head.embed.weight"] = _bf16(cfg.vocab_size, r, init="embed")
+            specs[p + "markov_head.head.weight"] = _bf16(cfg.vocab_size, r)
+            specs[p + "confidence_head.proj.weight"] = _bf16(1, d + r)
+    return specs
+
+
+def check_params(params: Mapping[str, Any], cfg: ModelConfig, what: str) -> None:
+    """Names and shapes of ``params`` must be exactly ``param_specs(cfg)``'s; else one
+    `dsv4.formats.CheckpointError` listing every difference (``what`` names the caller)."""
+    specs = param_specs(cfg)
+    missing = [n for n in specs if n not in params]
+    unexpected = [n for n in params if n not in specs]
+    wrong = [
+        f"{n}: expected {list(specs[n].shape)}, got {list(np.shape(params[n]))}"
+        for n in specs
+        if n in params and tuple(np.shape(params[n])) != specs[n].shape
+    ]
+    groups = [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
+    if missing or unexpected or wrong:
+        raise CheckpointError(format_problems(f"{what}: params do not match the config", groups))
 
 
 def _engram_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -314,15 +372,14 @@ def init_params(
 
 
 def _given_map(cfg: ModelConfig, token_map) -> np.ndarray:
-    from dsv4.engram_hash import DEAD
-
+    dead = engram_hash.DEAD
     m = np.asarray(token_map)
     if m.shape != (cfg.vocab_size,) or not np.issubdtype(m.dtype, np.integer):
         raise ValueError(f"token_map must be int[{cfg.vocab_size}], got {m.dtype}{list(m.shape)}")
-    if m.size and (m.min() < DEAD or m.max() >= cfg.engram_compressed_vocab_size):
+    if m.size and (m.min() < dead or m.max() >= cfg.engram_compressed_vocab_size):
         raise ValueError(
             f"token_map values span [{m.min()}, {m.max()}]; compressed ids are "
-            f"0..{cfg.engram_compressed_vocab_size - 1} or DEAD={DEAD}"
+            f"0..{cfg.engram_compressed_vocab_size - 1} or DEAD={dead}"
         )
     return m.astype(np.int32)
 
@@ -340,9 +397,7 @@ def abstract_params(
 def byte_token_map(cfg: ModelConfig) -> np.ndarray:
     """int32[vocab_size]: the Engram compressed token map of the built-in byte tokenizer (what
     random params and checkpoints without a tokenizer.json use), checked against the config."""
-    from dsv4.engram_hash import byte_token_map as build
-
-    token_map, count = build(cfg.vocab_size)
+    token_map, count = engram_hash.byte_token_map(cfg.vocab_size)
     check_token_map(cfg, token_map, count, "the built-in byte tokenizer")
     return token_map.astype(np.int32)
 

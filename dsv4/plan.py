@@ -11,7 +11,7 @@
   Replicated tensors count on every chip. The bf16 column is the same split of the
   dequantised params (bf16, f32 where the checkpoint stores f32), what
   `dsv4.params.init_params` holds. Engram's tables (``layers.L.engram.embed.weight``, most of
-  the release's bytes) stay on the host (`dsv4.engram.HostTable`): they are reported as
+  the release's bytes) stay on the host (`dsv4.formats.HostTable`): they are reported as
   ``host_bytes``, not on the chip. The Engram token map (derived, int32 per vocabulary id) is
   not counted.
 * **KV pages** per chip, per KV-cache group: the packed layout of `cache.layout.for_model` for
@@ -79,16 +79,25 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import importlib.util
 import math
 import re
 import time
 from collections.abc import Sequence
 
-from jax.sharding import AbstractMesh
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from cache.layout import for_model, memory_report
 from cache.spec import KVCacheConfig
-from dsv4.config import ModelConfig, tiny_v41, tiny_v41_full, tiny_v41_trained, v41_flash
+from dsv4 import reference, sharding
+from dsv4.config import MODEL_PRESETS, ModelConfig, v41_flash
+from dsv4.formats import DTYPE_BYTES
+from dsv4.paged.pools import SCALED_RECORDS, PoolLayout, cache_desc
+from dsv4.paged.records import PRESETS
 from dsv4.params import Storage, checkpoint_tensors, param_specs
 from dsv4.sharding import AXES, partition_spec_for
 
@@ -124,12 +133,7 @@ ACT_BYTES = 2  # bf16 activations
 LOGIT_BYTES = 4  # f32 logits
 CONTEXTS = (8192, 131_072, 1_048_576)  # context lengths of the largest-batch column
 _QUANTISED = (Storage.FP8, Storage.FP4)  # stored formats a weight is dequantised from
-MODELS = {
-    "v41_flash": v41_flash,
-    "tiny_v41": tiny_v41,
-    "tiny_v41_full": tiny_v41_full,
-    "tiny_v41_trained": tiny_v41_trained,
-}
+MODELS = {name: preset.config for name, preset in MODEL_PRESETS.items()}  # every model name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -265,9 +269,6 @@ class _Stored:
     host: bool  # Engram tables: held by the host, not the chip
 
 
-_ITEM_BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
-
-
 def _is_host(param: str) -> bool:
     return param.endswith(".engram.embed.weight")
 
@@ -337,11 +338,11 @@ def weight_bytes_per_chip(cfg: ModelConfig, mesh: MeshAxes, *, stored: bool = Tr
         for t in _stored_tensors(cfg):
             spec = specs[t.param]
             if t.host:
-                host += t.count * math.prod(t.shape) * _ITEM_BYTES[t.dtype]
+                host += t.count * math.prod(t.shape) * DTYPE_BYTES[t.dtype]
                 continue
             count = t.count // mesh.expert if t.stacked and spec[0] else t.count
             dims = spec[1:] if t.stacked else spec
-            device += count * _split(t.shape, dims, mesh) * _ITEM_BYTES[t.dtype]
+            device += count * _split(t.shape, dims, mesh) * DTYPE_BYTES[t.dtype]
         return {"device": device, "host": host}
     for name, ps in param_specs(cfg).items():
         if ps.storage is Storage.DERIVED:
@@ -375,9 +376,6 @@ def kv_layout(
 ) -> KVCacheConfig:
     """The packed ``KVCacheConfig`` (one block) of ``cfg`` with ``records`` (default: the
     chip's) on the chip's geometry."""
-    from dsv4.paged.pools import cache_desc
-    from dsv4.paged.records import PRESETS
-
     name = records or chip.records
     if name not in PRESETS:
         raise ValueError(f"--records {name!r}: not a preset; known: {sorted(PRESETS)}")
@@ -442,9 +440,6 @@ def kv_reads(
 ) -> KVReads:
     """`KVReads` of ``cfg``'s layout ``config`` (record preset ``records``) for requests of
     ``max_model_len`` tokens and steps of ``num_tokens`` tokens."""
-    from dsv4.paged.pools import SCALED_RECORDS, PoolLayout
-    from dsv4.paged.records import PRESETS
-
     layout = PoolLayout.build(cfg, config, PRESETS[records])
     report = memory_report(config, max_model_len, num_tokens, packed_layout=True)
     blocks = {g.group_id: g.max_blocks_per_request for g in report.groups}
@@ -889,14 +884,6 @@ def compiled_memory(
     """XLA's per-device memory of ``reference.forward(params, cfg, tokens[data, num_tokens])``
     compiled for the TPU ``topology`` (no device), params sharded by the rule table over
     ``mesh``, next to the planner's bf16 weight bytes of the same model and mesh."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from dsv4 import reference, sharding
-
     devices = topologies.get_topology_desc(topology, platform="tpu").devices
     if len(devices) != mesh.num_chips:
         raise ValueError(
@@ -940,8 +927,6 @@ def compiled_memory(
 def compiled_check(cfg: ModelConfig, p: ChipPlan) -> dict:
     """`compiled_memory` of ``cfg`` on the plan's slice (its `tpu_topology`) and mesh, or
     ``{"skipped": why}``: a GPU slice or a chip count without a topology, or no libtpu."""
-    import importlib.util
-
     try:
         topology = tpu_topology(p.slice)
     except ValueError as exc:
@@ -1042,4 +1027,4 @@ def _ctx(n: int) -> str:
 
 def stored_bytes_total(cfg: ModelConfig) -> int:
     """Bytes of every checkpoint tensor (the 1-chip plan's device + host weights)."""
-    return sum(math.prod(t.shape) * _ITEM_BYTES[t.dtype] for t in checkpoint_tensors(cfg))
+    return sum(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in checkpoint_tensors(cfg))

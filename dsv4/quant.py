@@ -12,7 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "E2M1_MIDS",
+    "E2M1_TIE_UP",
     "E2M1_VALUES",
+    "FP4_MAX",
+    "FP8_MAX",
     "e2m1_round",
     "fp4_qdq_e4m3",
     "fp4_qdq_pow2",
@@ -27,9 +31,10 @@ E2M1_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     np.float32,
 )
-_E2M1_MIDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+# midpoints between consecutive e2m1 magnitudes
+E2M1_MIDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 # at an exact midpoint round-to-nearest-even goes up when the upper code is even
-_E2M1_TIE_UP = np.array([False, True, False, True, False, True, False])
+E2M1_TIE_UP = np.array([False, True, False, True, False, True, False])
 
 
 def pow2_scale(amax: jax.Array, max_value: float) -> jax.Array:
@@ -61,8 +66,8 @@ def fp8_qdq(x: jax.Array, block: int = 32) -> jax.Array:
 def e2m1_round(v: jax.Array) -> jax.Array:
     """Nearest e2m1 value (round-to-nearest-even) of fp32 ``v`` already within [-6, 6]."""
     mag = jnp.abs(v)[..., None]
-    mids = jnp.asarray(_E2M1_MIDS)
-    code = jnp.sum(mag > mids, axis=-1) + jnp.sum((mag == mids) & jnp.asarray(_E2M1_TIE_UP), -1)
+    mids = jnp.asarray(E2M1_MIDS)
+    code = jnp.sum(mag > mids, axis=-1) + jnp.sum((mag == mids) & jnp.asarray(E2M1_TIE_UP), -1)
     out = jnp.asarray(E2M1_VALUES[:8])[code]
     return jnp.where(jnp.signbit(v), -out, out)
 

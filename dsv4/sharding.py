@@ -18,7 +18,7 @@ error, so a new tensor cannot silently end up replicated):
 gives them as a pytree of `NamedSharding`s, for jit; `param_formats` adds the device layout of
 the routed experts under an ``expert`` axis, `EXPERT_WEIGHT_LAYOUT`: the dims the expert
 dispatch multiplies by, so that XLA reads them without a copy). A weight kept in its released format
-(`dsv4.qweights.QuantisedWeight`) has its codes and scales placed with the weight's spec, on
+(`dsv4.formats.QuantisedWeight`) has its codes and scales placed with the weight's spec, on
 each dim their (packed or per-tile) size lets the axis divide (`leaf_spec`), so each device
 dequantises its own slice. XLA's SPMD partitioner then runs `reference.forward` (or any jitted path) on the sharded params; the tests
 check the sharded forward equals the single-device one on a mesh of host devices.
@@ -51,7 +51,8 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4.config import ModelConfig
-from dsv4.qweights import QuantisedWeight
+from dsv4.formats import QuantisedWeight
+from dsv4.params import param_specs
 
 __all__ = [
     "AXES",
@@ -96,8 +97,8 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...] | None], ...] = (
     (_BLOCK + r"main_proj\.weight$", None),
     (_BLOCK + r"confidence_head\.", None),
     (_BLOCK + r"markov_head\.(embed|head)\.weight$", (_M, None)),
-    # Engram: replicated (the released tables stay on the host as `engram.HostTable`s; their
-    # row counts, sums of primes, divide no mesh axis)
+    # Engram: replicated (the released tables stay on the host as `dsv4.formats.HostTable`s;
+    # their row counts, sums of primes, divide no mesh axis)
     (_BLOCK + r"engram\.", None),
     (r"^engram\.token_map$", None),
     # vocabulary-split embedding and head
@@ -159,8 +160,6 @@ def param_partition_specs(
 ) -> dict[str, PartitionSpec]:
     """Every parameter's spec: of ``params`` when given, else of `dsv4.params.param_specs`."""
     if params is None:
-        from dsv4.params import param_specs
-
         shapes = {n: tuple(s.shape) for n, s in param_specs(cfg).items()}
     else:
         shapes = {n: tuple(np.shape(v)) for n, v in params.items()}
@@ -185,7 +184,7 @@ def leaf_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partit
 def param_shardings(params: Mapping[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
     """A `NamedSharding` for every leaf of ``params``, in the params' pytree structure (for
     ``jax.jit``'s ``in_shardings`` / ``out_shardings`` or ``jax.device_put``): an array's
-    by its rule, a `dsv4.qweights.QuantisedWeight`'s codes and scales by `leaf_spec`; a node
+    by its rule, a `dsv4.formats.QuantisedWeight`'s codes and scales by `leaf_spec`; a node
     without leaves (an Engram `HostTable`) is kept as it is."""
     specs = param_partition_specs(cfg, mesh, params)
     out: dict[str, Any] = {}

@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import tokenizers
+
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
@@ -131,19 +133,13 @@ class HFTokenizer:
         eos_id: int | None = None,
     ) -> HFTokenizer:
         """Load ``path`` (a tokenizer.json, or a directory that holds one)."""
-        try:
-            from tokenizers import Tokenizer as _Tok
-        except ImportError as exc:  # pragma: no cover - tokenizers is a dependency
-            raise ImportError(
-                "reading tokenizer.json needs the `tokenizers` package (pip install tokenizers)"
-            ) from exc
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, TOKENIZER_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no such tokenizer file")
         try:
-            tok = _Tok.from_file(path)
+            tok = tokenizers.Tokenizer.from_file(path)
         except Exception as exc:  # the Rust side raises a plain Exception
             raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from exc
         if bos_id is None or eos_id is None:

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from dsv4 import data as D
 from dsv4 import dspark, reference
@@ -145,9 +146,9 @@ def _blocks(
     block_tokens = windows[rows, after].reshape(b * m, k + 1)
     hidden = hidden.reshape(b * m, w, hidden.shape[-1])
     pos = pos.reshape(b * m, w)
-    main_x = dspark._main_x(params, cfg, hidden)
-    ctx = [dspark._context_latent(params, cfg, i, main_x, pos) for i in range(cfg.n_mtp_layers)]
-    block = dspark._drafter(
+    main_x = dspark.main_projection(params, cfg, hidden)
+    ctx = [dspark.context_latent(params, cfg, i, main_x, pos) for i in range(cfg.n_mtp_layers)]
+    block = dspark.draft_over_latents(
         params,
         cfg,
         ctx,
@@ -225,8 +226,6 @@ def train_drafter(
     """Train the drafter of ``cfg`` on ``tokens`` (`dsv4.data`) over the frozen ``backbone``
     for ``dcfg.steps`` steps (from ``state`` when given); returns the state and a metrics row
     per step."""
-    from tqdm.auto import tqdm
-
     _check(cfg, dcfg)
     D.check_tokens(tokens, dcfg.seq_len + 1, dcfg.batch_size, cfg.vocab_size)
     backbone = {k: v for k, v in backbone.items() if not k.startswith("mtp.")}

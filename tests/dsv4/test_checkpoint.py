@@ -500,3 +500,20 @@ def test_orbax_round_trip(cfg, params, tmp_path):
                 compress_ratios=(0, 2, 2, 1, 1, 1, 1, 1, 0), index_source_layers=(1, 3, 5, 7)
             ),
         )
+
+
+def test_model_names_come_from_one_table():
+    """`dsv4.config.MODEL_PRESETS` is the one table of model names: the planner's models and
+    the shipped checkpoints are its entries, and `load_pretrained` takes a shipped one by name."""
+    from dsv4 import plan
+    from dsv4.config import MODEL_PRESETS
+
+    assert {n: p.config for n, p in MODEL_PRESETS.items()} == plan.MODELS
+    assert tuple(n for n, p in MODEL_PRESETS.items() if p.weights == "shipped") == ck.SHIPPED
+    (name,) = ck.SHIPPED
+    cfg, params = ck.load_pretrained(name, progress=False)
+    want_cfg, want = ck.load_pretrained(ck.shipped_checkpoint(name), progress=False)
+    assert cfg == want_cfg and cfg == MODEL_PRESETS[name].config()
+    assert params.keys() == want.keys()
+    for n in want:
+        np.testing.assert_array_equal(np.asarray(params[n]), np.asarray(want[n]))

@@ -124,10 +124,11 @@ def test_decoding_equals_the_checkpoint_decoders():
 def test_fp4_codes_decode_to_the_e2m1_table_bit_for_bit():
     """Every byte's two e2m1 codes (low nibble first) decode under jit to `E2M1_VALUES`' float32
     bits, the sign of zero included, with no table lookup in the compiled program."""
+    from dsv4.formats import unpack_e2m1
     from dsv4.quant import E2M1_VALUES
 
     packed = np.arange(256, dtype=np.uint8).reshape(16, 16)
-    unpack = jax.jit(qweights._unpack_e2m1)
+    unpack = jax.jit(unpack_e2m1)
     got = np.asarray(unpack(jnp.asarray(packed)))
     want = np.stack([E2M1_VALUES[packed & 15], E2M1_VALUES[packed >> 4]], -1).reshape(16, 32)
     np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))

@@ -6,7 +6,7 @@ bit for bit to ``shard_params(load_pretrained(path))``; orbax saves and restores
 The 8-device checks run in a subprocess (the host device count is fixed when JAX starts) on
 tiny_v41_full (Engram + a DSpark drafter) saved as a sharded checkpoint from random numpy params
 (values do not matter here; `init_params` would cost ~20 s). What a load reads is seen through
-`dsv4.checkpoint._read_log`: one (param, slice, tensor, bytes) record per slice copied out of a
+`dsv4.checkpoint.files.read_log`: one (param, slice, tensor, bytes) record per slice copied out of a
 memory map.
 """
 
@@ -94,9 +94,9 @@ _SCRIPT = textwrap.dedent(
 
     # what each device's callbacks read on an expert=8 mesh
     mesh = sharding.make_mesh(expert=8)
-    log = ck._read_log = []
+    log = ck.files.read_log = []
     got = ck.load_pretrained(path, progress=False, mesh=mesh, weights_on_device=case["reads"])[1]
-    ck._read_log = None
+    ck.files.read_log = None
     routed = [n for n, s in param_specs(cfg).items() if s.stacked]
     per_device = {d: 0 for d in mesh.devices.flat}
     for name in routed:
@@ -246,9 +246,9 @@ _WORKER = textwrap.dedent(
     local = {p: [d for d in jax.devices() if d.process_index == p] for p in (0, 1)}
     order = [local[e][2 * d + m] for d in range(2) for e in range(2) for m in range(2)]
     mesh = sharding.make_mesh(data=2, expert=2, model=2, devices=order)
-    log = ck._read_log = []
+    log = ck.files.read_log = []
     cfg, params = ck.load_pretrained(path, progress=False, mesh=mesh)
-    ck._read_log = None
+    ck.files.read_log = None
     _, whole = ck.load_pretrained(path, progress=False)  # this process alone, one device
     mine = set(jax.local_devices())
     for name, x in params.items():
