@@ -24,14 +24,9 @@ import jax.numpy as jnp
 
 from dsv4 import engram
 from dsv4 import layers as L
+from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role
-from dsv4.reference import (
-    NEG_INF,
-    index_scores,
-    select_candidate_blocks,
-    sink_attention,
-    topk_indices,
-)
+from dsv4.layers import index_scores, sink_attention
 
 Cache = dict[str, jax.Array]
 
@@ -174,13 +169,9 @@ def _attention(
         if info.role in (Role.FULL, Role.REINDEX):
             qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
             scores = index_scores(qi, w, new[f"ikey.{src}"].astype(qi.dtype), visible)
-            if info.is_candidate_source:
-                shared["candidates"] = select_candidate_blocks(
-                    scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size
-                )
-            elif info.uses_candidates:
-                scores = jnp.where(shared["candidates"], scores, NEG_INF)
-            shared["topk"] = topk_indices(scores, visible, cfg.index_topk)
+            shared["topk"], shared["candidates"] = L.select_entries(
+                scores, visible, info, cfg, shared.get("candidates")
+            )
         sel = shared["topk"]
         if t == 1 and sel.shape[-1] < n:
             # decode: the query attends to its window and its k selected entries, gathered,
@@ -263,27 +254,17 @@ def forward_step_streams(
         st.cache_write = st.pos >= jnp.asarray(write_from, jnp.int32).reshape(b)[:, None]
     new: Cache = dict(cache)
     new["win_pos"] = st.new_win_pos
-    shared: dict[str, jax.Array] = {}
-    x = L.embed(params, tokens, cfg)
-    pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
+    rows = None
     if cfg.engram_layer_ids:
-        rows, live, new["engram_hist"] = _engram_rows(params, cfg, cache, tokens, st)
-    streams: dict[int, jax.Array] = {}
-    for layer in range(cfg.n_layers):
-        p = f"layers.{layer}."
-        if layer in cfg.engram_layer_ids:
-            li = cfg.engram_layer_ids.index(layer)
-            x = engram.apply(
-                x, params, layer, cfg, engram.table_rows(params, layer, rows[:, :, li]), live
-            )
-        if layer in layers:
-            streams[layer] = x
-        a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
-        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
-        att = _attention(h, params, layer, cfg, cache, new, st, shared)
-        x = L.hc_post(att, x, a_post, a_comb)
-        f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
-        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
-        x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
-        pre = f_pre
-    return L.head(params, x, pre, cfg), new, streams
+        table_rows, live, new["engram_hist"] = _engram_rows(params, cfg, cache, tokens, st)
+        rows = (table_rows, live)
+
+    def attention(layer, h, state):
+        new, shared = dict(state[0]), dict(state[1])
+        out = _attention(h, params, layer, cfg, cache, new, st, shared)
+        return out, (new, shared)
+
+    h, (new, _), streams = decoder_layers(
+        params, cfg, tokens, attention, (new, {}), engram_rows=rows, capture=layers
+    )
+    return L.lm_head(params, h), new, streams

@@ -7,10 +7,10 @@ tests compare it with) rearranged for speed and extended with what training need
   selected compressed entries ``[B, T, index_topk, d]``, instead of masking all T + N keys of a
   broadcast ``[B, T, T + N, d]`` array: one softmax over the same union (window, selected
   entries, sink), at a small fraction of the cost; the routed experts run on their own tokens
-  only (`_moe`), and the mHC mixes use layouts that suit thousands of tokens (`_hc_mixes`,
-  `_hc_post`). On two CPU cores the loss gradient of the first `tiny_v41_trained` (width 64,
-  2.3M parameters) on 8 windows of 256 tokens took about 1.1 s this way and 3.9 s through
-  `reference.forward`;
+  only (`dsv4.layers.moe` with ``tile``), and the mHC mixes use the layouts that suit
+  thousands of tokens (``many_tokens``). On two CPU cores the loss gradient of the first
+  `tiny_v41_trained` (width 64, 2.3M parameters) on 8 windows of 256 tokens took about 1.1 s
+  this way and 3.9 s through `reference.forward`;
 * the *dense* mode attends to every visible compressed entry (no top-k, no candidate blocks):
   the reference with ``index_topk`` and ``candidate_topk_blocks`` at least the number of entries
   and blocks (`dense_config`);
@@ -56,18 +56,11 @@ import numpy as np
 import optax
 
 from dsv4 import data as D
-from dsv4 import engram
 from dsv4 import layers as L
+from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role
 from dsv4.params import init_params
-from dsv4.reference import (
-    NEG_INF,
-    _compress,
-    engram_rows,
-    index_scores,
-    select_candidate_blocks,
-    topk_indices,
-)
+from dsv4.reference import Shared, engram_rows, sequence_entries
 
 __all__ = [
     "TrainConfig",
@@ -79,6 +72,7 @@ __all__ = [
     "is_indexer_param",
     "latest_checkpoint",
     "losses",
+    "optimizer",
     "prune_checkpoints",
     "restore_state",
     "save_state",
@@ -237,19 +231,9 @@ def _split(params: Mapping[str, jax.Array]) -> tuple[Params, Params, Params]:
 # -- the training forward --------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Shared:
-    """What attention layers hand down the stack (the reference's `_Shared`)."""
-
-    compressed: dict[int, jax.Array]  # kv source -> [B, N, head_dim]
-    index_keys: dict[int, jax.Array]  # kv source -> [B, N, index_head_dim], from detached input
-    topk: jax.Array | None = None  # [B, T, k]
-    candidates: jax.Array | None = None  # [B, T, N] bool
-
-
 def _union_attention(q, win_keys, win_mask, comp_keys, comp_mask, sink, scale):
-    """The reference's `sink_attention` over window keys, compressed keys and the sink, with
-    the two key sets kept apart so that neither is broadcast over the queries.
+    """`dsv4.layers.sink_attention` over window keys, compressed keys and the sink, with the
+    two key sets kept apart so that neither is broadcast over the queries.
 
     q [B, T, H, d]; win_keys [B, T, w, d] (each query's window), win_mask [B, T, w];
     comp_keys [B, T, k, d] (each query's selected entries) or [B, N, d] (every entry),
@@ -263,13 +247,9 @@ def _union_attention(q, win_keys, win_mask, comp_keys, comp_mask, sink, scale):
         logits.append(jnp.einsum(spec, q, comp_keys, preferred_element_type=f32))
         masks.append(comp_mask)
     w = win_keys.shape[2]
-    logit = jnp.concatenate(logits, axis=-1)
-    mask = jnp.concatenate(masks, axis=-1)
-    logit = jnp.where(mask[:, :, None, :], logit * scale, NEG_INF)
-    m = jnp.maximum(jnp.max(logit, axis=-1, keepdims=True), -1e30)
-    p = jnp.exp(logit - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink.astype(f32)[:, None] - m)
-    pv = p.astype(q.dtype).astype(f32) if q.dtype != f32 else p
+    p, pv, denom = L.sink_softmax(
+        jnp.concatenate(logits, axis=-1), jnp.concatenate(masks, axis=-1), sink, scale, q.dtype
+    )
     out = jnp.einsum("bthw,btwd->bthd", pv[..., :w], win_keys.astype(f32))
     if comp_keys is not None:
         spec = "bthn,bnd->bthd" if comp_keys.ndim == 3 else "bthn,btnd->bthd"
@@ -297,100 +277,9 @@ def _indexer_kl(
     return jnp.sum(jnp.where(row, jnp.sum(terms, axis=-1), 0.0)), jnp.sum(row)
 
 
-def _hc_mixes(x: jax.Array, params, prefix: str, cfg: ModelConfig):
-    """`layers.hc_mixes` (pre, post, comb) with the Sinkhorn iterations run on comb laid out
-    ``[hc, hc, tokens]``: the row and column sums then add whole vectors of tokens instead of
-    reducing 4-element minor axes, about ten times faster forward and backward on a CPU."""
-    hc = cfg.hc_mult
-    fn = params[prefix + "_fn"].astype(jnp.float32)
-    base = params[prefix + "_base"].astype(jnp.float32)
-    scale = params[prefix + "_scale"].astype(jnp.float32)
-    v = x.astype(jnp.float32).reshape(*x.shape[:-2], hc * x.shape[-1])
-    rs = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + cfg.norm_eps)
-    m = jnp.einsum("...k,mk->...m", v, fn, preferred_element_type=jnp.float32) * rs
-    eps = cfg.hc_eps
-    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2.0 * jax.nn.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*m.shape[:-1], hc, hc)
-    comb = jnp.moveaxis(comb, (-2, -1), (0, 1))  # [i, j, ..]
-    comb = jnp.exp(comb - jnp.max(comb, axis=1, keepdims=True))
-    comb = comb / jnp.sum(comb, axis=1, keepdims=True) + eps
-    comb = comb / (jnp.sum(comb, axis=0, keepdims=True) + eps)
-
-    def sinkhorn_round(_, c):
-        c = c / (jnp.sum(c, axis=1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=0, keepdims=True) + eps)
-
-    comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn_round, comb)
-    return pre, post, jnp.moveaxis(comb, (0, 1), (-2, -1))
-
-
-def _hc_post(y: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """`layers.hc_post` with the copies mixed by one einsum: for thousands of tokens (training)
-    the batched product is faster forward and backward than the multiply-adds that suit
-    decode."""
-    mixed = post[..., None] * y[..., None, :].astype(jnp.float32) + jnp.einsum(
-        "...ij,...id->...jd", comb, residual.astype(jnp.float32)
-    )
-    return mixed.astype(y.dtype)
-
-
-def _moe(
-    x: jax.Array, params, prefix: str, cfg: ModelConfig, tile: int
-) -> tuple[jax.Array, jax.Array]:
-    """`layers.moe` (routed top-k experts plus the shared expert) for x [.., dim], computing
-    each routed expert on its own tokens only; and the tokens routed to each expert,
-    int32[n_routed_experts] (the load that balances the router, `TrainConfig.router_bias_rate`).
-
-    `layers.moe` runs every expert on every token (weighted by mostly zero routing weights)
-    once there are more than a few tokens, ``n_routed_experts / n_activated_experts`` times the
-    work. Here the (token, expert) assignments are sorted by expert, each expert's run padded to
-    a multiple of ``tile`` rows, and every tile multiplied by its expert's weights: the same
-    sums, in another order, on at most ``n * k + n_routed_experts * (tile - 1)`` rows."""
-    shape = x.shape
-    d = shape[-1]
-    xf = x.reshape(-1, d)
-    n = xf.shape[0]
-    weights, ids = L.route(xf, params, prefix, cfg)  # [n, k] f32, [n, k]
-    k, e = cfg.n_activated_experts, cfg.n_routed_experts
-    a = n * k
-    expert = ids.reshape(-1)  # [a]: assignment j = (token j // k, its (j % k)-th expert)
-    order = jnp.argsort(expert, stable=True)
-    counts = jnp.bincount(expert, length=e)
-    padded = -(-counts // tile) * tile
-    ends = jnp.cumsum(padded)
-    run = expert[order]
-    dest = (ends - padded)[run] + jnp.arange(a) - (jnp.cumsum(counts) - counts)[run]
-    rows = -(-(a + e * (tile - 1)) // tile) * tile
-    tiles = rows // tile
-    slot = jnp.full((rows,), a, jnp.int32).at[dest].set(order.astype(jnp.int32))  # a = empty
-    tok = slot // k  # n for an empty row: the zero row appended below
-    dt = x.dtype
-    xs = jnp.concatenate([xf, jnp.zeros((1, d), dt)])[tok].reshape(tiles, tile, d)
-    ws = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), jnp.float32)])[slot]
-    te = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles) * tile, side="right"), e - 1)
-    f32 = jnp.float32
-
-    def up(name):  # [tiles, tile, inter]
-        w = params[prefix + name][te].astype(dt)
-        return jnp.einsum("tsd,tid->tsi", xs, w, preferred_element_type=f32).astype(dt)
-
-    act = ws.reshape(tiles, tile, 1) * L._swiglu(
-        up("experts.w1.weight"), up("experts.w3.weight"), cfg.swiglu_limit
-    )
-    w2 = params[prefix + "experts.w2.weight"][te].astype(dt)
-    out = jnp.einsum("tsi,tdi->tsd", act.astype(dt), w2, preferred_element_type=f32)
-    y = jnp.zeros((n + 1, d), f32).at[tok].add(out.reshape(rows, d))[:n]
-    s = prefix + "shared_experts."
-    sg = L.linear(xf, params, s + "w1.weight", cfg)
-    su = L.linear(xf, params, s + "w3.weight", cfg)
-    sy = L.linear(L._swiglu(sg, su, cfg.swiglu_limit).astype(dt), params, s + "w2.weight", cfg)
-    return (y + sy.astype(f32)).astype(dt).reshape(shape), counts.astype(jnp.int32)
-
-
-def _attention(x, params, layer: int, cfg: ModelConfig, shared: _Shared, dense: bool):
-    """One layer's attention (the reference's `_attention`) and, for an index source, its
-    indexer loss terms (sum, rows) or None."""
+def _attention(x, params, layer: int, cfg: ModelConfig, shared: Shared, dense: bool):
+    """One layer's attention (the reference's), the updated `Shared`, and, for an index
+    source, its indexer loss terms (sum, rows), else None."""
     info = cfg.plan[layer]
     a = f"layers.{layer}.attn."
     b, t, _ = x.shape
@@ -408,30 +297,19 @@ def _attention(x, params, layer: int, cfg: ModelConfig, shared: _Shared, dense: 
     kl = None
     if not (r and n > 0):
         o, _ = _union_attention(q, win_keys, win_mask, None, None, sink, scale)
-        return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), kl
+        return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), shared, kl
     visible = jnp.broadcast_to((pos + 1) // r, (b, t))
     if info.role is Role.FULL:
-        z = _compress(x, params, a, r, cfg)  # [B, n, hd], pre-rope
-        gcos, gsin = L.rope_tables(cfg, r, jnp.arange(n) * r)
-        quant = cfg.quant_sim
-        _, shared.compressed[layer] = L.key_and_entry(
-            z, params, a, cfg, gcos, gsin, qdq_key=quant, qdq_entry=quant
-        )
-        shared.index_keys[layer], _ = L.key_and_entry(
-            _sg(z), params, a, cfg, gcos, gsin, qdq_key=quant, qdq_entry=quant
+        k, c = sequence_entries(x, params, a, r, cfg, detach_keys=True)
+        shared = shared._replace(
+            index_keys={**shared.index_keys, layer: k}, compressed={**shared.compressed, layer: c}
         )
     scores = None
     if info.owns_indexer:
         qi, wi = L.index_query(_sg(x), _sg(qr), params, a, cfg, cos, sin)
-        scores = index_scores(qi, wi, shared.index_keys[info.kv_source], visible)  # [B, T, n]
-        picks = _sg(scores)
-        if info.is_candidate_source:
-            shared.candidates = select_candidate_blocks(
-                picks, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size
-            )
-        elif info.uses_candidates:
-            picks = jnp.where(shared.candidates, picks, NEG_INF)
-        shared.topk = topk_indices(picks, visible, cfg.index_topk)
+        scores = L.index_scores(qi, wi, shared.index_keys[info.kv_source], visible)  # [B, T, n]
+        topk, candidates = L.select_entries(_sg(scores), visible, info, cfg, shared.candidates)
+        shared = shared._replace(topk=topk, candidates=candidates)
     comp = shared.compressed[info.kv_source]
     if dense:
         comp_mask = jnp.arange(n) < visible[..., None]  # [B, T, n]
@@ -446,7 +324,7 @@ def _attention(x, params, layer: int, cfg: ModelConfig, shared: _Shared, dense: 
         if scores is not None:
             at = jnp.take_along_axis(scores, jnp.maximum(sel, 0), axis=-1)
             kl = _indexer_kl(at, probs, ok)
-    return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), kl
+    return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), shared, kl
 
 
 def train_forward(
@@ -459,37 +337,28 @@ def train_forward(
     `reference.forward` under `dense_config`. The indexer loss is the mean, over the rows
     (query tokens with a non-empty set) of every index source, of ``KL(p_t || softmax(I_t))``
     (module docstring); its gradient reaches only ``attn.indexer.*`` weights. ``moe_tile``:
-    rows per expert tile (`_moe`), a speed knob."""
+    rows per expert tile (`dsv4.layers.moe`), a speed knob."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
-    x = L.embed(params, tokens, cfg)  # [B, T, hc, D]
-    pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
-    shared = _Shared(compressed={}, index_keys={})
-    if cfg.engram_layer_ids:
-        rows, live = engram_rows(params, cfg, tokens)
-    kl_sum, kl_rows = jnp.float32(0.0), jnp.int32(0)
-    loads = []
-    for layer in range(cfg.n_layers):
-        p = f"layers.{layer}."
-        if layer in cfg.engram_layer_ids:
-            li = cfg.engram_layer_ids.index(layer)
-            x = engram.apply(
-                x, params, layer, cfg, engram.table_rows(params, layer, rows[:, :, li]), live
-            )
-        a_pre, a_post, a_comb = _hc_mixes(x, params, p + "hc_attn", cfg)
-        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
-        y, kl = _attention(h, params, layer, cfg, shared, dense)
+    rows = engram_rows(params, cfg, tokens) if cfg.engram_layer_ids else None
+
+    def attention(layer, h, state):
+        shared, kl_sum, kl_rows, loads = state
+        y, shared, kl = _attention(h, params, layer, cfg, shared, dense)
         if kl is not None:
             kl_sum, kl_rows = kl_sum + kl[0], kl_rows + kl[1]
-        x = _hc_post(y, x, a_post, a_comb)
-        f_pre, f_post, f_comb = _hc_mixes(x, params, p + "hc_ffn", cfg)
-        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
-        y, load = _moe(h, params, p + "ffn.", cfg, moe_tile)
-        loads.append(load)
-        x = _hc_post(y, x, f_post, f_comb)
-        pre = f_pre
-    return L.head(params, x, pre, cfg), kl_sum / jnp.maximum(kl_rows, 1), jnp.stack(loads)
+        return y, (shared, kl_sum, kl_rows, loads)
+
+    def ffn(layer, h, state):
+        y, load = L.moe(h, params, f"layers.{layer}.ffn.", cfg, tile=moe_tile, return_load=True)
+        return y, (*state[:3], (*state[3], load))
+
+    state = (Shared({}, {}), jnp.float32(0.0), jnp.int32(0), ())
+    h, (_, kl_sum, kl_rows, loads), _ = decoder_layers(
+        params, cfg, tokens, attention, state, engram_rows=rows, ffn=ffn, many_tokens=True
+    )
+    return L.lm_head(params, h), kl_sum / jnp.maximum(kl_rows, 1), jnp.stack(loads)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -526,7 +395,10 @@ def _schedule(peak: float, length: int, tcfg: TrainConfig) -> optax.Schedule:
     return lr
 
 
-def _optimizer(peak: float, length: int, tcfg: TrainConfig) -> optax.GradientTransformation:
+def optimizer(peak: float, length: int, tcfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with `_schedule`'s warm-up + cosine to ``peak`` over ``length`` steps, weight
+    decay on matrices only, and global-norm clipping (``tcfg``'s betas, eps, decay, clip)."""
+
     def decay_mask(p):
         return {k: v.ndim >= 2 for k, v in p.items()}
 
@@ -545,8 +417,8 @@ def _optimizer(peak: float, length: int, tcfg: TrainConfig) -> optax.GradientTra
 
 def _optimizers(tcfg: TrainConfig):
     """(main, indexer) optimizers: the main one counts only sparse-stage steps."""
-    main = _optimizer(tcfg.learning_rate, tcfg.steps - tcfg.dense_steps, tcfg)
-    indexer = _optimizer(tcfg.indexer_learning_rate, tcfg.steps, tcfg)
+    main = optimizer(tcfg.learning_rate, tcfg.steps - tcfg.dense_steps, tcfg)
+    indexer = optimizer(tcfg.indexer_learning_rate, tcfg.steps, tcfg)
     return main, indexer
 
 

@@ -101,7 +101,7 @@ class DraftState:
 
 
 def _optimizer(dcfg: DraftTrainConfig) -> optax.GradientTransformation:
-    return T._optimizer(dcfg.learning_rate, dcfg.steps, dcfg)
+    return T.optimizer(dcfg.learning_rate, dcfg.steps, dcfg)
 
 
 def _check(cfg: ModelConfig, dcfg: DraftTrainConfig) -> None:

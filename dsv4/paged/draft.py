@@ -43,7 +43,7 @@ from dsv4 import dspark
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepBatch
-from dsv4.paged.step import _HEADS, _local_kernel, _quantised, data_shards
+from dsv4.paged.step import ATTENTION_HEADS, data_shards, local_kernel, records_quantise
 from pallas_kernels.window_attention import window_attention
 from pallas_kernels.window_attention.reference import finish, merge_states, softmax_state
 
@@ -78,7 +78,7 @@ def seed_drafter(
     tokens' window slots (padding: slot -1, nothing written). Returns the updated pools."""
     _check(cfg, layout)
     pos = jnp.where(batch.positions >= 0, batch.positions, 0)
-    qdq = cfg.quant_sim and not _quantised(layout, "swa")
+    qdq = cfg.quant_sim and not records_quantise(layout, "swa")
     latents = dspark.context_latents(params, cfg, main_hidden, pos, qdq=qdq)
     for name, kv in zip(draft_cache_names(cfg), latents, strict=True):
         slots = batch.window_slots[layout.group_of(name)]
@@ -136,12 +136,12 @@ def draft_paged(
             window=cfg.window_size,
         )
         qf = q.reshape(num_rows * k, h, d)
-        context = _local_kernel(  # under a multi-device mesh: per device, heads over model
+        context = local_kernel(  # under a multi-device mesh: per device, heads over model
             window_attention,
             (qf, pages, table, query_req, ctx_pos, sink),
             dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start,
                  return_state=True, **kern),
-            _HEADS,
+            ATTENTION_HEADS,
         )  # fmt: skip
         own = jnp.repeat(kv.astype(jnp.float32), k, axis=0)  # [R * K, K, hd]: the row's block
         block = softmax_state(qf, own, jnp.ones(own.shape[:2], bool), scale)

@@ -33,7 +33,7 @@ FP4 records); the attention math runs through `pallas_kernels` (the jnp referenc
 Pallas kernels on TPU and GPU). Under an ambient mesh of more than one device (`jax.set_mesh`)
 each kernel runs inside a `jax.shard_map` (XLA cannot partition a Pallas call): the window and
 sparse attention with their heads split over ``model``, the indexer and the compressor whole on
-every device (`_local_kernel`).
+every device (`local_kernel`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec
 from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cache_name
 from dsv4 import engram
 from dsv4 import layers as L
+from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role, rope_inv_freq
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepBatch
@@ -58,24 +59,27 @@ from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.window_attention import window_attention
 
 __all__ = [
+    "ATTENTION_HEADS",
     "data_shards",
     "engram_rows",
+    "local_kernel",
     "paged_forward",
     "paged_forward_streams",
     "paged_step",
     "paged_step_data_parallel",
     "paged_step_data_parallel_jit",
     "paged_step_jit",
+    "records_quantise",
     "stack_shards",
 ]
 
 
-def _quantised(layout, kind: str) -> bool:
+def records_quantise(layout, kind: str) -> bool:
     """Whether the cache records of this kind already quantise (so the step must not QDQ)."""
     return layout.formats.record(kind) not in ("f32", "bf16")
 
 
-def _local_kernel(kernel, args: tuple, kwargs: dict, heads: dict | None = None):
+def local_kernel(kernel, args: tuple, kwargs: dict, heads: dict | None = None):
     """``kernel(*args, **kwargs)``, inside a `jax.shard_map` over the ambient mesh when there is
     one of more than one device (`jax.set_mesh`): XLA's SPMD partitioner cannot partition a
     Pallas call (Mosaic or Triton custom call), so in a sharded program each device runs the
@@ -115,7 +119,8 @@ def _local_kernel(kernel, args: tuple, kwargs: dict, heads: dict | None = None):
     )(operands)
 
 
-_HEADS = {0: 1, 5: 0}  # window / sparse attention: q [T, H, D], sink [H]
+# the head axis of window / sparse attention's operands (q [T, H, D], sink [H]): `local_kernel`
+ATTENTION_HEADS = {0: 1, 5: 0}
 
 
 def _attention(
@@ -130,7 +135,13 @@ def _attention(
     tok_req = batch.token_req
     cos, sin = L.rope_tables(cfg, r, safe_pos)  # [T, rope/2]
     qr, q, kv = L.query_and_latent(
-        x, params, a, cfg, cos, sin, qdq_latent=cfg.quant_sim and not _quantised(layout, "swa")
+        x,
+        params,
+        a,
+        cfg,
+        cos,
+        sin,
+        qdq_latent=cfg.quant_sim and not records_quantise(layout, "swa"),
     )
     swa = swa_cache_name(layer)
     g_swa = layout.group_of(swa)
@@ -159,8 +170,11 @@ def _attention(
         **kern,
     )
     if not r:
-        o = _local_kernel(
-            window_attention, (q, swa_pages, swa_table, tok_req, pos, sink), win_kwargs, _HEADS
+        o = local_kernel(
+            window_attention,
+            (q, swa_pages, swa_table, tok_req, pos, sink),
+            win_kwargs,
+            ATTENTION_HEADS,
         )
         return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
@@ -194,7 +208,7 @@ def _attention(
                 candidate_topk_blocks=cfg.candidate_topk_blocks,
                 candidates=shared["candidates"],
             )
-        out = _local_kernel(
+        out = local_kernel(
             indexer_topk,
             (qi.astype(x.dtype), w.astype(jnp.float32), ikey_pages, ikey_table, tok_req, pos,
              visible),
@@ -204,11 +218,11 @@ def _attention(
             shared["topk"], shared["candidates"] = out
         else:
             shared["topk"] = out
-    state = _local_kernel(
+    state = local_kernel(
         window_attention,
         (q, swa_pages, swa_table, tok_req, pos, sink),
         dict(win_kwargs, return_state=True),
-        _HEADS,
+        ATTENTION_HEADS,
     )
     # entries closed in this step were written by _compress above, so they are visible here
     topk, sel_req = shared["topk"], tok_req
@@ -226,7 +240,7 @@ def _attention(
     # at once (the released-width 12-layer step at 16 x 65,536 tokens: 12.1 GiB of
     # temporaries against 9.6, `dsv4.compiled_step`)
     comp_pages, comp_table, pools = jax.lax.optimization_barrier((comp_pages, comp_table, pools))
-    o = _local_kernel(
+    o = local_kernel(
         sparse_attention,
         (q, comp_pages, comp_table, sel_req, pos, topk, sink),
         dict(entries_per_block=e_comp, scale=scale, state=state, **kern),
@@ -247,7 +261,7 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
     # gets no slots and no pages, and gives the latents in the activation dtype
     if r == 1:
         kv = L.linear(x, params, a + "compressor.wkv.weight", cfg)
-        latent, _, _ = _local_kernel(
+        latent, _, _ = local_kernel(
             compressor,
             (kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
              inv_freq, None, None, None, None),
@@ -267,7 +281,7 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         # the ring rows are read before this chunk's rows overwrite them: the writes wait for
         # the read, so XLA updates the pool in place instead of copying all of it first
         ring, ring_block, pools = jax.lax.optimization_barrier((ring, ring_block, pools))
-        latent, _, _ = _local_kernel(
+        latent, _, _ = local_kernel(
             compressor,
             (kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
              inv_freq, None, ring_block, None, ring),
@@ -284,8 +298,8 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
         cfg,
         gcos,
         gsin,
-        qdq_key=cfg.quant_sim and not _quantised(layout, "index"),
-        qdq_entry=cfg.quant_sim and not _quantised(layout, "compressed"),
+        qdq_key=cfg.quant_sim and not records_quantise(layout, "index"),
+        qdq_entry=cfg.quant_sim and not records_quantise(layout, "compressed"),
     )
     g_comp, g_ikey = layout.group_of(comp_name), layout.group_of(ikey_name)
     pools = P.write_layer(layout, pools, comp_name, batch.state_slots[(g_comp, r)], c)
@@ -371,9 +385,6 @@ def paged_forward_streams(
     the batch's per-request fields (the attention, Engram's look-back) runs per shard under
     `jax.vmap` (``spmd_axis_name="data"`` under a mesh with a ``data`` axis); everything per
     token, the MoE's expert dispatch included, runs on all D x T tokens at once."""
-    for layer in layers:
-        if not 0 <= layer < cfg.n_layers:
-            raise ValueError(f"layer {layer} is not a backbone layer (0..{cfg.n_layers - 1})")
     kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
     scaled = scaled_index_keys and layout.formats.record("index") in P.SCALED_RECORDS
 
@@ -402,29 +413,22 @@ def paged_forward_streams(
                 att, pools, shared = per_shard(layer, on_data(h), pools, on_data(batch), shared)
                 return on_data(att), on_data(pools), shared
 
-    x = L.embed(params, batch.token_ids, cfg)  # [T, hc, D] ([D, T, hc, D] with shard_axis)
-    pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
-    shared: dict[str, jax.Array] = {}
-    streams: dict[int, jax.Array] = {}
-    if cfg.engram_layer_ids:
-        rows, live = rows_of(batch)
-    for layer in range(cfg.n_layers):
-        p = f"layers.{layer}."
-        if layer in cfg.engram_layer_ids:
-            li = cfg.engram_layer_ids.index(layer)
-            values = engram.table_rows(params, layer, rows[..., li, :])
-            x = engram.apply(x, params, layer, cfg, values, live)
-        if layer in layers:
-            streams[layer] = x
-        a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
-        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], cfg.norm_eps)
+    def block_attention(layer, h, state):
+        pools, shared = state
         att, pools, shared = attention(layer, h, pools, batch, shared)
-        x = L.hc_post(att, x, a_post, a_comb)
-        f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
-        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], cfg.norm_eps)
-        x = L.hc_post(L.moe(h, params, p + "ffn.", cfg), x, f_post, f_comb)
-        pre = f_pre
-    return L.final_hidden(params, x, pre, cfg), pools, streams
+        return att, (pools, shared)
+
+    # tokens [T] ([D, T] with shard_axis), and so every per-token array
+    h, (pools, _), streams = decoder_layers(
+        params,
+        cfg,
+        batch.token_ids,
+        block_attention,
+        (pools, {}),
+        engram_rows=rows_of(batch) if cfg.engram_layer_ids else None,
+        capture=layers,
+    )
+    return h, pools, streams
 
 
 def paged_step(
@@ -547,7 +551,7 @@ def paged_step_data_parallel(
     over ``data`` (``D`` a multiple of its size; place the pools and the batch with
     `dsv4.sharding.data_parallel_sharding`): each device holds and reads only its shards'
     pages. The vmap's ``spmd_axis_name="data"`` makes the kernels' `jax.shard_map`s
-    (`_local_kernel`: heads over ``model``) split their shard axis over ``data``, and the
+    (`local_kernel`: heads over ``model``) split their shard axis over ``data``, and the
     expert dispatch (`dsv4.expert_parallel`) splits the tokens of all shards over every axis.
     Nothing gathers pages across ``data``.
 
