@@ -11,8 +11,11 @@
 * ``dsv4 bench``: offline throughput on a synthetic multi-turn workload (conversations whose
   turns resend their history); prints one JSON line.
 
-Every flag is checked before JAX is imported (bad values exit with status 2, naming the flag,
-the value and what is allowed).
+The engine flags are `serving.config`'s fields (`add_engine_arguments`: one ``--kebab-case``
+flag per field, its default and help; older spellings such as ``--num-gpu-blocks`` and
+``--sync`` kept), so the CLI builds the `EngineConfig` `LLM` builds from the same values. Every
+flag is checked before JAX is imported (bad values exit with status 2, naming the flag, the
+value and what is allowed).
 """
 
 from __future__ import annotations
@@ -279,7 +282,8 @@ def _header(llm) -> None:
         f"engine: {'async' if llm.engine.async_scheduling else 'sync'} scheduling, KV cache "
         f"{llm.kv_cache_dtype} records in {config.num_blocks} blocks, token buckets "
         f"{llm.engine.runner.token_buckets}; warm-up {st.warm_up_s:.1f} s "
-        f"({st.warm_up_compilations} compilations, {st.warm_up_cache_hits} loaded from the persistent cache)"
+        f"({st.warm_up_compilations} compilations, {st.warm_up_cache_hits} loaded from the "
+        "persistent cache)"
     )
 
 

@@ -38,9 +38,10 @@ __all__ = [
     "engine_fields",
 ]
 
-# Names the checks accept. They mirror tables of modules that import JAX (the tests check each
-# against its source): `serving.llm`'s presets, `dsv4.checkpoint.SHIPPED`,
-# `dsv4.qweights.WEIGHTS_ON_DEVICE`, `dsv4.paged.records.PRESETS`, `dsv4.sharding.AXES`.
+# Names the checks accept (`serving.llm` builds the random presets by these names). The others
+# mirror tables of modules that import JAX, and the tests check each against its source:
+# `dsv4.checkpoint.SHIPPED`, `dsv4.qweights.WEIGHTS_ON_DEVICE`, `dsv4.paged.records.PRESETS`,
+# `dsv4.sharding.AXES`.
 RANDOM_PRESETS = ("tiny_v41", "tiny_v41_full")  # seeded random weights
 SHIPPED_MODELS = ("tiny_v41_trained",)
 DTYPES = ("bfloat16", "float32")
@@ -53,8 +54,10 @@ class ConfigError(ValueError):
     """A configuration value out of range: ``name=value is not allowed: allowed``. The CLI
     reports it by its flag with ``rule`` (``--name value: rule``)."""
 
-    def __init__(self, name: str, value: Any, allowed: str, rule: str | None = None) -> None:
-        super().__init__(f"{name}={value!r} is not allowed: {allowed}")
+    def __init__(
+        self, name: str, value: Any, allowed: str, rule: str | None = None, message: str = ""
+    ) -> None:
+        super().__init__(message or f"{name}={value!r} is not allowed: {allowed}")
         self.name, self.value, self.allowed = name, value, allowed
         self.rule = rule or f"must be {allowed}"
 
@@ -371,12 +374,13 @@ class EngineConfig:
             raise ConfigError("num_scheduler_steps", steps, "1 with a speculative_config")
         shards = self.parallel_config.num_shards
         if steps > 1 and shards > 1:
-            error = ConfigError("num_scheduler_steps", steps, "1 (bursts run on one data shard)")
-            error.args = (
-                f"num_scheduler_steps={steps!r} with data_parallel_size={shards}; allowed "
-                "there: 1 (bursts run on one data shard)",
+            raise ConfigError(
+                "num_scheduler_steps",
+                steps,
+                "1 (bursts run on one data shard)",
+                message=f"num_scheduler_steps={steps!r} with data_parallel_size={shards}; "
+                "allowed there: 1 (bursts run on one data shard)",
             )
-            raise error
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

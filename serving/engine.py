@@ -320,7 +320,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
-        prompt_ids = self._check_request(request_id, prompt_token_ids, params)
+        prompt_ids = self.check_request(request_id, prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         clash = [i for i in ids[1:] if i in self._sequences or i in self._requests]
@@ -336,9 +336,11 @@ class Engine:
                 child_params.seed = params.seed + index  # vLLM's parallel-sampling seeds
             self._add_sequence(child_id, request_id, index, prompt_ids, child_params, now, priority)
 
-    def _check_request(
+    def check_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> list[int]:
+        """The prompt as ints if `add_request` would queue this request, else the ValueError
+        it would raise (`LLM.generate` checks a batch before queueing any of it)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests or request_id in self._sequences:

@@ -149,7 +149,7 @@ class LLM:
         ]
         ids = [str(next(self._counter)) for _ in items]
         for request_id, (_, token_ids), sp in zip(ids, encoded, params, strict=True):
-            engine._check_request(request_id, token_ids, sp)  # all checked before any is queued
+            engine.check_request(request_id, token_ids, sp)  # all checked before any is queued
         for request_id, (text, token_ids), sp, prio in zip(
             ids, encoded, params, priorities, strict=True
         ):

@@ -31,8 +31,9 @@ of every token it ran, and drafts the next block of every sampling row from the 
 last (`dsv4.paged.draft`); the drafts come back with the step's tokens
 (`StepOutput.draft_token_ids`).
 
-On a mesh (the config's ``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by the rule table
-(`dsv4.sharding.shard_params`), and every step runs under the mesh as JAX's ambient mesh, so
+On a mesh (the config's ``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by
+the rule table (`dsv4.sharding.shard_params`), and every step runs under the mesh as JAX's
+ambient mesh (`mesh_context`: `dsv4` reads it when the step is traced), so
 XLA's SPMD partitioner splits heads over ``model`` and `dsv4.expert_parallel` sends tokens to
 their experts' devices over ``expert``. A `ModelRunner` has one allocator's requests: its pools,
 sampler state and slots are replicated over ``data``. Requests and their pages split over

@@ -22,7 +22,7 @@ MAX_NUM_SEQS = 4
 NUM_BLOCKS = 24  # tight: two long requests do not fit together, so the scheduler preempts
 
 
-def make_engine(params, cfg, *, tokenizer=None, **kw) -> Engine:
+def make_engine(params, cfg, **kw) -> Engine:
     """The tests' engine: fp32 exact records, NaN-filled pools (a wrong read poisons the
     logits), a 32-token bucket, 4 requests at most, 24 blocks of 16 / 4 tokens; ``kw`` are
     `EngineConfig.from_kwargs`'s."""
@@ -40,7 +40,7 @@ def make_engine(params, cfg, *, tokenizer=None, **kw) -> Engine:
         debug=True,
     )
     args.update(kw)
-    engine = Engine.build(params, cfg, EngineConfig.from_kwargs(**args), tokenizer=tokenizer)
+    engine = Engine.build(params, cfg, EngineConfig.from_kwargs(**args))
     engine.warm_up(progress=False)
     return engine
 
