@@ -17,6 +17,7 @@ _EXPORTS = {
     "LLM": "serving.llm",
     "CompletionOutput": "serving.outputs",
     "Engine": "serving.engine",
+    "EngineConfig": "serving.config",
     "Logprob": "serving.outputs",
     "ModelRunner": "serving.runner",
     "RequestMetrics": "serving.outputs",

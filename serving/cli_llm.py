@@ -11,15 +11,17 @@
 * ``dsv4 bench``: offline throughput on a synthetic multi-turn workload (conversations whose
   turns resend their history); prints one JSON line.
 
-Every flag is checked before JAX is imported (bad values exit with status 2, naming the flag,
-the value and what is allowed).
+The engine flags are `serving.config`'s fields (`add_engine_arguments`: one ``--kebab-case``
+flag per field, its default and help; older spellings such as ``--num-gpu-blocks`` and
+``--sync`` kept), so the CLI builds the `EngineConfig` `LLM` builds from the same values. Every
+flag is checked before JAX is imported (bad values exit with status 2, naming the flag, the
+value and what is allowed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
 import sys
@@ -27,13 +29,20 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-__all__ = ["UsageError", "add_commands"]
+from serving.config import (
+    RANDOM_PRESETS,
+    SHIPPED_MODELS,
+    WEIGHTS_ON_DEVICE,
+    ConfigError,
+    EngineConfig,
+    engine_fields,
+)
 
-_RANDOM = ("tiny_v41", "tiny_v41_full")  # seeded random weights
-_SHIPPED = ("tiny_v41_trained",)  # dsv4.checkpoint.SHIPPED (not imported here: it imports JAX)
-_PRESETS = _RANDOM + _SHIPPED
-_KV_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
-_WEIGHTS = ("dequantised", "released")  # dsv4.qweights.WEIGHTS_ON_DEVICE (imports JAX)
+__all__ = ["UsageError", "add_commands", "add_engine_arguments", "engine_config"]
+
+_RANDOM = RANDOM_PRESETS  # seeded random weights
+_SHIPPED = SHIPPED_MODELS
+_WEIGHTS = WEIGHTS_ON_DEVICE  # dsv4.qweights.WEIGHTS_ON_DEVICE (it imports JAX)
 # A module header every demo prompt shares (the prefix cache serves it after the first), then
 # the start of four definitions; the model is trained on the standard library's source. Each
 # prompt stops inside a line (a docstring or a call just opened): a byte-level BPE merges a
@@ -58,52 +67,93 @@ class UsageError(Exception):
     """A bad command-line value; `serving.cli.main` reports it as argparse does (exit 2)."""
 
 
+class _EngineFlag(argparse.Action):
+    """Stores an engine flag's value and the spelling that set it (errors name the flag as the
+    user typed it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, self.value(values, option_string))
+        flags = getattr(namespace, "engine_flags", {})
+        namespace.engine_flags = {**flags, self.dest: option_string}
+
+    def value(self, values, option_string):
+        return self.const if self.nargs == 0 else values
+
+
+class _EngineSwitch(_EngineFlag):
+    """A bool field's ``--flag`` / ``--no-flag`` (and its older positive spellings)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def value(self, values, option_string):
+        return not option_string.startswith("--no-")
+
+
+def add_engine_arguments(group) -> None:
+    """One flag per `serving.config.EngineConfig` field (``--kebab-case``, older spellings kept
+    as aliases and negations), with the field's default and help."""
+    for f in engine_fields():
+        help_ = f"{f.help} (default: {f.default})".replace("%", "%%")
+        if isinstance(f.default, bool):
+            negative = "--no-" + f.flag[2:]
+            flags = (f.flag, negative, *f.aliases)
+            group.add_argument(*flags, action=_EngineSwitch, default=f.default, help=help_)
+        else:
+            plain_int = f.parse is None and f.choices is None and f.annotation.startswith("int")
+            group.add_argument(
+                f.flag,
+                *f.aliases,
+                action=_EngineFlag,
+                default=f.default,
+                type=int if plain_int else str,
+                choices=f.choices,
+                help=help_,
+            )
+        for flag, value in f.negations.items():
+            group.add_argument(
+                flag,
+                action=_EngineFlag,
+                dest=f.name,
+                nargs=0,
+                const=value,
+                default=f.default,
+                help=f"{f.name}={value}",
+            )
+
+
+def engine_config(args: argparse.Namespace):
+    """The `serving.config.EngineConfig` the engine flags of ``args`` give (`LLM` builds the
+    same from the same values).
+
+    Raises:
+        UsageError: a value out of range, naming the flag as typed, the value and the rule.
+    """
+    used = getattr(args, "engine_flags", {})
+    kwargs = {}
+    for f in engine_fields():
+        value = getattr(args, f.name)
+        if f.parse is not None and isinstance(value, str):
+            try:
+                value = f.parse(value)
+            except ValueError as exc:
+                raise _fail(used.get(f.name, f.flag), value, str(exc)) from None
+        kwargs[f.name] = value
+    try:
+        return EngineConfig.from_kwargs(**kwargs)
+    except ConfigError as exc:
+        field = next((f for f in engine_fields() if f.name == exc.name), None)
+        flag = used.get(exc.name, field.flag if field else "--" + exc.name.replace("_", "-"))
+        value = getattr(args, exc.name, exc.value)
+        raise _fail(flag, value if isinstance(value, str) else exc.value, exc.rule) from None
+    except ValueError as exc:  # the speculative config
+        raise UsageError(str(exc)) from None
+
+
 def add_commands(sub) -> None:
     """Register ``demo``, ``generate`` and ``bench`` on the ``dsv4`` subparsers."""
     engine = argparse.ArgumentParser(add_help=False)
-    g = engine.add_argument_group("model and engine")
-    g.add_argument(
-        "--model",
-        default="tiny_v41_trained",
-        help="tiny_v41_trained (default: the shipped small model, trained on the Python "
-        "standard library), a random preset (tiny_v41: seeded random weights; tiny_v41_full: "
-        "with Engram and DSpark) or a checkpoint directory",
-    )
-    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
-    g.add_argument("--kv-cache-dtype", choices=_KV_DTYPES, default="auto")
-    g.add_argument(
-        "--weights-on-device",
-        choices=_WEIGHTS,
-        default="dequantised",
-        help="released: fp8 / FP4 weights stay in the checkpoint's bytes, dequantised per matmul",
-    )
-    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
-    g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=64, help="tokens per step")
-    g.add_argument(
-        "--token-buckets",
-        default=None,
-        help="step sizes to compile, comma-separated (default: 16 and the token budget)",
-    )
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks")
-    g.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="data shards: each its own scheduler, KV cache and requests (limits per shard)",
-    )
-    g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request asks")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--bounded-replay", action="store_true", help="V4.1 SWA bounded replay")
-    g.add_argument("--sync", action="store_true", help="synchronous scheduling")
-    g.add_argument(
-        "--num-scheduler-steps",
-        type=int,
-        default=1,
-        help="decode steps run as one program (bursts; async only; default 1)",
-    )
-    g.add_argument("--seed", type=int, default=0, help="random weights and sampling")
-    g.add_argument("--no-compilation-cache", action="store_true", help="JAX's persistent cache off")
+    add_engine_arguments(engine.add_argument_group("model and engine"))
 
     def sampling(
         max_tokens: int, temperature: float = 0.0, top_p: float = 1.0
@@ -155,38 +205,17 @@ def _fail(flag: str, value, allowed: str) -> Exception:
 
 
 def _check(args: argparse.Namespace) -> None:
-    """Reject bad values before anything expensive (JAX, params) happens."""
-    for flag in (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_tokens",
-        "max_logprobs",
-        "data_parallel_size",
-        "num_scheduler_steps",
-    ):
-        value = getattr(args, flag)
-        if value < 1:
-            raise _fail("--" + flag.replace("_", "-"), value, "must be >= 1")
-    for flag in ("max_model_len", "num_gpu_blocks"):
-        value = getattr(args, flag)
-        if value is not None and value < 2:
-            raise _fail("--" + flag.replace("_", "-"), value, "must be >= 2")
-    if args.num_scheduler_steps > 1 and args.sync:
-        raise _fail("--num-scheduler-steps", args.num_scheduler_steps, "must be 1 with --sync")
+    """Reject bad values before anything expensive (JAX, params) happens; the engine's flags
+    become ``args.engine_config``."""
+    args.engine_config = engine_config(args)
+    if args.max_tokens < 1:
+        raise _fail("--max-tokens", args.max_tokens, "must be >= 1")
     if not args.temperature >= 0:
         raise _fail("--temperature", args.temperature, "must be >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
         raise _fail("--top-p", args.top_p, "must be in (0, 1]")
     if args.top_k < -1:
         raise _fail("--top-k", args.top_k, "must be -1 or 0 (off) or >= 1")
-    if args.model not in _PRESETS:
-        if not os.path.isdir(args.model):
-            raise _fail(
-                "--model", args.model, f"not a preset ({', '.join(_PRESETS)}) nor a directory"
-            )
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise _fail("--model", args.model, "no config.json (not a checkpoint directory)")
-    args.buckets = _buckets(args)
     for flag in ("n", "conversations", "turns", "system_tokens", "user_tokens"):
         value = getattr(args, flag, 1)
         if value < 1:
@@ -200,46 +229,11 @@ def _check(args: argparse.Namespace) -> None:
         raise _fail("--n", args.n, "needs --temperature > 0 (greedy samples are identical)")
 
 
-def _buckets(args: argparse.Namespace) -> tuple[int, ...]:
-    budget = args.max_num_batched_tokens
-    if args.token_buckets is None:
-        return tuple(sorted({min(16, budget), budget}))
-    try:
-        sizes = tuple(sorted({int(x) for x in args.token_buckets.split(",")}))
-    except ValueError:
-        raise _fail("--token-buckets", args.token_buckets, "comma-separated ints") from None
-    if sizes[0] < 1 or sizes[-1] < budget:
-        raise _fail(
-            "--token-buckets",
-            args.token_buckets,
-            f"positive sizes, the largest >= --max-num-batched-tokens ({budget})",
-        )
-    return sizes
-
-
 def _llm(args: argparse.Namespace):
     from serving.llm import LLM
 
     try:
-        return LLM(
-            args.model,
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            weights_on_device=args.weights_on_device,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_gpu_blocks_override=args.num_gpu_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-            swa_bounded_replay=args.bounded_replay,
-            async_scheduling=not args.sync,
-            seed=args.seed,
-            token_buckets=args.buckets,
-            max_logprobs=args.max_logprobs,
-            compilation_cache_dir=None if args.no_compilation_cache else "default",
-            data_parallel_size=args.data_parallel_size,
-            num_scheduler_steps=args.num_scheduler_steps,
-        )
+        return LLM(**args.engine_config.to_kwargs())
     except ValueError as exc:  # a checkpoint or engine argument it cannot use
         raise UsageError(str(exc)) from exc
 
@@ -288,7 +282,8 @@ def _header(llm) -> None:
         f"engine: {'async' if llm.engine.async_scheduling else 'sync'} scheduling, KV cache "
         f"{llm.kv_cache_dtype} records in {config.num_blocks} blocks, token buckets "
         f"{llm.engine.runner.token_buckets}; warm-up {st.warm_up_s:.1f} s "
-        f"({st.warm_up_compilations} compilations, {st.warm_up_cache_hits} loaded from the persistent cache)"
+        f"({st.warm_up_compilations} compilations, {st.warm_up_cache_hits} loaded from the "
+        "persistent cache)"
     )
 
 
@@ -408,7 +403,7 @@ def _bench(args: argparse.Namespace) -> int:
         "model": args.model,
         "dtype": args.dtype,
         "kv_cache_dtype": llm.kv_cache_dtype,
-        "async_scheduling": not args.sync,
+        "async_scheduling": args.async_scheduling,
         "num_scheduler_steps": args.num_scheduler_steps,
         "requests": len(outputs),
         "prompt_tokens": prompt,

@@ -15,7 +15,7 @@ shards are one host program:
   requests, the tokens each knows) and the stacked device state: every pool, the sampler state
   and the slots with a leading shard axis [D, ...]. A step builds each shard's batch with the
   same token, request and table-width buckets, stacks them, and dispatches one jitted step
-  (`serving.runner._engine_step_data_parallel`): each shard's attention reads only its own
+  (`serving.runner.engine_step_data_parallel`): each shard's attention reads only its own
   pages (`dsv4.paged.step.paged_forward_streams` with its shard axis) and each shard samples
   its own rows, while everything per token runs on all shards' tokens at once.
 
@@ -44,12 +44,14 @@ from dsv4.paged import pools as P
 from dsv4.paged.batch import bucket, table_width_buckets
 from dsv4.paged.step import stack_shards
 from serving import sampler as S
+from serving.config import EngineConfig
 from serving.runner import (
     ModelRunner,
     SlotState,
     StepOutput,
-    _engine_step_data_parallel,
-    _widen_tables,
+    engine_step_data_parallel,
+    mesh_context,
+    widen_tables,
 )
 from serving.scheduler import (
     RequestStatus,
@@ -63,29 +65,7 @@ __all__ = [
     "DataParallelOutput",
     "DataParallelRunner",
     "DataParallelScheduler",
-    "check_data_parallel_size",
 ]
-
-
-def check_data_parallel_size(data_parallel_size, mesh) -> int:
-    """The number of data shards: ``data_parallel_size``, or (None) the mesh's ``data`` axis
-    size (1 without a mesh). 1 on a mesh whose ``data`` axis is larger keeps one scheduler
-    and replicates the pools over ``data``.
-
-    Raises:
-        ValueError: not an int >= 1, or neither 1 nor a multiple of the mesh's ``data`` axis.
-    """
-    data = 1 if mesh is None else dict(mesh.shape).get("data", 1)
-    if data_parallel_size is None:
-        return data
-    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
-        raise ValueError(f"data_parallel_size must be an int >= 1, got {data_parallel_size!r}")
-    if data_parallel_size < 1 or (data_parallel_size > 1 and data_parallel_size % data):
-        raise ValueError(
-            f"data_parallel_size={data_parallel_size} is not allowed: 1 or a positive multiple "
-            f"of the mesh's data axis ({data})"
-        )
-    return data_parallel_size
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -283,7 +263,7 @@ class DataParallelHandle:
                     tuple(x[i] for x in sampled),
                     None if plp is None else tuple(x[i] for x in plp),
                 )
-                out = shard._collect(rows, mine)
+                out = shard.collect(rows, mine)
                 merged.sampled_token_ids.update(out.sampled_token_ids)
                 merged.logprobs.update(out.logprobs)
                 merged.prompt_logprobs.update(out.prompt_logprobs)
@@ -304,46 +284,40 @@ class DataParallelRunner:
     """D `ModelRunner` host halves over one stacked device state (see the module docstring).
 
     Args:
-        params, cfg, kv_cache_config: as `ModelRunner`'s (every shard has its own pools of
-            ``kv_cache_config``'s blocks).
-        num_shards: D, the data shards (a multiple of the mesh's ``data`` axis).
-        mesh: the device mesh (`dsv4.sharding.make_mesh`) or None (one device).
-        fill: the pools' initial bytes, "zeros" or "nan".
-        **kwargs: `ModelRunner`'s other arguments (the DSpark drafter included: it is seeded
-            and reads its window caches per shard).
+        params, cfg, kv_cache_config, config, eos_token_id: as `ModelRunner`'s (every shard
+            has its own pools of ``kv_cache_config``'s blocks; the DSpark drafter is seeded
+            and reads its window caches per shard). D is the config's
+            ``parallel_config.num_shards`` (a multiple of the mesh's ``data`` axis).
     """
 
     # one step a program: bursts (`ModelRunner.execute_burst`) run on one data shard only
     num_scheduler_steps = 1
 
     def __init__(
-        self,
-        params,
-        cfg,
-        kv_cache_config,
-        *,
-        num_shards: int,
-        mesh: Any = None,
-        fill: str = "zeros",
-        **kwargs,
+        self, params, cfg, kv_cache_config, config: EngineConfig, *, eos_token_id=None
     ) -> None:
         from dsv4 import sharding
 
-        self.num_shards = check_data_parallel_size(num_shards, mesh)
+        self.num_shards = config.parallel_config.num_shards
         if self.num_shards < 2:
-            raise ValueError(f"DataParallelRunner needs num_shards >= 2, got {num_shards}")
+            raise ValueError(f"DataParallelRunner needs num_shards >= 2, got {self.num_shards}")
         self.shards = [
-            ModelRunner(params, cfg, kv_cache_config, mesh=mesh, device_state=False, **kwargs)
-            for _ in range(num_shards)
+            ModelRunner(
+                params,
+                cfg,
+                kv_cache_config,
+                config,
+                eos_token_id=eos_token_id,
+                write_sampler_rows=functools.partial(self._write_sampler_rows, i),
+            )
+            for i in range(self.num_shards)
         ]
         first = self.shards[0]
-        self.mesh = first.mesh
-        registered: dict = {}
-        for i, shard in enumerate(self.shards):
-            shard._registered = registered  # a request registers before a shard admits it
-            shard._write_sampler_rows = functools.partial(self._write_sampler_rows, i)
-        if self.mesh is not None:
-            params = sharding.shard_params(params, cfg, self.mesh)
+        self.mesh = mesh = first.mesh
+        # the shard axis is split over the mesh's data axis when it has several devices
+        self.data_axis = "data" if config.parallel_config.mesh_data_size > 1 else None
+        if mesh is not None:
+            params = sharding.shard_params(params, cfg, mesh)
         self.params, self.cfg = params, cfg
         for name in (
             "kv_cache_config",
@@ -360,14 +334,12 @@ class DataParallelRunner:
             "padding_slot",
         ):
             setattr(self, name, getattr(first, name))
-        self._static = dict(first._static)
+        self.static = dict(first.static, data_axis=self.data_axis)
         k, slots, vocab = first.num_spec, first.max_num_seqs + 1, cfg.vocab_size
+        fill = config.cache_config.fill
         self.pools = self._stacked(lambda: P.init_pools(first.layout, fill=fill))
         self.sampler_state = self._stacked(lambda: S.init_state(slots, vocab))
         self.slots = self._stacked(lambda: SlotState.zeros(slots, k))
-
-    def _on_mesh(self):
-        return self.shards[0]._on_mesh()
 
     def _stacked(self, make):
         """``make()``'s tree with a leading shard axis [D, ...], built on the device (split
@@ -385,7 +357,7 @@ class DataParallelRunner:
         return jax.jit(build, out_shardings=out)()
 
     def _write_sampler_rows(self, shard: int, slot: int, rows) -> None:
-        with self._on_mesh():
+        with mesh_context(self.mesh):
             self.sampler_state = _write_shard_slot(
                 self.sampler_state, np.int32(shard), np.int32(slot), *rows
             )
@@ -393,7 +365,10 @@ class DataParallelRunner:
     # ---------------------------------------------------------------- requests
 
     def register(self, request_id: str, params, key_data, num_prompt: int) -> None:
-        self.shards[0].register(request_id, params, key_data, num_prompt)
+        """Every shard remembers the request (the scheduler picks its shard when it arrives;
+        `finish` makes every shard forget it)."""
+        for shard in self.shards:
+            shard.register(request_id, params, key_data, num_prompt)
 
     def finish(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
@@ -435,17 +410,28 @@ class DataParallelRunner:
                 shards.append(shard.padding_inputs(t, widths))
                 continue
             batch, *rest = x
-            shards.append((_widen_tables(batch, widths), *rest))
+            shards.append((widen_tables(batch, widths), *rest))
         stacked = stack_shards(shards)
         rows = [[] if p is None else p.rows for p in plans]
         return DataParallelHandle(self, output, rows, self.dispatch(*stacked))
 
-    def _step_fn(self, *args, **static):
-        """The jitted data-parallel step, on stacked inputs."""
-        return _engine_step_data_parallel(*args, **static)
-
-    # as `ModelRunner.dispatch`: updates the stacked state, returns the device results
-    dispatch = ModelRunner.dispatch
+    def dispatch(self, batch, feed, sampling, plp_targets):
+        """Run the jitted data-parallel step on stacked inputs (every leaf [D, ...]), updating
+        the stacked state; returns its device results without waiting (as
+        `ModelRunner.dispatch`)."""
+        with mesh_context(self.mesh):
+            out, self.pools, self.sampler_state, self.slots = engine_step_data_parallel(
+                self.params,
+                self.pools,
+                self.sampler_state,
+                self.slots,
+                batch,
+                feed,
+                sampling,
+                plp_targets,
+                **self.static,
+            )
+        return out
 
     # ---------------------------------------------------------------- warm-up
 

@@ -43,10 +43,12 @@ from typing import Any
 import jax
 
 from cache import KVCacheManager
+from dsv4.paged import records as R
 from serving import sampler as S
+from serving.config import EngineConfig
 from serving.metrics import EngineStats, compilation_count, persistent_cache_hits
 from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from serving.runner import ModelRunner, StepHandle, StepOutput, check_mesh
+from serving.runner import ModelRunner, StepHandle, StepOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
 from serving.scheduler import RequestStatus, Scheduler, SchedulerStats, StopCriteria
 from serving.spec_decode import (
@@ -144,35 +146,35 @@ class Engine:
         runner: the device side (params, pools, sampler state).
         scheduler: the host side (its `KVCacheManager` is the runner's allocator); its
             ``async_scheduling`` decides the loop.
-        tokenizer: decodes outputs (text, stop strings, logprob tokens); None: token ids only.
-        eos_token_id: stops requests unless they ignore it.
-        seed: seeds requests that give none (their keys derive from it and their arrival
-            order, so a run is reproducible).
+        config: what the engine was built from (`build`); the engine reads its ``seed``
+            (seeds requests that give none: their keys derive from it and their arrival order,
+            so a run is reproducible) and ``prompt_logprobs_on_hits``.
+        tokenizer: decodes outputs (text, stop strings, logprob tokens) and gives the EOS
+            that stops requests unless they ignore it; None: token ids only.
+        proposer: the drafts for the next step (`serving.spec_decode`: NgramProposer,
+            DSparkProposer, or any object `next_drafts` accepts); None: no speculation.
     """
 
     def __init__(
         self,
         runner: ModelRunner,
         scheduler: Scheduler,
+        config: EngineConfig,
         tokenizer: Any | None = None,
         *,
-        eos_token_id: int | None = None,
-        seed: int = 0,
         proposer: Any = None,
-        prompt_logprobs_on_hits: bool = False,
     ) -> None:
         self.runner = runner
+        self.config = config
         # vLLM reads no prefix cache for a request that asks prompt_logprobs (every position is
         # scored); True lets it hit, scoring the positions computed after the hit (those served
         # from the cache are None): how the quality benchmark measures bounded replay.
-        self.prompt_logprobs_on_hits = prompt_logprobs_on_hits
+        self.prompt_logprobs_on_hits = config.cache_config.prompt_logprobs_on_hits
         self.scheduler = scheduler
-        # drafts for the next step (`serving.spec_decode`: NgramProposer, DSparkProposer, or
-        # any object `next_drafts` accepts), None: no speculation
         self.proposer = proposer
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
-        self.seed = seed
+        self.eos_token_id = None if tokenizer is None else tokenizer.eos_id
+        self.seed = config.model_config.seed
         self.vocab_size = runner.cfg.vocab_size
         self.max_model_len = scheduler.max_model_len
         self.stats = EngineStats()
@@ -189,60 +191,24 @@ class Engine:
 
     @classmethod
     def build(
-        cls,
-        params,
-        cfg,
-        *,
-        tokenizer: Any | None = None,
-        formats=None,
-        max_model_len: int,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 256,
-        num_gpu_blocks_override: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        enable_prefix_caching: bool = True,
-        swa_bounded_replay: bool = False,
-        async_scheduling: bool = True,
-        seed: int = 0,
-        block_size: int = 16,
-        swa_block_size: int = 4,
-        pool_layout: str = "aliased",
-        token_buckets: Sequence[int] | None = None,
-        table_buckets: Sequence[int] | str | None = "auto",
-        max_logprobs: int = 20,
-        enable_kv_cache_events: bool = False,
-        impl: str | None = None,
-        interpret: Any = False,
-        debug: bool = False,
-        fill: str = "zeros",
-        speculative_config: dict | SpeculativeConfig | None = None,
-        prompt_logprobs_on_hits: bool = False,
-        mesh: Any = None,
-        data_parallel_size: int | None = None,
-        num_scheduler_steps: int = 1,
+        cls, params, cfg, config: EngineConfig | None = None, *, tokenizer: Any | None = None
     ) -> Engine:
-        """An engine over ``params``: the cache layout of ``formats`` records (default bf16)
-        with ``num_gpu_blocks_override`` blocks or as many as ``kv_cache_memory_bytes`` hold
-        (default: 90% of the device's free memory, or 256 MiB on a device without memory
-        statistics), its allocator, the scheduler and the model runner. `LLM` calls this;
-        the arguments are LLM's (see there), but for ``prompt_logprobs_on_hits`` (see
-        `Engine`; not an LLM argument, as vLLM has none).
-
-        ``data_parallel_size`` D > 1 (by default the mesh's ``data`` axis) builds D shards,
-        each with its own allocator and scheduler of these limits and block counts, stepping
-        in lockstep (`serving.data_parallel`)."""
+        """An engine over ``params`` of the architecture ``cfg``, as ``config`` says (default
+        `EngineConfig()`; `LLM` builds it from its keywords, whose meaning the config's fields
+        give): the cache layout of its records with its block count or as many blocks as its
+        memory budget holds (default: 90% of the device's free memory, or 256 MiB on a device
+        without memory statistics), the allocator, the scheduler and the model runner. More
+        than one data shard (`ParallelConfig.num_shards`) builds one allocator and scheduler
+        per shard, stepping in lockstep (`serving.data_parallel`)."""
         from cache.layout import for_model
         from dsv4.paged import pools as P
-        from dsv4.paged import records as R
-        from serving.data_parallel import (
-            DataParallelRunner,
-            DataParallelScheduler,
-            check_data_parallel_size,
-        )
+        from serving.data_parallel import DataParallelRunner, DataParallelScheduler
 
-        formats = R.BF16 if formats is None else formats
-        spec = _check_speculative(speculative_config, cfg)
-        k = spec.num_speculative_tokens if spec is not None else 0
+        config = (config or EngineConfig()).resolved(cfg)
+        model, cache, sched = config.model_config, config.cache_config, config.scheduler_config
+        spec = _check_speculative(config.speculative_config, cfg)
+        max_model_len = model.max_model_len
+        k = config.num_speculative_tokens
         if spec is None:
             proposer = None
         elif spec.method == "dspark":  # checks k against the drafter's block first
@@ -251,22 +217,22 @@ class Engine:
             proposer = NgramProposer(spec, max_model_len)
         desc = P.cache_desc(
             cfg,
-            formats,
-            block_size=block_size,
-            swa_block_size=swa_block_size,
-            swa_bounded_replay=swa_bounded_replay,
+            R.PRESETS[cache.kv_cache_dtype.upper()],
+            block_size=cache.block_size,
+            swa_block_size=cache.swa_block_size,
+            swa_bounded_replay=cache.swa_bounded_replay,
             num_speculative_tokens=k,  # the compressor rings hold the drafts
         )
-        check_mesh(mesh)
-        shards = check_data_parallel_size(data_parallel_size, mesh)
-        if num_gpu_blocks_override is None and kv_cache_memory_bytes is None:
+        parallel = config.parallel_config
+        shards = parallel.num_shards
+        memory = cache.kv_cache_memory_bytes
+        if cache.num_gpu_blocks_override is None and memory is None:
             # each device holds shards / (the mesh's data axis) shards' pools
-            data = 1 if mesh is None else dict(mesh.shape).get("data", 1)
-            kv_cache_memory_bytes = _default_kv_bytes() // max(1, shards // data)
+            memory = _default_kv_bytes() // max(1, shards // parallel.mesh_data_size)
         kv_config = for_model(
             desc,
-            available_memory_bytes=kv_cache_memory_bytes,
-            num_gpu_blocks_override=num_gpu_blocks_override,
+            available_memory_bytes=memory,
+            num_gpu_blocks_override=cache.num_gpu_blocks_override,
         )
         eos = None if tokenizer is None else tokenizer.eos_id
 
@@ -274,63 +240,29 @@ class Engine:
             manager = KVCacheManager(
                 kv_config,
                 max_model_len,
-                enable_caching=enable_prefix_caching,
-                max_num_batched_tokens=max_num_batched_tokens,
-                swa_bounded_replay=swa_bounded_replay,
-                enable_kv_cache_events=enable_kv_cache_events,
+                enable_caching=cache.enable_prefix_caching,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                swa_bounded_replay=cache.swa_bounded_replay,
+                enable_kv_cache_events=cache.enable_kv_cache_events,
             )
             return Scheduler(
                 manager,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
                 max_model_len=max_model_len,
                 eos_token_id=eos,
-                async_scheduling=async_scheduling,
+                async_scheduling=sched.async_scheduling,
                 num_spec_tokens=k,
-                drafts_on_device=async_scheduling and isinstance(proposer, DSparkProposer),
+                drafts_on_device=sched.async_scheduling and config.drafter,
             )
 
-        runner_args = dict(
-            formats=formats,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            pool_layout=pool_layout,
-            token_buckets=token_buckets,
-            table_buckets=table_buckets,
-            max_logprobs=max_logprobs,
-            eos_token_id=eos,
-            impl=impl,
-            interpret=interpret,
-            debug=debug,
-            fill=fill,
-            num_speculative_tokens=k,
-            drafter=isinstance(proposer, DSparkProposer),
-            mesh=mesh,
-            plans_ahead=async_scheduling,
-        )
         if shards == 1:
             scheduler = one_scheduler()
-            runner = ModelRunner(
-                params, cfg, kv_config, num_scheduler_steps=num_scheduler_steps, **runner_args
-            )
-        elif num_scheduler_steps != 1:
-            raise ValueError(
-                f"num_scheduler_steps={num_scheduler_steps!r} with data_parallel_size={shards}; "
-                "allowed there: 1 (bursts run on one data shard)"
-            )
+            runner = ModelRunner(params, cfg, kv_config, config, eos_token_id=eos)
         else:
-            runner = DataParallelRunner(params, cfg, kv_config, num_shards=shards, **runner_args)
+            runner = DataParallelRunner(params, cfg, kv_config, config, eos_token_id=eos)
             scheduler = DataParallelScheduler([one_scheduler() for _ in range(shards)])
-        return cls(
-            runner,
-            scheduler,
-            tokenizer,
-            eos_token_id=eos,
-            seed=seed,
-            proposer=proposer,
-            prompt_logprobs_on_hits=prompt_logprobs_on_hits,
-        )
+        return cls(runner, scheduler, config, tokenizer, proposer=proposer)
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -388,7 +320,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
-        prompt_ids = self._check_request(request_id, prompt_token_ids, params)
+        prompt_ids = self.check_request(request_id, prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         clash = [i for i in ids[1:] if i in self._sequences or i in self._requests]
@@ -404,9 +336,11 @@ class Engine:
                 child_params.seed = params.seed + index  # vLLM's parallel-sampling seeds
             self._add_sequence(child_id, request_id, index, prompt_ids, child_params, now, priority)
 
-    def _check_request(
+    def check_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> list[int]:
+        """The prompt as ints if `add_request` would queue this request, else the ValueError
+        it would raise (`LLM.generate` checks a batch before queueing any of it)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests or request_id in self._sequences:

@@ -31,28 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4.checkpoint import SHIPPED, shipped_checkpoint
-from dsv4.config import ModelConfig, tiny_v41, tiny_v41_full
-from dsv4.paged import records as R
-from dsv4.qweights import WEIGHTS_ON_DEVICE
-from serving.data_parallel import check_data_parallel_size
+from dsv4.config import ModelConfig as ArchConfig
+from dsv4.config import tiny_v41, tiny_v41_full
+from serving.config import KV_CACHE_DTYPES, RANDOM_PRESETS, EngineConfig, ModelConfig
 from serving.engine import Engine
 from serving.outputs import RequestOutput
-from serving.runner import check_mesh
 from serving.sampling_params import RequestOutputKind, SamplingParams
-from serving.spec_decode import SpeculativeConfig
 
 __all__ = ["KV_CACHE_DTYPES", "LLM", "default_compilation_cache_dir"]
 
-KV_CACHE_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
-_FORMATS = {
-    "exact": R.EXACT,
-    "bf16": R.BF16,
-    "released": R.RELEASED,
-    "released_fp8": R.RELEASED_FP8,
-    "sm90": R.SM90,
-}
-_PRESETS = {"tiny_v41": tiny_v41, "tiny_v41_full": tiny_v41_full}
-_DTYPES = ("bfloat16", "float32")
+# the architectures of `serving.config.RANDOM_PRESETS`
+_PRESETS = dict(zip(RANDOM_PRESETS, (tiny_v41, tiny_v41_full), strict=True))
 
 
 def default_compilation_cache_dir() -> str:
@@ -76,178 +65,48 @@ def _fail(name: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{name}={value!r} is not allowed: {allowed}")
 
 
-def _positive(name: str, value: Any, *, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(name, value, "an int >= 1" + (" or None" if none_ok else ""))
-
-
 class LLM:
     """vLLM's `LLM` for DeepSeek-V4.1 in JAX.
 
     Args:
         model: a preset name (``"tiny_v41"``: the seeded random tiny model with the built-in
             byte tokenizer; ``"tiny_v41_full"``: the same with Engram and the DSpark drafter),
-            a shipped checkpoint (``"tiny_v41_trained"``: the small V4.1 trained on the
-            Python standard library, `dsv4.checkpoint.shipped_checkpoint`) or a
+            a shipped checkpoint (``"tiny_v41_trained"``, the default: the small V4.1 trained
+            on the Python standard library, `dsv4.checkpoint.shipped_checkpoint`) or a
             released-format checkpoint directory (`dsv4.load_pretrained`; its tokenizer.json
             when there is one, else the byte tokenizer).
-        dtype: params and activations, "bfloat16" or "float32".
-        kv_cache_dtype: the cache records (`dsv4.paged.records` presets): "exact" (f32),
-            "bf16", "released", "released_fp8", "sm90"; "auto" = exact for float32, bf16
-            otherwise.
-        max_model_len: longest sequence (prompt + outputs); default the model's max_seq_len.
-        max_num_seqs: most requests running at once.
-        max_num_batched_tokens: token budget of a step (chunked prefill).
-        num_gpu_blocks_override: KV blocks in the pool (wins over the memory budget).
-        kv_cache_memory_bytes: KV pool budget; default: 90% of the device's free memory, or
-            256 MiB on a device that reports none (the CPU).
-        enable_prefix_caching: reuse cached prefixes across requests.
-        swa_bounded_replay: V4.1's approximate window replay on prefix hits (vLLM option).
-        async_scheduling: plan step N+1 while step N runs (default: on). With speculative
-            decoding step N+1 is planned as if step N accepted every draft, and the device
-            moves it back by those it rejected; DSpark drafts on the device, n-gram proposes
-            on the host one token ahead (`serving.spec_decode.next_drafts_ahead`).
-        speculative_config: vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens":
-            3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``, or ``{"method": "dspark",
-            "num_speculative_tokens": k}`` for the model's DSpark drafter (k in
-            1..``dspark_block_size``; ``tiny_v41_trained`` and ``tiny_v41_full`` have one)
-            (`serving.spec_decode`); outputs equal those without it, token for token.
-        seed: random tiny weights and the sampling seed of requests that give none.
-        block_size / swa_block_size: tokens per compressed / window block (default: 16 / 4
-            for a model whose window is under 128 tokens, the tiny family; 64 / 32 otherwise).
-        pool_layout: "aliased" (one byte pool, as vLLM) or "separate".
-        token_buckets: step sizes to compile (default powers of two from 8 to the budget).
-        table_buckets: block-table widths to compile ("auto": full width up to 64 blocks, else
-            powers of two from 16 blocks; None: always full width).
-        max_logprobs: most logprobs a request may ask for (vLLM's ``max_logprobs``).
-        enable_kv_cache_events: record KV events for `Engine.subscribe_kv_events`.
-        compilation_cache_dir: JAX's persistent compilation cache (None: off).
-        quant_sim: run the official reference's quantisation simulation (`ModelConfig`).
-        weights_on_device: "dequantised" (float params, the default) or "released": fp8 / FP4
-            weights stay in the checkpoint's bytes on device and are dequantised where the step
-            reads them (`dsv4.qweights`), same outputs; a preset's random weights are stored
-            as a saved checkpoint would hold them (`dsv4.qweights.quantise_params`).
-        warm_up: compile every bucket now (else on first use).
-        impl: attention kernels (None: by backend).
-        debug: check every step's block ids and slots on the host.
-        mesh: run on a device mesh (`dsv4.sharding.make_mesh(data=, expert=, model=)`): params
-            split by `dsv4.sharding`'s rule table, heads over ``model``, routed experts over
-            ``expert`` with a token dispatch (`dsv4.expert_parallel`), and requests with their
-            pages split over ``data`` (below); the same tokens as one device.
-        data_parallel_size: D data shards (vLLM's data-parallel attention,
-            `serving.data_parallel`): each holds its own requests, scheduler and KV pages
-            (``max_num_seqs``, ``max_num_batched_tokens`` and the block counts are per shard,
-            as per vLLM rank), new requests go to the least loaded shard, and the D shards
-            step in lockstep in one program. None: the mesh's ``data`` axis (1 without a
-            mesh); else a multiple of it (several shards per data group of devices, or D
-            shards on one device without a mesh).
-        num_scheduler_steps: k > 1 runs up to k decode steps as one program (vLLM v0's
-            multi-step scheduling): when every running request decodes and none waits, the
-            engine plans k steps in a row (each planned ahead of the one before, as
-            asynchronous scheduling plans one step ahead) and the device runs them back to
-            back, each feeding its tokens to the next; the host learns them afterwards, in
-            order. Outputs are those of k = 1 token for token; a request that stops inside a
-            burst costs the rest of the burst's steps, and a request that arrives waits for
-            the burst to end. Needs async_scheduling, and no speculative decoding, Engram
-            model or data parallelism. Default 1.
+        **kwargs: the engine's options, every field of `serving.config.EngineConfig`'s
+            sections by name (vLLM's: ``dtype``, ``max_model_len``, ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``num_gpu_blocks_override``, ``kv_cache_dtype``,
+            ``enable_prefix_caching``, ``async_scheduling``, ``mesh``, ``data_parallel_size``,
+            ``speculative_config`` (vLLM's dict), ...); each field's help says what it does
+            and its default. Outputs with speculative decoding, asynchronous scheduling,
+            bursts (``num_scheduler_steps``) or data shards equal those without, token for
+            token.
 
     Raises:
-        ValueError: any argument out of range, naming it and what is allowed.
+        TypeError: an unknown option (naming the closest ones).
+        ValueError: an option out of range, naming it and what is allowed.
     """
 
-    def __init__(
-        self,
-        model: str = "tiny_v41",
-        *,
-        dtype: str = "bfloat16",
-        kv_cache_dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 256,
-        num_gpu_blocks_override: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        enable_prefix_caching: bool = True,
-        swa_bounded_replay: bool = False,
-        async_scheduling: bool | None = None,
-        seed: int = 0,
-        block_size: int | None = None,
-        swa_block_size: int | None = None,
-        pool_layout: str = "aliased",
-        token_buckets: Sequence[int] | None = None,
-        table_buckets: Sequence[int] | str | None = "auto",
-        max_logprobs: int = 20,
-        enable_kv_cache_events: bool = False,
-        compilation_cache_dir: str | None = "default",
-        quant_sim: bool = False,
-        weights_on_device: str = "dequantised",
-        warm_up: bool = True,
-        impl: str | None = None,
-        debug: bool = False,
-        speculative_config: dict | None = None,
-        mesh: Any = None,
-        data_parallel_size: int | None = None,
-        num_scheduler_steps: int = 1,
-    ) -> None:
-        if speculative_config is not None:  # checked before any weights are loaded
-            speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        if async_scheduling is None:
-            async_scheduling = True
-        _check_args(locals())
-        check_mesh(mesh)
-        check_data_parallel_size(data_parallel_size, mesh)
-        if compilation_cache_dir == "default":
-            compilation_cache_dir = default_compilation_cache_dir()
-        enable_compilation_cache(compilation_cache_dir)
-        self.cfg, params, self.tokenizer = _load_model(
-            model, dtype, seed, quant_sim, weights_on_device
-        )
-        self._template = (
-            None if model in _PRESETS or model in SHIPPED else _read_chat_template(model)
-        )
-        max_model_len = max_model_len or self.cfg.max_seq_len
-        if max_model_len > self.cfg.max_seq_len:
-            raise _fail(
-                "max_model_len",
-                max_model_len,
-                f"at most the model's max_seq_len {self.cfg.max_seq_len}",
-            )
-        if kv_cache_dtype == "auto":
-            kv_cache_dtype = "exact" if dtype == "float32" else "bf16"
-        tiny = self.cfg.window_size < 128  # the tiny family (the released window is 128)
-        self.llm_engine = Engine.build(
-            params,
-            self.cfg,
-            tokenizer=self.tokenizer,
-            formats=_FORMATS[kv_cache_dtype],
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=enable_prefix_caching,
-            swa_bounded_replay=swa_bounded_replay,
-            async_scheduling=async_scheduling,
-            seed=seed,
-            block_size=block_size or (16 if tiny else 64),
-            swa_block_size=swa_block_size or (4 if tiny else 32),
-            pool_layout=pool_layout,
-            token_buckets=token_buckets,
-            table_buckets=table_buckets,
-            max_logprobs=max_logprobs,
-            enable_kv_cache_events=enable_kv_cache_events,
-            impl=impl,
-            debug=debug,
-            speculative_config=speculative_config,
-            mesh=mesh,
-            data_parallel_size=data_parallel_size,
-            num_scheduler_steps=num_scheduler_steps,
-        )
-        self.kv_cache_dtype = kv_cache_dtype
-        self.max_model_len = max_model_len
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        config = EngineConfig.from_kwargs(**kwargs)  # checked before any weights are loaded
+        compilation = config.compilation_config
+        cache_dir = compilation.compilation_cache_dir
+        if cache_dir == "default":
+            cache_dir = default_compilation_cache_dir()
+        enable_compilation_cache(cache_dir)
+        model_config = config.model_config
+        self.cfg, params, self.tokenizer = _load_model(model_config)
+        self._template = None if model_config.is_preset else _read_chat_template(model_config.model)
+        self.llm_engine = Engine.build(params, self.cfg, config, tokenizer=self.tokenizer)
+        self.config = self.llm_engine.config  # its automatic values filled in
+        self.kv_cache_dtype = self.config.cache_config.kv_cache_dtype
+        self.max_model_len = self.config.model_config.max_model_len
         self._counter = itertools.count()
-        if warm_up:
+        if compilation.warm_up:
             self.llm_engine.warm_up()
 
     @property
@@ -290,7 +149,7 @@ class LLM:
         ]
         ids = [str(next(self._counter)) for _ in items]
         for request_id, (_, token_ids), sp in zip(ids, encoded, params, strict=True):
-            engine._check_request(request_id, token_ids, sp)  # all checked before any is queued
+            engine.check_request(request_id, token_ids, sp)  # all checked before any is queued
         for request_id, (text, token_ids), sp, prio in zip(
             ids, encoded, params, priorities, strict=True
         ):
@@ -425,62 +284,31 @@ def _as_list(prompts: Any) -> list[Any]:
     raise _fail("prompts", prompts, "a prompt or a list of prompts")
 
 
-def _check_args(args: Mapping[str, Any]) -> None:
-    if args["dtype"] not in _DTYPES:
-        raise _fail("dtype", args["dtype"], f"one of {_DTYPES}")
-    if args["kv_cache_dtype"] not in KV_CACHE_DTYPES:
-        raise _fail("kv_cache_dtype", args["kv_cache_dtype"], f"one of {KV_CACHE_DTYPES}")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
-        _positive(name, args[name])
-    for name in ("max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
-        _positive(name, args[name], none_ok=True)
-    for name in ("block_size", "swa_block_size"):
-        _positive(name, args[name], none_ok=True)
-    if args["weights_on_device"] not in WEIGHTS_ON_DEVICE:
-        allowed = " or ".join(repr(v) for v in WEIGHTS_ON_DEVICE)
-        raise _fail("weights_on_device", args["weights_on_device"], allowed)
-    if args["pool_layout"] not in ("aliased", "separate"):
-        raise _fail("pool_layout", args["pool_layout"], "'aliased' or 'separate'")
-    if isinstance(args["seed"], bool) or not isinstance(args["seed"], int):
-        raise _fail("seed", args["seed"], "an int")
-    steps = args["num_scheduler_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise _fail("num_scheduler_steps", steps, "an int >= 1")
-    if steps > 1 and not args["async_scheduling"]:
-        raise _fail("num_scheduler_steps", steps, "1 with async_scheduling=False")
-    if steps > 1 and args["speculative_config"] is not None:
-        raise _fail("num_scheduler_steps", steps, "1 with a speculative_config")
-    model = args["model"]
-    if not isinstance(model, str) or not (
-        model in _PRESETS or model in SHIPPED or os.path.isdir(model)
-    ):
-        names = ", ".join((*_PRESETS, *SHIPPED))
-        raise _fail("model", model, f"a preset ({names}) or a checkpoint directory")
-
-
-def _load_model(model: str, dtype: str, seed: int, quant_sim: bool, weights_on_device: str):
+def _load_model(config: ModelConfig):
+    """The architecture, params and tokenizer ``config`` names."""
     from dsv4.tokenizer import load_tokenizer
 
-    jdtype = jnp.dtype(dtype)
+    jdtype = jnp.dtype(config.dtype)
+    model = config.model
     if model in _PRESETS:
         from dsv4.params import init_params
         from dsv4.qweights import quantise_params
 
-        cfg = _PRESETS[model](quant_sim=quant_sim)
-        params = init_params(cfg, jax.random.PRNGKey(seed), jdtype)
-        if weights_on_device == "released":
+        cfg = _PRESETS[model](quant_sim=config.quant_sim)
+        params = init_params(cfg, jax.random.PRNGKey(config.seed), jdtype)
+        if config.weights_on_device == "released":
             params = quantise_params(params, cfg)
         return cfg, params, load_tokenizer(None, cfg)
     from dsv4.checkpoint import load_pretrained
 
     if model in SHIPPED:
         model = shipped_checkpoint(model)
-    cfg = ModelConfig.from_json(model)
-    if quant_sim:
+    cfg = ArchConfig.from_json(model)
+    if config.quant_sim:
         cfg = dataclasses.replace(cfg, quant_sim=True)
     tokenizer = load_tokenizer(model, cfg)  # before the weights: its errors are cheap
     cfg, params = load_pretrained(
-        model, jdtype, config=cfg, progress=True, weights_on_device=weights_on_device
+        model, jdtype, config=cfg, progress=True, weights_on_device=config.weights_on_device
     )
     return cfg, params, tokenizer
 

@@ -31,14 +31,15 @@ of every token it ran, and drafts the next block of every sampling row from the 
 last (`dsv4.paged.draft`); the drafts come back with the step's tokens
 (`StepOutput.draft_token_ids`).
 
-On a mesh (``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by the rule table
-(`dsv4.sharding.shard_params`), and every step runs under the mesh as JAX's ambient mesh, so
+On a mesh (the config's ``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by
+the rule table (`dsv4.sharding.shard_params`), and every step runs under the mesh as JAX's
+ambient mesh (`mesh_context`: `dsv4` reads it when the step is traced), so
 XLA's SPMD partitioner splits heads over ``model`` and `dsv4.expert_parallel` sends tokens to
 their experts' devices over ``expert``. A `ModelRunner` has one allocator's requests: its pools,
 sampler state and slots are replicated over ``data``. Requests and their pages split over
 ``data`` are `serving.data_parallel.DataParallelRunner`'s: D host halves of this class
-(``device_state=False``) over one stacked device state, stepped by
-`_engine_step_data_parallel` (the engine builds it when ``data_parallel_size`` > 1, by default
+(``write_sampler_rows`` given) over one stacked device state, stepped by
+`engine_step_data_parallel` (the engine builds it when ``data_parallel_size`` > 1, by default
 whenever the mesh's ``data`` axis is).
 
 Buckets: one compilation per token bucket T and block-table width bucket W. The request rows R
@@ -64,7 +65,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -75,6 +76,7 @@ from dsv4 import dspark, sharding
 from dsv4 import layers as L
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
+from dsv4.paged import records as R
 from dsv4.paged.batch import (
     StepBatch,
     StepRequest,
@@ -88,9 +90,9 @@ from dsv4.paged.batch import (
     window_slots_at,
 )
 from dsv4.paged.draft import draft_paged, seed_drafter
-from dsv4.paged.records import CacheFormats
-from dsv4.paged.step import data_shards, paged_forward_streams
+from dsv4.paged.step import paged_forward_streams
 from serving import sampler as S
+from serving.config import EngineConfig
 from serving.input_batch import InputBatch, RequestState
 from serving.sampling_params import SamplingParams
 from serving.scheduler import SchedulerOutput
@@ -104,7 +106,10 @@ __all__ = [
     "check_num_scheduler_steps",
     "default_table_buckets",
     "default_token_buckets",
+    "engine_step_data_parallel",
+    "mesh_context",
     "rows_for",
+    "widen_tables",
 ]
 
 
@@ -222,7 +227,7 @@ class StepHandle:
                 sampled, plp = self._device_out
                 wants_plp = any(row.prompt_logprobs for row in self._rows)
                 host = jax.device_get((sampled, plp) if wants_plp else (sampled, None))
-            self._host = self._runner._collect(self._rows, host)
+            self._host = self._runner.collect(self._rows, host)
         return self._host
 
 
@@ -231,33 +236,18 @@ class ModelRunner:
 
     Args:
         params: the model's params (checkpoint names).
-        cfg: the model config.
+        cfg: the model's architecture.
         kv_cache_config: the allocator's layout (block counts, groups).
-        formats: the cache record formats.
-        max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
-        pool_layout: "aliased" (vLLM's one byte pool) or "separate".
-        token_buckets: step sizes to compile (ascending; the last must hold the budget).
-        table_buckets: block-table widths to compile (in blocks; see the module docstring);
-            "auto" = `default_table_buckets`, None = full width always.
-        max_logprobs: top logprobs computed per sampled token (vLLM's ``max_logprobs``).
+        config: the engine's configuration (`serving.config.EngineConfig`; its fields say what
+            each option does): the cache records and pool, the scheduler's limits and buckets,
+            the mesh, speculative decoding (with the DSpark drafter for method "dspark") and
+            the kernels. Asynchronous scheduling compiles the step to move back rows planned
+            past drafts in flight (`_move_back`).
         eos_token_id: the tokenizer's EOS (min_tokens masks it).
-        impl, interpret: the attention kernels (`pallas_kernels` dispatch).
-        debug: check every batch's block ids and slots on the host (slow).
-        fill: initial pool bytes, "zeros" or "nan" (tests: a wrong read poisons the logits).
-        num_speculative_tokens: drafts verified per request and step (0: none).
-        drafter: run the model's DSpark drafter in the step (needs num_speculative_tokens k in
-            1..dspark_block_size): every step seeds its caches and drafts k tokens per
-            sampling request (`StepOutput.draft_token_ids`).
-        mesh: run on this device mesh (see the module docstring); None: one device.
-        plans_ahead: steps are scheduled while the step before is still in flight
-            (asynchronous scheduling): with drafts, a row may be planned past drafts in flight
-            and the device moves it back (`_move_back`). False compiles the step without that.
-        num_scheduler_steps: k > 1 runs up to k pure decode steps planned in a row as one
-            program (`execute_burst`; vLLM v0's multi-step scheduling): needs
-            ``plans_ahead``, and no drafts nor Engram (`check_num_scheduler_steps`).
-        device_state: False builds the host half only (no params placed, no pools, sampler
-            state or slots on the device): one data shard of a
-            `serving.data_parallel.DataParallelRunner`, which owns the stacked device state.
+        write_sampler_rows: None, or ``(slot, rows) -> None`` writing a slot's sampler rows
+            into device state that another object owns: this runner is then the host half of
+            one data shard of a `serving.data_parallel.DataParallelRunner` (no params placed,
+            no pools, sampler state or slots of its own).
     """
 
     def __init__(
@@ -265,83 +255,70 @@ class ModelRunner:
         params,
         cfg: ModelConfig,
         kv_cache_config,
+        config: EngineConfig,
         *,
-        formats: CacheFormats,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        pool_layout: str = "aliased",
-        token_buckets: Sequence[int] | None = None,
-        table_buckets: Sequence[int] | str | None = "auto",
-        max_logprobs: int = 20,
         eos_token_id: int | None = None,
-        impl: str | None = None,
-        interpret: Any = False,
-        debug: bool = False,
-        fill: str = "zeros",
-        num_speculative_tokens: int = 0,
-        drafter: bool = False,
-        mesh: Any = None,
-        plans_ahead: bool = False,
-        device_state: bool = True,
-        num_scheduler_steps: int = 1,
+        write_sampler_rows: Callable[[int, tuple], None] | None = None,
     ) -> None:
-        if drafter and not 1 <= num_speculative_tokens <= cfg.dspark_block_size:
+        config = config.resolved(cfg)
+        self.config = config
+        sched, cache = config.scheduler_config, config.cache_config
+        k = config.num_speculative_tokens
+        if config.drafter and not 1 <= k <= cfg.dspark_block_size:
             raise ValueError(
-                f"the DSpark drafter drafts num_speculative_tokens={num_speculative_tokens}; "
+                f"the DSpark drafter drafts num_speculative_tokens={k}; "
                 f"allowed: 1..dspark_block_size={cfg.dspark_block_size}"
             )
-        buckets = tuple(token_buckets or default_token_buckets(max_num_batched_tokens))
-        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-            raise ValueError(f"token_buckets must be ascending positive ints, got {buckets}")
-        if buckets[-1] < max_num_batched_tokens:
-            raise ValueError(
-                f"the largest token bucket {buckets[-1]} is smaller than "
-                f"max_num_batched_tokens={max_num_batched_tokens}"
-            )
-        self.mesh = check_mesh(mesh)
+        max_num_seqs = sched.max_num_seqs
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len = config.model_config.max_model_len
+        self.token_buckets = sched.token_buckets or default_token_buckets(
+            sched.max_num_batched_tokens
+        )
+        self.mesh = mesh = config.parallel_config.mesh
+        device_state = write_sampler_rows is None
         if mesh is not None and device_state:
             params = sharding.shard_params(params, cfg, mesh)
         self.params, self.cfg = params, cfg
         self.kv_cache_config = kv_cache_config
-        self.layout = P.PoolLayout.build(cfg, kv_cache_config, formats, pool_layout)
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.token_buckets = buckets
+        formats = R.PRESETS[cache.kv_cache_dtype.upper()]
+        self.layout = P.PoolLayout.build(cfg, kv_cache_config, formats, cache.pool_layout)
+        table_buckets = sched.table_buckets
         if table_buckets == "auto":
             table_buckets = default_table_buckets(kv_cache_config, max_model_len)
-        self.table_buckets = None if table_buckets is None else tuple(table_buckets)
-        self.max_logprobs = max_logprobs
+        self.table_buckets = table_buckets
+        self.max_logprobs = config.model_config.max_logprobs
         self.eos_token_id = eos_token_id
-        self.debug = debug
+        self.debug = config.compilation_config.debug
         # drafts verified per request and step (0: no speculative decoding; the step then
         # samples one row per request, else 1 + k rows, see `_engine_step`)
-        self.num_spec = num_speculative_tokens
-        self.drafter = drafter
-        self.plans_ahead = plans_ahead
+        self.num_spec = k
+        self.drafter = config.drafter
+        self.plans_ahead = plans_ahead = sched.async_scheduling
         self.num_scheduler_steps = check_num_scheduler_steps(
-            num_scheduler_steps,
+            sched.num_scheduler_steps,
             plans_ahead=plans_ahead,
-            num_speculative_tokens=num_speculative_tokens,
+            num_speculative_tokens=k,
             engram_lookback=cfg.engram_lookback,
         )
         self._groups = group_infos(kv_cache_config)
-        self._static = dict(
+        self.static = dict(
             cfg=cfg,
             layout=self.layout,
-            num_logprobs=max_logprobs,
-            impl=impl,
-            interpret=interpret,
-            num_spec=num_speculative_tokens,
-            drafter=drafter,
+            num_logprobs=self.max_logprobs,
+            impl=config.compilation_config.impl,
+            interpret=config.compilation_config.interpret,
+            num_spec=k,
+            drafter=self.drafter,
             groups=self._groups,
             plans_ahead=plans_ahead,
         )
         self.padding_slot = max_num_seqs
+        self._write_rows = write_sampler_rows
         if device_state:
-            self.pools = self._replicated(P.init_pools(self.layout, fill=fill))
+            self.pools = self._replicated(P.init_pools(self.layout, fill=cache.fill))
             self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
-            self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, num_speculative_tokens))
+            self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, k))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
         # what the engine registered for requests that may (re)enter the batch
         self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
@@ -355,9 +332,7 @@ class ModelRunner:
         )
 
     def _on_mesh(self):
-        """The mesh as JAX's ambient mesh while a step is traced and run (nothing without
-        one)."""
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+        return mesh_context(self.mesh)
 
     # ---------------------------------------------------------------- requests
 
@@ -415,6 +390,9 @@ class ModelRunner:
 
     def _write_sampler_rows(self, slot: int, rows) -> None:
         """Write one slot's sampler rows (penalty counts, prompt and stop masks)."""
+        if self._write_rows is not None:  # a data shard: the stacked state is not ours
+            self._write_rows(slot, rows)
+            return
         with self._on_mesh():
             self.sampler_state = _write_slot(self.sampler_state, np.int32(slot), *rows)
 
@@ -468,7 +446,7 @@ class ModelRunner:
         steps = [self.step_inputs(plan, t) for plan in plans]
         # one table width per group for the whole burst: the widest (zero columns are null)
         widths = [max(w) for w in zip(*(s[0].table_widths() for s in steps), strict=True)]
-        steps = [(_widen_tables(batch, widths), *rest) for batch, *rest in steps]
+        steps = [(widen_tables(batch, widths), *rest) for batch, *rest in steps]
         # always k steps' inputs (one compilation per bucket); the device runs the first n
         n = len(steps)
         steps += [steps[-1]] * (self.num_scheduler_steps - n)
@@ -494,7 +472,7 @@ class ModelRunner:
                 samplings,
                 plp_targets,
                 num_steps,
-                **self._static,
+                **self.static,
             )
         return out
 
@@ -569,16 +547,12 @@ class ModelRunner:
             engram_lookback=self.cfg.engram_lookback,
         )
 
-    def _step_fn(self, *args, **static):
-        """The jitted step `dispatch` runs."""
-        return _engine_step(*args, **static)
-
     def dispatch(self, batch: StepBatch, feed, sampling: S.SamplingBatch, plp_targets):
         """Run the jitted engine step on prepared inputs (numpy or device arrays; see
         `_engine_step`), updating the pools and per-slot state; returns its device results
         without waiting."""
         with self._on_mesh():
-            out, self.pools, self.sampler_state, self.slots = self._step_fn(
+            out, self.pools, self.sampler_state, self.slots = _engine_step(
                 self.params,
                 self.pools,
                 self.sampler_state,
@@ -587,7 +561,7 @@ class ModelRunner:
                 feed,
                 sampling,
                 plp_targets,
-                **self._static,
+                **self.static,
             )
         return out
 
@@ -671,7 +645,7 @@ class ModelRunner:
             guess_rejected=guess_rejected,
         )
 
-    def _collect(self, rows: Sequence[_Row], host) -> StepOutput:
+    def collect(self, rows: Sequence[_Row], host) -> StepOutput:
         """Host copies of a fetched step -> per-request results; the runner learns the sampled
         tokens of requests it still runs."""
         (ints, floats, accepted, drafts), plp = host
@@ -786,7 +760,7 @@ def check_num_scheduler_steps(
     return num_scheduler_steps
 
 
-def _widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
+def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
     """``batch`` with each group's block table widened to ``widths`` by null columns (the
     step addresses no column past a row's blocks, so the results do not change)."""
     if batch.table_widths() == tuple(widths):
@@ -798,17 +772,10 @@ def _widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
     return dataclasses.replace(batch, block_tables=tables)
 
 
-def check_mesh(mesh):
-    """``mesh`` if it is None or a `jax.sharding.Mesh` with `dsv4.sharding.AXES`, else a
-    ValueError naming it."""
-    if mesh is None:
-        return None
-    if not isinstance(mesh, jax.sharding.Mesh) or tuple(mesh.axis_names) != sharding.AXES:
-        raise ValueError(
-            f"mesh={mesh!r} is not allowed: a jax.sharding.Mesh with axes {sharding.AXES} "
-            "(dsv4.sharding.make_mesh)"
-        )
-    return mesh
+def mesh_context(mesh):
+    """``mesh`` as JAX's ambient mesh while a step is traced and run (nothing without one):
+    `dsv4.paged.step`'s kernels and `dsv4.expert_parallel`'s dispatch read it when traced."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -1061,8 +1028,12 @@ def _engine_burst(
     return stacked, *state
 
 
-@_engine_jit
-def _engine_step_data_parallel(
+@functools.partial(
+    jax.jit,
+    static_argnames=(*_STATIC, "data_axis"),
+    donate_argnames=("pools", "sampler_state", "slots"),
+)
+def engine_step_data_parallel(
     params,
     pools,  # every leaf [D, ...]: D data shards (`dsv4.paged.step.stack_shards`)
     sampler_state: S.SamplerState,  # [D, S, ...]
@@ -1081,6 +1052,7 @@ def _engine_step_data_parallel(
     drafter: bool = False,
     groups=(),
     plans_ahead: bool = False,
+    data_axis: str | None = None,
 ):
     """`_engine_step` for D data shards in one program: each shard's inputs, sampler and slot
     state are its own (`jax.vmap`, split over the mesh's ``data`` axis when there is one),
@@ -1088,8 +1060,9 @@ def _engine_step_data_parallel(
     (data-parallel attention; the MoE runs on every shard's tokens at once), as is the DSpark
     drafter (`dsv4.paged.draft`: seeded and read per shard, its stages' MoE on all shards'
     rows). Shard ``i``'s results are those of `_engine_step` on shard ``i``'s state and
-    inputs."""
-    split = "data" if data_shards() > 1 else None
+    inputs. ``data_axis``: the mesh axis the shards are split over ("data" on a mesh whose
+    ``data`` axis has more than one device, else None)."""
+    split = data_axis
 
     def per_shard(fn, *args):
         return jax.vmap(fn, spmd_axis_name=split)(*args)

@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from serving.config import EngineConfig
+
 __all__ = [
     "RECORD_PRESETS",
     "heldout_pieces",
@@ -126,17 +128,14 @@ def score_layout(
     from serving.engine import Engine
     from serving.sampling_params import SamplingParams
 
-    formats = _formats(records)
+    _formats(records)  # an unknown name is refused with the records it may be
     length = len(docs[0])
     if not docs or any(len(d) != length for d in docs) or not 0 < prefix < length:
         raise ValueError(f"pieces of one length above prefix={prefix} are needed")
     nbytes = token_bytes(tokenizer) if nbytes is None else nbytes
     row_cfg = cfg if index_topk is None else dataclasses.replace(cfg, index_topk=index_topk)
-    engine = Engine.build(
-        params,
-        row_cfg,
-        tokenizer=tokenizer,
-        formats=formats,
+    config = EngineConfig.from_kwargs(
+        kv_cache_dtype=records,
         max_model_len=length + 8,
         max_num_seqs=4,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -146,6 +145,7 @@ def score_layout(
         async_scheduling=False,
         prompt_logprobs_on_hits=True,
     )
+    engine = Engine.build(params, row_cfg, config, tokenizer=tokenizer)
     engine.warm_up(progress=False)
 
     def run(prompts, sp, tag):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4
-from dsv4.paged import records as R
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.outputs import RequestOutput
 from serving.sampling_params import SamplingParams
@@ -24,9 +24,10 @@ NUM_BLOCKS = 24  # tight: two long requests do not fit together, so the schedule
 
 def make_engine(params, cfg, **kw) -> Engine:
     """The tests' engine: fp32 exact records, NaN-filled pools (a wrong read poisons the
-    logits), a 32-token bucket, 4 requests at most, 24 blocks of 16 / 4 tokens."""
+    logits), a 32-token bucket, 4 requests at most, 24 blocks of 16 / 4 tokens; ``kw`` are
+    `EngineConfig.from_kwargs`'s."""
     args = dict(
-        formats=R.EXACT,
+        kv_cache_dtype="exact",
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=TOKEN_BUCKET,
@@ -39,7 +40,7 @@ def make_engine(params, cfg, **kw) -> Engine:
         debug=True,
     )
     args.update(kw)
-    engine = Engine.build(params, cfg, **args)
+    engine = Engine.build(params, cfg, EngineConfig.from_kwargs(**args))
     engine.warm_up(progress=False)
     return engine
 

@@ -212,13 +212,13 @@ def test_trimmed_block_tables(tiny_params, tiny_cfg, steps, monkeypatch):
     from serving import runner as runner_module
 
     widened = []
-    widen = runner_module._widen_tables
+    widen = runner_module.widen_tables
 
     def spy(batch, widths):
         widened.append(batch.table_widths() != tuple(widths))
         return widen(batch, widths)
 
-    monkeypatch.setattr(runner_module, "_widen_tables", spy)
+    monkeypatch.setattr(runner_module, "widen_tables", spy)
     engine = make_engine(
         tiny_params,
         tiny_cfg,

@@ -22,9 +22,9 @@ from engine_testing import (
 
 from dsv4 import reference
 from dsv4.checkpoint import load_pretrained, save_pretrained
-from dsv4.paged import records as R
 from dsv4.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.metrics import compilation_count
 from serving.outputs import Logprob
@@ -271,11 +271,7 @@ def test_checkpoint_by_path_equals_the_same_params_in_memory(llm, tmp_path):
         from_disk = LLM(str(tmp_path), **LLM_ARGS)
         cfg, params = load_pretrained(tmp_path, jnp.float32, progress=False)
         in_memory = Engine.build(
-            params,
-            cfg,
-            tokenizer=ByteTokenizer(),
-            formats=R.EXACT,
-            **{k: v for k, v in LLM_ARGS.items() if k not in ("dtype", "compilation_cache_dir")},
+            params, cfg, EngineConfig.from_kwargs(**LLM_ARGS), tokenizer=ByteTokenizer()
         )
     assert from_disk.cfg == llm.cfg == cfg
     assert isinstance(from_disk.get_tokenizer(), ByteTokenizer)
