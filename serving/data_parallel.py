@@ -392,8 +392,8 @@ class DataParallelRunner:
 
     # ---------------------------------------------------------------- requests
 
-    def register(self, request_id: str, params, key_data, num_prompt: int) -> None:
-        self.shards[0].register(request_id, params, key_data, num_prompt)
+    def register(self, request) -> None:
+        self.shards[0].register(request)
 
     def finish(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)

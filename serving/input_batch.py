@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from dsv4.paged.batch import StepRequest
+from serving.request import Request
 from serving.scheduler import NewRequestData, SchedulerOutput
 
 __all__ = ["InputBatch", "RequestState", "ScheduledRow"]
@@ -61,7 +62,9 @@ class RequestState:
         guess = self.pending_guesses[0] if self.pending_guesses else None
         return guess is None or guess == self.last_outcome
 
-    extra: object = None  # what the owner attaches (the runner: sampling parameters)
+    # the request itself, when the owner attaches it (the runner: its sampling parameters and
+    # key); None for a harness that drives the batch without an engine
+    request: Request | None = None
 
     @property
     def num_pending(self) -> int:

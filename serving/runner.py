@@ -92,7 +92,7 @@ from dsv4.paged.records import CacheFormats
 from dsv4.paged.step import data_shards, paged_forward_streams
 from serving import sampler as S
 from serving.input_batch import InputBatch, RequestState
-from serving.sampling_params import SamplingParams
+from serving.request import Request
 from serving.scheduler import SchedulerOutput
 
 __all__ = [
@@ -343,8 +343,8 @@ class ModelRunner:
             self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
             self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, num_speculative_tokens))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
-        # what the engine registered for requests that may (re)enter the batch
-        self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
+        # the requests the engine registered, which the scheduler may (re)admit, by id
+        self._registered: dict[str, Request] = {}
 
     def _replicated(self, tree):
         """``tree`` replicated over the mesh (as it is without one)."""
@@ -361,11 +361,10 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- requests
 
-    def register(
-        self, request_id: str, params: SamplingParams, key_data: np.ndarray, num_prompt: int
-    ) -> None:
-        """Remember how a request samples, for whenever the scheduler admits it."""
-        self._registered[request_id] = (params, key_data, num_prompt)
+    def register(self, request: Request) -> None:
+        """Remember a request (its sampling parameters and key), for whenever the scheduler
+        admits it."""
+        self._registered[request.request_id] = request
 
     def finish(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests and free their slots at once. A step still in flight may
@@ -399,9 +398,11 @@ class ModelRunner:
     def _admit(self, new) -> None:
         """A request (re)entering the batch, and its sampler rows when it needs them
         (penalties, min_tokens)."""
-        params, key_data, num_prompt = self._registered[new.request_id]
+        request = self._registered[new.request_id]
+        num_prompt = request.num_prompt_tokens
         state = self.inputs.admit(new, num_prompt)
-        state.extra = (params, key_data)
+        state.request = request
+        params = request.sampling_params
         if params.uses_penalties or params.min_tokens:
             tokens = state.tokens
             rows = S.slot_rows(
@@ -512,7 +513,7 @@ class ModelRunner:
         targets: list[int] = []
         for row in scheduled:
             state = self.requests[row.request_id]
-            params = state.extra[0]
+            params = state.request.sampling_params
             plp = params.prompt_logprobs is not None and row.start < state.num_prompt_tokens - 1
             n = row.num_tokens
             targets += self._prompt_targets(state, row.start, n) if plp else [-1] * n
@@ -607,11 +608,11 @@ class ModelRunner:
         sampling_rows = []
         for row in rows:
             state = self.requests[row.request_id]
-            params, key_data = state.extra
+            params = state.request.sampling_params
             sampling_rows.append(
                 S.RowSampling(
                     params=params,
-                    key_data=key_data,
+                    key_data=state.request.key_data,
                     # the position of the (first) sampled token: after the verified tokens
                     counter=row.start + row.num_tokens - len(row.drafts),
                     slot=state.slot,
@@ -652,7 +653,7 @@ class ModelRunner:
         for i, (row, sched) in enumerate(zip(rows, scheduled, strict=True)):
             state = self.requests[row.request_id]
             num_drafts[i] = len(row.drafts)
-            min_tokens_left[i] = state.extra[0].min_tokens - self._num_outputs(row)
+            min_tokens_left[i] = state.request.sampling_params.min_tokens - self._num_outputs(row)
             shifted[i] = sched.shifted > 0
             if sched.shifted and not self.plans_ahead:
                 raise RuntimeError(
