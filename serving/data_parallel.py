@@ -264,7 +264,7 @@ class DataParallelHandle:
     def __init__(self, runner: DataParallelRunner, output: DataParallelOutput, rows, out) -> None:
         self.scheduler_output = output
         self._runner = runner
-        self._rows = rows  # per shard, its `serving.runner._Row`s
+        self._rows = rows  # per shard, its `serving.input_batch.ScheduledRow`s
         self._device_out = out
         self._host: StepOutput | None = None
 

@@ -119,8 +119,8 @@ class Engine:
         # Decision counts (preemptions, recomputed tokens), kept as serving.lab keeps them.
         self.scheduler_stats = SchedulerStats()
         # the users' requests, and each one's n sampled sequences (every live Request), by id
-        self._requests: dict[str, ParentRequest] = {}
-        self._sequences: dict[str, Request] = {}
+        self._parents: dict[str, ParentRequest] = {}
+        self._requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self._in_flight: collections.deque[StepHandle] = collections.deque()
         self._ready: list[RequestOutput] = []  # outputs of aborted requests, for the next step
@@ -332,13 +332,13 @@ class Engine:
         prompt_ids = self._check_request(request_id, prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        clash = [i for i in ids[1:] if i in self._sequences or i in self._requests]
+        clash = [i for i in ids[1:] if i in self._requests or i in self._parents]
         if clash:
             raise ValueError(f"request id {clash[0]!r} (a child of {request_id!r}) is in use")
         parent = ParentRequest(
             request_id, prompt, prompt_ids, params, RequestMetrics(arrival_time=now)
         )
-        self._requests[request_id] = parent
+        self._parents[request_id] = parent
         for index, child_id in enumerate(ids):
             child_params = dataclasses.replace(params, n=1)
             if params.seed is not None:
@@ -350,7 +350,7 @@ class Engine:
     ) -> list[int]:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests or request_id in self._sequences:
+        if request_id in self._parents or request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}: it is still running")
         try:
             prompt_ids = [int(t) for t in prompt_token_ids]
@@ -422,7 +422,7 @@ class Engine:
         self.runner.register(request)
         parent.children.append(request)
         parent.num_unfinished += 1
-        self._sequences[request_id] = request
+        self._requests[request_id] = request
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (by the ids given to `add_request`), running or waiting; their final
@@ -433,11 +433,11 @@ class Engine:
             ValueError: an id this engine has never seen (nothing is aborted then).
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        unknown = [i for i in ids if i not in self._requests and i not in self._finished_ids]
+        unknown = [i for i in ids if i not in self._parents and i not in self._finished_ids]
         if unknown:
             raise ValueError(f"cannot abort unknown request ids {unknown!r}")
         for request_id in dict.fromkeys(ids):
-            req = self._requests.get(request_id)
+            req = self._parents.get(request_id)
             if req is None:
                 continue
             live = [c for c in req.children if not c.is_finished]
@@ -454,7 +454,7 @@ class Engine:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._parents)
 
     def subscribe_kv_events(self, callback: Callable[[list], None]) -> None:
         """Call ``callback(events)`` after every step with the allocator's KV events of that
@@ -551,14 +551,14 @@ class Engine:
             stacklevel=3,
         )
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
-        request = self._sequences[request_id]
+        request = self._requests[request_id]
         self._finish(request, "error", None)
         return self._outputs_due([request.parent])
 
     def _note_scheduled(self, output) -> None:
         now = time.monotonic()
         for new in output.scheduled_new_reqs:
-            request = self._sequences.get(new.request_id)
+            request = self._requests.get(new.request_id)
             if request is None or request.metrics.first_scheduled_time is not None:
                 continue  # gone, or resumed after a preemption
             request.metrics.first_scheduled_time = now
@@ -576,7 +576,7 @@ class Engine:
         self.stats.prefix_cache_queries = sched.prefix_queries
         self.stats.prefix_cache_hits = sched.prefix_hits
         for request_id in output.preempted_req_ids:
-            request = self._sequences.get(request_id)
+            request = self._requests.get(request_id)
             if request is not None:
                 request.metrics.num_preemptions += 1
                 request.parent.metrics.num_preemptions += 1
@@ -613,7 +613,7 @@ class Engine:
             self.stats.observe_spec(result.spec_decoding_stats)
         if scheduled is not None:
             for request_id, drafts in scheduled.scheduled_spec_decode_tokens.items():
-                request = self._sequences.get(request_id)
+                request = self._requests.get(request_id)
                 sampled = step_output.sampled_token_ids.get(request_id)
                 if request is None or not sampled:
                     continue
@@ -621,11 +621,11 @@ class Engine:
                     m.spec_num_draft_tokens += len(drafts)
                     m.spec_num_accepted_tokens += len(sampled) - 1
         for request_id, tokens in result.new_token_ids.items():
-            request = self._sequences[request_id]
+            request = self._requests[request_id]
             self._note_tokens(request, tokens, step_output.logprobs.get(request_id), now)
             touched[id(request.parent)] = request.parent
         for request_id, entries in step_output.prompt_logprobs.items():
-            request = self._sequences.get(request_id)
+            request = self._requests.get(request_id)
             if request is None:
                 continue
             prompt = request.prompt_token_ids
@@ -636,7 +636,7 @@ class Engine:
                         entry, prompt[position], n, self._decode_token
                     )
         for request_id in result.new_token_ids:
-            request = self._sequences[request_id]
+            request = self._requests[request_id]
             stop = self._check_stop_strings(request)
             if stop is None:
                 continue
@@ -644,7 +644,7 @@ class Engine:
                 self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED)
             self._finish(request, "stop", stop)  # also over a length cap on the same token
         for request_id, status in result.finished.items():
-            request = self._sequences[request_id]
+            request = self._requests[request_id]
             if request.finish_reason is None:
                 reason = _FINISH_REASONS[status]
                 self._finish(request, reason, result.stop_reasons.get(request_id))
@@ -728,9 +728,9 @@ class Engine:
         )
         if finished:
             for child in req.children:
-                del self._sequences[child.request_id]
+                del self._requests[child.request_id]
                 self._finished_ids.add(child.request_id)
-            del self._requests[req.request_id]
+            del self._parents[req.request_id]
             self._finished_ids.add(req.request_id)
         return out
 

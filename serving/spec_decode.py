@@ -185,7 +185,7 @@ class DSparkProposer:
 
 def next_drafts(proposer: Any, requests: Iterable[Any], step_output: Any) -> dict[str, list[int]]:
     """The engine's one question to a proposer after a step: drafts for the next step of the
-    running ``requests`` (`cache.request.Request`), request id -> tokens (empty ones left out).
+    running ``requests`` (`serving.request.Request`), request id -> tokens (empty ones left out).
 
     A proposer with ``propose_step(requests, step_output)`` answers for all of them at once
     (`DSparkProposer`: what the device drafted in the step); any other answers per sequence
