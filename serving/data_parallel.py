@@ -244,7 +244,7 @@ class DataParallelHandle:
     def __init__(self, runner: DataParallelRunner, output: DataParallelOutput, rows, out) -> None:
         self.scheduler_output = output
         self._runner = runner
-        self._rows = rows  # per shard, its `serving.runner._Row`s
+        self._rows = rows  # per shard, its `serving.input_batch.ScheduledRow`s
         self._device_out = out
         self._host: StepOutput | None = None
 
@@ -364,11 +364,11 @@ class DataParallelRunner:
 
     # ---------------------------------------------------------------- requests
 
-    def register(self, request_id: str, params, key_data, num_prompt: int) -> None:
+    def register(self, request) -> None:
         """Every shard remembers the request (the scheduler picks its shard when it arrives;
         `finish` makes every shard forget it)."""
         for shard in self.shards:
-            shard.register(request_id, params, key_data, num_prompt)
+            shard.register(request)
 
     def finish(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)

@@ -47,10 +47,11 @@ from dsv4.paged import records as R
 from serving import sampler as S
 from serving.config import EngineConfig
 from serving.metrics import EngineStats, compilation_count, persistent_cache_hits
-from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from serving.outputs import RequestMetrics, RequestOutput
+from serving.request import ParentRequest, Request, RequestStatus, StopCriteria, logprob_dict
 from serving.runner import ModelRunner, StepHandle, StepOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
-from serving.scheduler import RequestStatus, Scheduler, SchedulerStats, StopCriteria
+from serving.scheduler import Scheduler, SchedulerStats
 from serving.spec_decode import (
     DSparkProposer,
     NgramProposer,
@@ -76,67 +77,6 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
     return x ^ (x >> 31)
-
-
-@dataclasses.dataclass(slots=True)
-class _Sequence:
-    """One sampled sequence (a request, or one of the ``n`` children of a request)."""
-
-    request_id: str
-    parent_id: str  # the user's request id (== request_id when n == 1)
-    index: int
-    params: SamplingParams
-    num_prompt_tokens: int
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    prompt_logprobs: dict[int, dict[int, Logprob]] = dataclasses.field(default_factory=dict)
-    text: str | None = None  # set when a stop string cut it; else decoded on demand
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    scheduled: bool = False
-    metrics: RequestMetrics | None = None
-    num_reported_tokens: int = 0  # DELTA outputs: tokens already reported
-    num_reported_chars: int = 0
-
-    def decoded(self, tokenizer) -> str:
-        if self.text is not None:
-            return self.text
-        if tokenizer is None or not self.params.detokenize:
-            return ""
-        return tokenizer.decode(self.token_ids)
-
-    def completion(self, tokenizer) -> CompletionOutput:
-        text = self.decoded(tokenizer)
-        tokens, logprobs = self.token_ids, self.logprobs
-        if self.params.output_kind is RequestOutputKind.DELTA:
-            start, chars = self.num_reported_tokens, self.num_reported_chars
-            self.num_reported_tokens, self.num_reported_chars = len(tokens), len(text)
-            tokens, text = tokens[start:], text[chars:]
-            logprobs = None if logprobs is None else logprobs[start:]
-        return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=list(tokens),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if logprobs is None else list(logprobs),
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
-
-
-@dataclasses.dataclass(slots=True)
-class _Request:
-    """A user's request: its prompt and its ``n`` sequences."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[str]
-    metrics: RequestMetrics
-    num_unfinished: int
 
 
 class Engine:
@@ -180,8 +120,9 @@ class Engine:
         self.stats = EngineStats()
         # Decision counts (preemptions, recomputed tokens), kept as serving.lab keeps them.
         self.scheduler_stats = SchedulerStats()
-        self._requests: dict[str, _Request] = {}
-        self._sequences: dict[str, _Sequence] = {}
+        # the users' requests, and each one's n sampled sequences (every live Request), by id
+        self._parents: dict[str, ParentRequest] = {}
+        self._requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self._in_flight: collections.deque[StepHandle] = collections.deque()
         self._ready: list[RequestOutput] = []  # outputs of aborted requests, for the next step
@@ -323,18 +264,18 @@ class Engine:
         prompt_ids = self.check_request(request_id, prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        clash = [i for i in ids[1:] if i in self._sequences or i in self._requests]
+        clash = [i for i in ids[1:] if i in self._requests or i in self._parents]
         if clash:
             raise ValueError(f"request id {clash[0]!r} (a child of {request_id!r}) is in use")
-        metrics = RequestMetrics(arrival_time=now)
-        self._requests[request_id] = _Request(
-            request_id, prompt, prompt_ids, params, ids, metrics, len(ids)
+        parent = ParentRequest(
+            request_id, prompt, prompt_ids, params, RequestMetrics(arrival_time=now)
         )
+        self._parents[request_id] = parent
         for index, child_id in enumerate(ids):
             child_params = dataclasses.replace(params, n=1)
             if params.seed is not None:
                 child_params.seed = params.seed + index  # vLLM's parallel-sampling seeds
-            self._add_sequence(child_id, request_id, index, prompt_ids, child_params, now, priority)
+            self._add_sequence(parent, child_id, index, child_params, now, priority)
 
     def check_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -343,7 +284,7 @@ class Engine:
         it would raise (`LLM.generate` checks a batch before queueing any of it)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests or request_id in self._sequences:
+        if request_id in self._parents or request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}: it is still running")
         try:
             prompt_ids = [int(t) for t in prompt_token_ids]
@@ -376,20 +317,34 @@ class Engine:
 
     def _add_sequence(
         self,
+        parent: ParentRequest,
         request_id: str,
-        parent_id: str,
         index: int,
-        prompt_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
         priority: int,
     ) -> None:
+        """One sampled sequence of ``parent``: its `Request`, queued and registered."""
+        prompt_ids = parent.prompt_token_ids
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_ids)
-        request = self.kv_cache_manager.new_request(
+        if params.seed is not None:
+            key_data = S.key_data_for_seed(params.seed)
+        else:
+            key_data = S.key_data_for_seed(_splitmix64(self.seed * 2**32 + self._num_unseeded))
+            self._num_unseeded += 1
+        manager = self.kv_cache_manager
+        request = Request(
             request_id,
             prompt_ids,
+            params,
+            stop=StopCriteria.of(params, self.eos_token_id),
+            key_data=key_data,
+            parent=parent,
+            index=index,
+            # hashed at the allocator's granularity when prefix caching is on
+            hash_block_size=manager.hash_block_size if manager.enable_caching else None,
             max_tokens=max_tokens,
             priority=priority,
             arrival_time=arrival_time,
@@ -397,23 +352,11 @@ class Engine:
                 params.prompt_logprobs is not None and not self.prompt_logprobs_on_hits
             ),
         )
-        stop = StopCriteria(
-            eos_token_id=None if params.ignore_eos else self.eos_token_id,
-            stop_token_ids=frozenset(params.stop_token_ids or ()),
-            min_tokens=params.min_tokens,
-        )
-        if params.seed is not None:
-            key_data = S.key_data_for_seed(params.seed)
-        else:
-            key_data = S.key_data_for_seed(_splitmix64(self.seed * 2**32 + self._num_unseeded))
-            self._num_unseeded += 1
-        self.scheduler.add_request(request, stop)
-        self.runner.register(request_id, params, key_data, len(prompt_ids))
-        seq = _Sequence(request_id, parent_id, index, params, len(prompt_ids))
-        if params.logprobs is not None:
-            seq.logprobs, seq.cumulative_logprob = [], 0.0
-        seq.metrics = RequestMetrics(arrival_time=arrival_time)
-        self._sequences[request_id] = seq
+        self.scheduler.add_request(request)
+        self.runner.register(request)
+        parent.children.append(request)
+        parent.num_unfinished += 1
+        self._requests[request_id] = request
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (by the ids given to `add_request`), running or waiting; their final
@@ -424,17 +367,19 @@ class Engine:
             ValueError: an id this engine has never seen (nothing is aborted then).
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        unknown = [i for i in ids if i not in self._requests and i not in self._finished_ids]
+        unknown = [i for i in ids if i not in self._parents and i not in self._finished_ids]
         if unknown:
             raise ValueError(f"cannot abort unknown request ids {unknown!r}")
         for request_id in dict.fromkeys(ids):
-            req = self._requests.get(request_id)
+            req = self._parents.get(request_id)
             if req is None:
                 continue
-            live = [c for c in req.children if self._sequences[c].finish_reason is None]
-            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-            for child_id in live:
-                self._finish(self._sequences[child_id], "abort", None)
+            live = [c for c in req.children if not c.is_finished]
+            self.scheduler.finish_requests(
+                [c.request_id for c in live], RequestStatus.FINISHED_ABORTED
+            )
+            for child in live:
+                self._finish(child, "abort", None)
             out = self._output(req)
             if out.finished:
                 self._ready.append(out)
@@ -443,7 +388,7 @@ class Engine:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._parents)
 
     def subscribe_kv_events(self, callback: Callable[[list], None]) -> None:
         """Call ``callback(events)`` after every step with the allocator's KV events of that
@@ -540,25 +485,23 @@ class Engine:
             stacklevel=3,
         )
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
-        seq = self._sequences[request_id]
-        self._finish(seq, "error", None)
-        return self._outputs_due([seq.parent_id])
+        request = self._requests[request_id]
+        self._finish(request, "error", None)
+        return self._outputs_due([request.parent])
 
     def _note_scheduled(self, output) -> None:
         now = time.monotonic()
         for new in output.scheduled_new_reqs:
-            seq = self._sequences.get(new.request_id)
-            if seq is None or seq.scheduled:
-                continue
-            seq.scheduled = True
-            seq.num_cached_tokens = new.num_computed_tokens
-            seq.metrics.first_scheduled_time = now
-            seq.metrics.num_cached_tokens = new.num_computed_tokens
-            req = self._requests[seq.parent_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-                req.metrics.num_cached_tokens = new.num_computed_tokens
-            self.stats.num_prompt_tokens += seq.num_prompt_tokens
+            request = self._requests.get(new.request_id)
+            if request is None or request.metrics.first_scheduled_time is not None:
+                continue  # gone, or resumed after a preemption
+            request.metrics.first_scheduled_time = now
+            request.metrics.num_cached_tokens = new.num_computed_tokens
+            parent = request.parent.metrics
+            if parent.first_scheduled_time is None:
+                parent.first_scheduled_time = now
+                parent.num_cached_tokens = new.num_computed_tokens
+            self.stats.num_prompt_tokens += request.num_prompt_tokens
         sched = self.scheduler_stats
         sched.observe(output)
         self.stats.num_preemptions = sched.preemptions
@@ -567,10 +510,10 @@ class Engine:
         self.stats.prefix_cache_queries = sched.prefix_queries
         self.stats.prefix_cache_hits = sched.prefix_hits
         for request_id in output.preempted_req_ids:
-            seq = self._sequences.get(request_id)
-            if seq is not None:
-                seq.metrics.num_preemptions += 1
-                self._requests[seq.parent_id].metrics.num_preemptions += 1
+            request = self._requests.get(request_id)
+            if request is not None:
+                request.metrics.num_preemptions += 1
+                request.parent.metrics.num_preemptions += 1
 
     def _propose(self, step_output: StepOutput) -> None:
         """Drafts for the next step of every running request (the scheduler keeps only those
@@ -599,52 +542,54 @@ class Engine:
     def _apply(self, step_output: StepOutput, result, scheduled=None) -> list[RequestOutput]:
         """Tokens into sequences (text, logprobs, stop strings); finished sequences out."""
         now = time.monotonic()
-        touched: dict[str, None] = {}
+        touched: dict[int, ParentRequest] = {}  # by id(): in the order they were touched
         if result.spec_decoding_stats is not None:
             self.stats.observe_spec(result.spec_decoding_stats)
         if scheduled is not None:
             for request_id, drafts in scheduled.scheduled_spec_decode_tokens.items():
-                seq = self._sequences.get(request_id)
+                request = self._requests.get(request_id)
                 sampled = step_output.sampled_token_ids.get(request_id)
-                if seq is None or not sampled:
+                if request is None or not sampled:
                     continue
-                for m in (seq.metrics, self._requests[seq.parent_id].metrics):
+                for m in (request.metrics, request.parent.metrics):
                     m.spec_num_draft_tokens += len(drafts)
                     m.spec_num_accepted_tokens += len(sampled) - 1
         for request_id, tokens in result.new_token_ids.items():
-            seq = self._sequences[request_id]
-            self._append(seq, tokens, step_output.logprobs.get(request_id), now)
-            touched[seq.parent_id] = None
+            request = self._requests[request_id]
+            self._note_tokens(request, tokens, step_output.logprobs.get(request_id), now)
+            touched[id(request.parent)] = request.parent
         for request_id, entries in step_output.prompt_logprobs.items():
-            seq = self._sequences.get(request_id)
-            if seq is None:
+            request = self._requests.get(request_id)
+            if request is None:
                 continue
-            prompt = self._requests[seq.parent_id].prompt_token_ids
-            n = seq.params.prompt_logprobs
+            prompt = request.prompt_token_ids
+            n = request.sampling_params.prompt_logprobs
             for position, entry in entries.items():
-                if position not in seq.prompt_logprobs:  # a recompute scores it again
-                    seq.prompt_logprobs[position] = self._logprob_dict(entry, prompt[position], n)
+                if position not in request.prompt_logprobs:  # a recompute scores it again
+                    request.prompt_logprobs[position] = logprob_dict(
+                        entry, prompt[position], n, self._decode_token
+                    )
         for request_id in result.new_token_ids:
-            seq = self._sequences[request_id]
-            stop = self._check_stop_strings(seq)
+            request = self._requests[request_id]
+            stop = self._check_stop_strings(request)
             if stop is None:
                 continue
             if request_id not in result.finished:  # vLLM aborts it in the engine core
                 self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED)
-            self._finish(seq, "stop", stop)  # also over a length cap on the same token
+            self._finish(request, "stop", stop)  # also over a length cap on the same token
         for request_id, status in result.finished.items():
-            seq = self._sequences[request_id]
-            if seq.finish_reason is None:
-                self._finish(seq, _FINISH_REASONS[status], result.stop_reasons.get(request_id))
-            touched[seq.parent_id] = None
-        return self._outputs_due(touched)
+            request = self._requests[request_id]
+            if request.finish_reason is None:
+                reason = _FINISH_REASONS[status]
+                self._finish(request, reason, result.stop_reasons.get(request_id))
+            touched[id(request.parent)] = request.parent
+        return self._outputs_due(touched.values())
 
-    def _outputs_due(self, parent_ids: Iterable[str]) -> list[RequestOutput]:
+    def _outputs_due(self, parents: Iterable[ParentRequest]) -> list[RequestOutput]:
         """The outputs of these requests that are due now: every request that finished, and
         the unfinished ones unless they asked for the final output only."""
         outputs = []
-        for parent_id in parent_ids:
-            req = self._requests[parent_id]
+        for req in parents:
             if (
                 req.num_unfinished == 0
                 or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
@@ -652,65 +597,53 @@ class Engine:
                 outputs.append(self._output(req))
         return outputs
 
-    def _append(self, seq: _Sequence, tokens: list[int], logprob, now: float) -> None:
-        m = seq.metrics
+    def _note_tokens(self, request: Request, tokens: list[int], logprob, now: float) -> None:
+        """Metrics and logprobs of the tokens the scheduler just appended to ``request``."""
+        m, parent = request.metrics, request.parent.metrics
         if m.first_token_time is None:
             m.first_token_time = now
-            parent = self._requests[seq.parent_id].metrics
             if parent.first_token_time is None:
                 parent.first_token_time = now
-        m.last_token_time = now
-        self._requests[seq.parent_id].metrics.last_token_time = now
+        m.last_token_time = parent.last_token_time = now
         m.num_generation_tokens += len(tokens)
-        self._requests[seq.parent_id].metrics.num_generation_tokens += len(tokens)
+        parent.num_generation_tokens += len(tokens)
         self.stats.num_generation_tokens += len(tokens)
-        seq.token_ids += tokens
-        if seq.logprobs is not None and logprob is not None:
-            for token, entry in zip(tokens, logprob):  # one entry per sampled token
-                seq.logprobs.append(self._logprob_dict(entry, token, seq.params.logprobs))
-                seq.cumulative_logprob += entry[0]
-
-    def _logprob_dict(self, entry, token_id: int, n: int) -> dict[int, Logprob]:
-        """vLLM's per-position dict: the chosen (or prompt) token first, then the top ``n``."""
-        lp, rank, top_ids, top_lps = entry
-        out = {token_id: Logprob(lp, rank, self._decode_token(token_id))}
-        for i, (tid, tlp) in enumerate(zip(top_ids[:n], top_lps[:n], strict=True)):
-            out.setdefault(tid, Logprob(tlp, i + 1, self._decode_token(tid)))
-        return out
+        request.append_logprobs(tokens, logprob, self._decode_token)
 
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _check_stop_strings(self, seq: _Sequence) -> str | None:
+    def _check_stop_strings(self, request: Request) -> str | None:
         """vLLM's stop-string check on the new text: the first stop string (in the order
         given) found ends the sequence; the text is cut before it (or after it with
         include_stop_str_in_output)."""
-        stops = seq.params.stop
+        params = request.sampling_params
+        stops = params.stop
         if not stops or self.tokenizer is None:
             return None
-        text = self.tokenizer.decode(seq.token_ids)
+        text = self.tokenizer.decode(request.output_token_ids)
         for stop in stops:
             index = text.find(stop)
             if index < 0:
                 continue
-            end = index + len(stop) if seq.params.include_stop_str_in_output else index
-            seq.text = text[:end]
+            end = index + len(stop) if params.include_stop_str_in_output else index
+            request.text = text[:end]
             return stop
         return None
 
-    def _finish(self, seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        seq.metrics.finished_time = time.monotonic()
-        self.runner.finish([seq.request_id])
-        req = self._requests[seq.parent_id]
+    def _finish(self, request: Request, reason: str, stop_reason: int | str | None) -> None:
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.metrics.finished_time = time.monotonic()
+        self.runner.finish([request.request_id])
+        req = request.parent
         req.num_unfinished -= 1
         if req.num_unfinished == 0:
-            req.metrics.finished_time = seq.metrics.finished_time
+            req.metrics.finished_time = request.metrics.finished_time
             self.stats.num_requests_finished += 1
 
-    def _output(self, req: _Request) -> RequestOutput:
-        seqs = [self._sequences[c] for c in req.children]
-        finished = req.num_unfinished == 0
+    def _output(self, req: ParentRequest) -> RequestOutput:
+        seqs = req.children
+        finished = req.finished
         plp = None
         if req.params.prompt_logprobs is not None:
             first = seqs[0]
@@ -728,10 +661,10 @@ class Engine:
             num_cached_tokens=req.metrics.num_cached_tokens,
         )
         if finished:
-            for child_id in req.children:
-                del self._sequences[child_id]
-                self._finished_ids.add(child_id)
-            del self._requests[req.request_id]
+            for child in req.children:
+                del self._requests[child.request_id]
+                self._finished_ids.add(child.request_id)
+            del self._parents[req.request_id]
             self._finished_ids.add(req.request_id)
         return out
 

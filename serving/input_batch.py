@@ -6,8 +6,12 @@ The scheduler sends a request's whole state only when it (re)enters the batch
 step (`CachedRequestData`). This class keeps what those messages add up to — each request's
 block ids per KV-cache group, the tokens the host knows, how many of its sampled tokens are
 still only on the device, its persistent slot and its bounded-replay bounds — and turns one
-step's plan into `dsv4.paged.batch.StepRequest`s. It is the one place that does so: the model
-runner and the paged-step test harness both use it.
+step's plan into `ScheduledRow`s (the runner's view of each row) and
+`dsv4.paged.batch.StepRequest`s (the model's). It is the one place that does so: the model
+runner and the paged-step test harness both use it. `RequestState` is the runner's side of a
+`serving.request.Request` (which it points to): it lives from an admission to the next
+preemption or the finish, and holds what the device has, a step ahead of what the scheduler
+has learned.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from dsv4.paged.batch import StepRequest
+from serving.request import Request
 from serving.scheduler import NewRequestData, SchedulerOutput
 
 __all__ = ["InputBatch", "RequestState", "ScheduledRow"]
@@ -24,7 +29,8 @@ __all__ = ["InputBatch", "RequestState", "ScheduledRow"]
 
 @dataclasses.dataclass(slots=True)
 class RequestState:
-    """What the host keeps of one running request."""
+    """What the runner keeps of one running request between its admission and its preemption
+    or finish (see the module docstring)."""
 
     request_id: str
     slot: int  # its row of the device's per-slot state
@@ -61,7 +67,9 @@ class RequestState:
         guess = self.pending_guesses[0] if self.pending_guesses else None
         return guess is None or guess == self.last_outcome
 
-    extra: object = None  # what the owner attaches (the runner: sampling parameters)
+    # the request itself, when the owner attaches it (the runner: its sampling parameters and
+    # key); None for a harness that drives the batch without an engine
+    request: Request | None = None
 
     @property
     def num_pending(self) -> int:
@@ -83,24 +91,34 @@ class RequestState:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledRow:
-    """One request's row of a step: where its tokens start, how many, whether it samples, and
-    for each token the slot whose last sampled token it is on the device (-1: host-known).
+    """One request's row of a step (a view of the request for that step): where its tokens
+    start, how many (its drafts included), whether it samples, the drafts it verifies, and for
+    each token the slot whose last sampled token it is on the device (-1: host-known).
 
     With drafts made on the device (``device_drafts``), the row's drafts are the slot's last
-    drafts there. With ``shifted`` drafts in flight (`RequestState.num_shifted`), ``start`` is
-    optimistic: the device moves the row back by the drafts of that step it rejected, and
-    ``history`` holds the tokens of the ``shifted`` positions before the Engram look-back
-    (newest first; -1 before position 0), which a moved row's look-back reaches."""
+    drafts there (-1 placeholders in ``drafts``). With ``shifted`` drafts in flight
+    (`RequestState.num_shifted`), ``start`` is optimistic: the device moves the row back by the
+    drafts of that step it rejected, and ``history`` holds the tokens of the ``shifted``
+    positions before the Engram look-back (newest first; -1 before position 0), which a moved
+    row's look-back reaches. ``prompt_logprobs``: some of its positions predict prompt tokens
+    whose logprobs it asked for (the runner sets it)."""
 
     request_id: str
     start: int
     num_tokens: int
     samples: bool
-    num_drafts: int
+    drafts: tuple[int, ...]
     device_slots: tuple[int, ...]
     device_drafts: bool = False
     shifted: int = 0
     history: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0
+    prompt_logprobs: bool = False
+
+    @property
+    def num_drafts(self) -> int:
+        """Its last ``num_drafts`` tokens are drafts to verify."""
+        return len(self.drafts)
 
 
 class InputBatch:
@@ -169,7 +187,7 @@ class InputBatch:
         for request_id, n in output.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = starts[request_id]  # tokens in its cache before this step
-            drafts = list(output.scheduled_spec_decode_tokens.get(request_id, []))
+            drafts = tuple(output.scheduled_spec_decode_tokens.get(request_id, ()))
             # -1 drafts are placeholders: the device drafted them (async scheduling)
             device_drafts = bool(drafts) and drafts[0] < 0
             tokens, device = self._inputs(state, start, n - len(drafts))
@@ -203,16 +221,17 @@ class InputBatch:
                     start,
                     n,
                     request_id in output.sampling_req_ids,
-                    len(drafts),
+                    drafts,
                     (*device, *[-1] * len(drafts)),
                     device_drafts,
                     shifted,
                     history,
+                    state.num_prompt_tokens,
                 )
             )
             step_requests.append(
                 StepRequest(
-                    token_ids=tokens + ([0] * len(drafts) if device_drafts else drafts),
+                    token_ids=tokens + ([0] * len(drafts) if device_drafts else list(drafts)),
                     start=start,
                     block_ids=state.block_ids,
                     replay_start=state.replay_start,

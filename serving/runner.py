@@ -93,8 +93,8 @@ from dsv4.paged.draft import draft_paged, seed_drafter
 from dsv4.paged.step import paged_forward_streams
 from serving import sampler as S
 from serving.config import EngineConfig
-from serving.input_batch import InputBatch, RequestState
-from serving.sampling_params import SamplingParams
+from serving.input_batch import InputBatch, RequestState, ScheduledRow
+from serving.request import Request
 from serving.scheduler import SchedulerOutput
 
 __all__ = [
@@ -149,25 +149,11 @@ def rows_for(num_tokens: int, max_num_seqs: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Row:
-    """One request row of a dispatched step."""
-
-    request_id: str
-    samples: bool
-    start: int  # position of its first scheduled token
-    num_tokens: int  # drafts included
-    prompt_logprobs: bool  # some of its positions predict prompt tokens
-    num_prompt_tokens: int
-    drafts: tuple[int, ...] = ()  # its last len(drafts) tokens are drafts to verify
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class _Plan:
     """A step's rows as `ModelRunner.plan` placed them, before its size is fixed."""
 
-    rows: list[_Row]
-    scheduled: list  # serving.input_batch's scheduled rows, in row order
-    step_requests: list[StepRequest]
+    rows: list[ScheduledRow]
+    step_requests: list[StepRequest]  # the model's view of each row, in row order
     targets: list[int]  # per scheduled token, the prompt token it predicts (-1 = none)
     num_tokens: int
 
@@ -210,7 +196,7 @@ class StepHandle:
     ) -> None:
         self.scheduler_output = output
         self._runner = runner
-        self._rows: list[_Row] = rows
+        self._rows: list[ScheduledRow] = rows
         self._device_out = device_out
         self._part: tuple[_Burst, int] | None = part
         self._host: StepOutput | None = None
@@ -320,8 +306,8 @@ class ModelRunner:
             self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
             self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, k))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
-        # what the engine registered for requests that may (re)enter the batch
-        self._registered: dict[str, tuple[SamplingParams, np.ndarray, int]] = {}
+        # the requests the engine registered, which the scheduler may (re)admit, by id
+        self._registered: dict[str, Request] = {}
 
     def _replicated(self, tree):
         """``tree`` replicated over the mesh (as it is without one)."""
@@ -336,11 +322,10 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- requests
 
-    def register(
-        self, request_id: str, params: SamplingParams, key_data: np.ndarray, num_prompt: int
-    ) -> None:
-        """Remember how a request samples, for whenever the scheduler admits it."""
-        self._registered[request_id] = (params, key_data, num_prompt)
+    def register(self, request: Request) -> None:
+        """Remember a request (its sampling parameters and key), for whenever the scheduler
+        admits it."""
+        self._registered[request.request_id] = request
 
     def finish(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests and free their slots at once. A step still in flight may
@@ -374,9 +359,11 @@ class ModelRunner:
     def _admit(self, new) -> None:
         """A request (re)entering the batch, and its sampler rows when it needs them
         (penalties, min_tokens)."""
-        params, key_data, num_prompt = self._registered[new.request_id]
+        request = self._registered[new.request_id]
+        num_prompt = request.num_prompt_tokens
         state = self.inputs.admit(new, num_prompt)
-        state.extra = (params, key_data)
+        state.request = request
+        params = request.sampling_params
         if params.uses_penalties or params.min_tokens:
             tokens = state.tokens
             rows = S.slot_rows(
@@ -486,36 +473,31 @@ class ModelRunner:
         for new in output.scheduled_new_reqs:
             self._admit(new)
         scheduled, step_requests = self.inputs.schedule(output)
-        rows: list[_Row] = []
+        rows: list[ScheduledRow] = []
         targets: list[int] = []
         for row in scheduled:
             state = self.requests[row.request_id]
-            params = state.extra[0]
+            params = state.request.sampling_params
             plp = params.prompt_logprobs is not None and row.start < state.num_prompt_tokens - 1
             n = row.num_tokens
             targets += self._prompt_targets(state, row.start, n) if plp else [-1] * n
-            drafts = tuple(output.scheduled_spec_decode_tokens.get(row.request_id, ()))
-            rows.append(
-                _Row(
-                    row.request_id, row.samples, row.start, n, plp, state.num_prompt_tokens, drafts
-                )
-            )
-        return _Plan(rows, scheduled, step_requests, targets, output.total_num_scheduled_tokens)
+            rows.append(dataclasses.replace(row, prompt_logprobs=True) if plp else row)
+        return _Plan(rows, step_requests, targets, output.total_num_scheduled_tokens)
 
     def step_inputs(self, plan: _Plan, num_tokens: int):
         """``(batch, feed, sampling, plp_targets)`` of a planned step padded to the token
         bucket ``num_tokens`` (R = `rows_for` it): what `dispatch` runs."""
         batch = self.step_batch(plan.step_requests, plan.num_tokens, num_tokens)
         t, r = batch.token_ids.shape[0], batch.seq_lens.shape[0]
-        rows, scheduled = plan.rows, plan.scheduled
+        rows = plan.rows
         sampling = self._sampling_batch(rows, r)
         if self.num_spec:
-            guesses = self._take_guesses(rows, scheduled)
-            sampling = (sampling, self._spec_batch(rows, scheduled, r, guesses))
+            guesses = self._take_guesses(rows)
+            sampling = (sampling, self._spec_batch(rows, r, guesses))
         feed = np.full(t, -1, np.int32)
         width = self.num_spec + 1  # a slot's device tokens: its last sampled one, its drafts
         devices = []
-        for row in scheduled:
+        for row in rows:
             d = row.num_drafts
             devices += [-1 if s < 0 else s * width for s in row.device_slots[: row.num_tokens - d]]
             slot = self.requests[row.request_id].slot
@@ -571,21 +553,21 @@ class ModelRunner:
         last = state.num_prompt_tokens - 1
         return [state.tokens[p + 1] if p < last else -1 for p in range(start, start + n)]
 
-    def _num_outputs(self, row: _Row) -> int:
+    def _num_outputs(self, row: ScheduledRow) -> int:
         """Outputs a request had before this step's first sampled token (the row was counted
         in flight already; drafts in flight as accepted: the device corrects a moved row)."""
         state = self.requests[row.request_id]
         return state.num_tokens - state.num_prompt_tokens - row.samples * (1 + len(row.drafts))
 
-    def _sampling_batch(self, rows: Sequence[_Row], num_rows: int) -> S.SamplingBatch:
+    def _sampling_batch(self, rows: Sequence[ScheduledRow], num_rows: int) -> S.SamplingBatch:
         sampling_rows = []
         for row in rows:
             state = self.requests[row.request_id]
-            params, key_data = state.extra
+            params = state.request.sampling_params
             sampling_rows.append(
                 S.RowSampling(
                     params=params,
-                    key_data=key_data,
+                    key_data=state.request.key_data,
                     # the position of the (first) sampled token: after the verified tokens
                     counter=row.start + row.num_tokens - len(row.drafts),
                     slot=state.slot,
@@ -595,24 +577,22 @@ class ModelRunner:
             )
         return S.build_sampling_batch(sampling_rows, num_rows, self.padding_slot)
 
-    def _take_guesses(self, rows: Sequence[_Row], scheduled) -> dict[str, tuple[int, int]]:
+    def _take_guesses(self, rows: Sequence[ScheduledRow]) -> dict[str, tuple[int, int]]:
         """The guess each row's host drafts were proposed under (`set_draft_guesses`), by
         request id. A guess serves the step right after its proposal only: every scheduled
         request's is taken, and a sampling row's is recorded with its step in flight (the
         host needs it to know whether that step's drafts can be accepted)."""
         guesses = {}
-        for row, sched in zip(rows, scheduled, strict=True):
+        for row in rows:
             state = self.requests[row.request_id]
-            if row.drafts and not sched.device_drafts and state.guess is not None:
+            if row.drafts and not row.device_drafts and state.guess is not None:
                 guesses[row.request_id] = state.guess
                 if row.samples:
                     self.inputs.note_guess(row.request_id, state.guess)
             state.guess = None
         return guesses
 
-    def _spec_batch(
-        self, rows: Sequence[_Row], scheduled, num_rows: int, guesses=None
-    ) -> SpecBatch:
+    def _spec_batch(self, rows: Sequence[ScheduledRow], num_rows: int, guesses=None) -> SpecBatch:
         """Each row's draft count, how far min_tokens still masks the stop tokens, whether its
         positions are optimistic (then the Engram history a moved row needs), and the guess
         its drafts were proposed under (``guesses``, from `_take_guesses`)."""
@@ -623,17 +603,17 @@ class ModelRunner:
         history = np.full((num_rows, k), -1, np.int32)
         guess = np.full(num_rows, -1, np.int32)
         guess_rejected = np.zeros(num_rows, np.int32)
-        for i, (row, sched) in enumerate(zip(rows, scheduled, strict=True)):
+        for i, row in enumerate(rows):
             state = self.requests[row.request_id]
-            num_drafts[i] = len(row.drafts)
-            min_tokens_left[i] = state.extra[0].min_tokens - self._num_outputs(row)
-            shifted[i] = sched.shifted > 0
-            if sched.shifted and not self.plans_ahead:
+            num_drafts[i] = row.num_drafts
+            min_tokens_left[i] = state.request.sampling_params.min_tokens - self._num_outputs(row)
+            shifted[i] = row.shifted > 0
+            if row.shifted and not self.plans_ahead:
                 raise RuntimeError(
-                    f"{row.request_id!r} was planned past {sched.shifted} drafts in flight, but "
+                    f"{row.request_id!r} was planned past {row.shifted} drafts in flight, but "
                     "this runner was built with plans_ahead=False (its step cannot move it back)"
                 )
-            history[i, : len(sched.history)] = sched.history
+            history[i, : len(row.history)] = row.history
             if guesses and row.request_id in guesses:
                 guess[i], guess_rejected[i] = guesses[row.request_id]
         return SpecBatch(
@@ -645,7 +625,7 @@ class ModelRunner:
             guess_rejected=guess_rejected,
         )
 
-    def collect(self, rows: Sequence[_Row], host) -> StepOutput:
+    def collect(self, rows: Sequence[ScheduledRow], host) -> StepOutput:
         """Host copies of a fetched step -> per-request results; the runner learns the sampled
         tokens of requests it still runs."""
         (ints, floats, accepted, drafts), plp = host
@@ -727,7 +707,7 @@ class ModelRunner:
         )
         sampling = S.build_sampling_batch([], r, self.padding_slot)
         if self.num_spec:
-            sampling = (sampling, self._spec_batch([], [], r))
+            sampling = (sampling, self._spec_batch([], r))
         none = np.full(num_tokens, -1, np.int32)
         return batch, none, sampling, none
 

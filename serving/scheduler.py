@@ -49,47 +49,27 @@ Invariants kept here:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from serving.request import Request, RequestStatus, StopCriteria, init_scheduling
 from serving.request_queue import SchedulingPolicy, create_request_queue
 
-if TYPE_CHECKING:  # the scheduler only calls into these; it never constructs them
-    from cache import KVCacheManager, Request
+if TYPE_CHECKING:  # the scheduler only calls into it; it never constructs one
+    from cache import KVCacheManager
 
-
-class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request in the scheduler (vLLM `RequestStatus`, the subset we use).
-
-    As in vLLM, every status after PREEMPTED is a finished one.
-    """
-
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH_CAPPED = enum.auto()
-    FINISHED_ABORTED = enum.auto()
-    # vLLM's FINISHED_ERROR; here: a request an idle pool cannot admit (`stalled_request`)
-    FINISHED_ERROR = enum.auto()
-
-    @property
-    def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StopCriteria:
-    """When a request stops by its tokens (vLLM's `check_stop` inputs, from its SamplingParams).
-
-    ``eos_token_id`` is None when there is none or it is ignored (``ignore_eos``).
-    """
-
-    eos_token_id: int | None = None
-    stop_token_ids: frozenset[int] = frozenset()
-    min_tokens: int = 0
+__all__ = [
+    "CachedRequestData",
+    "NewRequestData",
+    "RequestStatus",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "SpecDecodingStats",
+    "StopCriteria",
+    "UpdateResult",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -369,20 +349,13 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.drafts_on_device = drafts_on_device
 
-        self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.status: dict[str, RequestStatus] = {}  # same keys as `requests`
-        self.stop_criteria: dict[str, StopCriteria] = {}  # same keys as `requests`
-        # Sampling steps in flight per request (vLLM num_output_placeholders); async only.
-        self.num_output_placeholders: dict[str, int] = {}  # same keys as `requests`
-        # Drafts those steps verify (async only): optimistically counted as accepted until
-        # the step's output says how many were (see the module docstring).
-        self.num_draft_placeholders: dict[str, int] = {}  # same keys as `requests`
+        # Every unfinished request, by id; each carries its status, stop rules and in-flight
+        # counts (`serving.request.Request`).
+        self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(policy)
         self.running: list[Request] = []  # admission order; FCFS preempts from the back
         # Finished since the last schedule(): reported once in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
-        # Requests whose last scheduled chunk did not reach the end of their tokens.
-        self._in_prefill: set[str] = set()
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -390,8 +363,11 @@ class Scheduler:
         """Queue a new request as WAITING (vLLM `add_request`).
 
         Args:
-            request: the allocator's request (prompt, hashes, max_tokens, priority).
-            stop: its stop rules; None: the scheduler's ``eos_token_id`` only.
+            request: the request (`serving.request.Request`; a bare `cache.Request`, as the
+                lab and the allocator benchmarks make them, is given the scheduler's fields
+                here, `init_scheduling`).
+            stop: its stop rules; None: the request's own (``request.stop``), else the
+                scheduler's ``eos_token_id`` only.
 
         Raises:
             ValueError: the id is already known, the prompt is empty or not shorter than
@@ -418,16 +394,13 @@ class Scheduler:
                 f"{request.num_computed_tokens}; a new request must have 0"
             )
         if stop is None:
-            stop = StopCriteria(eos_token_id=self.eos_token_id)
+            stop = getattr(request, "stop", None) or StopCriteria(eos_token_id=self.eos_token_id)
         _check_count("min_tokens", stop.min_tokens)
         _check_token_ids(request_id, stop.stop_token_ids)
         if stop.eos_token_id is not None:
             _check_token_ids(request_id, [stop.eos_token_id])
+        init_scheduling(request, stop)
         self.requests[request_id] = request
-        self.status[request_id] = RequestStatus.WAITING
-        self.stop_criteria[request_id] = stop
-        self.num_output_placeholders[request_id] = 0
-        self.num_draft_placeholders[request_id] = 0
         self.waiting.add_request(request)
 
     def finish_requests(
@@ -454,12 +427,10 @@ class Scheduler:
         if unknown:
             raise ValueError(f"unknown request ids {unknown!r}")
         doomed = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
-        running = {id(r) for r in doomed if self.status[r.request_id] is RequestStatus.RUNNING}
+        running = {id(r) for r in doomed if r.status is RequestStatus.RUNNING}
         if running:
             self.running = [r for r in self.running if id(r) not in running]
-        self.waiting.remove_requests(
-            r for r in doomed if self.status[r.request_id] is not RequestStatus.RUNNING
-        )
+        self.waiting.remove_requests(r for r in doomed if r.status is not RequestStatus.RUNNING)
         for request in doomed:
             self._free_request(request, finished_status)
         return doomed
@@ -486,10 +457,7 @@ class Scheduler:
                     f"at most num_spec_tokens={self.num_spec_tokens}"
                 )
             _check_token_ids(request_id, spec_token_ids)
-            runs_decode = (
-                self.status[request_id] is RequestStatus.RUNNING
-                and request_id not in self._in_prefill
-            )
+            runs_decode = request.status is RequestStatus.RUNNING and not request.is_prefill_chunk
             request.spec_token_ids = list(spec_token_ids) if runs_decode else []
 
     def stalled_request(self, output: SchedulerOutput, steps_in_flight: int) -> Request | None:
@@ -581,13 +549,13 @@ class Scheduler:
     def _num_new_tokens_running(self, request: Request, token_budget: int) -> int:
         """Tokens to close the gap to `num_tokens_with_spec` (+ output placeholders), capped
         as vLLM caps them; 0 for a request its in-flight steps will certainly finish."""
-        placeholders = self.num_output_placeholders[request.request_id]
+        placeholders = request.num_output_placeholders
         if placeholders and self._finished_in_flight(request, placeholders):
             return 0
         num_new_tokens = (
             request.num_tokens_with_spec
             + placeholders
-            + self.num_draft_placeholders[request.request_id]
+            + request.num_draft_placeholders
             - request.num_computed_tokens
         )
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
@@ -636,12 +604,11 @@ class Scheduler:
         """Free a running request and put it at the head of `waiting` (vLLM
         `_preempt_request`): recompute, not swap, so its computed tokens drop to 0."""
         self.kv_cache_manager.free(request)
-        request_id = request.request_id
-        self.status[request_id] = RequestStatus.PREEMPTED
+        request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
-        self._in_prefill.discard(request_id)
+        request.is_prefill_chunk = False
         self.waiting.prepend_request(request)
 
     def _record_running(
@@ -671,7 +638,7 @@ class Scheduler:
         out; the first request that does not fit stops admission (no head-of-line skipping)."""
         while plan.token_budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
-            if self.num_output_placeholders[request.request_id]:
+            if request.num_output_placeholders:
                 # Preempted with a step in flight: its token arrives with that step's output.
                 return
             if request.num_computed_tokens == 0:
@@ -706,7 +673,7 @@ class Scheduler:
             self.waiting.pop_request()
             self.running.append(request)
             request_id = request.request_id
-            self.status[request_id] = RequestStatus.RUNNING
+            request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
             plan.new_reqs.append(request)
             plan.num_replay_tokens[request_id] = num_replay_tokens
@@ -770,12 +737,7 @@ class Scheduler:
         """Tokens the request has, counting those its in-flight steps will sample as if every
         draft they verify were accepted (the optimistic frontier; its known tokens when
         synchronous)."""
-        request_id = request.request_id
-        return (
-            request.num_tokens
-            + self.num_output_placeholders[request_id]
-            + self.num_draft_placeholders[request_id]
-        )
+        return request.num_tokens + request.num_output_placeholders + request.num_draft_placeholders
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         """vLLM `_update_after_schedule`: advance `num_computed_tokens` (and the in-flight
@@ -789,16 +751,13 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             # The manager keeps blocks an in-flight step may still write (vLLM 0.32).
             request.num_in_flight_tokens += num_tokens
-            if request_id in output.sampling_req_ids:
-                self._in_prefill.discard(request_id)
-                if self.async_scheduling:
-                    self.num_output_placeholders[request_id] += 1
-                    drafts = output.scheduled_spec_decode_tokens.get(request_id, ())
-                    self.num_draft_placeholders[request_id] += len(drafts)
-                    if self.drafts_on_device:
-                        request.spec_token_ids = [-1] * self.num_spec_tokens
-            else:
-                self._in_prefill.add(request_id)
+            request.is_prefill_chunk = request_id not in output.sampling_req_ids
+            if self.async_scheduling and not request.is_prefill_chunk:
+                request.num_output_placeholders += 1
+                drafts = output.scheduled_spec_decode_tokens.get(request_id, ())
+                request.num_draft_placeholders += len(drafts)
+                if self.drafts_on_device:
+                    request.spec_token_ids = [-1] * self.num_spec_tokens
 
     # ---------------------------------------------------------------- outputs
 
@@ -850,16 +809,16 @@ class Scheduler:
             if request is not None:
                 request.num_in_flight_tokens -= num_tokens
                 if self.async_scheduling and request_id in scheduler_output.sampling_req_ids:
-                    self.num_output_placeholders[request_id] -= 1
+                    request.num_output_placeholders -= 1
                     drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, ())
-                    self.num_draft_placeholders[request_id] -= len(drafts)
+                    request.num_draft_placeholders -= len(drafts)
         new_token_ids: dict[str, list[int]] = {}
         finished: dict[str, RequestStatus] = {}
         stop_reasons: dict[str, int] = {}
         spec_stats: SpecDecodingStats | None = None
         for request, sampled, drafts in work:
             request_id = request.request_id
-            running = self.status[request_id] is RequestStatus.RUNNING
+            running = request.status is RequestStatus.RUNNING
             if not running and not self.async_scheduling:
                 continue  # cannot happen synchronously; vLLM drops such outputs
             if drafts and sampled and running:
@@ -881,7 +840,7 @@ class Scheduler:
             self.waiting.remove_requests(
                 self.requests[i]
                 for i in finished
-                if self.status[i] is not RequestStatus.RUNNING  # preempted with a step in flight
+                if self.requests[i].status is not RequestStatus.RUNNING  # preempted, step in flight
             )
             for request_id, stop_status in finished.items():
                 self._free_request(self.requests[request_id], stop_status)
@@ -925,7 +884,7 @@ class Scheduler:
         """vLLM `check_stop` order: nothing stops a request below ``min_tokens`` outputs
         (except ``max_model_len``: it could not run further); then EOS, a stop token id
         (returned as the stop reason), and the length caps."""
-        stop = self.stop_criteria[request.request_id]
+        stop = request.stop
         if request.num_output_tokens < stop.min_tokens:
             if request.num_tokens >= self.max_model_len:
                 return RequestStatus.FINISHED_LENGTH_CAPPED, None
@@ -948,11 +907,8 @@ class Scheduler:
         request_id = request.request_id
         self.kv_cache_manager.free(request)
         del self.requests[request_id]
-        del self.status[request_id]
-        del self.stop_criteria[request_id]
-        del self.num_output_placeholders[request_id]
-        del self.num_draft_placeholders[request_id]
-        self._in_prefill.discard(request_id)
+        request.status = status
+        request.is_prefill_chunk = False
         request.spec_token_ids = []
         self.finished_req_ids.add(request_id)
 

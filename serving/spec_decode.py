@@ -153,7 +153,7 @@ class DSparkProposer:
 
 def next_drafts(proposer: Any, requests: Iterable[Any], step_output: Any) -> dict[str, list[int]]:
     """The engine's one question to a proposer after a step: drafts for the next step of the
-    running ``requests`` (`cache.request.Request`), request id -> tokens (empty ones left out).
+    running ``requests`` (`serving.request.Request`), request id -> tokens (empty ones left out).
 
     ``propose_step(requests, step_output)`` answers for all at once (`DSparkProposer`); any other
     proposer answers per sequence with ``propose(token_ids) -> list[int]`` (`NgramProposer`).

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache import Request
+from serving.request import Request
 from serving.request_queue import SchedulingPolicy
 from serving.scheduler import RequestStatus, Scheduler, SchedulerOutput
 
@@ -200,7 +200,7 @@ def test_scenario_36_fcfs_preempts_last_running_and_admits_nobody():
     assert output.preempted_req_ids == {"B"}
     assert output.num_scheduled_tokens == {"A": 1}
     assert output.scheduled_new_reqs == []
-    assert scheduler.status["B"] is RequestStatus.PREEMPTED
+    assert scheduler.requests["B"].status is RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert [r.request_id for r in scheduler.running] == ["A"]
     assert [r.request_id for r in scheduler.waiting] == ["B", "C"]
@@ -238,7 +238,7 @@ def test_scenario_36_resumed_request_recomputes_prompt_and_outputs():
     assert len(resumed.token_ids) == 31  # 30 prompt + 1 output
     assert resumed.num_computed_tokens == 16  # block 0 of B stayed cached while free
     assert output.num_scheduled_tokens == {"B": 15}
-    assert scheduler.status["B"] is RequestStatus.RUNNING
+    assert scheduler.requests["B"].status is RequestStatus.RUNNING
 
 
 def test_priority_preemption_takes_lowest_priority():
