@@ -50,12 +50,12 @@ __all__ = [
     "query_and_latent",
     "rms_norm",
     "rope_tables",
-    "swiglu",
     "route",
     "select_candidate_blocks",
     "select_entries",
     "sink_attention",
     "sink_softmax",
+    "swiglu",
     "topk_indices",
 ]
 
