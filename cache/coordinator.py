@@ -149,6 +149,7 @@ class KVCacheCoordinator:
         self._cache_alignment = 0
         self._build_plans()
 
+    # Over 60 lines: the demand count stays inline, as it runs on every call that is not quiet.
     def allocate_plain(
         self,
         request: Request,
@@ -181,7 +182,26 @@ class KVCacheCoordinator:
             del self._quiet[rid]
         if self._freeing:
             self._free_skipped_plain(rid, processed, request.num_prompt_tokens)
-        need, todo = self._plain_demand(rid, num_computed_tokens, num_tokens_need_slot)
+        # `get_num_blocks_to_allocate` without hits; todo: (group, tables, blocks to add)
+        need = 0
+        todo = None
+        for i, m, tables, block_size, fixed, skips, cached in self._plan:
+            blocks = tables.get(rid)
+            held = len(blocks) if blocks else 0
+            required = fixed or -(-num_tokens_need_slot // block_size)
+            if required <= held:
+                continue
+            if todo is None:
+                todo = []
+            todo.append((i, tables, required - held))
+            if skips and rid not in cached:
+                skipped = m.get_num_skipped_tokens(num_computed_tokens) // block_size
+                if skipped > held:
+                    held = skipped
+                if required > held:
+                    need += required - held
+            else:
+                need += required - held
         if need + reserved_blocks > self.block_pool.free_block_queue.num_free_blocks:
             return None
         new_blocks = self.no_new_blocks if todo is None else self._take_new_blocks(rid, todo)
@@ -211,36 +231,10 @@ class KVCacheCoordinator:
             if blocks[num_skipped - 1] is not null:
                 m.free_blocks_in_range(blocks, 0, num_skipped)
 
-    def _plain_demand(
-        self, rid: str, num_computed_tokens: int, num_tokens_need_slot: int
-    ) -> tuple[int, list[tuple[int, dict, int]] | None]:
-        """`get_num_blocks_to_allocate` without hits: (free blocks needed, and per group that
-        grows (group index, its tables, blocks to add), or None when none grows)."""
-        need = 0
-        todo = None
-        for i, m, tables, block_size, fixed, skips, cached in self._plan:
-            blocks = tables.get(rid)
-            held = len(blocks) if blocks else 0
-            required = fixed or -(-num_tokens_need_slot // block_size)
-            if required <= held:
-                continue
-            if todo is None:
-                todo = []
-            todo.append((i, tables, required - held))
-            if skips and rid not in cached:
-                skipped = m.get_num_skipped_tokens(num_computed_tokens) // block_size
-                if skipped > held:
-                    held = skipped
-                if required > held:
-                    need += required - held
-            else:
-                need += required - held
-        return need, todo
-
     def _take_new_blocks(
         self, rid: str, todo: list[tuple[int, dict, int]]
     ) -> tuple[Sequence[KVCacheBlock], ...]:
-        """`allocate_new_blocks` for the groups `_plain_demand` found growing."""
+        """`allocate_new_blocks` for the groups `allocate_plain` found growing."""
         new_blocks = list(self.no_new_blocks)
         for i, tables, k in todo:
             new = self.block_pool.get_new_blocks(k)
