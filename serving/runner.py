@@ -282,10 +282,7 @@ class ModelRunner:
         self.drafter = config.drafter
         self.plans_ahead = plans_ahead = sched.async_scheduling
         self.num_scheduler_steps = check_num_scheduler_steps(
-            sched.num_scheduler_steps,
-            plans_ahead=plans_ahead,
-            num_speculative_tokens=k,
-            engram_lookback=cfg.engram_lookback,
+            sched.num_scheduler_steps, cfg.engram_lookback
         )
         self._groups = group_infos(kv_cache_config)
         self.static = dict(
@@ -716,27 +713,16 @@ class ModelRunner:
         return self.inputs.num_free_slots
 
 
-def check_num_scheduler_steps(
-    num_scheduler_steps, *, plans_ahead: bool, num_speculative_tokens: int, engram_lookback: int
-) -> int:
-    """``num_scheduler_steps`` if it is an int >= 1 that this runner can run, else a ValueError
-    naming it. Bursts of k > 1 steps are planned ahead (asynchronous scheduling). They are not
-    built for speculative decoding (a step's drafts depend on the step before it) nor for
-    Engram (a step's look-back must be host-known, and a burst's tokens are on the device)."""
-    if isinstance(num_scheduler_steps, bool) or not isinstance(num_scheduler_steps, int):
-        raise ValueError(f"num_scheduler_steps={num_scheduler_steps!r}; allowed: an int >= 1")
-    if num_scheduler_steps < 1:
-        raise ValueError(f"num_scheduler_steps={num_scheduler_steps}; allowed: an int >= 1")
-    if num_scheduler_steps > 1:
-        why = None
-        if not plans_ahead:
-            why = "needs async_scheduling=True (the burst's steps are planned ahead)"
-        elif num_speculative_tokens:
-            why = "does not run with speculative decoding"
-        elif engram_lookback:
-            why = "does not run with an Engram model (its look-back is read on the host)"
-        if why is not None:
-            raise ValueError(f"num_scheduler_steps={num_scheduler_steps} {why}; allowed there: 1")
+def check_num_scheduler_steps(num_scheduler_steps: int, engram_lookback: int) -> int:
+    """``num_scheduler_steps`` if the model can run bursts of that many steps, else a
+    ValueError naming it. `serving.config.SchedulerConfig` checks the rest once (an int >= 1,
+    asynchronous scheduling, no speculative decoding); an Engram model cannot, as a step's
+    look-back must be host-known and a burst's tokens are on the device."""
+    if num_scheduler_steps > 1 and engram_lookback:
+        raise ValueError(
+            f"num_scheduler_steps={num_scheduler_steps} does not run with an Engram model (its "
+            "look-back is read on the host); allowed there: 1"
+        )
     return num_scheduler_steps
 
 
