@@ -37,7 +37,7 @@ What is compiled, per device of a ``data x expert x model`` mesh (`dsv4.sharding
 
 The Pallas kernels inside this GSPMD program: XLA cannot partition a Mosaic or Triton custom
 call, so `dsv4.paged.step` runs each attention kernel inside a `jax.shard_map` over the ambient
-mesh (`dsv4.paged.step._local_kernel`): the window and sparse attention with their heads split
+mesh (`dsv4.paged.step.local_kernel`): the window and sparse attention with their heads split
 over ``model`` (each head's softmax is its own, the pages are replicated), the indexer and the
 compressor replicated (the indexer sums its heads' scores before the top-k).
 

@@ -65,6 +65,7 @@ import numpy as np
 
 from dsv4 import layers as L
 from dsv4 import reference
+from dsv4.block import decoder_block
 from dsv4.config import ModelConfig
 from dsv4.params import dspark_specs as param_specs
 from dsv4.params import require_drafter
@@ -314,16 +315,15 @@ def run_drafter(
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     moe_cfg = _stage_cfg(cfg)
     eps = cfg.norm_eps
+
+    def attention(i, h, state):
+        return _block_attention(h, params, cfg, i, cos, sin, attend), state
+
+    def ffn(i, h, state):  # a stage's experts under the drafter's MoE config
+        return L.moe(h, params, _stage(i) + "ffn.", moe_cfg), state
+
     for i in range(cfg.n_mtp_layers):
-        p = _stage(i)
-        a_pre, a_post, a_comb = L.hc_mixes(x, params, p + "hc_attn", cfg)
-        h = L.rms_norm(L.hc_pre(x, pre), params[p + "attn_norm.weight"], eps)
-        att = _block_attention(h, params, cfg, i, cos, sin, attend)
-        x = L.hc_post(att, x, a_post, a_comb)
-        f_pre, f_post, f_comb = L.hc_mixes(x, params, p + "hc_ffn", cfg)
-        h = L.rms_norm(L.hc_pre(x, a_pre), params[p + "ffn_norm.weight"], eps)
-        x = L.hc_post(L.moe(h, params, p + "ffn.", moe_cfg), x, f_post, f_comb)
-        pre = f_pre
+        x, pre, _ = decoder_block(params, cfg, i, x, pre, attention, ffn, None, prefix=_stage(i))
     last = _last(cfg)
     hidden = L.hc_pre(x, pre)  # [B, K, dim]
     logits = L.lm_head(params, L.rms_norm(hidden, params[last + "norm.weight"], eps))

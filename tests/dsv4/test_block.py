@@ -52,7 +52,8 @@ def test_every_path_runs_the_layers_through_the_block():
 
 
 def test_only_the_block_mixes_the_streams():
-    # dspark.py: the drafter's stages (their own params and MoE config) still run their mixes
+    # dspark.py: its stages run through decoder_block; it collapses the final streams itself
+    # (hc_pre), as its Markov head reads them un-normed
     allowed = {"block.py", "layers.py", "dspark.py"}
     mixing = {
         str(p.relative_to(DSV4))
