@@ -33,6 +33,8 @@ from cache.layout import (
 )
 from cache.spec import KVCacheConfig, iter_layer_specs
 from serving.cli_llm import UsageError, add_commands
+from serving.config import MODEL_NAMES
+from serving.lab.cli import add_lab_command
 from serving.scheduler import Scheduler
 
 _DESCS = {"flash": v41_flash_desc, "tiny": tiny_v41_desc}
@@ -102,13 +104,14 @@ def _layout(args: argparse.Namespace) -> int:
 
 # -- dsv4 plan ---------------------------------------------------------------------------------
 
-# `dsv4.plan.MODELS` (not imported here: it imports JAX)
-_PLAN_MODELS = ("v41_flash", "tiny_v41", "tiny_v41_full", "tiny_v41_trained")
+_PLAN_MODELS = MODEL_NAMES  # `dsv4.plan.MODELS`, named without importing JAX
 
 
 def _check_plan_args(args: argparse.Namespace):
     """Parse the slices and the mesh; reject bad values with the flag and the value."""
-    from dsv4 import plan as P
+    from dsv4 import (
+        plan as P,  # reason: the planner imports JAX; the other commands start without it
+    )
 
     _check_at_least("--max-num-seqs", args.max_num_seqs, 1)
     _check_at_least("--max-model-len", args.max_model_len, 1)
@@ -130,7 +133,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     slices, mesh = _check_plan_args(args)
-    from dsv4 import plan as P
+    from dsv4 import plan as P  # reason: as in _check_plan_args
 
     cfg = P.MODELS[args.model]()
     plans = []
@@ -350,9 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
     layout.set_defaults(func=_layout, subparser=layout)
 
     _add_plan_command(sub)
-
-    from serving.lab.cli import add_lab_command
-
     add_lab_command(sub, UsageError)
     return parser
 

@@ -37,6 +37,7 @@ from serving.config import (
     EngineConfig,
     engine_fields,
 )
+from serving.sampling_params import SamplingParams
 
 __all__ = ["UsageError", "add_commands", "add_engine_arguments", "engine_config"]
 
@@ -230,7 +231,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _llm(args: argparse.Namespace):
-    from serving.llm import LLM
+    from serving.llm import LLM  # reason: it imports JAX; flags are checked before it starts
 
     try:
         return LLM(**args.engine_config.to_kwargs())
@@ -239,7 +240,6 @@ def _llm(args: argparse.Namespace):
 
 
 def _sampling(args: argparse.Namespace, **extra):
-    from serving.sampling_params import SamplingParams
 
     try:
         return SamplingParams(

@@ -23,6 +23,7 @@ __all__ = [
     "DTYPES",
     "KV_CACHE_DTYPES",
     "MESH_AXES",
+    "MODEL_NAMES",
     "RANDOM_PRESETS",
     "SECTIONS",
     "SHIPPED_MODELS",
@@ -38,12 +39,13 @@ __all__ = [
     "engine_fields",
 ]
 
-# Names the checks accept (`serving.llm` builds the random presets by these names). The others
-# mirror tables of modules that import JAX, and the tests check each against its source:
-# `dsv4.checkpoint.SHIPPED`, `dsv4.qweights.WEIGHTS_ON_DEVICE`, `dsv4.paged.records.PRESETS`,
-# `dsv4.sharding.AXES`.
+# Names of tables in modules that import JAX, mirrored so that the CLI checks its flags before
+# JAX starts; tests/serving/test_config.py keeps each equal to its source: the model names of
+# `dsv4.config.MODEL_PRESETS` by where their weights come from, `dsv4.qweights.WEIGHTS_ON_DEVICE`,
+# `dsv4.paged.records.PRESETS`, `dsv4.sharding.AXES`.
 RANDOM_PRESETS = ("tiny_v41", "tiny_v41_full")  # seeded random weights
 SHIPPED_MODELS = ("tiny_v41_trained",)
+MODEL_NAMES = ("v41_flash", *RANDOM_PRESETS, *SHIPPED_MODELS)  # every preset (the planner's)
 DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
 WEIGHTS_ON_DEVICE = ("dequantised", "released")

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4 import sharding
 from dsv4.paged import pools as P
 from dsv4.paged.batch import bucket, table_width_buckets
 from dsv4.paged.step import stack_shards
@@ -296,8 +297,6 @@ class DataParallelRunner:
     def __init__(
         self, params, cfg, kv_cache_config, config: EngineConfig, *, eos_token_id=None
     ) -> None:
-        from dsv4 import sharding
-
         self.num_shards = config.parallel_config.num_shards
         if self.num_shards < 2:
             raise ValueError(f"DataParallelRunner needs num_shards >= 2, got {self.num_shards}")
@@ -351,8 +350,6 @@ class DataParallelRunner:
 
         if self.mesh is None:
             return jax.jit(build)()
-        from dsv4 import sharding
-
         out = sharding.data_parallel_sharding(jax.eval_shape(build), self.mesh)
         return jax.jit(build, out_shardings=out)()
 

@@ -43,9 +43,12 @@ from typing import Any
 import jax
 
 from cache import KVCacheManager
+from cache.layout import for_model
+from dsv4.paged import pools as P
 from dsv4.paged import records as R
 from serving import sampler as S
 from serving.config import EngineConfig
+from serving.data_parallel import DataParallelRunner, DataParallelScheduler
 from serving.metrics import EngineStats, compilation_count, persistent_cache_hits
 from serving.outputs import RequestMetrics, RequestOutput
 from serving.request import ParentRequest, Request, RequestStatus, StopCriteria, logprob_dict
@@ -141,9 +144,6 @@ class Engine:
         without memory statistics), the allocator, the scheduler and the model runner. More
         than one data shard (`ParallelConfig.num_shards`) builds one allocator and scheduler
         per shard, stepping in lockstep (`serving.data_parallel`)."""
-        from cache.layout import for_model
-        from dsv4.paged import pools as P
-        from serving.data_parallel import DataParallelRunner, DataParallelScheduler
 
         config = (config or EngineConfig()).resolved(cfg)
         model, cache, sched = config.model_config, config.cache_config, config.scheduler_config

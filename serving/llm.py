@@ -30,18 +30,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4.checkpoint import SHIPPED, shipped_checkpoint
+from dsv4.checkpoint import SHIPPED, load_pretrained, shipped_checkpoint
+from dsv4.config import MODEL_PRESETS
 from dsv4.config import ModelConfig as ArchConfig
-from dsv4.config import tiny_v41, tiny_v41_full
-from serving.config import KV_CACHE_DTYPES, RANDOM_PRESETS, EngineConfig, ModelConfig
+from dsv4.params import init_params
+from dsv4.qweights import quantise_params
+from dsv4.tokenizer import load_tokenizer
+from serving.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
 from serving.engine import Engine
 from serving.outputs import RequestOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["KV_CACHE_DTYPES", "LLM", "default_compilation_cache_dir"]
 
-# the architectures of `serving.config.RANDOM_PRESETS`
-_PRESETS = dict(zip(RANDOM_PRESETS, (tiny_v41, tiny_v41_full), strict=True))
+# the random-weight models of the one preset table (`serving.config.RANDOM_PRESETS` names them
+# without importing JAX; a test keeps the two equal)
+_PRESETS = {name: p.config for name, p in MODEL_PRESETS.items() if p.weights == "random"}
 
 
 def default_compilation_cache_dir() -> str:
@@ -286,21 +290,14 @@ def _as_list(prompts: Any) -> list[Any]:
 
 def _load_model(config: ModelConfig):
     """The architecture, params and tokenizer ``config`` names."""
-    from dsv4.tokenizer import load_tokenizer
-
     jdtype = jnp.dtype(config.dtype)
     model = config.model
     if model in _PRESETS:
-        from dsv4.params import init_params
-        from dsv4.qweights import quantise_params
-
         cfg = _PRESETS[model](quant_sim=config.quant_sim)
         params = init_params(cfg, jax.random.PRNGKey(config.seed), jdtype)
         if config.weights_on_device == "released":
             params = quantise_params(params, cfg)
         return cfg, params, load_tokenizer(None, cfg)
-    from dsv4.checkpoint import load_pretrained
-
     if model in SHIPPED:
         model = shipped_checkpoint(model)
     cfg = ArchConfig.from_json(model)

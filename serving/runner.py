@@ -126,8 +126,6 @@ def default_token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> tup
 def default_table_buckets(kv_cache_config, max_model_len: int) -> tuple[int, ...] | None:
     """None (full-width tables) when ``max_model_len`` needs at most 64 blocks in every group;
     else powers of two from 16 blocks."""
-    from dsv4.paged.batch import group_infos
-
     groups = [g for g in group_infos(kv_cache_config) if g.kind != "ring"]
     widest = max(-(-max_model_len // g.block_size) for g in groups)
     if widest <= 64:

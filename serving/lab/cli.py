@@ -56,7 +56,7 @@ def _workload_args(items: list[str], usage_error) -> dict:
 
 
 def _lab(args: argparse.Namespace, usage_error) -> int:
-    from serving import lab
+    from serving import lab  # reason: the lab's modules load only for `dsv4 lab` itself
 
     try:
         knobs = {}

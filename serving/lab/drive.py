@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from serving.lab.workloads import Session, Turn, Workload
+from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler, SchedulerOutput, SchedulerStats, UpdateResult
 
 __all__ = ["DriveResult", "EngineBackend", "Hooks", "ModelFreeBackend", "drive"]
@@ -140,7 +141,6 @@ class EngineBackend:
     ``sampling`` says otherwise), ``max_tokens`` = the turn's output length, EOS ignored."""
 
     def __init__(self, engine: Any, sampling: Any = None) -> None:
-        from serving.sampling_params import SamplingParams
 
         self.engine = engine
         self._base = sampling if sampling is not None else SamplingParams(temperature=0.0)

@@ -29,7 +29,7 @@ from cache.layout import (
 )
 from cache.spec import KVCacheConfig
 from serving.lab.cost import CHIPS, MODELS, step_cost
-from serving.lab.drive import DriveResult, ModelFreeBackend, drive
+from serving.lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
 from serving.lab.workloads import Turn, Workload
 from serving.scheduler import Scheduler, SchedulerOutput
 
@@ -690,7 +690,6 @@ def run_engine(workload: Workload, engine: Any, *, sampling: Any = None) -> dict
     runs to its workload length) and return its counts in the lab's names, the measured wall
     time and ``trace`` (the workload with the engine's outputs: `run` on it with the engine's
     settings makes the same decisions)."""
-    from serving.lab.drive import EngineBackend
 
     t0 = time.perf_counter()
     result = drive(workload, EngineBackend(engine, sampling))

@@ -9,11 +9,17 @@ model. Details: docs/lab.md#servinglabquality.
 from __future__ import annotations
 
 import dataclasses
+import lzma
 import math
 from collections.abc import Sequence
 from typing import Any
 
+from dsv4 import data as D
+from dsv4 import train as T
+from dsv4.paged import records as R
 from serving.config import EngineConfig
+from serving.engine import Engine
+from serving.sampling_params import SamplingParams
 
 __all__ = [
     "RECORD_PRESETS",
@@ -29,7 +35,6 @@ RECORD_PRESETS = ("exact", "bf16", "released", "released_fp8", "sm90")
 
 
 def _formats(records: str):
-    from dsv4.paged import records as R
 
     if records not in RECORD_PRESETS:
         raise ValueError(f"records={records!r}: one of {', '.join(RECORD_PRESETS)}")
@@ -62,7 +67,6 @@ def token_bytes(tokenizer) -> list[int]:
 def heldout_pieces(tokenizer, n: int, length: int) -> list[list[int]]:
     """``n`` non-overlapping pieces of ``length`` tokens spread evenly over the held-out stream
     of `dsv4.data` (files the shipped model never saw)."""
-    from dsv4 import data as D
 
     if n < 1 or length < 2:
         raise ValueError(f"n={n} must be >= 1 and length={length} >= 2")
@@ -82,10 +86,6 @@ def heldout_score(
     1024, its longest), next to ``xz -9e`` on the same bytes (as one stream, and file by file).
     ``root``: the source tree (default: the running interpreter's standard library,
     `dsv4.data.stdlib_root`)."""
-    import lzma
-
-    from dsv4 import data as D
-    from dsv4 import train as T
 
     split = D.source_split(root)
     tokens = D.load_split(split, "heldout", tokenizer)
@@ -125,8 +125,6 @@ def score_layout(
     """One cache layout: the bits per byte of every piece's tail (positions ``prefix`` on),
     cold and after a hit on the cached prefix (module docstring). ``docs`` are pieces of one
     length (`heldout_pieces`); ``index_topk`` overrides the config's (None: keep it)."""
-    from serving.engine import Engine
-    from serving.sampling_params import SamplingParams
 
     _formats(records)  # an unknown name is refused with the records it may be
     length = len(docs[0])

@@ -172,10 +172,15 @@ def test_resolved_fills_in_what_follows_from_the_model():
 def test_name_tables_mirror_their_sources():
     from dsv4 import sharding
     from dsv4.checkpoint import SHIPPED
+    from dsv4.config import MODEL_PRESETS
     from dsv4.paged import records
     from dsv4.qweights import WEIGHTS_ON_DEVICE
 
     assert C.SHIPPED_MODELS == SHIPPED
+    weights = {name: p.weights for name, p in MODEL_PRESETS.items()}
+    assert set(C.MODEL_NAMES) == set(weights) and len(C.MODEL_NAMES) == len(weights)
+    assert tuple(n for n, w in weights.items() if w == "random") == C.RANDOM_PRESETS
+    assert tuple(n for n, w in weights.items() if w == "shipped") == C.SHIPPED_MODELS
     assert C.WEIGHTS_ON_DEVICE == WEIGHTS_ON_DEVICE
     assert C.MESH_AXES == sharding.AXES
     assert {n.upper() for n in C.KV_CACHE_DTYPES if n != "auto"} == set(records.PRESETS)
