@@ -298,16 +298,50 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
     entries up to the segment's largest visible count, and score every row of the segment
     against each chunk it can see (row ``i``'s scores go to ``sc_ref[i]``). With ``stack``, a
     segment that is the whole tile scores all its tokens with one matmul per 128 entries.
-    ``scaled = (scales_hbm, sbuf, ssems, dbuf)``: the keys are stored rows (fp8) with a scale
-    each; every chunk is decoded once in VMEM (row x scale, exact for power-of-two scales) into
-    ``dbuf`` before its tokens score it."""
+    ``scaled = (scales_hbm, sbuf, ssems, dbuf)``: fp8 rows with a scale each, see `_chunk_keys`."""
     bf16 = q_ref.dtype == jnp.bfloat16  # score with DeepSeek's bf16 roundings
     n_max = jnp.int32(0)
     for i in range(tq):
         in_seg = (i >= s) & (i < end)
         n_max = jnp.maximum(n_max, jnp.where(in_seg, vis_ref[t0 + i], 0))
-    pages_per_chunk = ce // e
     nchunks = cdiv_dyn(n_max, ce)
+    for_pages = functools.partial(
+        _for_pages, tab_ref, keys_hbm, kbuf, sems, scaled, n_max, e=e, pages_per_chunk=ce // e
+    )
+
+    @pl.when(nchunks > 0)
+    def _first():
+        for_pages(0, 0, lambda cp: cp.start())
+
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+    tile = (vis_ref, t0, q_ref, w_ref, sc_ref, lane)
+
+    def chunk(c, carry):
+        slot = c % 2
+
+        @pl.when(c + 1 < nchunks)
+        def _next():
+            for_pages(c + 1, 1 - slot, lambda cp: cp.start())
+
+        for_pages(c, slot, lambda cp: cp.wait())
+        keys_at = _chunk_keys(kbuf, slot, scaled, ce)
+        per_token = functools.partial(
+            _score_rows, tile, keys_at, c, s, end, tq=tq, ce=ce, bf16=bf16
+        )
+        if not stack:
+            per_token()
+            return carry
+        whole = (s == 0) & (end == tq)
+        pl.when(jnp.logical_not(whole))(per_token)
+        pl.when(whole)(functools.partial(_score_stacked, tile, keys_at, c, tq=tq, ce=ce, bf16=bf16))
+        return carry
+
+    jax.lax.fori_loop(0, nchunks, chunk, 0)
+
+
+def _for_pages(tab_ref, keys_hbm, kbuf, sems, scaled, n_max, c, slot, fn, *, e, pages_per_chunk):
+    """Apply ``fn`` (start or wait) to the DMAs of chunk ``c``'s pages (and their scales) that
+    hold entries below ``n_max``, into buffer ``slot``."""
 
     def page_copy(c, i, slot):
         page = tab_ref[0, c * pages_per_chunk + i]
@@ -322,89 +356,75 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
             scales_hbm.at[page], sbuf.at[slot, pl.ds(i * e, e)], ssems.at[slot]
         )
 
-    def for_pages(c, slot, fn):
-        for i in range(pages_per_chunk):
+    for i in range(pages_per_chunk):
 
-            @pl.when((c * pages_per_chunk + i) * e < n_max)
-            def _(i=i):
-                fn(page_copy(c, i, slot))
-                if scaled is not None:
-                    fn(scale_copy(c, i, slot))
+        @pl.when((c * pages_per_chunk + i) * e < n_max)
+        def _(i=i):
+            fn(page_copy(c, i, slot))
+            if scaled is not None:
+                fn(scale_copy(c, i, slot))
 
-    @pl.when(nchunks > 0)
-    def _first():
-        for_pages(0, 0, lambda cp: cp.start())
 
-    lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+def _chunk_keys(kbuf, slot, scaled, ce):
+    """``keys_at(sb)``: the chunk's 128 keys of slice ``sb``. Scaled (fp8) keys are decoded
+    once per chunk into ``dbuf`` (row x scale, exact for power-of-two scales)."""
+    if scaled is None:
 
-    def chunk(c, carry):
-        slot = c % 2
+        def keys_at(sb):
+            return kbuf[slot, pl.ds(sb * LANES, LANES), :]
 
-        @pl.when(c + 1 < nchunks)
-        def _next():
-            for_pages(c + 1, 1 - slot, lambda cp: cp.start())
+        return keys_at
+    _, sbuf, _, dbuf = scaled
+    for sb in range(ce // LANES):
+        rows = pl.ds(sb * LANES, LANES)
+        decoded = kbuf[slot, rows, :].astype(jnp.float32) * sbuf[slot, rows, :]
+        dbuf[rows, :] = decoded.astype(dbuf.dtype)
 
-        for_pages(c, slot, lambda cp: cp.wait())
-        if scaled is None:
+    def keys_at(sb):
+        return dbuf[pl.ds(sb * LANES, LANES), :]
 
-            def keys_at(sb):
-                return kbuf[slot, pl.ds(sb * LANES, LANES), :]
-        else:
-            _, sbuf, _, dbuf = scaled
-            for sb in range(ce // LANES):
-                rows = pl.ds(sb * LANES, LANES)
-                decoded = kbuf[slot, rows, :].astype(jnp.float32) * sbuf[slot, rows, :]
-                dbuf[rows, :] = decoded.astype(dbuf.dtype)
+    return keys_at
 
-            def keys_at(sb):
-                return dbuf[pl.ds(sb * LANES, LANES), :]
 
-        def per_token():
-            for i in range(tq):
-                n = vis_ref[t0 + i]
+def _score_rows(tile, keys_at, c, s, end, *, tq, ce, bf16):
+    """Score chunk ``c`` for each token of the segment ``s .. end - 1`` that sees it."""
+    vis_ref, t0, q_ref, w_ref, sc_ref, lane = tile
+    for i in range(tq):
+        n = vis_ref[t0 + i]
 
-                @pl.when((i >= s) & (i < end) & (c * ce < n))
-                def _row(i=i, n=n):
-                    q = q_ref[i]
-                    w = w_ref[i].astype(jnp.float32)
-                    for sb in range(ce // LANES):
-                        keys = keys_at(sb).astype(q.dtype)
-                        dots = _qk(q, keys)
-                        sc = weighted_relu_sum(dots, w, 0, keepdims=True, bf16=bf16)
-                        idx = c * ce + sb * LANES + lane
-                        sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
-                        sc_ref[i, pl.ds(c * (ce // LANES) + sb, 1), :] = sc
-
-        if not stack:
-            per_token()
-            return carry
-        whole = (s == 0) & (end == tq)
-        pl.when(jnp.logical_not(whole))(per_token)
-
-        @pl.when(whole)
-        def _stacked():
-            # the tile is one request: one [tq * IH, Di] x [Di, 128] matmul per slice feeds the
-            # MXU tq times more rows per pushed key tile; rows past a token's own count are
-            # -inf (rows of chunks it cannot see lie past its selection's rows)
-            q = q_ref[...]
-            tq_, ih, di = q.shape
-            q = q.reshape(tq_ * ih, di)
-            w = w_ref[...].astype(jnp.float32)  # [tq, IH, 1]
-            tok = jax.lax.broadcasted_iota(jnp.int32, (tq, LANES), 0)
-            nvec = jnp.zeros((tq, LANES), jnp.int32)
-            for i in range(tq):
-                nvec = jnp.where(tok == i, vis_ref[t0 + i], nvec)
+        @pl.when((i >= s) & (i < end) & (c * ce < n))
+        def _row(i=i, n=n):
+            q = q_ref[i]
+            w = w_ref[i].astype(jnp.float32)
             for sb in range(ce // LANES):
                 keys = keys_at(sb).astype(q.dtype)
-                dots = _qk(q, keys).reshape(tq_, ih, LANES)
-                sc = weighted_relu_sum(dots, w, 1, bf16=bf16)  # [tq, 128]
+                dots = _qk(q, keys)
+                sc = weighted_relu_sum(dots, w, 0, keepdims=True, bf16=bf16)
                 idx = c * ce + sb * LANES + lane
-                sc = jnp.where(idx < nvec, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
-                sc_ref[:, pl.ds(c * (ce // LANES) + sb, 1), :] = sc[:, None, :]
+                sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
+                sc_ref[i, pl.ds(c * (ce // LANES) + sb, 1), :] = sc
 
-        return carry
 
-    jax.lax.fori_loop(0, nchunks, chunk, 0)
+def _score_stacked(tile, keys_at, c, *, tq, ce, bf16):
+    """The tile is one request: one [tq * IH, Di] x [Di, 128] matmul per slice feeds the MXU tq
+    times more rows per pushed key tile; rows past a token's own count are -inf (rows of chunks
+    it cannot see lie past its selection's rows)."""
+    vis_ref, t0, q_ref, w_ref, sc_ref, lane = tile
+    q = q_ref[...]
+    tq_, ih, di = q.shape
+    q = q.reshape(tq_ * ih, di)
+    w = w_ref[...].astype(jnp.float32)  # [tq, IH, 1]
+    tok = jax.lax.broadcasted_iota(jnp.int32, (tq, LANES), 0)
+    nvec = jnp.zeros((tq, LANES), jnp.int32)
+    for i in range(tq):
+        nvec = jnp.where(tok == i, vis_ref[t0 + i], nvec)
+    for sb in range(ce // LANES):
+        keys = keys_at(sb).astype(q.dtype)
+        dots = _qk(q, keys).reshape(tq_, ih, LANES)
+        sc = weighted_relu_sum(dots, w, 1, bf16=bf16)  # [tq, 128]
+        idx = c * ce + sb * LANES + lane
+        sc = jnp.where(idx < nvec, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
+        sc_ref[:, pl.ds(c * (ce // LANES) + sb, 1), :] = sc[:, None, :]
 
 
 def _consumer(
