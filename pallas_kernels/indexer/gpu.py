@@ -314,44 +314,39 @@ def _block_maxima(
     return bm[:t]
 
 
+def _block_selection(bm, vis, *, mode, k, bs, n_entries, cb, interpret):
+    """From block maxima f32[T, nblocks]: the top ``min(k, blocks)`` blocks, -1 padded to a
+    whole chunk (they hold the exact top-k), and a source's ``cb`` candidate blocks (newest
+    pinned) or None."""
+    t, nblocks = bm.shape
+    block_ids = jnp.broadcast_to(jnp.arange(nblocks, dtype=jnp.int32), bm.shape)
+    no_pin = jnp.full((t,), -1, jnp.int32)
+    bits = max(1, nblocks.bit_length())
+    blocks_out = None
+    if mode == "source":
+        newest = jnp.where(vis > 0, (vis - 1) // bs, -1)
+        blocks_out = _select(bm, block_ids, newest, cb, bits, interpret)
+    kb = min(k, cdiv(n_entries, bs))
+    blocks = _select(bm, block_ids, no_pin, kb, bits, interpret)
+    pad = _pow2(max(kb, CHUNK // bs)) - kb
+    return jnp.pad(blocks, ((0, 0), (0, pad)), constant_values=-1), blocks_out
+
+
 def indexer_topk(
-    qi,
-    weights,
-    ikey_pages,
-    comp_tables,
-    token_req,
-    positions,
-    visible,
-    *,
-    entries_per_block: int,
-    k: int,
-    candidate_block_size: int = 0,
-    candidate_topk_blocks: int = 0,
-    candidates=None,
-    key_scales=None,
-    tokens_per_tile: int = TOKENS_PER_TILE,
-    interpret=False,
-):
+    qi, weights, ikey_pages, comp_tables, token_req, positions, visible, *,
+    entries_per_block: int, k: int, candidate_block_size: int = 0, candidate_topk_blocks: int = 0,
+    candidates=None, key_scales=None, tokens_per_tile: int = TOKENS_PER_TILE, interpret=False,
+):  # fmt: skip
     """Triton indexer; same arguments and results as `reference.indexer_topk`.
 
     ``tokens_per_tile`` consecutive tokens share one program of `_blocks_kernel` and the keys it
     gathers (see the module docstring); the results do not depend on it.
     """
     mode = check_indexer_args(
-        qi,
-        weights,
-        ikey_pages,
-        comp_tables,
-        token_req,
-        positions,
-        visible,
-        entries_per_block=entries_per_block,
-        k=k,
-        candidate_block_size=candidate_block_size,
-        candidate_topk_blocks=candidate_topk_blocks,
-        candidates=candidates,
-        key_scales=key_scales,
-    )
+        qi, weights, ikey_pages, comp_tables, token_req, positions, visible,
+        entries_per_block=entries_per_block, k=k, candidate_block_size=candidate_block_size,
+        candidate_topk_blocks=candidate_topk_blocks, candidates=candidates, key_scales=key_scales,
+    )  # fmt: skip
     interpret = gpu_interpret(interpret)
     tq = tokens_per_tile
     if isinstance(tq, bool) or not isinstance(tq, int) or tq < 1:
@@ -392,39 +387,20 @@ def indexer_topk(
         key_scale_bytes=0 if scales is None else 4,
     )
 
-    blocks_out = None
     if mode == "consumer":
         cbp = _pow2(max(candidates.shape[1], CHUNK // bs))
         blocks = jnp.pad(candidates, ((0, 0), (0, cbp - candidates.shape[1])), constant_values=-1)
+        blocks_out = None
     else:
-        nblocks = _pow2(max(cdiv(n_entries, bs), CHUNK // bs))
         bm = _block_maxima(
-            token_req,
-            vis,
-            tab,
-            q,
-            w,
-            keys,
-            scales,
-            nb=nb,
-            e=e,
-            bs=bs,
-            nblocks=nblocks,
-            tq=tq,
-            estimate=cost_estimate(c["flops"], c["bytes"]),
+            token_req, vis, tab, q, w, keys, scales, nb=nb, e=e, bs=bs,
+            nblocks=_pow2(max(cdiv(n_entries, bs), CHUNK // bs)), tq=tq,
+            estimate=cost_estimate(c["flops"], c["bytes"]), interpret=interpret,
+        )  # fmt: skip
+        blocks, blocks_out = _block_selection(
+            bm, vis, mode=mode, k=k, bs=bs, n_entries=n_entries, cb=candidate_topk_blocks,
             interpret=interpret,
-        )
-        block_ids = jnp.broadcast_to(jnp.arange(nblocks, dtype=jnp.int32), bm.shape)
-        no_pin = jnp.full((t,), -1, jnp.int32)
-        bits = max(1, nblocks.bit_length())
-        if mode == "source":
-            newest = jnp.where(vis > 0, (vis - 1) // bs, -1)
-            blocks_out = _select(bm, block_ids, newest, candidate_topk_blocks, bits, interpret)
-        kb = min(k, cdiv(n_entries, bs))
-        blocks = _select(bm, block_ids, no_pin, kb, bits, interpret)
-        blocks = jnp.pad(
-            blocks, ((0, 0), (0, _pow2(max(kb, CHUNK // bs)) - kb)), constant_values=-1
-        )
+        )  # fmt: skip
     m = blocks.shape[1] * bs
     vals, ids = pl.pallas_call(
         functools.partial(_rescore_kernel, nb=nb, e=e, bs=bs, scaled=scales is not None),

@@ -102,20 +102,10 @@ def indexer_topk(
       ``(topk, blocks)`` with ``blocks`` i32[T, candidate_topk_blocks] (-1 = none).
     """
     mode = check_indexer_args(
-        qi,
-        weights,
-        ikey_pages,
-        comp_tables,
-        token_req,
-        positions,
-        visible,
-        entries_per_block=entries_per_block,
-        k=k,
-        candidate_block_size=candidate_block_size,
-        candidate_topk_blocks=candidate_topk_blocks,
-        candidates=candidates,
-        key_scales=key_scales,
-    )
+        qi, weights, ikey_pages, comp_tables, token_req, positions, visible,
+        entries_per_block=entries_per_block, k=k, candidate_block_size=candidate_block_size,
+        candidate_topk_blocks=candidate_topk_blocks, candidates=candidates, key_scales=key_scales,
+    )  # fmt: skip
     n = comp_tables.shape[1] * entries_per_block
     if key_scales is not None:  # the keys the records stand for: values x scale
         ikey_pages = ikey_pages.astype(jnp.float32) * key_scales[..., None]
