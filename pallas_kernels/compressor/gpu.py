@@ -34,6 +34,7 @@ def _norm_scale(x, eps):
     return jax.lax.rsqrt(jnp.mean(x * x) + eps)
 
 
+# over 60 lines: one kernel body: pooling, norm and the strided rope halves of one token
 def _kernel(
     slot_ref,  # i32[T]
     src_ref,  # i32[T]

@@ -93,6 +93,7 @@ def rotate(z, group_pos, inv_lane, sign_lane):
     return x * jnp.cos(angle) + partner * (sign_lane * jnp.sin(angle))
 
 
+# over 60 lines: one kernel body: a tile's ring reads, pooling, norm, rotation and DMAs
 def _kernel(
     slot_ref,  # SMEM i32[Tp]
     src_ref,  # SMEM i32[Tp]

@@ -28,6 +28,7 @@ def _fail(msg: str):
     raise ValueError(f"indexer_topk: {msg}")
 
 
+# over 60 lines: one check per argument, in signature order
 def check_indexer_args(
     qi,
     weights,

@@ -102,6 +102,7 @@ def _gather_keys(tab_ref, keys_ref, scales_ref, r, nb, e, entry):
     return keys_ref[row], None if scales_ref is None else scales_ref[row]
 
 
+# over 60 lines: one kernel body: the tile's shared key stream and its two scoring paths
 def _blocks_kernel(
     req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, *rest, nb, e, bs, tq, ihp, scaled
 ):
@@ -332,6 +333,7 @@ def _block_selection(bm, vis, *, mode, k, bs, n_entries, cb, interpret):
     return jnp.pad(blocks, ((0, 0), (0, pad)), constant_values=-1), blocks_out
 
 
+# over 60 lines: the three-kernel pipeline (block maxima, block selection, rescoring) in order
 def indexer_topk(
     qi, weights, ikey_pages, comp_tables, token_req, positions, visible, *,
     entries_per_block: int, k: int, candidate_block_size: int = 0, candidate_topk_blocks: int = 0,

@@ -436,6 +436,7 @@ def _score_stacked(tile, keys_at, c, *, tq, ce, bf16):
         sc_ref[:, pl.ds(c * (ce // LANES) + sb, 1), :] = sc[:, None, :]
 
 
+# over 60 lines: one kernel step: a consumer's block DMAs, scoring and selection
 def _consumer(
     cand_ref,
     tab_ref,
@@ -640,6 +641,7 @@ def _scratch(lay, mode, key_dtype, q_dtype, di, scaled):
     return scratch, vmem
 
 
+# over 60 lines: one pallas_call: checks, layout, cost and the call read best together
 def indexer_topk(
     qi, weights, ikey_pages, comp_tables, token_req, positions, visible, *,
     entries_per_block: int, k: int, candidate_block_size: int = 0, candidate_topk_blocks: int = 0,

@@ -42,6 +42,7 @@ MAX_TOKENS_PER_CALL = 8192  # bounds the scalar-prefetched metadata (SMEM is 1 M
 _ID_BITS = 28  # entry ids below 2^28 (1M-token contexts need 2^20); 3 bits of request slot
 
 
+# over 60 lines: one kernel body: the row pipeline and the per-token online softmax
 def _kernel(
     # scalar prefetch (SMEM)
     pos_ref,  # i32[T]
@@ -324,6 +325,7 @@ def _check(page_dtype, entries_per_block: int, entries: int, tq: int) -> None:
         )
 
 
+# over 60 lines: one pallas_call: its row lists, specs, scratch and operands read best together
 def _sparse_call(
     q, comp_pages, comp_tables, token_req, positions, topk, sink, *, entries_per_block, scale,
     state, interpret, tq, cores, per_core,

@@ -41,6 +41,7 @@ TOKENS_PER_TILE = 8  # tokens per grid step (largest power of two <= this that d
 MAX_TOKENS_PER_CALL = 8192  # bounds the scalar-prefetched metadata (SMEM is 1 MiB)
 
 
+# over 60 lines: one kernel body: the tile's DMA pipeline and its per-token softmax
 def _kernel(
     # scalar prefetch (SMEM)
     req_ref,  # i32[T]
@@ -267,6 +268,7 @@ def _slab(swa_pages: jax.Array, tq: int, nw: int, heads: int) -> tuple[int, int,
     return align, slab_rows, vmem
 
 
+# over 60 lines: one pallas_call: its metadata, specs, scratch and operands read best together
 def _window_call(
     q, swa_pages, swa_tables, token_req, positions, sink, *, window, scale, replay_start,
     return_state, interpret, tq, cores, per_core,
