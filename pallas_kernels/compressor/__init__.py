@@ -2,8 +2,7 @@
 path (ratio 1), RMSNorm, RoPE at the group's first position, the slot-mapped record write and
 the ring rows of open groups.
 
-`compressor(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
-kernel on TPU and the Triton kernel on GPU (`pallas_kernels.backend.resolve_impl`).
+Design notes: pallas_kernels/README.md, "pallas_kernels/compressor/__init__.py".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Indexer top-k (kernel 3 of pallas_kernels/README.md): weighted ReLU scores of index queries
 against paged index keys, the candidate blocks of the two-level selection, and the exact top-k.
 
-`indexer_topk(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
-kernel on TPU and the Triton kernel on GPU (`pallas_kernels.backend.resolve_impl`). The kernels
-keep every score on chip and select without a sort (see `tpu.py` / `gpu.py`).
+Design notes: pallas_kernels/README.md, "pallas_kernels/indexer/__init__.py".
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
 """Triton (Pallas GPU) indexer: block maxima, exact block pre-selection, rescoring, exact top-k.
 
-A Triton program cannot keep a long context's scores on chip, so the GPU path splits the work
-into three small kernels and only ever writes *block maxima* (1/BS of the score matrix) and the
-scores of the few candidate blocks to HBM:
-
-1. `_blocks_kernel`, one program per *tile* of ``tokens_per_tile`` consecutive tokens (T is
-   padded to whole tiles with padding tokens: visible 0, the last token's request; their rows
-   are dropped): stream the keys, 128 entries a step up to the tile's largest visible count,
-   score them on the tensor cores, write each token's own row of block maxima (max of each
-   block of ``BS`` entries). Shared: a step's keys are gathered through the block table once,
-   for the request of the tile's first token, and scored by every token of the tile in that
-   request (a prefill chunk's keys are read once per tile instead of once per token). When the
-   whole tile is one request and its size is a power of two (Triton shapes), its queries are
-   stacked into one matmul ([tile * IH_pad, Di] x [Di, 128]); otherwise each token runs its own
-   matmul on the shared keys. Not shared: a token of another request (a tile straddling
-   requests) gathers its own keys; queries, weights and visible counts are per token (entries
-   at or past a token's own count score -inf; token by token, a step wholly past it is
-   skipped).
-2. `_select_kernel` on the block maxima, one program per token: the top ``min(k, blocks)``
-   blocks (ties: lower block) contain the true top-k (each block holding a top-k entry scores at
-   least the k-th score, and ties resolve to the lower index at both levels). A candidate source
-   runs it a second time with the newest block pinned to +inf for its ``candidate_topk_blocks``
-   output.
-3. `_rescore_kernel`, one program per token, not tiled: score just the entries of the token's
-   selected blocks (or of a consumer's candidate blocks: a consumer never touches other keys),
-   then `_select_kernel` picks the exact top-k among them. The selected blocks differ from token
-   to token, so tiles would share little there; each token gathers its own ``k`` entries.
-
-`_select_kernel` is sort-free: order-preserving int32 keys, the k-th largest built bit by bit
-with counting passes, the tie cut over the id bits, then compaction with a prefix sum and a
-scatter store. Shapes are padded to powers of two (Triton); heads are padded to 16 (MMA).
+Design notes: pallas_kernels/README.md, "pallas_kernels/indexer/gpu.py".
 """
 
 from __future__ import annotations

@@ -1,35 +1,7 @@
 """Mosaic TPU indexer: one grid step per tile of tokens, every score on chip, selection
 without a sort.
 
-A grid step takes ``tq`` consecutive tokens of the ragged batch (``tokens_per_tile``, capped so
-their score rows fit VMEM; the batch is padded to whole tiles with tokens that see nothing).
-The tile is cut into *segments*, runs of tokens of one request (tokens of a request are
-contiguous): a prefill chunk or a request's speculative rows form one segment per tile, a
-decode batch one segment per token. Per segment of request ``r``:
-
-1. **Scoring.** ``r``'s block-table row is DMA'd into SMEM; the key pages of entries below the
-   segment's largest visible count are DMA'd from HBM (``pl.ANY``) in chunks of ``CE``
-   entries (double-buffered: chunk ``c + 1`` is in flight while chunk ``c`` is scored), **once
-   for the whole segment**. Each token of the segment that sees the chunk scores it: per
-   128-entry slice ``s = sum_h w_h relu(q_h . k)`` ([IH, Di] x [128, Di] on the MXU, f32)
-   becomes one row of that token's VMEM score array ``[N / 128, 128]``; entries ``>= n`` are
-   -inf. Scores never reach HBM.
-2. **Candidate blocks** (source): block maxima of ``candidate_block_size`` lanes by lane rolls,
-   kept on each block's first lane; the newest block is pinned to +inf.
-   **Consumer** (`_consumer`, token by token: each token has its own blocks): only the listed
-   blocks' keys are read (one DMA per block, 128 entries per matmul) into a compact score
-   array with an id per lane; no other key is read.
-3. **Exact top-k by threshold counting** (`_select`), per token: scores are mapped to
-   order-preserving int32 keys; the k-th largest key is built bit by bit from the top (32
-   counting passes over the score rows), then the lowest index among the ties is found the same
-   way over the index bits. The selected set is exactly "the k highest, ties to the lower index".
-4. **Compaction**: row by row, the selected lanes are ranked with a triangular matmul and moved
-   to the front of the row with a one-hot matmul (exact, f32 HIGHEST), then appended to the
-   output at a running offset with one dynamic lane rotation. Rows without picks cost one sum.
-
-HBM traffic is one pass over the visible keys per segment (a prefill chunk of one request reads
-its keys ``T / tq`` times instead of ``T`` times); the VMEM work per token is its scoring plus
-~(32 + log2 N) compare passes over its scores; nothing is sorted and no score is written to HBM.
+Design notes: pallas_kernels/README.md, "pallas_kernels/indexer/tpu.py".
 """
 
 from __future__ import annotations

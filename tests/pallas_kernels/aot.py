@@ -9,7 +9,7 @@
 released model's shapes cost nothing. The compile helpers need the `aot` extra
 (`pip install -e '.[aot]'`: libtpu and the CUDA plugin, pinned to the jax version); tests using
 them skip only when the package is absent (`requires_libtpu`, `requires_cuda_plugin`).
-Recipe and caveats: ../shared/reference/pallas_on_cpu.md (Q5).
+Recipe and caveats: pallas_kernels/README.md, "Lowering and compiling without a chip".
 """
 
 from __future__ import annotations
