@@ -60,22 +60,12 @@ def _candidate_mask(candidates, n, block_size):
 
 
 def indexer_topk(
-    qi: jax.Array,  # [T, IH, Di]
-    weights: jax.Array,  # [T, IH]
-    ikey_pages: jax.Array,  # [P, E, Di]
-    comp_tables: jax.Array,  # i32[R, nb]
-    token_req: jax.Array,  # i32[T]
-    positions: jax.Array,  # i32[T], -1 = padding
-    visible: jax.Array,  # i32[T]
-    *,
-    entries_per_block: int,
-    k: int,
-    candidate_block_size: int = 0,
-    candidate_topk_blocks: int = 0,
-    candidates: jax.Array | None = None,  # i32[T, CB] block ids, -1 = none
-    key_scales: jax.Array | None = None,  # f32[P, E]
-):
-    """Top-k index entries per token over paged index keys (reference).
+    qi, weights, ikey_pages, comp_tables, token_req, positions, visible, *,
+    entries_per_block: int, k: int, candidate_block_size: int = 0, candidate_topk_blocks: int = 0,
+    candidates=None, key_scales=None,
+):  # fmt: skip
+    """Top-k index entries per token over paged index keys (reference); the arguments of
+    `pallas_kernels.indexer_topk`.
 
     Returns:
       ``topk`` i32[T, k] of request-local entry ids (-1 = none); for a candidate source
