@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import MASK_VALUE
+from pallas_kernels.softmax import sink_weight
 
 State = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -73,10 +74,7 @@ def merge_states(a: State, b: State) -> State:
 def finish(state: State, sink: jax.Array, positions: jax.Array, dtype) -> jax.Array:
     """Add the sink to the denominator and normalise; padding tokens give zeros."""
     m, denom, acc = state
-    sink = sink.astype(jnp.float32)[None, :]
-    top = jnp.maximum(m, sink)
-    scale = jnp.exp(m - top)
-    out = acc * (scale / (denom * scale + jnp.exp(sink - top)))[..., None]
+    out = acc * sink_weight(m, denom, sink.astype(jnp.float32)[None, :])[..., None]
     return jnp.where(positions[:, None, None] >= 0, out, 0.0).astype(dtype)
 
 
