@@ -1,17 +1,7 @@
 """Shared plumbing of the kernel entries: which implementation runs, how it is interpreted,
 what it costs, and the debug check of block tables.
 
-Every public entry (`window_attention`, `sparse_attention`, ...) takes `impl=` and `interpret=`:
-
-* `impl=None` picks by `jax.default_backend()`: `"tpu"` on TPU, `"gpu"` on CUDA GPUs, and the
-  pure-jnp `"reference"` everywhere else (CPU). `impl="reference" | "tpu" | "gpu"` forces one.
-* `interpret=` is only meaningful for the kernels. `False` (the default) compiles for the real
-  chip; `True` runs the kernel in Pallas' HLO interpreter (fast, clamps bad indices silently);
-  for `impl="tpu"` a `pltpu.InterpretParams(...)` runs the checking TPU interpreter, which
-  simulates VMEM/SMEM, DMAs and semaphores, fills uninitialised memory with NaN and raises on
-  out-of-bounds reads and (with `detect_races=True`) on races.
-
-Nothing here reads environment variables: the choice is always an explicit argument.
+Design notes: pallas_kernels/README.md, "pallas_kernels/backend.py".
 """
 
 from __future__ import annotations

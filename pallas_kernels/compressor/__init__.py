@@ -2,8 +2,7 @@
 path (ratio 1), RMSNorm, RoPE at the group's first position, the slot-mapped record write and
 the ring rows of open groups.
 
-`compressor(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
-kernel on TPU and the Triton kernel on GPU (`pallas_kernels.backend.resolve_impl`).
+Design notes: pallas_kernels/README.md, "pallas_kernels/compressor/__init__.py".
 """
 
 from __future__ import annotations
@@ -39,19 +38,21 @@ def compressor(
     debug: bool = False,
 ):
     """Compress one ragged batch into the paged cache (pallas_kernels/README.md, kernel 4).
-
-    Returns ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latent rows (zeros where
-    no group closes), the updated record pages, and the updated ring (``None`` for ratio 1).
-
-    ``comp_slot=None, comp_pages=None``: no records are written (the caller stores them, e.g.
-    the paged step through its pools, in any record format) and ``None`` comes back for the
-    pages. ``latent_dtype``: the latents' dtype (default ``kv.dtype`` for ratio 1, the record
-    dtype for ratio 2, where the pooled row is rounded to it before the norm; required for
-    ratio 2 without pages).
-
     Under `jit`, donate ``comp_pages`` / ``ring_pages`` so the kernels update them in place.
-    ``debug=True`` checks at run time that every written slot's block and every ring block is
-    a block id in range (raises otherwise; nothing is clamped).
+
+    Args:
+      kv ... ring_pages: as in the README (shapes in the signature's comments).
+      comp_slot, comp_pages: both None to write no records (the caller stores them, e.g. the
+        paged step through its pools, in any record format); None comes back for the pages.
+      latent_dtype: the latents' dtype (default ``kv.dtype`` for ratio 1, the record dtype for
+        ratio 2, where the pooled row is rounded to it before the norm; required for ratio 2
+        without pages).
+      impl, interpret: see `pallas_kernels.backend`.
+      debug: check at run time that every written slot's block and every ring block is a block
+        id in range (raises otherwise; nothing is clamped).
+    Returns:
+      ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latent rows (zeros where no
+      group closes), the updated record pages, and the updated ring (None for ratio 1).
     """
     if debug:
         if comp_pages is not None and comp_slot is not None:

@@ -1,16 +1,6 @@
 """Triton (Pallas GPU) compressor: one program per token.
 
-A program loads its token's row, the previous token's row and (for a chunk-first token at an
-odd position) its ring row, pools the pair (ratio 2), RMS-norms, writes the pre-rope latent,
-and writes the rotated record at its slot. The rotation needs the interleaved pairs apart:
-instead of shuffling lanes, the even and odd lanes of the rope tail are loaded separately with
-strided loads (the norm is a per-row scale, so each lane's normalised value can be rebuilt
-from its own input lanes) and stored back with strided stores.
-
-Programs run concurrently, so a chunk-first token's ring read could race with the store of a
-later token that reuses that ring row (a chunk of at least ``C`` tokens); the ring rows are
-therefore stored after the kernel, by an in-place scatter of at most ``C`` rows per request.
-Shapes must be powers of two (Triton): ``D``, ``2D`` and ``rope / 2``.
+Design notes: pallas_kernels/README.md, "pallas_kernels/compressor/gpu.py".
 """
 
 from __future__ import annotations
@@ -34,6 +24,7 @@ def _norm_scale(x, eps):
     return jax.lax.rsqrt(jnp.mean(x * x) + eps)
 
 
+# over 60 lines: one kernel body: pooling, norm and the strided rope halves of one token
 def _kernel(
     slot_ref,  # i32[T]
     src_ref,  # i32[T]

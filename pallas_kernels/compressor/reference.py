@@ -1,22 +1,6 @@
 """Pure-jnp compressor over a ragged batch: the oracle of the kernels and the CPU path.
 
-Semantics (pallas_kernels/README.md, kernel 4; docs/model.md#compressor and its ring):
-
-* ratio 1: ``latent[t] = RMSNorm(kv[t])`` for every real token, in kv's dtype.
-* ratio 2: ``kv[t] = [a | s]`` (f32). A token at an odd position ``p`` closes the group
-  ``(p - 1, p)``: per channel, a softmax over the pair's ``s`` weights their ``a``; the pooled
-  row is rounded to the record dtype (``comp_pages.dtype``, or ``latent_dtype``) and RMS-normed. The first member is
-  the previous token of the chunk, or, for a chunk starting at an odd position, ring row
-  ``(p - 1) % C`` of the request's ring block (read before this call writes the ring). A request
-  without a ring block (``ring_block[r] == 0``) cannot close such a group: its latent row stays
-  zero and nothing is written for it.
-* Latent rows that close no group, and padding rows (``positions == -1``), are zeros.
-* The entry ``RoPE(latent)`` at the group's first position ``ratio * (p // ratio)`` (interleaved
-  pairs on the last ``2 * len(inv_freq)`` dims, f32 math) is written, cast to the record dtype,
-  at ``comp_slot[t] = block * E + offset`` when the slot is not -1 and the row closes a group
-  (the paged step gives -1 to every other row anyway).
-* Ring (ratio 2): the last ``min(len, C)`` real tokens of each chunk store their raw ``[a | s]``
-  at row ``p % C`` of the request's ring block (none when the block is 0).
+Design notes: pallas_kernels/README.md, "pallas_kernels/compressor/reference.py".
 """
 
 from __future__ import annotations

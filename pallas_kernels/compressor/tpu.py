@@ -1,22 +1,6 @@
 """Mosaic TPU compressor: one grid step per tile of ``TILE`` consecutive tokens.
 
-Per tile:
-
-* the token rows come in as a VMEM block, plus the 8-row block that ends just before the tile
-  (its last row is the first member of a pair that straddles the tile boundary);
-* ratio 2: every chunk-first token at an odd position DMAs its ring row ``(p - 1) % C`` from
-  the request's ring block (HBM) into VMEM, and waits for it **before** any ring
-  write of the tile is issued (the grid is sequential, so earlier tiles' writes are done too);
-* pooling, RMSNorm (f32) and the rotation are vector math on the tile; the rotation swaps the
-  interleaved pairs with two lane rolls (no strided lane access);
-* each closing token DMAs its record row to ``comp_pages[slot // E, slot % E]`` and each of
-  the chunk's last ``C`` tokens DMAs its raw row to the ring; both page arrays are aliased in
-  place (``input_output_aliases``). Slots and ring rows come from the SMEM scalar prefetch, so
-  a block id outside the page array is an out-of-bounds DMA, which the checking interpreter
-  raises.
-
-Token metadata (slot, ring rows, flags, group position) is derived in the wrapper with a few
-O(T) integer ops.
+Design notes: pallas_kernels/README.md, "pallas_kernels/compressor/tpu.py".
 """
 
 from __future__ import annotations
@@ -93,6 +77,7 @@ def rotate(z, group_pos, inv_lane, sign_lane):
     return x * jnp.cos(angle) + partner * (sign_lane * jnp.sin(angle))
 
 
+# over 60 lines: one kernel body: a tile's ring reads, pooling, norm, rotation and DMAs
 def _kernel(
     slot_ref,  # SMEM i32[Tp]
     src_ref,  # SMEM i32[Tp]

@@ -1,9 +1,7 @@
 """Indexer top-k (kernel 3 of pallas_kernels/README.md): weighted ReLU scores of index queries
 against paged index keys, the candidate blocks of the two-level selection, and the exact top-k.
 
-`indexer_topk(..., impl=None, interpret=False)` runs the pure-jnp reference on CPU, the Mosaic
-kernel on TPU and the Triton kernel on GPU (`pallas_kernels.backend.resolve_impl`). The kernels
-keep every score on chip and select without a sort (see `tpu.py` / `gpu.py`).
+Design notes: pallas_kernels/README.md, "pallas_kernels/indexer/__init__.py".
 """
 
 from __future__ import annotations
@@ -38,22 +36,23 @@ def indexer_topk(
     interpret: Any = False,
     debug: bool = False,
 ):
-    """Top-k compressed entries per token (pallas_kernels/README.md, kernel 3).
+    """Top-k compressed entries per token (pallas_kernels/README.md, kernel 3): weighted ReLU
+    scores against the request's visible index keys, exact top-k, ties to the lower index.
 
-    Returns ``topk`` i32[T, k] (request-local entry ids, -1 = none, order free), or
-    ``(topk, blocks)`` for a candidate source (``candidate_topk_blocks > 0`` and no
-    ``candidates``), ``blocks`` i32[T, candidate_topk_blocks] (-1 = none). A padding token
-    (position -1) gets -1 everywhere. ``debug=True`` checks at run time that every block id of
-    ``comp_tables`` is in ``[0, P)`` (raises otherwise; nothing is clamped).
-
-    ``key_scales``: a scale per index key (e.g. ``ikey_pages`` holding the e4m3 values of fp8
-    index-key records and ``key_scales`` their power-of-two f32 scales): the key is the row
-    times its scale; the kernels stream the 8-bit rows as they are (half the bytes of bf16 keys):
-    the GPU kernel scales each score, the TPU kernel decodes each chunk in VMEM.
-
-    ``tokens_per_tile`` (kernels only; None = the kernel's default): tokens per program; the
-    tokens of one request within a tile (a prefill chunk, speculative rows) read the request's
-    index keys from HBM once instead of once each.
+    Args:
+      qi, weights, ikey_pages, comp_tables, token_req, positions, visible: as in the README.
+      entries_per_block, k, candidate_block_size, candidate_topk_blocks, candidates: the
+        README's contract (a candidate source or consumer of the two-level selection).
+      key_scales: f32[P, E] scale per index key (fp8 records): the key is row times scale; the
+        kernels stream the 8-bit rows (GPU scales each score, TPU decodes each chunk in VMEM).
+      tokens_per_tile: kernels only (None = default): a tile's tokens of one request read the
+        request's index keys from HBM once.
+      impl, interpret: see `pallas_kernels.backend`.
+      debug: check at run time that every block id of ``comp_tables`` is in ``[0, P)``.
+    Returns:
+      ``topk`` i32[T, k] (request-local entry ids, -1 = none, order free), or ``(topk,
+      blocks)`` for a candidate source, ``blocks`` i32[T, candidate_topk_blocks] (-1 = none).
+      A padding token (position -1) gets -1 everywhere.
     """
     if debug:
         check_block_tables(comp_tables, ikey_pages.shape[0], "comp_tables")

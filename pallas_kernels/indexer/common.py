@@ -28,6 +28,7 @@ def _fail(msg: str):
     raise ValueError(f"indexer_topk: {msg}")
 
 
+# over 60 lines: one check per argument, in signature order
 def check_indexer_args(
     qi,
     weights,
@@ -108,16 +109,17 @@ def cost(
     key_scale_bytes: int = 0,
 ) -> dict[str, int]:
     """Bytes moved and FLOPs of one indexer call in which each of ``num_tokens`` tokens scores
-    ``entries`` visible index keys.
+    ``entries`` visible index keys. FLOPs: the q.k products (2 * IH * Di per entry) and the
+    weighted ReLU sum (3 * IH); the selection's compare passes are not counted. Bytes: keys,
+    queries and weights, block-table rows, outputs.
 
-    ``key_reads``: how many times the key stream is read from HBM (default ``num_tokens``: every
-    token reads its own; the TPU kernel reads it once per run of a request's tokens within a tile,
-    e.g. ``num_tokens / tokens_per_tile`` for a prefill chunk of one request).
-    ``key_scale_bytes``: bytes of each key's scale (4 for fp8 keys with an f32 scale).
-
-    FLOPs count the q.k products (2 * IH * Di per entry) and the weighted ReLU sum (3 * IH per
-    entry); the selection is a few compare passes per entry and is not counted as FLOPs.
-    Bytes: the keys, the queries and weights, the block-table rows, the outputs."""
+    Args:
+      key_reads: times the key stream is read from HBM (default ``num_tokens``; the TPU kernel
+        reads it once per run of a request's tokens in a tile).
+      key_scale_bytes: bytes of each key's scale (4 for fp8 keys with an f32 scale).
+    Returns:
+      ``{"flops": ..., "bytes": ...}``.
+    """
     kb = np.dtype(key_dtype).itemsize
     qb = np.dtype(q_dtype).itemsize
     pages = math.ceil(entries / entries_per_block)

@@ -1,35 +1,6 @@
 """Triton (Pallas GPU) indexer: block maxima, exact block pre-selection, rescoring, exact top-k.
 
-A Triton program cannot keep a long context's scores on chip, so the GPU path splits the work
-into three small kernels and only ever writes *block maxima* (1/BS of the score matrix) and the
-scores of the few candidate blocks to HBM:
-
-1. `_blocks_kernel`, one program per *tile* of ``tokens_per_tile`` consecutive tokens (T is
-   padded to whole tiles with padding tokens: visible 0, the last token's request; their rows
-   are dropped): stream the keys, 128 entries a step up to the tile's largest visible count,
-   score them on the tensor cores, write each token's own row of block maxima (max of each
-   block of ``BS`` entries). Shared: a step's keys are gathered through the block table once,
-   for the request of the tile's first token, and scored by every token of the tile in that
-   request (a prefill chunk's keys are read once per tile instead of once per token). When the
-   whole tile is one request and its size is a power of two (Triton shapes), its queries are
-   stacked into one matmul ([tile * IH_pad, Di] x [Di, 128]); otherwise each token runs its own
-   matmul on the shared keys. Not shared: a token of another request (a tile straddling
-   requests) gathers its own keys; queries, weights and visible counts are per token (entries
-   at or past a token's own count score -inf; token by token, a step wholly past it is
-   skipped).
-2. `_select_kernel` on the block maxima, one program per token: the top ``min(k, blocks)``
-   blocks (ties: lower block) contain the true top-k (each block holding a top-k entry scores at
-   least the k-th score, and ties resolve to the lower index at both levels). A candidate source
-   runs it a second time with the newest block pinned to +inf for its ``candidate_topk_blocks``
-   output.
-3. `_rescore_kernel`, one program per token, not tiled: score just the entries of the token's
-   selected blocks (or of a consumer's candidate blocks: a consumer never touches other keys),
-   then `_select_kernel` picks the exact top-k among them. The selected blocks differ from token
-   to token, so tiles would share little there; each token gathers its own ``k`` entries.
-
-`_select_kernel` is sort-free: order-preserving int32 keys, the k-th largest built bit by bit
-with counting passes, the tie cut over the id bits, then compaction with a prefix sum and a
-scatter store. Shapes are padded to powers of two (Triton); heads are padded to 16 (MMA).
+Design notes: pallas_kernels/README.md, "pallas_kernels/indexer/gpu.py".
 """
 
 from __future__ import annotations
@@ -102,6 +73,7 @@ def _gather_keys(tab_ref, keys_ref, scales_ref, r, nb, e, entry):
     return keys_ref[row], None if scales_ref is None else scales_ref[row]
 
 
+# over 60 lines: one kernel body: the tile's shared key stream and its two scoring paths
 def _blocks_kernel(
     req_ref, vis_ref, tab_ref, q_ref, w_ref, keys_ref, *rest, nb, e, bs, tq, ihp, scaled
 ):
@@ -314,44 +286,40 @@ def _block_maxima(
     return bm[:t]
 
 
+def _block_selection(bm, vis, *, mode, k, bs, n_entries, cb, interpret):
+    """From block maxima f32[T, nblocks]: the top ``min(k, blocks)`` blocks, -1 padded to a
+    whole chunk (they hold the exact top-k), and a source's ``cb`` candidate blocks (newest
+    pinned) or None."""
+    t, nblocks = bm.shape
+    block_ids = jnp.broadcast_to(jnp.arange(nblocks, dtype=jnp.int32), bm.shape)
+    no_pin = jnp.full((t,), -1, jnp.int32)
+    bits = max(1, nblocks.bit_length())
+    blocks_out = None
+    if mode == "source":
+        newest = jnp.where(vis > 0, (vis - 1) // bs, -1)
+        blocks_out = _select(bm, block_ids, newest, cb, bits, interpret)
+    kb = min(k, cdiv(n_entries, bs))
+    blocks = _select(bm, block_ids, no_pin, kb, bits, interpret)
+    pad = _pow2(max(kb, CHUNK // bs)) - kb
+    return jnp.pad(blocks, ((0, 0), (0, pad)), constant_values=-1), blocks_out
+
+
+# over 60 lines: the three-kernel pipeline (block maxima, block selection, rescoring) in order
 def indexer_topk(
-    qi,
-    weights,
-    ikey_pages,
-    comp_tables,
-    token_req,
-    positions,
-    visible,
-    *,
-    entries_per_block: int,
-    k: int,
-    candidate_block_size: int = 0,
-    candidate_topk_blocks: int = 0,
-    candidates=None,
-    key_scales=None,
-    tokens_per_tile: int = TOKENS_PER_TILE,
-    interpret=False,
-):
+    qi, weights, ikey_pages, comp_tables, token_req, positions, visible, *,
+    entries_per_block: int, k: int, candidate_block_size: int = 0, candidate_topk_blocks: int = 0,
+    candidates=None, key_scales=None, tokens_per_tile: int = TOKENS_PER_TILE, interpret=False,
+):  # fmt: skip
     """Triton indexer; same arguments and results as `reference.indexer_topk`.
 
     ``tokens_per_tile`` consecutive tokens share one program of `_blocks_kernel` and the keys it
     gathers (see the module docstring); the results do not depend on it.
     """
     mode = check_indexer_args(
-        qi,
-        weights,
-        ikey_pages,
-        comp_tables,
-        token_req,
-        positions,
-        visible,
-        entries_per_block=entries_per_block,
-        k=k,
-        candidate_block_size=candidate_block_size,
-        candidate_topk_blocks=candidate_topk_blocks,
-        candidates=candidates,
-        key_scales=key_scales,
-    )
+        qi, weights, ikey_pages, comp_tables, token_req, positions, visible,
+        entries_per_block=entries_per_block, k=k, candidate_block_size=candidate_block_size,
+        candidate_topk_blocks=candidate_topk_blocks, candidates=candidates, key_scales=key_scales,
+    )  # fmt: skip
     interpret = gpu_interpret(interpret)
     tq = tokens_per_tile
     if isinstance(tq, bool) or not isinstance(tq, int) or tq < 1:
@@ -392,39 +360,20 @@ def indexer_topk(
         key_scale_bytes=0 if scales is None else 4,
     )
 
-    blocks_out = None
     if mode == "consumer":
         cbp = _pow2(max(candidates.shape[1], CHUNK // bs))
         blocks = jnp.pad(candidates, ((0, 0), (0, cbp - candidates.shape[1])), constant_values=-1)
+        blocks_out = None
     else:
-        nblocks = _pow2(max(cdiv(n_entries, bs), CHUNK // bs))
         bm = _block_maxima(
-            token_req,
-            vis,
-            tab,
-            q,
-            w,
-            keys,
-            scales,
-            nb=nb,
-            e=e,
-            bs=bs,
-            nblocks=nblocks,
-            tq=tq,
-            estimate=cost_estimate(c["flops"], c["bytes"]),
+            token_req, vis, tab, q, w, keys, scales, nb=nb, e=e, bs=bs,
+            nblocks=_pow2(max(cdiv(n_entries, bs), CHUNK // bs)), tq=tq,
+            estimate=cost_estimate(c["flops"], c["bytes"]), interpret=interpret,
+        )  # fmt: skip
+        blocks, blocks_out = _block_selection(
+            bm, vis, mode=mode, k=k, bs=bs, n_entries=n_entries, cb=candidate_topk_blocks,
             interpret=interpret,
-        )
-        block_ids = jnp.broadcast_to(jnp.arange(nblocks, dtype=jnp.int32), bm.shape)
-        no_pin = jnp.full((t,), -1, jnp.int32)
-        bits = max(1, nblocks.bit_length())
-        if mode == "source":
-            newest = jnp.where(vis > 0, (vis - 1) // bs, -1)
-            blocks_out = _select(bm, block_ids, newest, candidate_topk_blocks, bits, interpret)
-        kb = min(k, cdiv(n_entries, bs))
-        blocks = _select(bm, block_ids, no_pin, kb, bits, interpret)
-        blocks = jnp.pad(
-            blocks, ((0, 0), (0, _pow2(max(kb, CHUNK // bs)) - kb)), constant_values=-1
-        )
+        )  # fmt: skip
     m = blocks.shape[1] * bs
     vals, ids = pl.pallas_call(
         functools.partial(_rescore_kernel, nb=nb, e=e, bs=bs, scaled=scales is not None),

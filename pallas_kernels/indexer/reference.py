@@ -1,26 +1,6 @@
 """Pure-jnp indexer top-k over paged index keys: the oracle of the kernels and the CPU path.
 
-Written for clarity, not speed: every token gathers its request's index keys densely through the
-block table, scores all of them, and selects with `jax.lax.top_k` (ties to the lower index). The
-kernels compute the same sets without materialising scores in HBM and without a sort.
-
-Semantics (pallas_kernels/README.md, kernel 3; docs/model.md#indexer):
-
-* ``s(j) = sum_h weights[t, h] * relu(qi[t, h] . key[j])`` in f32 for ``j < visible[t]``, -inf
-  beyond (and everywhere for a padding token, ``positions[t] == -1``). A -0.0 score is counted
-  as +0.0 so that ties do not depend on the sign of a zero. With bf16 ``qi`` the dot, each
-  weighted term and the sum are rounded to bf16 (DeepSeek's indexer computes them in bf16);
-  the kernels do the same (`common.weighted_relu_sum`).
-* Candidate source (``candidate_topk_blocks > 0`` and ``candidates is None``): block ``b`` of
-  ``candidate_block_size`` entries scores its best entry; the block of entry ``visible - 1`` is
-  pinned (+inf); the top ``min(candidate_topk_blocks, blocks)`` blocks (ties: lower block) are
-  returned, -1 for blocks scoring -inf and for padding columns.
-* Consumer (``candidates`` given): scores outside the listed blocks are -inf.
-* Top-k: the ``k`` highest scores (ties: lower index); picks that are -inf are -1.
-* ``key_scales`` (f32[P, E], e.g. with fp8 ``ikey_pages``): the key of an entry is its row
-  times its scale. The kernels multiply the entry's score by the scale instead (the scale
-  stays out of the matmul), which is exactly the same for power-of-two scales (those of fp8
-  index-key records).
+Design notes: pallas_kernels/README.md, "pallas_kernels/indexer/reference.py".
 """
 
 from __future__ import annotations
@@ -30,17 +10,17 @@ import jax.numpy as jnp
 
 from pallas_kernels.indexer.common import check_indexer_args, weighted_relu_sum
 
-__all__ = ["indexer_topk"]
+__all__ = ["dense_keys", "index_scores", "indexer_topk"]
 
 
-def _dense_keys(ikey_pages, comp_tables, token_req):
+def dense_keys(ikey_pages, comp_tables, token_req):
     """Each token's request keys, densely: [T, nb * E, Di] (pages gathered in table order)."""
     pages = ikey_pages[comp_tables]  # [R, nb, E, Di]
     r, nb, e, di = pages.shape
     return pages.reshape(r, nb * e, di)[token_req]
 
 
-def _scores(qi, weights, keys, visible):
+def index_scores(qi, weights, keys, visible):
     """Weighted ReLU scores [T, N] with -inf at j >= visible and -0.0 canonicalised."""
     dots = jnp.einsum("thd,tnd->thn", qi, keys.astype(qi.dtype), preferred_element_type=jnp.float32)
     if qi.dtype == jnp.float32:
@@ -80,48 +60,28 @@ def _candidate_mask(candidates, n, block_size):
 
 
 def indexer_topk(
-    qi: jax.Array,  # [T, IH, Di]
-    weights: jax.Array,  # [T, IH]
-    ikey_pages: jax.Array,  # [P, E, Di]
-    comp_tables: jax.Array,  # i32[R, nb]
-    token_req: jax.Array,  # i32[T]
-    positions: jax.Array,  # i32[T], -1 = padding
-    visible: jax.Array,  # i32[T]
-    *,
-    entries_per_block: int,
-    k: int,
-    candidate_block_size: int = 0,
-    candidate_topk_blocks: int = 0,
-    candidates: jax.Array | None = None,  # i32[T, CB] block ids, -1 = none
-    key_scales: jax.Array | None = None,  # f32[P, E]
-):
-    """Top-k index entries per token over paged index keys (reference).
+    qi, weights, ikey_pages, comp_tables, token_req, positions, visible, *,
+    entries_per_block: int, k: int, candidate_block_size: int = 0, candidate_topk_blocks: int = 0,
+    candidates=None, key_scales=None,
+):  # fmt: skip
+    """Top-k index entries per token over paged index keys (reference); the arguments of
+    `pallas_kernels.indexer_topk`.
 
     Returns:
       ``topk`` i32[T, k] of request-local entry ids (-1 = none); for a candidate source
       ``(topk, blocks)`` with ``blocks`` i32[T, candidate_topk_blocks] (-1 = none).
     """
     mode = check_indexer_args(
-        qi,
-        weights,
-        ikey_pages,
-        comp_tables,
-        token_req,
-        positions,
-        visible,
-        entries_per_block=entries_per_block,
-        k=k,
-        candidate_block_size=candidate_block_size,
-        candidate_topk_blocks=candidate_topk_blocks,
-        candidates=candidates,
-        key_scales=key_scales,
-    )
+        qi, weights, ikey_pages, comp_tables, token_req, positions, visible,
+        entries_per_block=entries_per_block, k=k, candidate_block_size=candidate_block_size,
+        candidate_topk_blocks=candidate_topk_blocks, candidates=candidates, key_scales=key_scales,
+    )  # fmt: skip
     n = comp_tables.shape[1] * entries_per_block
     if key_scales is not None:  # the keys the records stand for: values x scale
         ikey_pages = ikey_pages.astype(jnp.float32) * key_scales[..., None]
     vis = jnp.where(positions >= 0, jnp.clip(visible, 0, n), 0)
-    keys = _dense_keys(ikey_pages, comp_tables, token_req)
-    scores = _scores(qi, weights, keys, vis)
+    keys = dense_keys(ikey_pages, comp_tables, token_req)
+    scores = index_scores(qi, weights, keys, vis)
     blocks = None
     if mode == "source":
         blocks = _candidate_blocks(scores, vis, candidate_block_size, candidate_topk_blocks)

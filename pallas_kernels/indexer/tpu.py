@@ -1,41 +1,14 @@
 """Mosaic TPU indexer: one grid step per tile of tokens, every score on chip, selection
 without a sort.
 
-A grid step takes ``tq`` consecutive tokens of the ragged batch (``tokens_per_tile``, capped so
-their score rows fit VMEM; the batch is padded to whole tiles with tokens that see nothing).
-The tile is cut into *segments*, runs of tokens of one request (tokens of a request are
-contiguous): a prefill chunk or a request's speculative rows form one segment per tile, a
-decode batch one segment per token. Per segment of request ``r``:
-
-1. **Scoring.** ``r``'s block-table row is DMA'd into SMEM; the key pages of entries below the
-   segment's largest visible count are DMA'd from HBM (``pl.ANY``) in chunks of ``CE``
-   entries (double-buffered: chunk ``c + 1`` is in flight while chunk ``c`` is scored), **once
-   for the whole segment**. Each token of the segment that sees the chunk scores it: per
-   128-entry slice ``s = sum_h w_h relu(q_h . k)`` ([IH, Di] x [128, Di] on the MXU, f32)
-   becomes one row of that token's VMEM score array ``[N / 128, 128]``; entries ``>= n`` are
-   -inf. Scores never reach HBM.
-2. **Candidate blocks** (source): block maxima of ``candidate_block_size`` lanes by lane rolls,
-   kept on each block's first lane; the newest block is pinned to +inf.
-   **Consumer** (`_consumer`, token by token: each token has its own blocks): only the listed
-   blocks' keys are read (one DMA per block, 128 entries per matmul) into a compact score
-   array with an id per lane; no other key is read.
-3. **Exact top-k by threshold counting** (`_select`), per token: scores are mapped to
-   order-preserving int32 keys; the k-th largest key is built bit by bit from the top (32
-   counting passes over the score rows), then the lowest index among the ties is found the same
-   way over the index bits. The selected set is exactly "the k highest, ties to the lower index".
-4. **Compaction**: row by row, the selected lanes are ranked with a triangular matmul and moved
-   to the front of the row with a one-hot matmul (exact, f32 HIGHEST), then appended to the
-   output at a running offset with one dynamic lane rotation. Rows without picks cost one sum.
-
-HBM traffic is one pass over the visible keys per segment (a prefill chunk of one request reads
-its keys ``T / tq`` times instead of ``T`` times); the VMEM work per token is its scoring plus
-~(32 + log2 N) compare passes over its scores; nothing is sorted and no score is written to HBM.
+Design notes: pallas_kernels/README.md, "pallas_kernels/indexer/tpu.py".
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +154,32 @@ def _segment_end(req_ref, t0, s, tq):
     return end
 
 
+def _kernel_refs(rest, *, mode: str, scaled: bool):
+    """The kernel's refs after q and w, by name: (cand, tables, keys, scales, out, scaled
+    buffers, blocks out, scores, aux scores, lane ids, key buffer, sems, table row, table sem);
+    None where the mode has none."""
+    rest = list(rest)
+    cand_ref = rest.pop(0) if mode == "consumer" else None  # SMEM i32[tq, 1, cbw]
+    tab_hbm, keys_hbm = rest[:2]  # tables i32[R, 1, nbp] and keys stay in HBM
+    rest = rest[2:]
+    scales_hbm = rest.pop(0) if scaled else None  # f32[P, E, 1] (HBM)
+    out_ref = rest.pop(0)
+    # scaled keys: per chunk, the scales' DMA buffer and semaphores, and the decoded keys
+    scaled_bufs = tuple(rest[-3:]) if scaled else None
+    if scaled:
+        rest = rest[:-3]
+    blk_ref = rest.pop(0) if mode == "source" else None
+    aux_ref = ids_ref = None
+    if mode == "consumer":
+        sc_ref, ids_ref, kbuf, sems, tab_ref, tab_sem = rest
+    elif mode == "source":
+        sc_ref, aux_ref, kbuf, sems, tab_ref, tab_sem = rest
+    else:
+        sc_ref, kbuf, sems, tab_ref, tab_sem = rest
+    head = (cand_ref, tab_hbm, keys_hbm, scales_hbm, out_ref, scaled_bufs)
+    return (*head, blk_ref, sc_ref, aux_ref, ids_ref, kbuf, sems, tab_ref, tab_sem)
+
+
 def _kernel(
     req_ref,  # SMEM i32[Tp]
     vis_ref,  # SMEM i32[Tp] (0 for padding tokens)
@@ -198,23 +197,9 @@ def _kernel(
     stack,
     scaled,
 ):
-    rest = list(rest)
-    cand_ref = rest.pop(0) if mode == "consumer" else None  # SMEM i32[tq, 1, cbw]
-    tab_hbm, keys_hbm = rest[:2]  # tables i32[R, 1, nbp] and keys stay in HBM
-    rest = rest[2:]
-    scales_hbm = rest.pop(0) if scaled else None  # f32[P, E, 1] (HBM)
-    out_ref = rest.pop(0)
-    # scaled keys: per chunk, the scales' DMA buffer and semaphores, and the decoded keys
-    scaled_bufs = tuple(rest[-3:]) if scaled else None
-    if scaled:
-        rest = rest[:-3]
-    blk_ref = rest.pop(0) if mode == "source" else None
-    if mode == "consumer":
-        sc_ref, ids_ref, kbuf, sems, tab_ref, tab_sem = rest
-    else:
-        sc_ref, aux_ref, kbuf, sems, tab_ref, tab_sem = (
-            rest if mode == "source" else (rest[0], None, *rest[1:])
-        )
+    refs = _kernel_refs(rest, mode=mode, scaled=scaled)
+    cand_ref, tab_hbm, keys_hbm, scales_hbm, out_ref, scaled_bufs = refs[:6]
+    blk_ref, sc_ref, aux_ref, ids_ref, kbuf, sems, tab_ref, tab_sem = refs[6:]
     t0 = pl.program_id(0) * tq
 
     def load_table(r):
@@ -231,22 +216,10 @@ def _kernel(
 
             def one(i, carry):
                 _consumer(
-                    cand_ref.at[i],
-                    tab_ref,
-                    keys_hbm,
-                    q_ref.at[i],
-                    w_ref.at[i],
-                    vis_ref[t0 + i],
-                    out_ref.at[i],
-                    sc_ref,
-                    ids_ref,
-                    kbuf,
-                    sems,
-                    e=e,
-                    cbs=cbs,
-                    k=k,
+                    cand_ref.at[i], tab_ref, keys_hbm, q_ref.at[i], w_ref.at[i], vis_ref[t0 + i],
+                    out_ref.at[i], sc_ref, ids_ref, kbuf, sems, e=e, cbs=cbs, k=k,
                     index_bits=index_bits,
-                )
+                )  # fmt: skip
                 return carry
 
             jax.lax.fori_loop(s, end, one, 0)
@@ -261,35 +234,43 @@ def _kernel(
     if mode == "consumer":
         return
 
-    def select(i, carry):
-        n = vis_ref[t0 + i]
-        nrows = cdiv_dyn(n, ce) * (ce // LANES)
-        vals = sc_ref.at[i]
-        if mode == "source":
-            newest = jnp.where(n > 0, ((n - 1) // cbs) * cbs, -1)
-
-            def block_max(j, c):
-                rows = pl.ds(pl.multiple_of(j * 8, 8), 8)
-                x = vals[rows, :]
-                m = x
-                sh = 1
-                while sh < cbs:
-                    m = jnp.maximum(m, pltpu.roll(m, LANES - sh, 1))  # lane l sees l + sh
-                    sh *= 2
-                row = j * 8 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-                idx = row * LANES + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-                m = jnp.where(idx == newest, jnp.inf, m)
-                aux_ref[rows, :] = jnp.where(idx % cbs == 0, m, -jnp.inf)
-                return c
-
-            jax.lax.fori_loop(0, cdiv_dyn(nrows, 8), block_max, 0)
-            tau, cut = _select(aux_ref, nrows, cb, index_bits)
-            _compact(aux_ref, nrows, tau, cut, blk_ref.at[i], int(math.log2(cbs)))
-        tau, cut = _select(vals, nrows, k, index_bits)
-        _compact(vals, nrows, tau, cut, out_ref.at[i], 0)
-        return carry
-
+    select = functools.partial(
+        _select_token, vis_ref, t0, sc_ref, aux_ref, blk_ref, out_ref,
+        mode=mode, ce=ce, k=k, cbs=cbs, cb=cb, index_bits=index_bits,
+    )  # fmt: skip
     jax.lax.fori_loop(0, tq, select, 0)
+
+
+def _select_token(vis_ref, t0, sc_ref, aux_ref, blk_ref, out_ref, i, carry, *, mode, ce, k, cbs,
+                  cb, index_bits):  # fmt: skip
+    """Tile row ``i``'s outputs from its scores: a source's candidate blocks (block maxima by
+    lane rolls on each block's first lane, the newest block pinned), then its top-k."""
+    n = vis_ref[t0 + i]
+    nrows = cdiv_dyn(n, ce) * (ce // LANES)
+    vals = sc_ref.at[i]
+    if mode == "source":
+        newest = jnp.where(n > 0, ((n - 1) // cbs) * cbs, -1)
+
+        def block_max(j, c):
+            rows = pl.ds(pl.multiple_of(j * 8, 8), 8)
+            x = vals[rows, :]
+            m = x
+            sh = 1
+            while sh < cbs:
+                m = jnp.maximum(m, pltpu.roll(m, LANES - sh, 1))  # lane l sees l + sh
+                sh *= 2
+            row = j * 8 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+            idx = row * LANES + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+            m = jnp.where(idx == newest, jnp.inf, m)
+            aux_ref[rows, :] = jnp.where(idx % cbs == 0, m, -jnp.inf)
+            return c
+
+        jax.lax.fori_loop(0, cdiv_dyn(nrows, 8), block_max, 0)
+        tau, cut = _select(aux_ref, nrows, cb, index_bits)
+        _compact(aux_ref, nrows, tau, cut, blk_ref.at[i], int(math.log2(cbs)))
+    tau, cut = _select(vals, nrows, k, index_bits)
+    _compact(vals, nrows, tau, cut, out_ref.at[i], 0)
+    return carry
 
 
 def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref, kbuf, sems, tq,
@@ -298,16 +279,50 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
     entries up to the segment's largest visible count, and score every row of the segment
     against each chunk it can see (row ``i``'s scores go to ``sc_ref[i]``). With ``stack``, a
     segment that is the whole tile scores all its tokens with one matmul per 128 entries.
-    ``scaled = (scales_hbm, sbuf, ssems, dbuf)``: the keys are stored rows (fp8) with a scale
-    each; every chunk is decoded once in VMEM (row x scale, exact for power-of-two scales) into
-    ``dbuf`` before its tokens score it."""
+    ``scaled = (scales_hbm, sbuf, ssems, dbuf)``: fp8 rows with a scale each, see `_chunk_keys`."""
     bf16 = q_ref.dtype == jnp.bfloat16  # score with DeepSeek's bf16 roundings
     n_max = jnp.int32(0)
     for i in range(tq):
         in_seg = (i >= s) & (i < end)
         n_max = jnp.maximum(n_max, jnp.where(in_seg, vis_ref[t0 + i], 0))
-    pages_per_chunk = ce // e
     nchunks = cdiv_dyn(n_max, ce)
+    for_pages = functools.partial(
+        _for_pages, tab_ref, keys_hbm, kbuf, sems, scaled, n_max, e=e, pages_per_chunk=ce // e
+    )
+
+    @pl.when(nchunks > 0)
+    def _first():
+        for_pages(0, 0, lambda cp: cp.start())
+
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+    tile = (vis_ref, t0, q_ref, w_ref, sc_ref, lane)
+
+    def chunk(c, carry):
+        slot = c % 2
+
+        @pl.when(c + 1 < nchunks)
+        def _next():
+            for_pages(c + 1, 1 - slot, lambda cp: cp.start())
+
+        for_pages(c, slot, lambda cp: cp.wait())
+        keys_at = _chunk_keys(kbuf, slot, scaled, ce)
+        per_token = functools.partial(
+            _score_rows, tile, keys_at, c, s, end, tq=tq, ce=ce, bf16=bf16
+        )
+        if not stack:
+            per_token()
+            return carry
+        whole = (s == 0) & (end == tq)
+        pl.when(jnp.logical_not(whole))(per_token)
+        pl.when(whole)(functools.partial(_score_stacked, tile, keys_at, c, tq=tq, ce=ce, bf16=bf16))
+        return carry
+
+    jax.lax.fori_loop(0, nchunks, chunk, 0)
+
+
+def _for_pages(tab_ref, keys_hbm, kbuf, sems, scaled, n_max, c, slot, fn, *, e, pages_per_chunk):
+    """Apply ``fn`` (start or wait) to the DMAs of chunk ``c``'s pages (and their scales) that
+    hold entries below ``n_max``, into buffer ``slot``."""
 
     def page_copy(c, i, slot):
         page = tab_ref[0, c * pages_per_chunk + i]
@@ -322,91 +337,78 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
             scales_hbm.at[page], sbuf.at[slot, pl.ds(i * e, e)], ssems.at[slot]
         )
 
-    def for_pages(c, slot, fn):
-        for i in range(pages_per_chunk):
+    for i in range(pages_per_chunk):
 
-            @pl.when((c * pages_per_chunk + i) * e < n_max)
-            def _(i=i):
-                fn(page_copy(c, i, slot))
-                if scaled is not None:
-                    fn(scale_copy(c, i, slot))
+        @pl.when((c * pages_per_chunk + i) * e < n_max)
+        def _(i=i):
+            fn(page_copy(c, i, slot))
+            if scaled is not None:
+                fn(scale_copy(c, i, slot))
 
-    @pl.when(nchunks > 0)
-    def _first():
-        for_pages(0, 0, lambda cp: cp.start())
 
-    lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+def _chunk_keys(kbuf, slot, scaled, ce):
+    """``keys_at(sb)``: the chunk's 128 keys of slice ``sb``. Scaled (fp8) keys are decoded
+    once per chunk into ``dbuf`` (row x scale, exact for power-of-two scales)."""
+    if scaled is None:
 
-    def chunk(c, carry):
-        slot = c % 2
+        def keys_at(sb):
+            return kbuf[slot, pl.ds(sb * LANES, LANES), :]
 
-        @pl.when(c + 1 < nchunks)
-        def _next():
-            for_pages(c + 1, 1 - slot, lambda cp: cp.start())
+        return keys_at
+    _, sbuf, _, dbuf = scaled
+    for sb in range(ce // LANES):
+        rows = pl.ds(sb * LANES, LANES)
+        decoded = kbuf[slot, rows, :].astype(jnp.float32) * sbuf[slot, rows, :]
+        dbuf[rows, :] = decoded.astype(dbuf.dtype)
 
-        for_pages(c, slot, lambda cp: cp.wait())
-        if scaled is None:
+    def keys_at(sb):
+        return dbuf[pl.ds(sb * LANES, LANES), :]
 
-            def keys_at(sb):
-                return kbuf[slot, pl.ds(sb * LANES, LANES), :]
-        else:
-            _, sbuf, _, dbuf = scaled
-            for sb in range(ce // LANES):
-                rows = pl.ds(sb * LANES, LANES)
-                decoded = kbuf[slot, rows, :].astype(jnp.float32) * sbuf[slot, rows, :]
-                dbuf[rows, :] = decoded.astype(dbuf.dtype)
+    return keys_at
 
-            def keys_at(sb):
-                return dbuf[pl.ds(sb * LANES, LANES), :]
 
-        def per_token():
-            for i in range(tq):
-                n = vis_ref[t0 + i]
+def _score_rows(tile, keys_at, c, s, end, *, tq, ce, bf16):
+    """Score chunk ``c`` for each token of the segment ``s .. end - 1`` that sees it."""
+    vis_ref, t0, q_ref, w_ref, sc_ref, lane = tile
+    for i in range(tq):
+        n = vis_ref[t0 + i]
 
-                @pl.when((i >= s) & (i < end) & (c * ce < n))
-                def _row(i=i, n=n):
-                    q = q_ref[i]
-                    w = w_ref[i].astype(jnp.float32)
-                    for sb in range(ce // LANES):
-                        keys = keys_at(sb).astype(q.dtype)
-                        dots = _qk(q, keys)
-                        sc = weighted_relu_sum(dots, w, 0, keepdims=True, bf16=bf16)
-                        idx = c * ce + sb * LANES + lane
-                        sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
-                        sc_ref[i, pl.ds(c * (ce // LANES) + sb, 1), :] = sc
-
-        if not stack:
-            per_token()
-            return carry
-        whole = (s == 0) & (end == tq)
-        pl.when(jnp.logical_not(whole))(per_token)
-
-        @pl.when(whole)
-        def _stacked():
-            # the tile is one request: one [tq * IH, Di] x [Di, 128] matmul per slice feeds the
-            # MXU tq times more rows per pushed key tile; rows past a token's own count are
-            # -inf (rows of chunks it cannot see lie past its selection's rows)
-            q = q_ref[...]
-            tq_, ih, di = q.shape
-            q = q.reshape(tq_ * ih, di)
-            w = w_ref[...].astype(jnp.float32)  # [tq, IH, 1]
-            tok = jax.lax.broadcasted_iota(jnp.int32, (tq, LANES), 0)
-            nvec = jnp.zeros((tq, LANES), jnp.int32)
-            for i in range(tq):
-                nvec = jnp.where(tok == i, vis_ref[t0 + i], nvec)
+        @pl.when((i >= s) & (i < end) & (c * ce < n))
+        def _row(i=i, n=n):
+            q = q_ref[i]
+            w = w_ref[i].astype(jnp.float32)
             for sb in range(ce // LANES):
                 keys = keys_at(sb).astype(q.dtype)
-                dots = _qk(q, keys).reshape(tq_, ih, LANES)
-                sc = weighted_relu_sum(dots, w, 1, bf16=bf16)  # [tq, 128]
+                dots = _qk(q, keys)
+                sc = weighted_relu_sum(dots, w, 0, keepdims=True, bf16=bf16)
                 idx = c * ce + sb * LANES + lane
-                sc = jnp.where(idx < nvec, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
-                sc_ref[:, pl.ds(c * (ce // LANES) + sb, 1), :] = sc[:, None, :]
-
-        return carry
-
-    jax.lax.fori_loop(0, nchunks, chunk, 0)
+                sc = jnp.where(idx < n, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
+                sc_ref[i, pl.ds(c * (ce // LANES) + sb, 1), :] = sc
 
 
+def _score_stacked(tile, keys_at, c, *, tq, ce, bf16):
+    """The tile is one request: one [tq * IH, Di] x [Di, 128] matmul per slice feeds the MXU tq
+    times more rows per pushed key tile; rows past a token's own count are -inf (rows of chunks
+    it cannot see lie past its selection's rows)."""
+    vis_ref, t0, q_ref, w_ref, sc_ref, lane = tile
+    q = q_ref[...]
+    tq_, ih, di = q.shape
+    q = q.reshape(tq_ * ih, di)
+    w = w_ref[...].astype(jnp.float32)  # [tq, IH, 1]
+    tok = jax.lax.broadcasted_iota(jnp.int32, (tq, LANES), 0)
+    nvec = jnp.zeros((tq, LANES), jnp.int32)
+    for i in range(tq):
+        nvec = jnp.where(tok == i, vis_ref[t0 + i], nvec)
+    for sb in range(ce // LANES):
+        keys = keys_at(sb).astype(q.dtype)
+        dots = _qk(q, keys).reshape(tq_, ih, LANES)
+        sc = weighted_relu_sum(dots, w, 1, bf16=bf16)  # [tq, 128]
+        idx = c * ce + sb * LANES + lane
+        sc = jnp.where(idx < nvec, jnp.where(sc == 0.0, 0.0, sc), -jnp.inf)
+        sc_ref[:, pl.ds(c * (ce // LANES) + sb, 1), :] = sc[:, None, :]
+
+
+# over 60 lines: one kernel step: a consumer's block DMAs, scoring and selection
 def _consumer(
     cand_ref,
     tab_ref,
@@ -491,55 +493,25 @@ def tile_size(tokens_per_tile: int, score_row_bytes: int, budget: int = SCORE_VM
     return max(1, min(tokens_per_tile, budget // max(score_row_bytes, 1)))
 
 
-def indexer_topk(
-    qi,
-    weights,
-    ikey_pages,
-    comp_tables,
-    token_req,
-    positions,
-    visible,
-    *,
-    entries_per_block: int,
-    k: int,
-    candidate_block_size: int = 0,
-    candidate_topk_blocks: int = 0,
-    candidates=None,
-    key_scales=None,
-    tokens_per_tile: int = TOKENS_PER_TILE,
-    interpret=False,
-):
-    """Mosaic TPU indexer; same arguments and results as `reference.indexer_topk`.
+class _Layout(NamedTuple):
+    """Static sizes of one call: tile, padded tokens, key chunk, table width, score rows..."""
 
-    ``tokens_per_tile``: tokens per grid step (capped by the VMEM their scores need); the
-    tokens of one request within a tile read the key stream once."""
-    mode = check_indexer_args(
-        qi,
-        weights,
-        ikey_pages,
-        comp_tables,
-        token_req,
-        positions,
-        visible,
-        entries_per_block=entries_per_block,
-        k=k,
-        candidate_block_size=candidate_block_size,
-        candidate_topk_blocks=candidate_topk_blocks,
-        candidates=candidates,
-        key_scales=key_scales,
-    )
-    if key_scales is not None and mode == "consumer":
-        # a consumer DMAs blocks of a few entries, below the 8-bit sublane tile: its scaled
-        # (fp8) keys are decoded to q's dtype here, one XLA pass over the pages
-        ikey_pages = (ikey_pages.astype(jnp.float32) * key_scales[..., None]).astype(qi.dtype)
-        key_scales = None
-    scaled = key_scales is not None
+    tq: int  # tokens per grid step
+    tp: int  # tokens padded to whole tiles
+    ce: int  # entries per key DMA chunk
+    nbp: int  # table width padded to whole chunks
+    nr: int  # score rows of 128 lanes per token
+    index_bits: int
+    kp: int  # k padded to lanes
+    cbp: int  # candidate_topk_blocks padded to lanes
+    cbw: int  # a consumer's candidate list padded to whole groups
+    groups: int  # a consumer's score rows
+
+
+def _layout(mode, t, nb, e, k, cbs, cb, candidates, tokens_per_tile) -> _Layout:
+    """The static sizes of a call (and the TPU kernel's limits on them)."""
     if not isinstance(tokens_per_tile, int) or tokens_per_tile < 1:
         raise ValueError(f"indexer_topk (tpu): tokens_per_tile={tokens_per_tile!r} must be >= 1")
-    t, ih, di = qi.shape
-    e = entries_per_block
-    _, nb = comp_tables.shape
-    cbs = candidate_block_size
     if mode != "plain" and (cbs & (cbs - 1) or LANES % cbs):
         raise ValueError(
             f"indexer_topk (tpu): candidate_block_size={cbs} must be a power of two <= 128"
@@ -556,69 +528,124 @@ def indexer_topk(
     unit = math.lcm(e, LANES)
     ce = _round_up(min(max(CHUNK_ENTRIES, unit), _round_up(nb * e, unit)), unit)
     nbp = _round_up(nb, ce // e)
-    n_entries = nbp * e
-    nr = _round_up(n_entries // LANES, 8)
-    index_bits = max(1, (nr * LANES - 1).bit_length())
-    kp = _round_up(k, LANES)
-    cb = candidate_topk_blocks
+    nr = _round_up(nbp * e // LANES, 8)
     per = LANES // max(cbs, 1)
     cbw = _round_up(candidates.shape[1], per) if mode == "consumer" else 0
-    groups = _round_up(max(cbw // per, 1), 8)
     # a consumer scores one token at a time into one scratch: any tile size fits
     tq = tokens_per_tile if mode == "consumer" else tile_size(tokens_per_tile, nr * LANES * 4)
-    tp = _round_up(t, tq)
-    pad = tp - t
+    return _Layout(
+        tq=tq,
+        tp=_round_up(t, tq),
+        ce=ce,
+        nbp=nbp,
+        nr=nr,
+        index_bits=max(1, (nr * LANES - 1).bit_length()),
+        kp=_round_up(k, LANES),
+        cbp=_round_up(max(cb, 1), LANES),
+        cbw=cbw,
+        groups=_round_up(max(cbw // per, 1), 8),
+    )
 
-    tables = jnp.pad(comp_tables, ((0, 0), (0, nbp - nb)))[:, None, :]
+
+def _operands(lay, mode, arrays, candidates, key_scales):
+    """(scalar prefetch, in_specs, operands, out_specs, out_shape): tiles of q and w, the
+    consumer's candidates (SMEM), tables, keys and scales left in HBM, the top-k (and blocks)."""
+    qi, weights, ikey_pages, comp_tables, token_req, positions, visible = arrays
+    t, ih, di = qi.shape
+    e, nb = ikey_pages.shape[1], comp_tables.shape[1]
+    pad = lay.tp - t
+    tables = jnp.pad(comp_tables, ((0, 0), (0, lay.nbp - nb)))[:, None, :]
     vis = jnp.where(positions >= 0, jnp.clip(visible, 0, nb * e), 0).astype(jnp.int32)
     vis = jnp.pad(vis, (0, pad))  # padding tokens see nothing
     req = jnp.pad(token_req, (0, pad), mode="edge")  # ... and join the last request's segment
     qp = jnp.pad(qi, ((0, pad), (0, 0), (0, 0)))
     wp = jnp.pad(weights.astype(jnp.float32), ((0, pad), (0, 0)))[:, :, None]
     per_tile = lambda i, *_: (i, 0, 0)  # noqa: E731
-    in_specs = [pl.BlockSpec((tq, ih, di), per_tile), pl.BlockSpec((tq, ih, 1), per_tile)]
+    in_specs = [pl.BlockSpec((lay.tq, ih, di), per_tile), pl.BlockSpec((lay.tq, ih, 1), per_tile)]
     operands = [qp, wp]
     if mode == "consumer":
-        padded = jnp.pad(candidates, ((0, pad), (0, cbw - candidates.shape[1])), constant_values=-1)
-        in_specs.append(pl.BlockSpec((tq, 1, cbw), per_tile, memory_space=pltpu.SMEM))
+        width = ((0, pad), (0, lay.cbw - candidates.shape[1]))
+        padded = jnp.pad(candidates, width, constant_values=-1)
+        in_specs.append(pl.BlockSpec((lay.tq, 1, lay.cbw), per_tile, memory_space=pltpu.SMEM))
         operands.append(padded[:, None, :])
     in_specs += [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     operands += [tables, ikey_pages]
-    if scaled:  # one scale per key, DMA'd with its page (sublane-major: a column per chunk)
+    if key_scales is not None:  # one scale per key, DMA'd with its page (a column per chunk)
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         operands.append(key_scales.astype(jnp.float32)[..., None])
-    out_specs = [pl.BlockSpec((tq, kp // LANES, LANES), per_tile)]
-    out_shape = [jax.ShapeDtypeStruct((tp, kp // LANES, LANES), jnp.int32)]
-    cbp = _round_up(max(cb, 1), LANES)
+    out_specs = [pl.BlockSpec((lay.tq, lay.kp // LANES, LANES), per_tile)]
+    out_shape = [jax.ShapeDtypeStruct((lay.tp, lay.kp // LANES, LANES), jnp.int32)]
     if mode == "source":
-        out_specs.append(pl.BlockSpec((tq, cbp // LANES, LANES), per_tile))
-        out_shape.append(jax.ShapeDtypeStruct((tp, cbp // LANES, LANES), jnp.int32))
-    kbytes = ikey_pages.dtype.itemsize
+        out_specs.append(pl.BlockSpec((lay.tq, lay.cbp // LANES, LANES), per_tile))
+        out_shape.append(jax.ShapeDtypeStruct((lay.tp, lay.cbp // LANES, LANES), jnp.int32))
+    return (req, vis), in_specs, operands, out_specs, out_shape
+
+
+def _scratch(lay, mode, key_dtype, q_dtype, di, scaled):
+    """(scratch shapes, VMEM bytes): score rows (or a consumer's compact rows and lane ids),
+    the double-buffered key chunks, the table row, and the fp8 scales and decoded chunk."""
+    kbytes = jnp.dtype(key_dtype).itemsize
     if mode == "consumer":
         scratch = [
-            pltpu.VMEM((groups, LANES), jnp.float32),
-            pltpu.VMEM((groups, LANES), jnp.int32),
-            pltpu.VMEM((2, LANES, di), ikey_pages.dtype),
+            pltpu.VMEM((lay.groups, LANES), jnp.float32),
+            pltpu.VMEM((lay.groups, LANES), jnp.int32),
+            pltpu.VMEM((2, LANES, di), key_dtype),
         ]
-        vmem = groups * LANES * 8 + 2 * LANES * di * kbytes
+        vmem = lay.groups * LANES * 8 + 2 * LANES * di * kbytes
     else:
-        scratch = [pltpu.VMEM((tq, nr, LANES), jnp.float32)]
+        scratch = [pltpu.VMEM((lay.tq, lay.nr, LANES), jnp.float32)]
         if mode == "source":
-            scratch.append(pltpu.VMEM((nr, LANES), jnp.float32))
-        scratch.append(pltpu.VMEM((2, ce, di), ikey_pages.dtype))
-        vmem = nr * LANES * 4 * (tq + (mode == "source")) + 2 * ce * di * kbytes
+            scratch.append(pltpu.VMEM((lay.nr, LANES), jnp.float32))
+        scratch.append(pltpu.VMEM((2, lay.ce, di), key_dtype))
+        vmem = lay.nr * LANES * 4 * (lay.tq + (mode == "source")) + 2 * lay.ce * di * kbytes
     scratch += [
         pltpu.SemaphoreType.DMA((2,)),
-        pltpu.SMEM((1, nbp), jnp.int32),
+        pltpu.SMEM((1, lay.nbp), jnp.int32),
         pltpu.SemaphoreType.DMA((1,)),
     ]
     if scaled:  # the chunk's scales, their semaphores, the chunk decoded to q's dtype
         scratch += [
-            pltpu.VMEM((2, ce, 1), jnp.float32),
+            pltpu.VMEM((2, lay.ce, 1), jnp.float32),
             pltpu.SemaphoreType.DMA((2,)),
-            pltpu.VMEM((ce, di), qi.dtype),
+            pltpu.VMEM((lay.ce, di), q_dtype),
         ]
-        vmem += 2 * ce * LANES * 4 + ce * di * qi.dtype.itemsize
+        vmem += 2 * lay.ce * LANES * 4 + lay.ce * di * jnp.dtype(q_dtype).itemsize
+    return scratch, vmem
+
+
+# over 60 lines: one pallas_call: checks, layout, cost and the call read best together
+def indexer_topk(
+    qi, weights, ikey_pages, comp_tables, token_req, positions, visible, *,
+    entries_per_block: int, k: int, candidate_block_size: int = 0, candidate_topk_blocks: int = 0,
+    candidates=None, key_scales=None, tokens_per_tile: int = TOKENS_PER_TILE, interpret=False,
+):  # fmt: skip
+    """Mosaic TPU indexer; same arguments and results as `reference.indexer_topk`.
+
+    ``tokens_per_tile``: tokens per grid step (capped by the VMEM their scores need); the
+    tokens of one request within a tile read the key stream once."""
+    mode = check_indexer_args(
+        qi, weights, ikey_pages, comp_tables, token_req, positions, visible,
+        entries_per_block=entries_per_block, k=k, candidate_block_size=candidate_block_size,
+        candidate_topk_blocks=candidate_topk_blocks, candidates=candidates, key_scales=key_scales,
+    )  # fmt: skip
+    if key_scales is not None and mode == "consumer":
+        # a consumer DMAs blocks of a few entries, below the 8-bit sublane tile: its scaled
+        # (fp8) keys are decoded to q's dtype here, one XLA pass over the pages
+        ikey_pages = (ikey_pages.astype(jnp.float32) * key_scales[..., None]).astype(qi.dtype)
+        key_scales = None
+    t, ih, di = qi.shape
+    e, nb, cbs, cb = (
+        entries_per_block,
+        comp_tables.shape[1],
+        candidate_block_size,
+        candidate_topk_blocks,
+    )
+    lay = _layout(mode, t, nb, e, k, cbs, cb, candidates, tokens_per_tile)
+    arrays = (qi, weights, ikey_pages, comp_tables, token_req, positions, visible)
+    scalars, in_specs, operands, out_specs, out_shape = _operands(
+        lay, mode, arrays, candidates, key_scales
+    )
+    scratch, vmem = _scratch(lay, mode, ikey_pages.dtype, qi.dtype, di, key_scales is not None)
     # the CostEstimate assumes the worst case of one key stream per token (decode); a prefill
     # chunk of one request reads it once per tile
     c = cost(
@@ -631,25 +658,18 @@ def indexer_topk(
         q_dtype=qi.dtype,
         candidate_topk_blocks=cb,
         entries_per_block=e,
-        key_scale_bytes=4 if scaled else 0,
+        key_scale_bytes=4 if key_scales is not None else 0,
     )
+    kernel = functools.partial(
+        _kernel, mode=mode, tq=lay.tq, e=e, ce=lay.ce, k=k, cbs=max(cbs, 1), cb=cb,
+        index_bits=lay.index_bits, stack=lay.tq > 1 and ih % STACK_HEADS == 0,
+        scaled=key_scales is not None,
+    )  # fmt: skip
     outs = pl.pallas_call(
-        functools.partial(
-            _kernel,
-            mode=mode,
-            tq=tq,
-            e=e,
-            ce=ce,
-            k=k,
-            cbs=max(cbs, 1),
-            cb=cb,
-            index_bits=index_bits,
-            stack=tq > 1 and ih % STACK_HEADS == 0,
-            scaled=scaled,
-        ),
+        kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(tp // tq,),
+            grid=(lay.tp // lay.tq,),
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=scratch,
@@ -661,8 +681,8 @@ def indexer_topk(
         ),
         cost_estimate=cost_estimate(c["flops"], c["bytes"]),
         interpret=tpu_interpret(interpret),
-    )(req, vis, *operands)
-    topk = outs[0].reshape(tp, kp)[:t, :k]
+    )(*scalars, *operands)
+    topk = outs[0].reshape(lay.tp, lay.kp)[:t, :k]
     if mode == "source":
-        return topk, outs[1].reshape(tp, cbp)[:t, :cb]
+        return topk, outs[1].reshape(lay.tp, lay.cbp)[:t, :cb]
     return topk

@@ -17,6 +17,7 @@ from pallas_kernels.window_attention.reference import State
 __all__ = ["sparse_attention"]
 
 
+# over 60 lines: the public entry: its docstring documents every argument
 def sparse_attention(
     q: jax.Array,  # [T, H, D]
     comp_pages: jax.Array,  # [P, E, D]

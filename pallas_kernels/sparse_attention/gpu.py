@@ -1,16 +1,6 @@
 """Pallas Triton-backend GPU kernel of sparse attention over the paged compressed cache.
 
-Targets NVIDIA Hopper (H100/H200, sm_90), where it is compile-tested; the Triton backend also
-serves Ampere (A100, sm_80) and Ada. jax 0.12 deprecates the Pallas Triton backend (it still
-ships and compiles); a Mosaic GPU version is the follow-up for Blackwell and for TMA/WGMMA speed. One program per (token, block of `BH` heads):
-
-* Selected entries are gathered straight from the paged cache (viewed as rows [P * E, D]) into
-  registers/shared memory with vector-indexed loads, `BK` at a time: no gathered copy in HBM.
-* Empty slots (-1) are masked in the logits and their (possibly null-block) rows zeroed before
-  the value product, so nothing they read can leak.
-* The softmax continues the window's f32 state (or an empty one), then adds the sink and
-  normalises. Head blocks of one token, and tokens of one request selecting the same entries,
-  share the fetched rows through L2.
+Design notes: pallas_kernels/README.md, "pallas_kernels/sparse_attention/gpu.py".
 """
 
 from __future__ import annotations

@@ -29,19 +29,11 @@ def selected_keys(
 
 
 def sparse_attention(
-    q: jax.Array,  # [T, H, D]
-    comp_pages: jax.Array,  # [P, E, D]
-    comp_tables: jax.Array,  # i32[R, nbc]
-    token_req: jax.Array,  # i32[T]
-    positions: jax.Array,  # i32[T], -1 = padding
-    topk: jax.Array,  # i32[T, K], request-local entry ids, -1 = none
-    sink: jax.Array,  # f32[H]
-    *,
-    entries_per_block: int,
-    scale: float,
-    state: State | None = None,  # window state (m, l f32[T, H], acc f32[T, H, D])
-) -> jax.Array:
-    """Sparse MLA attention (pallas_kernels/README.md, kernel 2), in plain jnp: out [T, H, D]."""
+    q, comp_pages, comp_tables, token_req, positions, topk, sink, *, entries_per_block: int,
+    scale: float, state: State | None = None,
+) -> jax.Array:  # fmt: skip
+    """Sparse MLA attention (pallas_kernels/README.md, kernel 2), in plain jnp: out [T, H, D].
+    The arguments of `pallas_kernels.sparse_attention`."""
     if comp_pages.shape[1] != entries_per_block:
         raise ValueError(
             f"comp_pages holds {comp_pages.shape[1]} entries per block, "

@@ -1,25 +1,6 @@
 """Mosaic TPU kernel of sparse attention over the paged compressed cache.
 
-Layout of the work:
-
-* The grid walks tiles of `tq` consecutive tokens. Each tile has a *row list* of `U = tq * Kp`
-  slots: with `tq = 1` the token's own top-k row; with `tq > 1` the de-duplicated union of the
-  tile's selections, sorted by (request, entry), so tokens of one request (speculative decode,
-  prefill) fetch an entry once. Each token then reads only its request's segment of the union
-  and keeps the rows it selected (membership test against its own top-k row).
-* Rows are DMA'd one by one from the paged cache straight into a VMEM slab (no gathered copy in
-  HBM). Row addresses (`block * E + offset`, from the block table) are computed outside the kernel
-  and DMA'd per tile into SMEM, two tiles ahead, so SMEM stays small at any batch size. Slabs are
-  double-buffered: tile i+1's rows are in flight while tile i is computed, so tiles run in order.
-  The grid is (core, tile): on megacore chips (v4, v5p) each TensorCore takes a contiguous run
-  of tiles ("parallel") with its own pipeline ("arbitrary").
-* Softmax continues the window's f32 state (m, l, acc) chunk by chunk (online softmax over
-  `CHUNK`-row slices), then adds the sink and normalises. Rows a token did not select (other
-  tokens' picks, empty slots, stale slab contents) are masked in the logits and zeroed before the
-  value matmul, so no garbage or NaN leaks.
-
-The per-row DMA issue rate (one descriptor per selected entry) is what bounds this design at
-decode; sharing rows between a request's tokens and double-buffering are what it does about it.
+Design notes: pallas_kernels/README.md, "pallas_kernels/sparse_attention/tpu.py".
 """
 
 from __future__ import annotations
@@ -42,6 +23,7 @@ MAX_TOKENS_PER_CALL = 8192  # bounds the scalar-prefetched metadata (SMEM is 1 M
 _ID_BITS = 28  # entry ids below 2^28 (1M-token contexts need 2^20); 3 bits of request slot
 
 
+# over 60 lines: one kernel body: the row pipeline and the per-token online softmax
 def _kernel(
     # scalar prefetch (SMEM)
     pos_ref,  # i32[T]
@@ -194,7 +176,7 @@ def _chunk(slab, buf, ucol_ref, urow_ref, q, lo, hi, picks, scale, packed, k, ca
     return m_new, alpha * denom + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv
 
 
-def _row_lists(comp_tables, token_req, positions, topk, *, per_block: int, tq: int):
+def row_lists(comp_tables, token_req, positions, topk, *, per_block: int, tq: int):
     """Per tile: the row list (addresses, entry ids) and each token's [lo, hi) segment of it.
 
     tq == 1: the token's own row. tq > 1: the sorted, de-duplicated union of the tile's picks,
@@ -324,6 +306,7 @@ def _check(page_dtype, entries_per_block: int, entries: int, tq: int) -> None:
         )
 
 
+# over 60 lines: one pallas_call: its row lists, specs, scratch and operands read best together
 def _sparse_call(
     q, comp_pages, comp_tables, token_req, positions, topk, sink, *, entries_per_block, scale,
     state, interpret, tq, cores, per_core,
@@ -338,7 +321,7 @@ def _sparse_call(
     kp = backend.cdiv(k, CHUNK) * CHUNK
     topk = jnp.pad(topk, ((0, 0), (0, kp - k)), constant_values=-1)
     tiles, slots = num_tokens // tq, tq * kp
-    addr, ids, seg = _row_lists(
+    addr, ids, seg = row_lists(
         comp_tables, token_req, positions, topk, per_block=entries_per_block, tq=tq
     )
     ids = ids.reshape(tiles, slots)

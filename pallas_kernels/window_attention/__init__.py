@@ -16,6 +16,7 @@ from pallas_kernels.window_attention.reference import State
 __all__ = ["State", "window_attention"]
 
 
+# over 60 lines: the public entry: its docstring documents every argument
 def window_attention(
     q: jax.Array,  # [T, H, D]
     swa_pages: jax.Array,  # [P, S, D]

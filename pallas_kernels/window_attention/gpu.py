@@ -1,16 +1,6 @@
 """Pallas Triton-backend GPU kernel of window attention over the paged window cache.
 
-Targets NVIDIA Hopper (H100/H200, sm_90), where it is compile-tested; the Triton backend also
-serves Ampere (A100, sm_80) and Ada. jax 0.12 deprecates the Pallas Triton backend (it still
-ships and compiles); a Mosaic GPU version is the follow-up for Blackwell and for TMA/WGMMA speed. One program per (token, block of `BH` heads):
-
-* Triton has no scalar prefetch: the block table (flattened) and the pages (viewed as rows
-  [P * S, D]) are plain inputs, and keys are gathered with vector-indexed ref loads.
-* The program walks its token's window `lo .. p` in chunks of `BK` positions; positions past `p`
-  are clamped to `p` before the table lookup and masked afterwards, so the kernel only ever reads
-  rows inside the window (never the null block or a stale page).
-* Online softmax in f32 (`pltriton.dot` with f32 accumulation, no TF32 for f32 inputs); the sink
-  enters only the denominator at the end. Heads of one token share their key rows through L2.
+Design notes: pallas_kernels/README.md, "pallas_kernels/window_attention/gpu.py".
 """
 
 from __future__ import annotations

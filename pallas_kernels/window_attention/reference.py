@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import MASK_VALUE
+from pallas_kernels.softmax import sink_weight
 
 State = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -73,27 +74,16 @@ def merge_states(a: State, b: State) -> State:
 def finish(state: State, sink: jax.Array, positions: jax.Array, dtype) -> jax.Array:
     """Add the sink to the denominator and normalise; padding tokens give zeros."""
     m, denom, acc = state
-    sink = sink.astype(jnp.float32)[None, :]
-    top = jnp.maximum(m, sink)
-    scale = jnp.exp(m - top)
-    out = acc * (scale / (denom * scale + jnp.exp(sink - top)))[..., None]
+    out = acc * sink_weight(m, denom, sink.astype(jnp.float32)[None, :])[..., None]
     return jnp.where(positions[:, None, None] >= 0, out, 0.0).astype(dtype)
 
 
 def window_attention(
-    q: jax.Array,  # [T, H, D]
-    swa_pages: jax.Array,  # [P, S, D]
-    swa_tables: jax.Array,  # i32[R, nb]
-    token_req: jax.Array,  # i32[T]
-    positions: jax.Array,  # i32[T], -1 = padding
-    sink: jax.Array,  # f32[H]
-    *,
-    window: int,
-    scale: float,
-    replay_start: jax.Array | None = None,  # i32[R]
-    return_state: bool = False,
-) -> jax.Array | State:
-    """Sliding-window MLA attention (pallas_kernels/README.md, kernel 1), in plain jnp.
+    q, swa_pages, swa_tables, token_req, positions, sink, *, window: int, scale: float,
+    replay_start=None, return_state: bool = False,
+) -> jax.Array | State:  # fmt: skip
+    """Sliding-window MLA attention (pallas_kernels/README.md, kernel 1), in plain jnp; the
+    arguments of `pallas_kernels.window_attention`.
 
     Returns out [T, H, D] in q's dtype, or with `return_state=True` the f32 state
     (m [T, H], l [T, H], acc [T, H, D]) without the sink.

@@ -1,25 +1,6 @@
 """Mosaic TPU kernel of window attention over the paged window cache.
 
-Layout of the work:
-
-* The grid walks tiles of `tq` consecutive tokens of the ragged batch (q and the outputs are
-  BlockSpec-pipelined per tile). Per-token metadata (request, position, first visible position,
-  and the physical pages of the token's window) is scalar-prefetched into SMEM; the kernel never
-  needs the whole block table (which at 1M tokens is 32k entries per request).
-* Pages are DMA'd from HBM straight into a VMEM slab. Within a tile, consecutive tokens of the
-  same request whose windows overlap form a *segment*: its pages sit in the slab in logical order
-  and are fetched once (a prefill chunk of `tq` tokens reads ~(tq + window) / S pages instead of
-  tq * window / S). Any token order is correct; sharing just needs the usual grouping.
-* Slabs are double-buffered: while tile i is computed, tile i+1's pages are in flight, so the
-  tiles run in order. The grid is (core, tile): on megacore chips (v4, v5p) each TensorCore
-  takes a contiguous run of tiles ("parallel") with its own pipeline ("arbitrary"); v5e / v6e
-  have one core and one run.
-* Every token's window is a contiguous run of `NW * S` slab rows starting at its first page, so
-  one [H, D] x [D, NW * S] matmul gives all its logits. Rows outside the token's window (later
-  pages of its segment, other segments, never-written slots) are masked in the logits and zeroed
-  before the value matmul, so garbage or NaN there cannot leak.
-* Softmax in f32, one pass (the window fits at once); the sink enters only the denominator at the
-  end. With `return_state` the kernel writes (m, l, acc) without the sink instead.
+Design notes: pallas_kernels/README.md, "pallas_kernels/window_attention/tpu.py".
 """
 
 from __future__ import annotations
@@ -41,6 +22,7 @@ TOKENS_PER_TILE = 8  # tokens per grid step (largest power of two <= this that d
 MAX_TOKENS_PER_CALL = 8192  # bounds the scalar-prefetched metadata (SMEM is 1 MiB)
 
 
+# over 60 lines: one kernel body: the tile's DMA pipeline and its per-token softmax
 def _kernel(
     # scalar prefetch (SMEM)
     req_ref,  # i32[T]
@@ -267,6 +249,7 @@ def _slab(swa_pages: jax.Array, tq: int, nw: int, heads: int) -> tuple[int, int,
     return align, slab_rows, vmem
 
 
+# over 60 lines: one pallas_call: its metadata, specs, scratch and operands read best together
 def _window_call(
     q, swa_pages, swa_tables, token_req, positions, sink, *, window, scale, replay_start,
     return_state, interpret, tq, cores, per_core,

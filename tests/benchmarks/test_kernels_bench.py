@@ -103,8 +103,8 @@ def test_jnp_scores_match_the_reference_scores():
     bench = kernels.BENCHES["indexer_r1"](shape, "reference", 1e6)
     qi, w, keys, tables, req, pos, vis = bench.make_args(np.random.default_rng(1))
     got = kernels.jnp_scores(qi, w, keys, tables, req, vis, entries_per_block=64, group=2)
-    dense = reference._dense_keys(keys, tables, req)
-    want = reference._scores(qi, w, dense, vis)
+    dense = reference.dense_keys(keys, tables, req)
+    want = reference.index_scores(qi, w, dense, vis)
     assert np.isinf(np.asarray(want)).any()  # the visible mask is exercised
     # bf16 scores (the indexer's bf16 roundings): the dots summed in another order may land one
     # bf16 ulp apart (2**-7 relative at most)

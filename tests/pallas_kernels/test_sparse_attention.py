@@ -236,7 +236,7 @@ def test_tpu_row_lists_fetch_a_requests_union_once():
     token_req = jnp.asarray([1, 1, 0, 1], jnp.int32)
     positions = jnp.asarray([5, 6, 3, -1], jnp.int32)
     topk = jnp.asarray([[3, 9, -1], [9, 3, 4], [3, -1, -1], [7, 7, 7]], jnp.int32)
-    addr, ids, seg = tpu._row_lists(tables, token_req, positions, topk, per_block=8, tq=4)
+    addr, ids, seg = tpu.row_lists(tables, token_req, positions, topk, per_block=8, tq=4)
     # request 1 (first seen at token 0): {3, 4, 9}, then request 0 (token 2): {3}
     assert ids.tolist() == [[3, 4, 9, 3] + [-1] * 8]
     assert addr.tolist() == [[3 * 8 + 3, 3 * 8 + 4, 4 * 8 + 1, 1 * 8 + 3] + [-1] * 8]
