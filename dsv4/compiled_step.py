@@ -212,81 +212,14 @@ def compiled_step_memory(
     t0 = time.perf_counter()
     grid = np.asarray(devices, dtype=object).reshape(mesh.data, mesh.expert, mesh.model)
     jmesh = Mesh(grid, ("data", "expert", "model"))
-    chip = slice_.chip
-    plan = P.plan(
-        cfg,
-        slice_,
-        mesh=mesh,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=num_tokens,
-        records=records,
-        contexts=(),
+    plan, config, layout, num_blocks = _planned_pools(
+        cfg, slice_, mesh, max_num_seqs, max_model_len, num_tokens, records
     )
-    formats = PRESETS[plan.records]
-    desc = cache_desc(
-        cfg,
-        formats,
-        block_size=chip.block_size,
-        swa_block_size=chip.swa_block_size,
-        page_alignment=chip.page_alignment,
-        indexer_page_alignment=chip.page_alignment,
-    )
-    per_block = plan.kv_null_block
-    num_blocks = 1 + sum(plan.kv_groups.values()) // per_block  # the planner's blocks + null
-    config = for_model(desc, num_gpu_blocks_override=num_blocks)
-    layout = PoolLayout.build(cfg, config, formats)
-    assert layout.bytes_per_block() == per_block, (layout.bytes_per_block(), per_block)
-    # data > 1: data-parallel attention, one shard of pools and one batch per data shard (its
-    # ceil(max_num_seqs / data) requests, num_tokens tokens), split over data; else replicated
-    d = mesh.data
-    rows = -(-max_num_seqs // d)
-    lead = (d,) if d > 1 else ()
-    placed = NamedSharding(jmesh, PartitionSpec("data" if d > 1 else None))
-    pools = {
-        k: jax.ShapeDtypeStruct(lead + s, jnp.uint8, sharding=placed)
-        for k, s in layout.buffer_shapes().items()
-    }
-    batch = empty_batch(config, max_model_len=max_model_len, num_tokens=num_tokens, num_rows=rows)
-    batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(lead + np.shape(x), x.dtype, sharding=placed), batch
-    )
-    params = _sharded_params(cfg, jmesh, weights)
-
-    def step(params, pools, batch):
-        if d > 1:
-            return paged_step_data_parallel(params, cfg, layout, pools, batch, impl=impl)
-        return paged_step(params, cfg, layout, pools, batch, impl=impl)
-
-    # the serving precision: under jax.default_matmul_precision("highest") (the model tests'
-    # setting) XLA:TPU's ragged-dot kernel (the expert-parallel MoE) fails to compile: Mosaic
-    # "Bad lhs type" for a bf16 matmul at fp32 contract precision
-    with jax.set_mesh(jmesh), jax.default_matmul_precision("default"):
-        lowered = jax.jit(step, donate_argnums=1).trace(params, pools, batch).lower()
-        t_lower = time.perf_counter() - t0
-        text = lowered.as_text()
-        compiled = lowered.compile()
-    stats = compiled.memory_analysis()
-    in_shardings = compiled.input_shardings[0]
-    w_bytes, kv_bytes, batch_bytes = (
-        _shard_bytes(args, shardings)
-        for args, shardings in zip((params, pools, batch), in_shardings, strict=True)
-    )
-    planner_w = plan.weights if weights == "released" else plan.weights_bf16
-    planner_args = planner_w + plan.kv + batch_bytes
-    activations = P.activation_bytes(  # the plan's, for the weights this step holds
-        cfg,
-        mesh,
-        num_tokens=num_tokens,
-        num_requests=min(rows, num_tokens),
-        released_weights=weights == "released",
-        reads=P.kv_reads(cfg, P.kv_layout(cfg, chip, plan.records), plan.records,
-                         max_model_len, num_tokens),
-        seqs=rows,
-        platform=chip.platform,
-    )  # fmt: skip
-    assert weights == "bf16" or activations == plan.activations
-    acts = activations["peak"]
+    rows = -(-max_num_seqs // mesh.data)  # requests per data shard
+    args = _abstract_args(cfg, jmesh, config, layout, weights, rows, max_model_len, num_tokens)
+    text, compiled, t_lower = _lower_and_compile(cfg, layout, jmesh, impl, args, t0)
+    xla = _xla_bytes(compiled, args)
+    planner = _planner_figures(cfg, mesh, slice_, plan, weights, rows, max_model_len, num_tokens)
     return {
         "target": target,
         "device_kind": devices[0].device_kind,
@@ -303,38 +236,179 @@ def compiled_step_memory(
         "max_model_len": max_model_len,
         "num_tokens": num_tokens,
         "num_blocks": num_blocks,
-        "pools": "split over data" if d > 1 else "replicated",
-        # the lowered program's expert dispatch and kernel calls (Mosaic / Triton custom calls)
-        "hlo": {
-            "all_to_all": text.count("stablehlo.all_to_all"),
-            "kernel_calls": len(
-                re.findall(r"custom_call @(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)", text)
-            ),
-        },
-        "xla": {
-            "argument_size_in_bytes": stats.argument_size_in_bytes,
-            "output_size_in_bytes": stats.output_size_in_bytes,
-            "alias_size_in_bytes": stats.alias_size_in_bytes,
-            "temp_size_in_bytes": stats.temp_size_in_bytes,
-            "generated_code_size_in_bytes": stats.generated_code_size_in_bytes,
-            "weights_bytes": w_bytes,
-            "kv_pool_bytes": kv_bytes,
-            "batch_bytes": batch_bytes,
-        },
-        "planner": {
-            "weights_bytes": planner_w,
-            "kv_bytes": plan.kv,
-            "activation_bytes": acts,
-            "activation_terms": {k: v for k, v in activations.items() if k != "peak"},
-        },
-        "ratios": {
-            "arguments": round(stats.argument_size_in_bytes / planner_args, 6),
-            "weights": round(w_bytes / planner_w, 6),
-            "kv": round(kv_bytes / plan.kv, 6),
-            "temp_over_activations": round(stats.temp_size_in_bytes / acts, 3),
-        },
+        "pools": "split over data" if mesh.data > 1 else "replicated",
+        "hlo": _hlo_counts(text),
+        "xla": xla,
+        "planner": planner,
+        "ratios": _ratios(xla, planner),
         "lower_s": round(t_lower, 1),
         "compile_s": round(time.perf_counter() - t0 - t_lower, 1),
+    }
+
+
+def _planned_pools(
+    cfg: ModelConfig,
+    slice_: P.SliceSpec,
+    mesh: P.MeshAxes,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_tokens: int,
+    records: str | None,
+) -> tuple[Any, Any, PoolLayout, int]:
+    """The planner's plan and the KV pools it sized: the cache config for its blocks (plus the
+    null block) and the pool layout, whose bytes per block must be the planner's."""
+    plan = P.plan(
+        cfg,
+        slice_,
+        mesh=mesh,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=num_tokens,
+        records=records,
+        contexts=(),
+    )
+    chip = slice_.chip
+    formats = PRESETS[plan.records]
+    desc = cache_desc(
+        cfg,
+        formats,
+        block_size=chip.block_size,
+        swa_block_size=chip.swa_block_size,
+        page_alignment=chip.page_alignment,
+        indexer_page_alignment=chip.page_alignment,
+    )
+    per_block = plan.kv_null_block
+    num_blocks = 1 + sum(plan.kv_groups.values()) // per_block  # the planner's blocks + null
+    config = for_model(desc, num_gpu_blocks_override=num_blocks)
+    layout = PoolLayout.build(cfg, config, formats)
+    assert layout.bytes_per_block() == per_block, (layout.bytes_per_block(), per_block)
+    return plan, config, layout, num_blocks
+
+
+def _abstract_args(
+    cfg: ModelConfig,
+    jmesh: Mesh,
+    config,
+    layout: PoolLayout,
+    weights: str,
+    rows: int,
+    max_model_len: int,
+    num_tokens: int,
+) -> tuple[Any, dict[str, jax.ShapeDtypeStruct], Any]:
+    """The step's ``(params, pools, batch)`` as sharded abstract arrays; ``rows``: the
+    requests of one batch."""
+    # data > 1: data-parallel attention, one shard of pools and one batch per data shard (its
+    # ceil(max_num_seqs / data) requests, num_tokens tokens), split over data; else replicated
+    d = jmesh.shape["data"]
+    lead = (d,) if d > 1 else ()
+    placed = NamedSharding(jmesh, PartitionSpec("data" if d > 1 else None))
+    pools = {
+        k: jax.ShapeDtypeStruct(lead + s, jnp.uint8, sharding=placed)
+        for k, s in layout.buffer_shapes().items()
+    }
+    batch = empty_batch(config, max_model_len=max_model_len, num_tokens=num_tokens, num_rows=rows)
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(lead + np.shape(x), x.dtype, sharding=placed), batch
+    )
+    params = _sharded_params(cfg, jmesh, weights)
+    return params, pools, batch
+
+
+def _lower_and_compile(
+    cfg: ModelConfig, layout: PoolLayout, jmesh: Mesh, impl: str, args: tuple, t0: float
+) -> tuple[str, Any, float]:
+    """Lower and compile the paged step (data-parallel over a data axis > 1) for ``args``;
+    returns the lowered text, the compiled program and the seconds from ``t0`` to lowered."""
+    d = jmesh.shape["data"]
+
+    def step(params, pools, batch):
+        if d > 1:
+            return paged_step_data_parallel(params, cfg, layout, pools, batch, impl=impl)
+        return paged_step(params, cfg, layout, pools, batch, impl=impl)
+
+    # the serving precision: under jax.default_matmul_precision("highest") (the model tests'
+    # setting) XLA:TPU's ragged-dot kernel (the expert-parallel MoE) fails to compile: Mosaic
+    # "Bad lhs type" for a bf16 matmul at fp32 contract precision
+    with jax.set_mesh(jmesh), jax.default_matmul_precision("default"):
+        lowered = jax.jit(step, donate_argnums=1).trace(*args).lower()
+        t_lower = time.perf_counter() - t0
+        text = lowered.as_text()
+        compiled = lowered.compile()
+    return text, compiled, t_lower
+
+
+def _planner_figures(
+    cfg: ModelConfig,
+    mesh: P.MeshAxes,
+    slice_: P.SliceSpec,
+    plan,
+    weights: str,
+    rows: int,
+    max_model_len: int,
+    num_tokens: int,
+) -> dict[str, Any]:
+    """The plan's per-chip bytes for the weights this step holds: weights, KV pools and the
+    activation peak with its terms (for the released weights, the plan's own terms)."""
+    chip = slice_.chip
+    planner_w = plan.weights if weights == "released" else plan.weights_bf16
+    activations = P.activation_bytes(
+        cfg,
+        mesh,
+        num_tokens=num_tokens,
+        num_requests=min(rows, num_tokens),
+        released_weights=weights == "released",
+        reads=P.kv_reads(cfg, P.kv_layout(cfg, chip, plan.records), plan.records,
+                         max_model_len, num_tokens),
+        seqs=rows,
+        platform=chip.platform,
+    )  # fmt: skip
+    assert weights == "bf16" or activations == plan.activations
+    return {
+        "weights_bytes": planner_w,
+        "kv_bytes": plan.kv,
+        "activation_bytes": activations["peak"],
+        "activation_terms": {k: v for k, v in activations.items() if k != "peak"},
+    }
+
+
+def _hlo_counts(text: str) -> dict[str, int]:
+    """The lowered program's expert dispatch and kernel calls (Mosaic / Triton custom calls)."""
+    return {
+        "all_to_all": text.count("stablehlo.all_to_all"),
+        "kernel_calls": len(
+            re.findall(r"custom_call @(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)", text)
+        ),
+    }
+
+
+def _xla_bytes(compiled, args: tuple) -> dict[str, int]:
+    """XLA's memory analysis of the compiled step, with the bytes per device of its
+    ``args`` (params, pools, batch) under the program's input shardings."""
+    stats = compiled.memory_analysis()
+    w_bytes, kv_bytes, batch_bytes = (
+        _shard_bytes(a, shardings)
+        for a, shardings in zip(args, compiled.input_shardings[0], strict=True)
+    )
+    return {
+        "argument_size_in_bytes": stats.argument_size_in_bytes,
+        "output_size_in_bytes": stats.output_size_in_bytes,
+        "alias_size_in_bytes": stats.alias_size_in_bytes,
+        "temp_size_in_bytes": stats.temp_size_in_bytes,
+        "generated_code_size_in_bytes": stats.generated_code_size_in_bytes,
+        "weights_bytes": w_bytes,
+        "kv_pool_bytes": kv_bytes,
+        "batch_bytes": batch_bytes,
+    }
+
+
+def _ratios(xla: dict[str, int], planner: dict[str, Any]) -> dict[str, float]:
+    """The compiled figures over the planner's: arguments, weights, KV pools, temporaries."""
+    planner_args = planner["weights_bytes"] + planner["kv_bytes"] + xla["batch_bytes"]
+    return {
+        "arguments": round(xla["argument_size_in_bytes"] / planner_args, 6),
+        "weights": round(xla["weights_bytes"] / planner["weights_bytes"], 6),
+        "kv": round(xla["kv_pool_bytes"] / planner["kv_bytes"], 6),
+        "temp_over_activations": round(xla["temp_size_in_bytes"] / planner["activation_bytes"], 3),
     }
 
 

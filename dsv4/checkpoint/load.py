@@ -4,6 +4,7 @@ straight into each process's shards of a mesh (each process reads only the slice
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -256,6 +257,7 @@ def _load_sharded(
     return _from_callback(files, pname, spec.shape, sharding, target, read)
 
 
+# over 60 lines for its docstring alone: the public loader's every option documented in one place
 def load_pretrained(
     path: str | os.PathLike[str],
     dtype: Any = jnp.float32,
@@ -301,6 +303,40 @@ def load_pretrained(
     process fails there, naming the file and its tensors, before any value is read. A mesh that
     needs more devices than are present, an axis that does not divide a tensor, or a mesh
     without the rule table's axes is a ValueError naming the sizes / the tensor."""
+    path, cfg, mesh, released, np_dtype = _checked_arguments(
+        path, dtype, config, engram_tables, weights_on_device, mesh
+    )
+    entries, expected, by_param = _indexed(path, cfg)
+    specs = param_specs(cfg)
+    shardings = None if mesh is None else _abstract_shardings(cfg, mesh, released, np_dtype)
+    # the tokenizer is checked against the config before any tensor is read
+    token_map = engram_token_map(path, cfg) if cfg.engram_layer_ids else None
+    files = Files()
+    loading = _Loading(
+        files, cfg, entries, by_param, np_dtype, released, engram_tables, shardings, token_map
+    )
+    params: dict[str, jax.Array] = {}
+    bar = _progress(len(expected), progress, "loading " + os.path.basename(path.rstrip("/")))
+    try:
+        for pname, spec in specs.items():
+            params[pname] = _load_param(loading, pname, spec, bar)
+    finally:
+        bar.close()
+        files.close()
+    return cfg, params
+
+
+def _checked_arguments(
+    path: str | os.PathLike[str],
+    dtype: Any,
+    config: ModelConfig | None,
+    engram_tables: str,
+    weights_on_device: str,
+    mesh: Any,
+) -> tuple[str, ModelConfig, jax.sharding.Mesh | None, bool, np.dtype]:
+    """`load_pretrained`'s arguments checked, in order, before any file is indexed; returns the
+    directory, the config (``config`` or the directory's), the resolved mesh, whether the
+    weights stay released and the params' numpy dtype."""
     path = os.fspath(path)
     if path in SHIPPED:
         path = shipped_checkpoint(path)
@@ -319,7 +355,14 @@ def load_pretrained(
         if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
             raise CheckpointError(f"{path}: no {CONFIG_FILE} (pass config= to load without one)")
         config = ModelConfig.from_json(path)
-    cfg = config
+    return path, config, mesh, released, np_dtype
+
+
+def _indexed(
+    path: str, cfg: ModelConfig
+) -> tuple[dict[str, Entry], list[CheckpointTensor], dict[str, list[CheckpointTensor]]]:
+    """The checkpoint's index (`index_checkpoint`: its entries and the tensors the model
+    expects, grouped by param), with one log line for the tensors it skips."""
     entries, expected, skipped = index_checkpoint(path, cfg)
     if skipped:
         summary = ", ".join(f"{label}: {n}" for label, n in sorted(skipped.items()))
@@ -333,71 +376,88 @@ def load_pretrained(
     by_param: dict[str, list[CheckpointTensor]] = collections.defaultdict(list)
     for t in expected:
         by_param[t.param].append(t)
-    specs = param_specs(cfg)
-    shardings = None if mesh is None else _abstract_shardings(cfg, mesh, released, np_dtype)
-    # the tokenizer is checked against the config before any tensor is read
-    token_map = engram_token_map(path, cfg) if cfg.engram_layer_ids else None
-    files = Files()
-    params: dict[str, jax.Array] = {}
-    bar = _progress(len(expected), progress, "loading " + os.path.basename(path.rstrip("/")))
-    try:
-        for pname, spec in specs.items():
-            if spec.storage is Storage.DERIVED:
-                if mesh is None:
-                    params[pname] = jnp.asarray(token_map)
-                else:
-                    params[pname] = jax.make_array_from_callback(
-                        token_map.shape, shardings[pname], lambda i: token_map[i]
-                    )
-                continue
-            stored = np.dtype(np.uint8) if released else np_dtype  # an Engram table's bytes
-            if spec.storage is Storage.FP8_ROWS and _on_host(engram_tables, spec, stored):
-                ts = {t.role: t for t in by_param[pname]}
-                w, s = entries[ts["weight"].name], entries[ts["scale"].name]
-                params[pname] = HostTable(
-                    files.raw(w).reshape(ts["weight"].shape),
-                    files.raw(s).reshape(ts["scale"].shape),
-                    cfg.fp8_block_size,
-                    pname,
-                )
-                bar.update(2)
-                continue
-            if mesh is not None:
-                target = np.float32 if spec.storage is Storage.F32 else np_dtype
-                params[pname] = _load_sharded(
-                    files,
-                    cfg,
-                    pname,
-                    spec,
-                    by_param[pname],
-                    entries,
-                    target,
-                    released,
-                    shardings[pname],
-                )
-                bar.update(len(by_param[pname]))
-                continue
-            if released and spec.storage in STORAGE_FORMATS:
-                params[pname] = _load_released(files, cfg, spec, by_param[pname], entries, np_dtype)
-                bar.update(len(by_param[pname]))
-                continue
-            target = np.float32 if spec.storage is Storage.F32 else np_dtype
-            out = np.empty(spec.shape, target)
-            pairs: dict[int | None, dict[str, CheckpointTensor]] = collections.defaultdict(dict)
-            for t in by_param[pname]:
-                pairs[t.expert][t.role] = t
-            for expert, ts in pairs.items():
-                value = _decode(files, cfg, ts["weight"], ts.get("scale"), entries)
-                if expert is None:
-                    out[...] = value
-                else:
-                    out[expert] = value
-                bar.update(len(ts))
-            params[pname] = jnp.asarray(out)
-    finally:
-        bar.close()
-        files.close()
-    return cfg, params
+    return entries, expected, by_param
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loading:
+    """What loading each param reads: the open files, the index, the target dtype, whether the
+    weights stay released, where Engram's tables go, the params' shardings (None without a
+    mesh) and Engram's token map (None without Engram)."""
+
+    files: Files
+    cfg: ModelConfig
+    entries: dict[str, Entry]
+    by_param: dict[str, list[CheckpointTensor]]
+    np_dtype: np.dtype
+    released: bool
+    engram_tables: str
+    shardings: dict[str, Any] | None
+    token_map: np.ndarray | None
+
+
+def _load_param(ld: _Loading, pname: str, spec, bar: tqdm) -> Any:
+    """One param of `load_pretrained`: the derived token map, an Engram table on the host, a
+    sharded global array, a released weight or a dense array, advancing ``bar`` by the
+    tensors it read."""
+    if spec.storage is Storage.DERIVED:
+        if ld.shardings is None:
+            return jnp.asarray(ld.token_map)
+        token_map = ld.token_map
+        return jax.make_array_from_callback(
+            token_map.shape, ld.shardings[pname], lambda i: token_map[i]
+        )
+    tensors = ld.by_param[pname]
+    stored = np.dtype(np.uint8) if ld.released else ld.np_dtype  # an Engram table's bytes
+    if spec.storage is Storage.FP8_ROWS and _on_host(ld.engram_tables, spec, stored):
+        ts = {t.role: t for t in tensors}
+        w, s = ld.entries[ts["weight"].name], ld.entries[ts["scale"].name]
+        value = HostTable(
+            ld.files.raw(w).reshape(ts["weight"].shape),
+            ld.files.raw(s).reshape(ts["scale"].shape),
+            ld.cfg.fp8_block_size,
+            pname,
+        )
+        bar.update(2)
+        return value
+    target = np.float32 if spec.storage is Storage.F32 else ld.np_dtype
+    if ld.shardings is not None:
+        value = _load_sharded(
+            ld.files,
+            ld.cfg,
+            pname,
+            spec,
+            tensors,
+            ld.entries,
+            target,
+            ld.released,
+            ld.shardings[pname],
+        )
+    elif ld.released and spec.storage in STORAGE_FORMATS:
+        value = _load_released(ld.files, ld.cfg, spec, tensors, ld.entries, ld.np_dtype)
+    else:
+        return _load_dense(ld, spec, tensors, target, bar)
+    bar.update(len(tensors))
+    return value
+
+
+def _load_dense(
+    ld: _Loading, spec, tensors: list[CheckpointTensor], target: type | np.dtype, bar: tqdm
+) -> jax.Array:
+    """A param as one float array in ``target``: each (per-expert) tensor decoded into its
+    place (routed experts stacked into ``[E, out, in]``), advancing ``bar`` per tensor read."""
+    out = np.empty(spec.shape, target)
+    pairs: dict[int | None, dict[str, CheckpointTensor]] = collections.defaultdict(dict)
+    for t in tensors:
+        pairs[t.expert][t.role] = t
+    for expert, ts in pairs.items():
+        value = _decode(ld.files, ld.cfg, ts["weight"], ts.get("scale"), ld.entries)
+        if expert is None:
+            out[...] = value
+        else:
+            out[expert] = value
+        bar.update(len(ts))
+    return jnp.asarray(out)
 
 
 def _load_released(
