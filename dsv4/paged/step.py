@@ -126,6 +126,10 @@ ATTENTION_HEADS = {0: 1, 5: 0}
 def _attention(
     x, params, layer: int, cfg: ModelConfig, layout, pools, batch: StepBatch, shared, kern, scaled
 ):
+    """One layer's attention over the step's batch: the window latents written and read, then
+    (compressed layers) the compressor at kv sources, the top-k at index sources and one
+    softmax over the window and the picked entries. ``shared`` carries the latest top-k (and
+    candidate blocks) from index sources to the layers that reuse them; it is updated here."""
     info = cfg.plan[layer]
     a = f"layers.{layer}.attn."
     r = info.ratio
@@ -134,41 +138,12 @@ def _attention(
     safe_pos = jnp.where(real, pos, 0)
     tok_req = batch.token_req
     cos, sin = L.rope_tables(cfg, r, safe_pos)  # [T, rope/2]
-    qr, q, kv = L.query_and_latent(
-        x,
-        params,
-        a,
-        cfg,
-        cos,
-        sin,
-        qdq_latent=cfg.quant_sim and not records_quantise(layout, "swa"),
-    )
-    swa = swa_cache_name(layer)
-    g_swa = layout.group_of(swa)
-    pools = P.write_layer(layout, pools, swa, batch.window_slots[g_swa], kv)
-    # read after the write: the window of token p includes p itself
-    swa_pages, swa_table = P.read_for_table(
-        layout,
-        pools,
-        swa,
-        batch.block_tables[g_swa],
-        dtype=q.dtype,
-        positions=pos,
-        token_req=tok_req,
-        window=cfg.window_size,
-    )
-    # The window pages are read now but used after the compressor's writes (kv sources):
-    # without this, XLA fuses the read into the attention, after the writes, and copies the
-    # whole pool to keep the old bytes for it (a step that costs O(pool) instead of O(batch)).
-    swa_pages, swa_table, pools = jax.lax.optimization_barrier((swa_pages, swa_table, pools))
+    qdq_latent = cfg.quant_sim and not records_quantise(layout, "swa")
+    qr, q, kv = L.query_and_latent(x, params, a, cfg, cos, sin, qdq_latent=qdq_latent)
+    swa_pages, swa_table, pools = _window_pages(layer, cfg, layout, pools, batch, kv, q.dtype)
     scale = cfg.head_dim**-0.5
     sink = params[a + "attn_sink"]
-    win_kwargs = dict(
-        window=cfg.window_size,
-        scale=scale,
-        replay_start=batch.replay_start,
-        **kern,
-    )
+    win_kwargs = dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start, **kern)
     if not r:
         o = local_kernel(
             window_attention,
@@ -178,60 +153,98 @@ def _attention(
         )
         return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
-    src = info.kv_source
-    comp_name, ikey_name = compressed_kv_name(src), indexer_k_name(src)
-    g_comp, g_ikey = layout.group_of(comp_name), layout.group_of(ikey_name)
-    e_comp = layout.layer(comp_name).states
-    e_ikey = layout.layer(ikey_name).states
     if info.role is Role.FULL:
         pools = _compress(x, params, a, layer, cfg, layout, pools, batch, kern)
     visible = jnp.where(real, (safe_pos + 1) // r, 0)
     if info.role in (Role.FULL, Role.REINDEX):
         qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
-        # keys and queries in the activation dtype (bf16 when serving): half the bytes the
-        # indexer streams; its scores accumulate in f32 either way. fp8 index-key records go
-        # to the indexer as they are (e4m3 rows + scales: half the bytes again)
-        ikey_pages, ikey_table = P.read_for_table(
-            layout, pools, ikey_name, batch.block_tables[g_ikey], dtype=x.dtype, scaled=scaled
-        )
-        kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, **kern)
-        if scaled:
-            ikey_pages, kw["key_scales"] = ikey_pages
-        if info.is_candidate_source:
-            kw.update(
-                candidate_block_size=cfg.candidate_block_size,
-                candidate_topk_blocks=cfg.candidate_topk_blocks,
-            )
-        elif info.uses_candidates:
-            kw.update(
-                candidate_block_size=cfg.candidate_block_size,
-                candidate_topk_blocks=cfg.candidate_topk_blocks,
-                candidates=shared["candidates"],
-            )
-        out = local_kernel(
-            indexer_topk,
-            (qi.astype(x.dtype), w.astype(jnp.float32), ikey_pages, ikey_table, tok_req, pos,
-             visible),
-            kw,
-        )  # fmt: skip
-        if info.is_candidate_source:
-            shared["topk"], shared["candidates"] = out
-        else:
-            shared["topk"] = out
+        _select(qi, w, x.dtype, layer, cfg, layout, pools, batch, visible, shared, kern, scaled)
     state = local_kernel(
         window_attention,
         (q, swa_pages, swa_table, tok_req, pos, sink),
         dict(win_kwargs, return_state=True),
         ATTENTION_HEADS,
     )
-    # entries closed in this step were written by _compress above, so they are visible here
-    topk, sel_req = shared["topk"], tok_req
-    table = batch.block_tables[g_comp]
+    o, pools = _sparse(q, sink, state, layer, cfg, layout, pools, batch, shared["topk"], kern)
+    return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
+
+
+def _window_pages(layer: int, cfg: ModelConfig, layout, pools, batch: StepBatch, kv, dtype):
+    """Write the window latents ``kv`` [T, head_dim] of the layer's tokens, then read the pages
+    their windows cover: ``(pages, table, pools)``, the pages in ``dtype`` with the window
+    table remapped into them."""
+    pos = batch.positions
+    swa = swa_cache_name(layer)
+    g_swa = layout.group_of(swa)
+    pools = P.write_layer(layout, pools, swa, batch.window_slots[g_swa], kv)
+    # read after the write: the window of token p includes p itself
+    swa_pages, swa_table = P.read_for_table(
+        layout,
+        pools,
+        swa,
+        batch.block_tables[g_swa],
+        dtype=dtype,
+        positions=pos,
+        token_req=batch.token_req,
+        window=cfg.window_size,
+    )
+    # The window pages are read now but used after the compressor's writes (kv sources):
+    # without this, XLA fuses the read into the attention, after the writes, and copies the
+    # whole pool to keep the old bytes for it (a step that costs O(pool) instead of O(batch)).
+    return jax.lax.optimization_barrier((swa_pages, swa_table, pools))
+
+
+def _select(qi, w, dtype, layer: int, cfg: ModelConfig, layout, pools, batch, visible, shared,
+            kern, scaled) -> None:  # fmt: skip
+    """The indexer of an index source: the top-k compressed entries of each token among its
+    ``visible`` [T] ones, from index queries ``qi`` and weights ``w``, into ``shared["topk"]``
+    (and, at the candidate source, its candidate blocks into ``shared["candidates"]``)."""
+    info = cfg.plan[layer]
+    ikey_name = indexer_k_name(info.kv_source)
+    g_ikey = layout.group_of(ikey_name)
+    # keys and queries in the activation dtype (bf16 when serving): half the bytes the
+    # indexer streams; its scores accumulate in f32 either way. fp8 index-key records go
+    # to the indexer as they are (e4m3 rows + scales: half the bytes again)
+    ikey_pages, ikey_table = P.read_for_table(
+        layout, pools, ikey_name, batch.block_tables[g_ikey], dtype=dtype, scaled=scaled
+    )
+    e_ikey = layout.layer(ikey_name).states
+    kw: dict[str, Any] = dict(entries_per_block=e_ikey, k=cfg.index_topk, **kern)
+    if scaled:
+        ikey_pages, kw["key_scales"] = ikey_pages
+    if info.is_candidate_source or info.uses_candidates:
+        kw.update(
+            candidate_block_size=cfg.candidate_block_size,
+            candidate_topk_blocks=cfg.candidate_topk_blocks,
+        )
+    if not info.is_candidate_source and info.uses_candidates:
+        kw["candidates"] = shared["candidates"]
+    out = local_kernel(
+        indexer_topk,
+        (qi.astype(dtype), w.astype(jnp.float32), ikey_pages, ikey_table, batch.token_req,
+         batch.positions, visible),
+        kw,
+    )  # fmt: skip
+    if info.is_candidate_source:
+        shared["topk"], shared["candidates"] = out
+    else:
+        shared["topk"] = out
+
+
+def _sparse(q, sink, state, layer: int, cfg: ModelConfig, layout, pools, batch, topk, kern):
+    """The sparse attention of a compressed layer: queries ``q`` [T, H, D] over the compressed
+    entries ``topk`` [T, K] picks, merged with the window attention's ``state``. Returns the
+    output [T, H, D] and the pools."""
+    comp_name = compressed_kv_name(cfg.plan[layer].kv_source)
+    e_comp = layout.layer(comp_name).states
+    pos, sel_req = batch.positions, batch.token_req
+    table = batch.block_tables[layout.group_of(comp_name)]
+    # entries closed in this step were written by _compress before, so they are visible here
     if P.selected_is_smaller(layout, comp_name, table.shape, topk.shape):
         # only the picked entries, each token's on a page of its own (the whole pool's
         # decode is what a long-context step held otherwise: O(context), not O(T·K))
         comp_pages, comp_table, sel_req, topk = P.read_selected(
-            layout, pools, comp_name, table, tok_req, pos, topk, dtype=q.dtype
+            layout, pools, comp_name, table, sel_req, pos, topk, dtype=q.dtype
         )
         e_comp = topk.shape[1]
     else:
@@ -243,10 +256,10 @@ def _attention(
     o = local_kernel(
         sparse_attention,
         (q, comp_pages, comp_table, sel_req, pos, topk, sink),
-        dict(entries_per_block=e_comp, scale=scale, state=state, **kern),
+        dict(entries_per_block=e_comp, scale=cfg.head_dim**-0.5, state=state, **kern),
         {0: 1, 6: 0, "state": 1},
     )
-    return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
+    return o, pools
 
 
 def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, batch, kern):
@@ -397,21 +410,7 @@ def paged_forward_streams(
         return engram_rows(params, cfg, batch)
 
     if shard_axis:
-        split = "data" if data_shards() > 1 else None
-        per_shard = jax.vmap(attention, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=split)
-        rows_of = jax.vmap(rows_of, spmd_axis_name=split)
-        attention = per_shard
-        if split is not None:
-            # a shard's tokens whole on each of its devices (the MoE leaves them split over
-            # every axis), and its pools on its own devices: otherwise XLA splits the page
-            # writes over the shard's devices and gathers the shard's whole pools back
-            on_data = functools.partial(
-                jax.lax.with_sharding_constraint, shardings=PartitionSpec(split)
-            )
-
-            def attention(layer, h, pools, batch, shared):
-                att, pools, shared = per_shard(layer, on_data(h), pools, on_data(batch), shared)
-                return on_data(att), on_data(pools), shared
+        attention, rows_of = _per_shard(attention, rows_of)
 
     def block_attention(layer, h, state):
         pools, shared = state
@@ -429,6 +428,27 @@ def paged_forward_streams(
         capture=layers,
     )
     return h, pools, streams
+
+
+def _per_shard(attention, rows_of):
+    """``attention(layer, h, pools, batch, shared)`` and ``rows_of(batch)`` over a leading axis
+    of data shards (`jax.vmap`; ``spmd_axis_name="data"`` under a mesh with a ``data`` axis of
+    more than one device, where each shard's tokens and pools are also pinned to its devices)."""
+    split = "data" if data_shards() > 1 else None
+    per_shard = jax.vmap(attention, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=split)
+    rows_of = jax.vmap(rows_of, spmd_axis_name=split)
+    if split is None:
+        return per_shard, rows_of
+    # a shard's tokens whole on each of its devices (the MoE leaves them split over every
+    # axis), and its pools on its own devices: otherwise XLA splits the page writes over the
+    # shard's devices and gathers the shard's whole pools back
+    on_data = functools.partial(jax.lax.with_sharding_constraint, shardings=PartitionSpec(split))
+
+    def pinned(layer, h, pools, batch, shared):
+        att, pools, shared = per_shard(layer, on_data(h), pools, on_data(batch), shared)
+        return on_data(att), on_data(pools), shared
+
+    return pinned, rows_of
 
 
 def paged_step(
@@ -522,6 +542,30 @@ def stack_shards(trees) -> Any:
     return jax.tree.unflatten(treedef, [stack(xs) for xs in zip(*leaves)])
 
 
+def _check_shards(pools: dict[str, jax.Array], batch: StepBatch) -> None:
+    """Raise `paged_step_data_parallel`'s ValueError where ``batch`` has no leading shard axis
+    ``D``, a pool's leading axis is not ``D``, or ``D`` is not a multiple of the ambient mesh's
+    ``data`` size."""
+    d = batch.token_ids.shape[0] if batch.token_ids.ndim == 2 else None
+    if d is None:
+        raise ValueError(
+            f"paged_step_data_parallel: batch.token_ids must be [D, T] (stack_shards of the "
+            f"shards' batches), got shape {list(batch.token_ids.shape)}"
+        )
+    for key, buf in pools.items():
+        if buf.shape[:1] != (d,):
+            raise ValueError(
+                f"paged_step_data_parallel: pool {key!r} has shape {list(buf.shape)}, expected "
+                f"a leading shard axis of {d} (stack_shards of {d} pools)"
+            )
+    n = data_shards()
+    if d % n:
+        raise ValueError(
+            f"paged_step_data_parallel: {d} shards cannot be split over the mesh's data axis "
+            f"of {n}: give a multiple of {n}"
+        )
+
+
 def paged_step_data_parallel(
     params,
     cfg: ModelConfig,
@@ -559,25 +603,7 @@ def paged_step_data_parallel(
         ValueError: ``D`` not a multiple of the ambient mesh's ``data`` size, or pools whose
             leading axis is not ``D``.
     """
-    d = batch.token_ids.shape[0] if batch.token_ids.ndim == 2 else None
-    if d is None:
-        raise ValueError(
-            f"paged_step_data_parallel: batch.token_ids must be [D, T] (stack_shards of the "
-            f"shards' batches), got shape {list(batch.token_ids.shape)}"
-        )
-    for key, buf in pools.items():
-        if buf.shape[:1] != (d,):
-            raise ValueError(
-                f"paged_step_data_parallel: pool {key!r} has shape {list(buf.shape)}, expected "
-                f"a leading shard axis of {d} (stack_shards of {d} pools)"
-            )
-    n = data_shards()
-    if d % n:
-        raise ValueError(
-            f"paged_step_data_parallel: {d} shards cannot be split over the mesh's data axis "
-            f"of {n}: give a multiple of {n}"
-        )
-
+    _check_shards(pools, batch)
     # the pools keep their placement: every layer's attention pins them to data
     h, pools, _ = paged_forward_streams(
         params, cfg, layout, pools, batch, (), impl=impl, interpret=interpret,
