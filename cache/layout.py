@@ -1,25 +1,8 @@
 """Grouping layers into KV-cache groups, sizing the shared block pool, and the V4.1 layout.
 
-Pure Python and pure data: the result, a ``KVCacheConfig``, is what the allocator manages and
-what the device side reads to build its page arrays.
-
-Grouping (``get_kv_cache_groups``) follows vLLM's decision tree:
-
-1. hybrid manager disabled: rewrite window / chunked specs as full attention (compute keeps
-   the window);
-2. no layers: no groups;
-3. all specs mergeable: one group;
-4. one uniform type (same block size and token slots, page sizes may differ): one group of a
-   ``UniformTypeKVCacheSpecs``;
-5. packed (block-outermost) layout, as vLLM 0.32 uses for DeepSeek V4/V4.1: greedy uniform-type
-   buckets, balanced buckets split into equal groups, state buckets capped to fit a block
-   (``get_packed_kv_cache_groups``);
-6. any ``SlidingWindowMLASpec`` (DeepSeek-V4.0 layer-tuple path, ``group_and_unify``);
-7. otherwise: unify page sizes by scaling block sizes, then equal-size groups with vLLM's 1.5x
-   heuristic and strided assignment.
-
-Sizing (``get_kv_cache_config``): one pool of ``num_blocks`` blocks shared by every group; a
-block id belongs to one group at a time, so groups alias the same bytes.
+Pure data: the result, a ``KVCacheConfig``, is what the allocator manages and what the device
+side reads to build its page arrays. Grouping follows vLLM's decision tree; sizing shares one
+pool of blocks between all groups. See docs/allocator_internals.md, section 8.
 """
 
 from __future__ import annotations
@@ -29,7 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from cache.spec import (
     AttentionSpec,
@@ -260,13 +243,9 @@ def approximate_gcd(values: Sequence[int], *, lower_bound: int = 1) -> int:
 def group_and_unify_kv_cache_specs(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     """DeepSeek-V4.0 grouping into ``UniformTypeKVCacheSpecs`` groups of aligned layer tuples.
 
-    1. All ``MLAAttentionSpec`` layers form one full group; ``SlidingWindowMLASpec`` layers are
-       bucketed by ``(block_size, sliding_window)`` in order of first appearance.
-    2. Each group's tuple count is the count of its most common page size;
-       ``num_layer_tuples = approximate_gcd(counts, lower_bound=full count)``.
-    3. Each bucket's pages are padded up to the nearest page size of the full group.
-    4. Each bucket is split into ``cdiv(layers per page size, num_layer_tuples)`` groups by
-       strided assignment of layer tuples.
+    MLA layers form one full group; SWA-MLA layers are bucketed by (block size, window), padded
+    to the full group's pages and split into strided groups of layer tuples
+    (docs/allocator_internals.md, section 8).
 
     Raises:
         ValueError: if other spec types are present, there is no MLA layer, a bucket page
@@ -308,10 +287,7 @@ def group_and_unify_kv_cache_specs(specs: Mapping[str, KVCacheSpec]) -> list[KVC
         num_groups = cdiv(counts_per_page.pop(), num_layer_tuples)
         tuples = list(zip(*layers_per_page.values(), strict=True))
         padded = {n: s for names in layers_per_page.values() for n, s in names.items()}
-        for i in range(num_groups):
-            names = [name for t in tuples[i::num_groups] for name in t]
-            members = {name: padded[name] for name in names}
-            groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(members)))
+        groups += _strided_groups(tuples, num_groups, padded)
     return groups
 
 
@@ -347,15 +323,35 @@ def get_packed_kv_cache_groups(
     """Group mixed-page layers for a block-outermost layout (one block = one slab holding one
     page of every layer of a group). None if all pages are already equal.
 
-    Layers are bucketed greedily by uniform type. A bucket is *balanced* if every page size in
-    it has the same number of layers (a repeating pattern). If some balanced bucket mixes page
-    sizes, ``repeats_per_group = approximate_gcd`` over the balanced buckets' repeat counts and
-    balanced buckets are split into groups of that many repeats; unbalanced buckets stay whole.
-    *State* buckets (rings; sliding windows when nothing sets the repeats) are split only as far
-    as needed to fit the widest other group's block.
+    Uniform-type buckets; balanced ones split into groups of equal repeats, state buckets only
+    as far as needed to fit (docs/allocator_internals.md, section 8).
     """
     if len({s.page_size_bytes for s in specs.values()}) <= 1:
         return None
+    buckets = [_PackedBucket.of(bucket) for bucket in _uniform_type_buckets(specs)]
+    repeats = _packed_repeats(buckets)
+    anchor_bytes = max(
+        b.widest_group_bytes(
+            len(b.spec.kv_cache_specs) if b.is_state(repeats) else b.num_groups(repeats)
+        )
+        for b in buckets
+    )
+    groups = []
+    for b in buckets:
+        num_groups = b.num_groups(repeats)
+        if b.is_state(repeats):
+            per_block = max(anchor_bytes // b.spec.first_spec.page_size_bytes, 1)
+            num_groups = max(num_groups, cdiv(len(b.spec.kv_cache_specs), per_block))
+        if num_groups == 1:
+            groups.append(KVCacheGroupSpec(list(b.spec.kv_cache_specs), b.spec))
+        else:
+            pattern = list(zip(*b.by_page.values(), strict=True))
+            groups += _strided_groups(pattern, num_groups, b.spec.kv_cache_specs)
+    return groups
+
+
+def _uniform_type_buckets(specs: Mapping[str, KVCacheSpec]) -> list[dict[str, KVCacheSpec]]:
+    """Layers bucketed greedily, in order, by whether they form one uniform type."""
     buckets: list[dict[str, KVCacheSpec]] = []
     for name, spec in specs.items():
         for bucket in buckets:
@@ -364,56 +360,67 @@ def get_packed_kv_cache_groups(
                 break
         else:
             buckets.append({name: spec})
-    bucketed = []
-    for bucket in buckets:
+    return buckets
+
+
+class _PackedBucket(NamedTuple):
+    """One uniform-type bucket of the packed layout and its layers by page size."""
+
+    spec: UniformTypeKVCacheSpecs
+    by_page: dict[int, list[str]]
+    balanced: bool  # every page size has the same number of layers (a repeating pattern)
+
+    @classmethod
+    def of(cls, bucket: dict[str, KVCacheSpec]) -> _PackedBucket:
         by_page: dict[int, list[str]] = defaultdict(list)
         for name, spec in bucket.items():
             by_page[spec.page_size_bytes].append(name)
         balanced = len({len(names) for names in by_page.values()}) == 1
-        bucketed.append((UniformTypeKVCacheSpecs.from_specs(bucket), by_page, balanced))
+        return cls(UniformTypeKVCacheSpecs.from_specs(bucket), by_page, balanced)
 
-    min_repeats = max(
-        (s.get_max_layers_per_page_size() for s, pages, bal in bucketed if bal and len(pages) > 1),
-        default=0,
-    )
-    repeats = None
-    if min_repeats:
-        balanced_counts = [s.get_max_layers_per_page_size() for s, _, bal in bucketed if bal]
-        repeats = approximate_gcd(balanced_counts, lower_bound=min_repeats)
+    def num_groups(self, repeats: int | None) -> int:
+        if self.balanced and repeats:
+            return cdiv(self.spec.get_max_layers_per_page_size(), repeats)
+        return 1
 
-    def num_groups_for(spec: UniformTypeKVCacheSpecs, balanced: bool) -> int:
-        return cdiv(spec.get_max_layers_per_page_size(), repeats) if balanced and repeats else 1
-
-    def is_state_bucket(spec: UniformTypeKVCacheSpecs) -> bool:
-        first = spec.first_spec
+    def is_state(self, repeats: int | None) -> bool:
+        """Rings, and sliding windows when nothing sets the repeats: split only to fit."""
+        first = self.spec.first_spec
         return isinstance(first, CircularBufferSpec) or (
             repeats is None and isinstance(first, SlidingWindowSpec)
         )
 
-    def widest_group_bytes(by_page: dict[int, list[str]], n: int) -> int:
-        return sum(cdiv(len(names), n) * page for page, names in by_page.items())
+    def widest_group_bytes(self, num_groups: int) -> int:
+        return sum(cdiv(len(names), num_groups) * page for page, names in self.by_page.items())
 
-    anchor_bytes = max(
-        widest_group_bytes(
-            by_page,
-            len(spec.kv_cache_specs) if is_state_bucket(spec) else num_groups_for(spec, bal),
-        )
-        for spec, by_page, bal in bucketed
+
+def _packed_repeats(buckets: list[_PackedBucket]) -> int | None:
+    """Repeats per group: `approximate_gcd` of the balanced buckets' repeat counts, or None
+    when no balanced bucket mixes page sizes."""
+    min_repeats = max(
+        (
+            b.spec.get_max_layers_per_page_size()
+            for b in buckets
+            if b.balanced and len(b.by_page) > 1
+        ),
+        default=0,
     )
+    if not min_repeats:
+        return None
+    counts = [b.spec.get_max_layers_per_page_size() for b in buckets if b.balanced]
+    return approximate_gcd(counts, lower_bound=min_repeats)
+
+
+def _strided_groups(
+    pattern: list[tuple[str, ...]], num_groups: int, member_specs: Mapping[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec]:
+    """``num_groups`` groups taking every ``num_groups``-th repeat of ``pattern`` (group i:
+    repeats i, i + n, ...), which keeps pipeline stages balanced."""
     groups = []
-    for spec, by_page, balanced in bucketed:
-        num_groups = num_groups_for(spec, balanced)
-        if is_state_bucket(spec):
-            per_block = max(anchor_bytes // spec.first_spec.page_size_bytes, 1)
-            num_groups = max(num_groups, cdiv(len(spec.kv_cache_specs), per_block))
-        if num_groups == 1:
-            groups.append(KVCacheGroupSpec(list(spec.kv_cache_specs), spec))
-            continue
-        pattern = list(zip(*by_page.values(), strict=True))
-        for i in range(num_groups):
-            names = [name for repeat in pattern[i::num_groups] for name in repeat]
-            members = {name: spec.kv_cache_specs[name] for name in names}
-            groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(members)))
+    for i in range(num_groups):
+        names = [name for repeat in pattern[i::num_groups] for name in repeat]
+        members = {name: member_specs[name] for name in names}
+        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(members)))
     return groups
 
 
@@ -956,9 +963,9 @@ def _latest_at_most(ids: tuple[int, ...], layer: int) -> int | None:
 def v41_flash_desc(**overrides: Any) -> ModelCacheDesc:
     """DeepSeek-V4.1-Flash (40 backbone + 3 DSpark layers) on SM90, H200 record sizes.
 
-    Layers 0-1 SWA only, 2-19 r=2, 20-39 r=1 (docs/model.md#released-configuration): layers
-    2, 8, 14, 20 own a compressor, a compressed cache and index keys (kv sources);
-    24, 28, 32, 36 are index sources only (reindex: they score layer 20's keys).
+    Layers 0-1 SWA only, 2-19 r=2, 20-39 r=1. As in the released config.json, layers 2, 8, 14,
+    20 own a compressor, a compressed cache and index keys (kv sources); 24, 28, 32, 36 are
+    index sources only (reindex: they score layer 20's keys).
     """
     fields_ = {
         "compress_ratios": (0, 0) + (2,) * 18 + (1,) * 20 + (0,) * 3,

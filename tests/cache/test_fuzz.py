@@ -1,12 +1,9 @@
 """Stateful fuzzing of `KVCacheManager` (hypothesis `RuleBasedStateMachine`).
 
-Random request lifecycles (arrive, admit with prefix hits, chunked prefill, decode, speculative
-decode with rejections, preemption and re-admission, finish, prefix-cache reset) are driven
-through the manager on small pools, so allocation failures, evictions and prefix hits are
-frequent. After every step the allocator's invariants are checked (`docs/cache.md#invariants`,
-its allocation and KV events): free queue <-> ref counts, ref counts <-> block
-tables, append-only tables, prefix index <-> block hashes, KV events replay to the index,
-hits hash-consistent (and, without EAGLE, equal to a brute-force oracle over the index).
+Random request lifecycles (arrive, admit with hits, chunked prefill, decode, speculative decode
+with rejections, preemption, finish, prefix-cache reset) run on small pools; after every step
+the allocator's invariants are checked (docs/allocator_internals.md, section 3), KV events must
+replay to the index, and hits must equal a brute-force oracle over the index (without EAGLE).
 """
 
 from __future__ import annotations
@@ -31,7 +28,11 @@ from cache import KVCacheManager, Request
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache.hashing import make_block_hash_with_group_id, resolve_block_hashes
 from cache.layout import for_model, tiny_v41_desc
-from cache.managers import CircularBufferManager, FullAttentionManager, SlidingWindowManager
+from cache.single_type_kv_cache_manager import (
+    CircularBufferManager,
+    FullAttentionManager,
+    SlidingWindowManager,
+)
 from cache.spec import KVCacheConfig
 
 VOCAB = 5

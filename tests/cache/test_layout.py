@@ -1,7 +1,4 @@
-"""Tests of cache.layout: allocator scenarios 30-33, 37, 40 and the V4.1 layouts.
-
-Scenario numbers: docs/cache.md#allocator-scenarios.
-"""
+"""Tests of cache.layout: scenarios 30-33, 37, 40 (docs/allocator_internals.md, section 9) and the V4.1 layouts."""
 
 import types
 

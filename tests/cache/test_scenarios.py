@@ -1,4 +1,4 @@
-"""The allocator scenarios (`docs/cache.md#allocator-scenarios`), one named test each.
+"""The allocator scenarios of docs/allocator_internals.md section 9, one named test each.
 
 Scenarios 30-33 (sizing) and 37/40 (V4 grouping, admission caps) are in test_layout.py and
 test_spec.py; 34-36 (scheduler) in tests/serving. Unless a test says otherwise it runs with
@@ -14,7 +14,7 @@ from cache_testing import admit, chunked, free_ids, full, ids, manager, request,
 from cache import AllBlocksCleared, BlockPool, Request
 from cache.block_pool import BlockHashToBlockMap, KVCacheBlock
 from cache.hashing import generate_block_hash_extra_keys, make_block_hash_with_group_id
-from cache.managers import ChunkedLocalAttentionManager, SlidingWindowManager
+from cache.single_type_kv_cache_manager import ChunkedLocalAttentionManager, SlidingWindowManager
 
 COMMON = list(range(48))
 

@@ -1,4 +1,4 @@
-"""Tests of cache.spec: page sizes (docs/cache.md#page-sizes), validation, merge, flags."""
+"""Tests of cache.spec: page sizes (vLLM 0.32's V4.1 records), validation, merge, flags."""
 
 import dataclasses
 
@@ -35,27 +35,24 @@ def swa(**kw):
 
 
 def compressed(r, *, block_size, record=584, alignment=576):
-    return MLAAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=record,
-        dtype="uint8",
-        state_content_bytes=record,
-        tokens_per_state=r,
-        alignment=alignment,
-        model_version="deepseek_v4",
-    )
+    return _v4_rows(r, block_size, record, alignment, state_content_bytes=record)
 
 
 def indexer(r, *, block_size, key=132, alignment=576):
+    return _v4_rows(r, block_size, key, alignment)
+
+
+def _v4_rows(r, block_size, row_bytes, alignment, **kw):
+    """A V4 MLA-format cache of uint8 rows, one per ``r`` tokens."""
     return MLAAttentionSpec(
         block_size=block_size,
         num_kv_heads=1,
-        head_size=key,
+        head_size=row_bytes,
         dtype="uint8",
         tokens_per_state=r,
         alignment=alignment,
         model_version="deepseek_v4",
+        **kw,
     )
 
 
