@@ -68,11 +68,11 @@ def _run(llm, prompts, sp) -> tuple[float, list[list[int]], dict[str, Any]]:
 
 
 def heldout_prefixes(tokenizer, prefix_len: int, num: int) -> list[list[int]]:
-    """``num`` held-out prefixes of ``prefix_len`` tokens, the ones `dsv4.train_dspark.acceptance`
+    """``num`` held-out prefixes of ``prefix_len`` tokens, the ones `training.dspark.acceptance`
     takes (consecutive windows of the held-out stream, evenly spread)."""
     import numpy as np
 
-    from dsv4 import data as D
+    from training import data as D
 
     split = D.source_split()
     windows = D.consecutive_windows(D.load_split(split, "heldout", tokenizer), prefix_len)
@@ -108,9 +108,9 @@ def measure_dspark(
     """The DSpark rows of the module docstring."""
     import numpy as np
 
-    from dsv4 import train_dspark
     from serving.llm import LLM
     from serving.sampling_params import SamplingParams
+    from training import dspark as train_dspark
 
     max_seqs = max(batches)
     common = dict(

@@ -12,8 +12,8 @@
   `save_params` / `restore_params` (orbax); `checkpoint.shipped_checkpoint` (the trained
   ``tiny_v41_trained`` that ships in the package); `qweights` (fp8 / FP4 weights kept in their
   released bytes on device: ``load_pretrained(..., weights_on_device="released")``);
-* `data`, `train`, `train_dspark` (imported on use) — training text, the backbone's training and
-  the drafter's.
+* training (`training.data`, `training.train`, `training.dspark`) and the memory planner
+  (`planner.plan`) live beside this package, in `training` and `planner`.
 """
 
 # Importing Pallas registers configuration that enters the keys of JAX's compilation caches,

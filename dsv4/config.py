@@ -866,8 +866,8 @@ def tiny_v41(**overrides: Any) -> ModelConfig:
 
 def tiny_v41_trained(*, drafter: bool = True, **overrides: Any) -> ModelConfig:
     """`tiny_v41`'s eight layers (every role, both ratios, the candidate blocks, mHC, MoE) at width
-    128, trained (`dsv4.train`, `scripts/train_tiny.py`) on the standard library's source
-    (`dsv4.data`) in the ids of a byte-level BPE of 2048 tokens (`dsv4.data.train_bpe`; ids 0-2
+    128, trained (`training.train`, `scripts/train_tiny.py`) on the standard library's source
+    (`training.data`) in the ids of a byte-level BPE of 2048 tokens (`training.data.train_bpe`; ids 0-2
     BOS, EOS, padding), about 2.9 bytes per token. The shipped weights took 4 minutes of one H200
     (windows of 1024 tokens, 64 a step); on two CPU cores the same run takes about 19 hours.
 
@@ -881,8 +881,8 @@ def tiny_v41_trained(*, drafter: bool = True, **overrides: Any) -> ModelConfig:
     With ``drafter`` (the shipped checkpoint's config) a 2-stage DSpark drafter (1.2M
     parameters) drafts blocks of 5 as the released one does, reading layers 5-7, with 8 experts
     of which 2 active, a Markov rank of 16 and the padding id as its noise token; it is trained
-    after the backbone, which it leaves frozen (`dsv4.train_dspark`). ``drafter=False`` is the
-    backbone alone, the config `dsv4.train` trains.
+    after the backbone, which it leaves frozen (`training.dspark`). ``drafter=False`` is the
+    backbone alone, the config `training.train` trains.
     """
     fields: dict[str, Any] = dict(
         vocab_size=2048,
@@ -951,7 +951,7 @@ class Preset:
     weights: str | None = None
 
 
-# The one table of model names: the planner (`dsv4.plan.MODELS`), the shipped checkpoints
+# The one table of model names: the planner (`planner.plan.MODELS`), the shipped checkpoints
 # (`dsv4.checkpoint.SHIPPED`, which `load_pretrained` accepts by name) read it.
 MODEL_PRESETS: dict[str, Preset] = {
     "v41_flash": Preset(v41_flash),

@@ -1,4 +1,4 @@
-"""Train `tiny_v41_trained` on the Python standard library's source (`dsv4.train`, `dsv4.data`).
+"""Train `tiny_v41_trained` on the Python standard library's source (`training.train`, `training.data`).
 
     python scripts/train_tiny.py --out runs/tiny_v41_trained --export dsv4/weights/tiny_v41_trained
 
@@ -18,12 +18,12 @@ import time
 import jax
 import numpy as np
 
-from dsv4 import data as D
-from dsv4 import train as T
-from dsv4 import train_dspark as TD
 from dsv4.config import tiny_v41_trained
 from dsv4.tokenizer import HFTokenizer
 from serving.lab.quality import heldout_score
+from training import data as D
+from training import dspark as TD
+from training import train as T
 
 # --cpu-hour: the widths of the first tiny_v41_trained, and the run that trained it on two CPU
 # cores in 61 minutes (with its drafter, 72)
@@ -110,7 +110,7 @@ def measure(cfg, tcfg, tokens, n: int) -> dict[str, float]:
 
 
 def tokenizer_for(out: str, split: D.Split, vocab_size: int) -> HFTokenizer:
-    """``out/tokenizer.json``, trained by `dsv4.data.train_bpe` when it is not there yet."""
+    """``out/tokenizer.json``, trained by `training.data.train_bpe` when it is not there yet."""
     path = os.path.join(out, "tokenizer.json")
     if not os.path.isfile(path):
         os.makedirs(out, exist_ok=True)

@@ -7,7 +7,7 @@ checkpoint given with ``--model PATH``.
 (``serving.scheduler.Scheduler``) and the KV-cache allocator on the V4.1 cache layout, with made-up
 tokens. ``dsv4 layout`` prints the layout and its memory report. ``dsv4 lab`` runs cache-layout
 experiments (`serving.lab.cli`). ``dsv4 plan`` prints the memory planner's per-chip bytes of a
-slice (`dsv4.plan`).
+slice (`planner.plan`).
 
 JAX is imported only by the model commands, so ``cache-demo`` and ``layout`` start instantly.
 """
@@ -104,14 +104,12 @@ def _layout(args: argparse.Namespace) -> int:
 
 # -- dsv4 plan ---------------------------------------------------------------------------------
 
-_PLAN_MODELS = MODEL_NAMES  # `dsv4.plan.MODELS`, named without importing JAX
+_PLAN_MODELS = MODEL_NAMES  # `planner.plan.MODELS`, named without importing JAX
 
 
 def _check_plan_args(args: argparse.Namespace):
     """Parse the slices and the mesh; reject bad values with the flag and the value."""
-    from dsv4 import (
-        plan as P,  # reason: the planner imports JAX; the other commands start without it
-    )
+    from planner import plan as P  # reason: imports JAX; the other commands start without it
 
     _check_at_least("--max-num-seqs", args.max_num_seqs, 1)
     _check_at_least("--max-model-len", args.max_model_len, 1)
@@ -133,7 +131,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     slices, mesh = _check_plan_args(args)
-    from dsv4 import plan as P  # reason: as in _check_plan_args
+    from planner import plan as P  # reason: as in _check_plan_args
 
     cfg = P.MODELS[args.model]()
     plans = []
@@ -361,7 +359,7 @@ def _add_plan_command(sub) -> None:
     plan = sub.add_parser(
         "plan",
         help="per-chip bytes of weights, KV pages and activations on a slice (no devices)",
-        description="The memory planner (dsv4.plan): per chip, the weights at the released "
+        description="The memory planner (planner.plan): per chip, the weights at the released "
         "formats (and dequantised to bf16), the KV pages per group and the step's activations, "
         "and the most requests that fit, per context length.",
     )

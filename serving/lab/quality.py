@@ -14,12 +14,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from dsv4 import data as D
-from dsv4 import train as T
 from dsv4.paged import records as R
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.sampling_params import SamplingParams
+from training import data as D
+from training import train as T
 
 __all__ = [
     "RECORD_PRESETS",
@@ -66,7 +66,7 @@ def token_bytes(tokenizer) -> list[int]:
 
 def heldout_pieces(tokenizer, n: int, length: int) -> list[list[int]]:
     """``n`` non-overlapping pieces of ``length`` tokens spread evenly over the held-out stream
-    of `dsv4.data` (files the shipped model never saw)."""
+    of `training.data` (files the shipped model never saw)."""
 
     if n < 1 or length < 2:
         raise ValueError(f"n={n} must be >= 1 and length={length} >= 2")
@@ -82,10 +82,10 @@ def heldout_score(
     params, cfg, tokenizer, *, seq_lens: Sequence[int] = (256, 1024), root: str | None = None
 ) -> dict[str, Any]:
     """Bits per byte over every held-out file, scored in consecutive windows of each of
-    ``seq_lens`` tokens (`dsv4.train.evaluate`; the shipped model was trained on windows of
+    ``seq_lens`` tokens (`training.train.evaluate`; the shipped model was trained on windows of
     1024, its longest), next to ``xz -9e`` on the same bytes (as one stream, and file by file).
     ``root``: the source tree (default: the running interpreter's standard library,
-    `dsv4.data.stdlib_root`)."""
+    `training.data.stdlib_root`)."""
 
     split = D.source_split(root)
     tokens = D.load_split(split, "heldout", tokenizer)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from dsv4 import plan as P
 from dsv4.config import v41_flash
+from planner import plan as P
 from serving.cli import main
 
 

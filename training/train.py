@@ -55,12 +55,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dsv4 import data as D
 from dsv4 import layers as L
 from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role
 from dsv4.params import init_params
 from dsv4.reference import Shared, engram_rows, sequence_entries
+from training import data as D
 
 __all__ = [
     "TrainConfig",
@@ -672,7 +672,7 @@ def train(
     progress: bool = True,
     log: Callable[[dict[str, float]], None] | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
-    """Run ``tcfg`` on ``tokens`` (uint16/int32[N], `dsv4.data`) and return the final state and
+    """Run ``tcfg`` on ``tokens`` (uint16/int32[N], `training.data`) and return the final state and
     one metrics row per step.
 
     Starts from ``state``, else from the newest checkpoint in ``checkpoint_dir``, else from

@@ -23,8 +23,8 @@ prefix the backbone picks the next token, the drafter drafts K tokens from scrat
 teacher forcing), one backbone pass over prefix + next + drafts verifies them, and the
 accepted length is the number of leading drafts equal to the backbone's greedy tokens.
 
-AdamW with warm-up and cosine decay, clipping, and the data order of `dsv4.data.batch_at`, as
-`dsv4.train` does for the backbone.
+AdamW with warm-up and cosine decay, clipping, and the data order of `training.data.batch_at`, as
+`training.train` does for the backbone.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from dsv4 import data as D
 from dsv4 import dspark, reference
-from dsv4 import train as T
 from dsv4.config import ModelConfig
 from dsv4.params import init_params
+from training import data as D
+from training import train as T
 
 __all__ = [
     "DraftState",
@@ -62,7 +62,7 @@ Params = dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class DraftTrainConfig:
-    """Hyper-parameters of a drafter run (the optimizer fields mean what `dsv4.train`'s do)."""
+    """Hyper-parameters of a drafter run (the optimizer fields mean what `training.train`'s do)."""
 
     steps: int  # optimizer steps
     batch_size: int = 8  # windows per step
@@ -223,7 +223,7 @@ def train_drafter(
     progress: bool = True,
     log: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[DraftState, list[dict[str, Any]]]:
-    """Train the drafter of ``cfg`` on ``tokens`` (`dsv4.data`) over the frozen ``backbone``
+    """Train the drafter of ``cfg`` on ``tokens`` (`training.data`) over the frozen ``backbone``
     for ``dcfg.steps`` steps (from ``state`` when given); returns the state and a metrics row
     per step."""
     _check(cfg, dcfg)

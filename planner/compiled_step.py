@@ -1,5 +1,5 @@
 """XLA's per-device memory of the sharded paged step, compiled without devices, beside the
-memory planner (`dsv4.plan`).
+memory planner (`planner.plan`).
 
 `compiled_step_memory(cfg, mesh, target=...)` lowers and compiles `dsv4.paged.step.paged_step`
 (the serving step: chunked prefills and decodes in one ragged batch, real kernels) for an
@@ -23,7 +23,7 @@ What is compiled, per device of a ``data x expert x model`` mesh (`dsv4.sharding
   device (`dsv4.qweights.abstract_released_params`; codes and scales placed by
   `dsv4.sharding.leaf_spec`);
 * the KV pools of `cache.layout.for_model` for the chip's record formats and geometry
-  (`dsv4.plan.kv_layout`'s preset), sized for the requests of one data shard (``max_num_seqs``
+  (`planner.plan.kv_layout`'s preset), sized for the requests of one data shard (``max_num_seqs``
   / ``data``, rounded up) of ``max_model_len`` tokens plus the null block (the planner's own
   block count). With ``data = 1`` they are replicated over the mesh (the engine's one
   allocator: every device holds every page) and the step is `paged_step`; with ``data > 1``
@@ -42,7 +42,7 @@ over ``model`` (each head's softmax is its own, the pages are replicated), the i
 compressor replicated (the indexer sums its heads' scores before the top-k).
 
 The returned dict puts XLA's `memory_analysis` (arguments, outputs, aliased outputs,
-temporaries, generated code) beside `dsv4.plan.plan` of the same model, mesh and sizes; the
+temporaries, generated code) beside `planner.plan.plan` of the same model, mesh and sizes; the
 arguments are also split by kind from the compiled program's input shardings (bytes of each
 argument's per-device shard): weights, KV pools, batch. See `describe` for one line of it.
 """
@@ -65,7 +65,6 @@ from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cache.layout import for_model
-from dsv4 import plan as P
 from dsv4 import sharding
 from dsv4.config import ModelConfig, v41_flash
 from dsv4.paged.batch import empty_batch
@@ -74,6 +73,7 @@ from dsv4.paged.records import PRESETS
 from dsv4.paged.step import paged_step, paged_step_data_parallel
 from dsv4.params import abstract_params
 from dsv4.qweights import abstract_released_params
+from planner import plan as P
 
 __all__ = [
     "H100X8",
@@ -197,7 +197,7 @@ def compiled_step_memory(
     records: str | None = None,
 ) -> dict[str, Any]:
     """Deviceless compile of the sharded paged step of ``cfg`` on ``target`` over ``mesh``
-    (module docstring) and its per-device memory beside `dsv4.plan.plan`'s per-chip figures
+    (module docstring) and its per-device memory beside `planner.plan.plan`'s per-chip figures
     for the same model, mesh, ``max_num_seqs``, ``max_model_len`` and
     ``max_num_batched_tokens = num_tokens``; ``records``: the KV record preset
     (`dsv4.paged.records.PRESETS`, default the chip's: TPUs ``RELEASED``, H100 ``SM90``).

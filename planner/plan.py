@@ -70,7 +70,7 @@ error naming the value.
 `compiled_memory` (``dsv4 plan --compiled``, `benchmarks.sharding`) compiles ``reference.forward``
 with params sharded over a mesh for a TPU topology without a device (libtpu's compile-only
 topologies) and sets XLA's per-device memory beside the planner's weight bytes;
-`dsv4.compiled_step` does the same for the sharded paged step (real kernels, KV pools, the step
+`planner.compiled_step` does the same for the sharded paged step (real kernels, KV pools, the step
 batch) on 8 TPU chips or 8 H100s.
 """
 
