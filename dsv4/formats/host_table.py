@@ -8,6 +8,7 @@ dequantises only the rows a step asks for (`dsv4.engram.table_rows` fetches them
 from __future__ import annotations
 
 import jax
+import jax.experimental.pallas  # first, for stable compilation-cache keys (dsv4/__init__.py)
 import ml_dtypes
 import numpy as np
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.experimental.pallas  # first, for stable compilation-cache keys (dsv4/__init__.py)
 import jax.numpy as jnp
 import numpy as np
 
