@@ -952,7 +952,8 @@ class Preset:
 
 
 # The one table of model names: the planner (`planner.plan.MODELS`), the shipped checkpoints
-# (`dsv4.checkpoint.SHIPPED`, which `load_pretrained` accepts by name) read it.
+# (`dsv4.checkpoint.SHIPPED`, which `load_pretrained` accepts by name), `serving.config` (`LLM`)
+# and the CLI read it (this module imports no JAX, so the CLI reads it before JAX starts).
 MODEL_PRESETS: dict[str, Preset] = {
     "v41_flash": Preset(v41_flash),
     "tiny_v41": Preset(tiny_v41, "random"),
