@@ -11,9 +11,9 @@ import json
 import sys
 import time
 
-from serving import lab
-from serving.lab import experiment as X
-from serving.lab.drive import ModelFreeBackend, drive
+import lab
+from lab import experiment as X
+from lab.drive import ModelFreeBackend, drive
 
 TABLE_GIB = (16.0, 0.5)  # a roomy pool and one under pressure
 _TABLE_FIELDS = (

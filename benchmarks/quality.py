@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from serving.lab import quality as Q
+from lab import quality as Q
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
 
-from serving.lab.drive import ModelFreeBackend, drive
-from serving.lab.workloads import Session, Turn, Workload, make_chat_workload
+from lab.drive import ModelFreeBackend, drive
+from lab.workloads import Session, Turn, Workload, make_chat_workload
 from serving.scheduler import Scheduler
 
 __all__ = [

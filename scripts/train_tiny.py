@@ -23,7 +23,7 @@ from dsv4 import train as T
 from dsv4 import train_dspark as TD
 from dsv4.config import tiny_v41_trained
 from dsv4.tokenizer import HFTokenizer
-from serving.lab.quality import heldout_score
+from lab.quality import heldout_score
 
 # --cpu-hour: the widths of the first tiny_v41_trained, and the run that trained it on two CPU
 # cores in 61 minutes (with its drafter, 72)

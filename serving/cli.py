@@ -32,9 +32,9 @@ from cache.layout import (
     v41_flash_desc,
 )
 from cache.spec import KVCacheConfig, iter_layer_specs
+from lab.cli import add_lab_command
 from serving.cli_llm import UsageError, add_commands
 from serving.config import MODEL_NAMES
-from serving.lab.cli import add_lab_command
 from serving.scheduler import Scheduler
 
 _DESCS = {"flash": v41_flash_desc, "tiny": tiny_v41_desc}

@@ -3,7 +3,7 @@
 engine, for a record preset, bounded replay on or off, and an index top-k.
 
 Tails are scored cold and after a prefix hit; JAX is imported only by the functions that run the
-model. Details: docs/lab.md#servinglabquality.
+model. Details: docs/lab.md#labquality.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 workload -> one row of results; sweeps over any knob.
 
 `LabConfig` holds and validates every knob, `build_layout` makes the allocator's `KVCacheConfig`,
-`run` replays and meters a workload, `sweep` runs a grid. Details: docs/lab.md#servinglabexperiment.
+`run` replays and meters a workload, `sweep` runs a grid. Details: docs/lab.md#labexperiment.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from cache.layout import (
     v41_flash_desc,
 )
 from cache.spec import KVCacheConfig
-from serving.lab.cost import CHIPS, MODELS, step_cost
-from serving.lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
-from serving.lab.workloads import Turn, Workload
+from lab.cost import CHIPS, MODELS, step_cost
+from lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
+from lab.workloads import Turn, Workload
 from serving.scheduler import Scheduler, SchedulerOutput
 
 __all__ = [
@@ -142,7 +142,7 @@ class LabConfig:
     """Every knob of a lab run (`KNOBS` lists them with their allowed values).
 
     Layout, pool, allocator, scheduler and cost-model knobs; ``layout`` (a `LAYOUTS` name) sets the
-    defaults of the layout knobs. Each knob: docs/lab.md#servinglabexperimentlabconfig.
+    defaults of the layout knobs. Each knob: docs/lab.md#labexperimentlabconfig.
     """
 
     layout: str = "v41"
@@ -670,7 +670,7 @@ def run(workload: Workload, cfg: LabConfig, *, max_steps: int | None = None) -> 
     Returns:
         A flat dict: the knobs, pool sizes, hit rates, recomputed tokens, preemptions, KV bytes per
         group, concurrency, the cost model's times and the lab's own speed; each field:
-        docs/lab.md#servinglabexperimentrun.
+        docs/lab.md#labexperimentrun.
     """
     config = build_layout(cfg)
     check_fits(workload, cfg, config)

@@ -2,7 +2,7 @@
 
 `drive` feeds a `Workload` to a backend step by step: `ModelFreeBackend` (the Scheduler over a
 `cache.KVCacheManager`, outputs predetermined, steps shaped as `Engine.step`'s so both make the
-same decisions) or `EngineBackend` (the model). Details: docs/lab.md#servinglabdrive.
+same decisions) or `EngineBackend` (the model). Details: docs/lab.md#labdrive.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from serving.lab.workloads import Session, Turn, Workload
+from lab.workloads import Session, Turn, Workload
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler, SchedulerOutput, SchedulerStats, UpdateResult
 

@@ -2,7 +2,7 @@
 
 A workload is a set of sessions, each an optional shared prefix and turns whose prompts resend
 the whole conversation; generators for chat, agentic, RAG and long-context workloads (same
-arguments, same workload). The model and the JSONL format: docs/lab.md#servinglabworkloads.
+arguments, same workload). The model and the JSONL format: docs/lab.md#labworkloads.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A step's time is ``max(bytes / bandwidth, flops / peak)`` over ``num_chips`` chips (a bound, not a
 prediction); the attention terms restate the kernels' cost models without JAX (tests check both
-agree). The terms, one by one: docs/lab.md#servinglabcost.
+agree). The terms, one by one: docs/lab.md#labcost.
 """
 
 from __future__ import annotations

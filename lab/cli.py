@@ -2,7 +2,7 @@
 
 Writes one results row per layout x value (JSONL and CSV), the plots and the workload, with a
 progress bar; every flag, knob and sweep point is checked before anything runs (exit status 2
-naming a bad one, nothing written). Flags: docs/lab.md#servinglabcli.
+naming a bad one, nothing written). Flags: docs/lab.md#labcli.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def add_lab_command(sub, usage_error: type[Exception]) -> None:
     p = sub.add_parser("lab", help="cache-layout experiments: scheduler + allocator, no model")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default="chat", help="chat | agentic | rag | long_context")
-    src.add_argument("--trace", help="a JSONL workload or trace file (serving.lab.workloads)")
+    src.add_argument("--trace", help="a JSONL workload or trace file (lab.workloads)")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed")
     p.add_argument(
         "--workload-arg",
@@ -28,7 +28,7 @@ def add_lab_command(sub, usage_error: type[Exception]) -> None:
         metavar="NAME=VALUE",
         help="generator argument, e.g. num_conversations=50 or turns=1,3 (repeatable)",
     )
-    p.add_argument("--layouts", default="v41", help="comma-separated layouts (serving.lab.LAYOUTS)")
+    p.add_argument("--layouts", default="v41", help="comma-separated layouts (lab.LAYOUTS)")
     p.add_argument("--sweep", help="knob=lo:hi:step or knob=a,b,c")
     p.add_argument(
         "--set", action="append", default=[], metavar="KNOB=VALUE", help="a knob (repeatable)"
@@ -56,7 +56,7 @@ def _workload_args(items: list[str], usage_error) -> dict:
 
 
 def _lab(args: argparse.Namespace, usage_error) -> int:
-    from serving import lab  # reason: the lab's modules load only for `dsv4 lab` itself
+    import lab  # reason: the lab's modules load only for `dsv4 lab` itself
 
     try:
         knobs = {}
