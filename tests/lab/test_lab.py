@@ -285,10 +285,10 @@ def test_meter_counts_held_blocks_as_sets_do(chat, knobs):
     """The meter's block counts (window families counted once, the shared group by
     difference from the pool) equal the sets of each group's blocks at every step."""
     cfg = lab.LabConfig(pool_blocks=300, **knobs)
-    manager = X._manager(lab.build_layout(cfg), cfg)
+    manager = X.make_manager(lab.build_layout(cfg), cfg)
     meter = X._Meter(cfg, manager, X.model_desc(cfg))
     meter.check_counts = True
-    result = drive(chat, ModelFreeBackend(X._scheduler(manager, cfg), hooks=meter))
+    result = drive(chat, ModelFreeBackend(X.make_scheduler(manager, cfg), hooks=meter))
     assert result.finished_turns == chat.num_turns and meter.steps == result.steps
     assert max(meter.peak_blocks) > 0
 
@@ -463,17 +463,9 @@ def test_lab_reports_what_the_engine_reports(
 
     from tests.serving import engine_testing as E
 
-    wl = lab.make_workload(
-        "chat",
-        1,
-        num_system_prompts=2,
-        num_conversations=8,
-        system_len=(30, 50),
-        turns=(1, 3),
-        user_len=(4, 12),
-        output_len=(4, 8),
-        vocab_size=tiny_cfg.vocab_size,
-    )
+    # SMALL_CHAT's shape at the tiny model's scale
+    short = dict(num_conversations=8, system_len=(30, 50), user_len=(4, 12), output_len=(4, 8))
+    wl = lab.make_workload("chat", 1, **{**SMALL_CHAT, **short}, vocab_size=tiny_cfg.vocab_size)
     with jax.default_matmul_precision("highest"):
         engine = E.make_engine(
             tiny_params,
@@ -494,9 +486,9 @@ def test_lab_reports_what_the_engine_reports(
         max_model_len=E.MAX_MODEL_LEN,
         async_scheduling=async_scheduling,
     )
-    manager = X._manager(lab.build_layout(cfg), cfg)
+    manager = X.make_manager(lab.build_layout(cfg), cfg)
     assert manager.kv_cache_config == engine.kv_cache_manager.kv_cache_config
-    model_free = drive(on_engine["trace"], ModelFreeBackend(X._scheduler(manager, cfg)))
+    model_free = drive(on_engine["trace"], ModelFreeBackend(X.make_scheduler(manager, cfg)))
     assert model_free.trace == on_engine["trace"]
     assert model_free.scheduler == engine.scheduler_stats.as_dict()
     assert model_free.finished_turns == on_engine["finished_turns"] == wl.num_turns
