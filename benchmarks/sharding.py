@@ -171,7 +171,7 @@ def table(slices=TABLE_SLICES, **kwargs: Any) -> str:
     return P.markdown_table([P.plan(cfg, P.parse_slice(s), **kwargs) for s in slices])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chips", default="v5p-16", help="the slice (planner.plan.parse_slice)")
     ap.add_argument("--mesh", default=None, help="data=D,expert=E,model=M (default: planner's)")
@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the engine's step on 8 fake CPU devices against one (a subprocess)",
     )
     ap.add_argument("--table", action="store_true", help="print docs/planner.md's markdown table")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     try:
         if args.table:

@@ -6,7 +6,7 @@ checkpoint given with ``--model PATH``.
 ``dsv4 cache-demo`` walks multi-turn conversations, one turn at a time, through the scheduler
 (``serving.scheduler.Scheduler``) and the KV-cache allocator on the V4.1 cache layout, with made-up
 tokens. ``dsv4 layout`` prints the layout and its memory report. ``dsv4 lab`` runs cache-layout
-experiments (`serving.lab.cli`). ``dsv4 plan`` prints the memory planner's per-chip bytes of a
+experiments (`lab.cli`). ``dsv4 plan`` prints the memory planner's per-chip bytes of a
 slice (`planner.plan`).
 
 JAX is imported only by the model commands, so ``cache-demo`` and ``layout`` start instantly.
@@ -34,8 +34,8 @@ from cache.layout import (
 )
 from cache.spec import KVCacheConfig, iter_layer_specs
 from dsv4.config import MODEL_PRESETS
+from lab.cli import add_lab_command
 from serving.cli_llm import UsageError, add_commands
-from serving.lab.cli import add_lab_command
 from serving.scheduler import Scheduler
 
 _DESCS = {"flash": v41_flash_desc, "tiny": tiny_v41_desc}
