@@ -28,9 +28,9 @@ from cache.spec import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
-    cdiv,
     iter_layer_specs,
 )
+from cache.util import cdiv
 
 # Block size vLLM's cache config starts from; used when a model has no cache groups at all.
 DEFAULT_BLOCK_SIZE = 16

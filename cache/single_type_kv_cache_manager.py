@@ -15,10 +15,7 @@ from cache import spec as specs
 from cache.block_pool import BlockPool, KVCacheBlock
 from cache.hashing import BlockHashes, resolve_block_hashes
 from cache.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from cache.util import cdiv
 
 
 def _cached_prefix_of_group(
