@@ -230,10 +230,7 @@ class BlockPool:
         enable_caching: keep a prefix index.
         hash_block_size: granularity of the requests' block hashes.
         enable_kv_cache_events: record `BlockStored` / `BlockRemoved` / `AllBlocksCleared`.
-        unhashed_blocks_to_front: vLLM 0.32's free ordering (default): blocks freed without a
-            hash (they can never produce a hit), and every block when caching is off, go to the
-            *front* of the free queue; hashed blocks go to the tail (LRU). False gives vLLM's
-            earlier behaviour (everything to the tail), which the reference scenarios assume.
+        unhashed_blocks_to_front: vLLM 0.32's free order; docs/allocator_internals.md, section 3.
         group_metadata: per group ``(spec kind, sliding window)`` for `BlockStored` events.
     """
 

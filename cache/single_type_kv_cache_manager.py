@@ -155,8 +155,7 @@ class SingleTypeKVCacheManager:
         enable_caching: prefix caching on.
         kv_cache_group_id: this group's index.
         scheduler_block_size: lcm of all groups' block sizes; hits align to it.
-        max_admission_blocks_per_request: recycling-aware cap on one request's reservation
-            (window kinds only), used by the full-sequence admission check.
+        max_admission_blocks_per_request: window kinds' cap for the full-sequence admission check.
     """
 
     supports_prefix_caching: ClassVar[bool] = True

@@ -243,19 +243,7 @@ def _differences(a: KVCacheSpec, b: KVCacheSpec, skip: Iterable[str] = ()) -> st
 class AttentionSpec(KVCacheSpec):
     """A paged attention cache: ``[num_blocks, num_heads, num_states, state_content_size_bytes]``.
 
-    Fields:
-        num_kv_heads: KV heads of the layer (1 for MLA latents).
-        head_size: key width in elements; ``head_size_v`` value width (None = ``head_size``;
-            0 for single-latent MLA formats).
-        dtype: element dtype name, see ``DTYPE_SIZE_BYTES``.
-        kv_quant_mode: quantization mode (kernels dispatch on it).
-        page_size_padded: explicit padded page bytes (>= the real page), or None.
-        num_head_slots: H of the page when the packing differs from one slot per KV head.
-        state_content_bytes: bytes of one (head slot, state) cell for packed records
-            (e.g. V4's 584-B MLA record); None = dense ``(head_size + head_size_v) * dtype``.
-        tokens_per_state: tokens folded into one stored state (V4.1 compress ratio r);
-            ``num_states = block_size // tokens_per_state``. vLLM also allows fractions
-            (several states per token); we only need whole ratios.
+    Its fields: docs/allocator_internals.md, section 10.
     """
 
     num_kv_heads: int
