@@ -223,7 +223,7 @@ class KVCacheManager:
 
     # -- allocation ---------------------------------------------------------------------------
 
-    # Over 60 lines: the Args list, and the per-step checks kept inline (hot path).
+    # Over 60 lines: the fast path's checks and counts stay inline (one call per request per step).
     def allocate_slots(
         self,
         request: Request,
