@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cache.layout import for_model
 from dsv4 import sharding
-from dsv4.config import ModelConfig, v41_flash
+from dsv4.config import ModelConfig
 from dsv4.paged.batch import empty_batch
 from dsv4.paged.pools import PoolLayout, cache_desc
 from dsv4.paged.records import PRESETS
@@ -93,18 +93,14 @@ def reduced_flash_roles(**overrides) -> ModelConfig:
     role: window-only (0, 1), full ratio 2 (2, 4), reuse ratio 2 (3, 5), full ratio 1 (6: the
     candidate source, 9), reuse ratio 1 (7, 10), reindex (8, 11: candidate consumers); no Engram
     (its tables stay on the host, `dsv4.formats.HostTable`), no DSpark drafter."""
-    fields: dict = dict(
+    layers = dict(
         n_layers=12,
         compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
         kv_source_layers=(2, 4, 6, 9),
         index_source_layers=(2, 4, 6, 8, 9, 11),
         candidate_source_layer=6,
-        n_mtp_layers=0,
-        dspark_block_size=0,
-        engram_layer_ids=(),
     )
-    fields.update(overrides)
-    return v41_flash(**fields)
+    return P.flash_layers(layers, overrides)
 
 
 def h100_target_config() -> str:
