@@ -33,7 +33,7 @@ from cache.layout import (
 )
 from cache.spec import KVCacheConfig, iter_layer_specs
 from serving.cli_llm import UsageError, add_commands
-from serving.config import MODEL_NAMES
+from serving.config import MODEL_NAMES, SchedulerConfig
 from serving.lab.cli import add_lab_command
 from serving.scheduler import Scheduler
 
@@ -262,13 +262,16 @@ def _cache_demo(args: argparse.Namespace) -> int:
     )
     scheduler = Scheduler(
         mgr,
-        max_num_seqs=1,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        SchedulerConfig(
+            max_num_seqs=1,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=False,
+            long_prefill_token_threshold=args.chunk_tokens,
+        ),
         max_model_len=args.max_model_len,
         num_spec_tokens=args.num_speculative_tokens,
         # DSpark writes KV for its drafts: reserve their slots (no drafts are proposed here).
         num_lookahead_tokens=args.num_speculative_tokens,
-        long_prefill_token_threshold=args.chunk_tokens,
     )
     names = _group_names(config)
     print(

@@ -28,6 +28,7 @@ from cache.layout import (
     v41_flash_desc,
 )
 from cache.spec import KVCacheConfig
+from serving.config import SchedulerConfig
 from serving.lab.cost import CHIPS, MODELS, step_cost
 from serving.lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
 from serving.lab.workloads import Turn, Workload
@@ -479,11 +480,13 @@ def _manager(config: KVCacheConfig, cfg: LabConfig) -> KVCacheManager:
 def _scheduler(manager: KVCacheManager, cfg: LabConfig) -> Scheduler:
     return Scheduler(
         manager,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            async_scheduling=cfg.async_scheduling,
+        ),
         max_model_len=cfg.max_model_len,
         num_lookahead_tokens=cfg.lookahead,
-        async_scheduling=cfg.async_scheduling,
     )
 
 
