@@ -2,33 +2,7 @@
 
 One `Scheduler` plans every step (vLLM's rules, host side), one `ModelRunner` runs it (device
 side), and the engine turns sampled tokens into text, logprobs, stop decisions and metrics.
-
-Asynchronous scheduling (the default, vLLM's `AsyncScheduler`): `step` plans and dispatches step
-N+1 while step N is still running on the device, then waits for step N and applies its tokens.
-The tokens step N sampled never travel through the host to become step N+1's inputs (the runner
-reads them from the device); the host learns them one step later, which is when stop strings,
-EOS and outputs are seen. A request that stops on a token therefore costs one wasted row in the
-next step; a request that stops by length costs nothing (the scheduler knows it in advance).
-Synchronous scheduling waits for each step before planning the next. Both run the same
-scheduler, runner and sampler, and sample each token with a key fixed by the request and the
-token's position, so they produce the same tokens (the tests check it on random workloads).
-
-Bursts (``num_scheduler_steps`` k > 1, vLLM v0's multi-step scheduling, asynchronous only): when
-every running request decodes and none waits, `step` plans up to k steps in a row, each ahead of
-the one before as asynchronous scheduling plans one step ahead, and the runner runs them as one
-program (`ModelRunner.execute_burst`); the next `step` plans the next burst while this one runs,
-then applies its k steps in order. What a program call costs (dispatch, starting the executable)
-is then paid once a burst. A request that stops on a token costs the rest of its burst in
-wasted rows, and a request that arrives waits for the burst in flight.
-
-Speculative decoding (``speculative_config``, `serving.spec_decode`): synchronously, after each
-step the engine asks its proposer for the running requests' drafts (`next_drafts`: n-gram lookup
-on the host, or the DSpark drafts the runner's step made on the device and returned with its
-tokens), the scheduler attaches them to requests that decode next, and the next step verifies
-them. Asynchronously, step N+1 is planned as if step N accepted every draft and the device moves
-it back by those rejected (`serving.runner`); DSpark's drafts stay on the device (the scheduler
-plans placeholders), and a host proposer proposes past the step in flight
-(`next_drafts_ahead`).
+docs/serving.md explains its asynchronous scheduling, bursts and speculative decoding.
 """
 
 from __future__ import annotations
@@ -83,7 +57,7 @@ def _splitmix64(x: int) -> int:
 
 
 class Engine:
-    """vLLM's engine loop over our scheduler and model runner (see the module docstring).
+    """vLLM's engine loop over our scheduler and model runner (docs/serving.md).
 
     Args:
         runner: the device side (params, pools, sampler state).

@@ -1,17 +1,8 @@
 """`InputBatch`: the host side of every running request, and the step's requests built from a
 `SchedulerOutput` (vLLM's `InputBatch` / `CachedRequestState`, without the device arrays).
 
-The scheduler sends a request's whole state only when it (re)enters the batch
-(`NewRequestData`: its tokens and every block id); afterwards only the block ids appended per
-step (`CachedRequestData`). This class keeps what those messages add up to — each request's
-block ids per KV-cache group, the tokens the host knows, how many of its sampled tokens are
-still only on the device, its persistent slot and its bounded-replay bounds — and turns one
-step's plan into `ScheduledRow`s (the runner's view of each row) and
-`dsv4.paged.batch.StepRequest`s (the model's). It is the one place that does so: the model
-runner and the paged-step test harness both use it. `RequestState` is the runner's side of a
-`serving.request.Request` (which it points to): it lives from an admission to the next
-preemption or the finish, and holds what the device has, a step ahead of what the scheduler
-has learned.
+The one place that turns a plan into `ScheduledRow`s (the runner's view of each row) and
+`dsv4.paged.batch.StepRequest`s (the model's); docs/serving.md says what it keeps.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ __all__ = ["InputBatch", "RequestState", "ScheduledRow"]
 @dataclasses.dataclass(slots=True)
 class RequestState:
     """What the runner keeps of one running request between its admission and its preemption
-    or finish (see the module docstring)."""
+    or finish (docs/serving.md)."""
 
     request_id: str
     slot: int  # its row of the device's per-slot state
@@ -118,7 +109,7 @@ class ScheduledRow:
 
 
 class InputBatch:
-    """Running requests' host state (see the module docstring).
+    """Running requests' host state (docs/serving.md).
 
     Args:
         max_num_seqs: slots 0..max_num_seqs-1 (the scheduler never runs more at once).

@@ -1,50 +1,9 @@
 """Host-side scheduler: decides, each step, which requests run and how many tokens each gets.
 
-Mirrors vLLM v1's `Scheduler` (`vllm/v1/core/sched/scheduler.py`) and, with
-``async_scheduling=True``, its `AsyncScheduler` (`async_scheduler.py`), over our
+vLLM v1's `Scheduler` and, with ``async_scheduling``, its `AsyncScheduler`, over our
 `cache.KVCacheManager`: one class, one state machine, so the synchronous and the asynchronous
-engines plan by the same rules. The algorithm is token-centric, as in vLLM: every request
-has `num_computed_tokens` and wants to reach `num_tokens_with_spec` (prompt + outputs +
-draft tokens); a step hands out at most `max_num_batched_tokens` tokens, first to the
-running requests in list order, then (only when nobody was preempted) to waiting requests
-in queue order while fewer than `max_num_seqs` run. Chunked prefill, prefix-cache hits,
-preemption by recompute and speculative-decoding reservation all fall out of that rule.
-
-Asynchronous scheduling: the engine plans step N+1 before step N's tokens reach the host. A
-request whose step will sample gets an *output placeholder* at schedule time (vLLM
-``num_output_placeholders``), so the next plan already gives it its next decode token (whose id
-stays on the device); the placeholder is consumed when the token arrives. With speculative
-decoding the drafts a step verifies are placeholders too, counted as accepted (the optimistic
-frontier of vLLM's AsyncScheduler): the next step is planned 1 + k tokens past them, its slots
-reserved there, and when the output arrives the rejected ones are taken back from
-`num_computed_tokens` (the device has already moved that next step back by them; the blocks
-stay with the request). A request that is certain to be finished by its in-flight steps
-(``max_tokens``, ``max_model_len``; each step counted as one token, whatever it accepts) is not
-scheduled again. A lone running request whose next chunk does not fit while its own step is in
-flight waits for that step instead of preempting itself (a deviation: vLLM would recompute it
-and fail the same way again). Deviation from vLLM, on purpose: a request preempted while one of its steps is
-in flight keeps the token that step samples (vLLM discards it, `discard_latest_async_tokens`,
-and samples it again after the recompute); the token was computed from intact state, and keeping
-it makes the asynchronous engine's tokens those of the synchronous one. A preempted request is
-re-admitted only once it has no token in flight.
-
-Stop rules per request (`StopCriteria`, vLLM `check_stop`): below ``min_tokens`` outputs
-nothing stops a request but ``max_model_len``; then EOS (unless ignored), a stop token id
-(its id becomes the stop reason), ``max_tokens`` / ``max_model_len``. Stop *strings* need the
-text: the engine checks them and calls `finish_requests(..., FINISHED_STOPPED)`.
-
-Left out, compared with vLLM: KV connectors, encoder inputs, LoRA, structured output, pooling,
-streaming sessions, pause states.
-
-Invariants kept here:
-* a request id is in exactly one of `running`, `waiting`, or neither (finished and freed);
-* every running request holds KV blocks and every waiting one holds none
-  (preemption frees everything: recompute, not swap);
-* `num_computed_tokens` is advanced at schedule time (so the next step can plan the next
-  chunk before outputs arrive) and pulled back by the rejected draft tokens when outputs
-  arrive;
-* a request's output placeholders count its sampling steps in flight (always 0 when
-  synchronous); a waiting request is admitted only with none.
+engines plan by the same rules. docs/serving.md gives the rules, the stop rules, the
+deviations from vLLM and the invariants kept here.
 """
 
 from __future__ import annotations
