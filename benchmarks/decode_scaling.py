@@ -122,6 +122,7 @@ class PagedCase:
         from dsv4.paged import pools as P
         from dsv4.paged import records as R
         from dsv4.paged.batch import rows_needed
+        from serving.config import SchedulerConfig
         from serving.input_batch import InputBatch
         from serving.scheduler import Scheduler, StopCriteria
 
@@ -134,8 +135,9 @@ class PagedCase:
         budget = batch * prompt_len
         mgr = KVCacheManager(self.config, max_model_len, enable_caching=False,
                              max_num_batched_tokens=budget)  # fmt: skip
-        scheduler = Scheduler(mgr, max_num_seqs=batch, max_num_batched_tokens=budget,
-                              max_model_len=max_model_len)  # fmt: skip
+        sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
+                                async_scheduling=False)  # fmt: skip
+        scheduler = Scheduler(mgr, sched, max_model_len=max_model_len)
         self.params, self.cfg, self.calls = params, cfg, calls
         self.max_model_len = max_model_len
         self.token_bucket = token_bucket or batch

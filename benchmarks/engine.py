@@ -106,15 +106,16 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> tuple
     import numpy as np
 
     from serving import sampler as S
+    from serving.config import SchedulerConfig
     from serving.input_batch import InputBatch
     from serving.sampling_params import SamplingParams
     from serving.scheduler import Scheduler, StopCriteria
 
     runner = llm.engine.runner
     manager = llm.engine.kv_cache_manager
-    scheduler = Scheduler(manager, max_num_seqs=batch,
-                          max_num_batched_tokens=llm.engine.scheduler.max_num_batched_tokens,
-                          max_model_len=runner.max_model_len)  # fmt: skip
+    sched = SchedulerConfig(max_num_seqs=batch, async_scheduling=False,
+                            max_num_batched_tokens=llm.engine.scheduler.max_num_batched_tokens)  # fmt: skip
+    scheduler = Scheduler(manager, sched, max_model_len=runner.max_model_len)
     inputs = InputBatch(batch, engram_lookback=llm.cfg.engram_lookback)
     rng = np.random.default_rng(1)  # prompts nobody else sends: no prefix hit on these blocks
     ids = [f"device{i}" for i in range(batch)]

@@ -14,6 +14,7 @@ from typing import Any
 
 from lab.drive import ModelFreeBackend, drive
 from lab.workloads import Session, Turn, Workload, make_chat_workload
+from serving.config import SchedulerConfig
 from serving.scheduler import Scheduler
 
 __all__ = [
@@ -284,11 +285,14 @@ def run_loop(
     timed = TimedManager(manager, result, log)
     scheduler = Scheduler(
         timed,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            async_scheduling=False,
+            scheduler_reserve_full_isl=cfg.full_sequence_must_fit,
+        ),
         max_model_len=cfg.max_model_len,
         num_lookahead_tokens=cfg.num_lookahead_tokens,
-        reserve_full_isl=cfg.full_sequence_must_fit,
     )
     backend = ModelFreeBackend(scheduler, hooks=_LoopHooks(result, timed))
     t_start = perf_counter_ns()

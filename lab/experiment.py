@@ -35,6 +35,7 @@ from cache.spec import KVCacheConfig
 from lab.cost import CHIPS, MODELS, step_cost
 from lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
 from lab.workloads import Turn, Workload
+from serving.config import SchedulerConfig
 from serving.scheduler import Scheduler, SchedulerOutput
 
 __all__ = [
@@ -487,11 +488,13 @@ def make_scheduler(manager: KVCacheManager, cfg: LabConfig) -> Scheduler:
     """The scheduler a run of ``cfg`` uses over ``manager`` (`make_manager`)."""
     return Scheduler(
         manager,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            async_scheduling=cfg.async_scheduling,
+        ),
         max_model_len=cfg.max_model_len,
         num_lookahead_tokens=cfg.lookahead,
-        async_scheduling=cfg.async_scheduling,
     )
 
 

@@ -36,6 +36,7 @@ from cache.spec import KVCacheConfig, iter_layer_specs
 from dsv4.config import MODEL_PRESETS
 from lab.cli import add_lab_command
 from serving.cli_llm import UsageError, add_commands
+from serving.config import SchedulerConfig
 from serving.scheduler import Scheduler
 
 _DESCS = {"flash": v41_flash_desc, "tiny": tiny_v41_desc}
@@ -257,13 +258,16 @@ def _cache_demo(args: argparse.Namespace) -> int:
     )
     scheduler = Scheduler(
         mgr,
-        max_num_seqs=1,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        SchedulerConfig(
+            max_num_seqs=1,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=False,
+            long_prefill_token_threshold=args.chunk_tokens,
+        ),
         max_model_len=args.max_model_len,
         num_spec_tokens=args.num_speculative_tokens,
         # DSpark writes KV for its drafts: reserve their slots (no drafts are proposed here).
         num_lookahead_tokens=args.num_speculative_tokens,
-        long_prefill_token_threshold=args.chunk_tokens,
     )
     names = _group_names(config)
     print(
