@@ -26,11 +26,12 @@ Attention = Callable[[int, jax.Array, Any], tuple[jax.Array, Any]]
 FeedForward = Callable[[int, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def model_moe(params, cfg: ModelConfig) -> FeedForward:
-    """The model's FFN (`dsv4.layers.moe`), state passed through: what inference runs."""
+def model_moe(params, cfg: ModelConfig, mesh=None) -> FeedForward:
+    """The model's FFN (`dsv4.layers.moe`, experts dispatched over ``mesh``'s ``expert`` axis),
+    state passed through: what inference runs."""
 
     def ffn(layer: int, h: jax.Array, state):
-        return L.moe(h, params, f"layers.{layer}.ffn.", cfg), state
+        return L.moe(h, params, f"layers.{layer}.ffn.", cfg, mesh=mesh), state
 
     return ffn
 
@@ -82,6 +83,7 @@ def decoder_layers[S](
     capture: tuple[int, ...] = (),
     ffn: FeedForward | None = None,
     many_tokens: bool = False,
+    mesh=None,
 ) -> tuple[jax.Array, S, dict[int, jax.Array]]:
     """Embedding, every decoder layer, and the final collapse and norm of tokens int[..].
 
@@ -94,6 +96,7 @@ def decoder_layers[S](
             before its attention's mix) is returned: what the DSpark drafter reads.
         ffn: the FFN sub-block; the model's MoE (`model_moe`) by default.
         many_tokens: the mixes' layout for thousands of tokens (training).
+        mesh: the device mesh the default FFN dispatches its experts over (None: none).
 
     Returns:
         (the LM head's input [.., dim] (`dsv4.layers.final_hidden`), the final state, the
@@ -104,7 +107,7 @@ def decoder_layers[S](
             raise ValueError(f"layer {layer} is not a backbone layer (0..{cfg.n_layers - 1})")
     if cfg.engram_layer_ids and engram_rows is None:
         raise ValueError("an Engram model needs the tokens' engram_rows")
-    ffn = model_moe(params, cfg) if ffn is None else ffn
+    ffn = model_moe(params, cfg, mesh) if ffn is None else ffn
     x = L.embed(params, tokens, cfg)  # [.., hc, dim]
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     streams: dict[int, jax.Array] = {}

@@ -50,15 +50,15 @@ def _nucleus_sample(logits, key, temperature, top_p):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_token_id"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_token_id", "mesh"))
 def _generate(
-    params, prompt, lengths, key, temperature, top_p, *, cfg, max_new_tokens, eos_token_id
+    params, prompt, lengths, key, temperature, top_p, *, cfg, max_new_tokens, eos_token_id, mesh
 ):
     b, t = prompt.shape
     dtype = params["embed.weight"].dtype
     cache = init_cache(cfg, b, t + max_new_tokens, dtype)
     zeros = jnp.zeros((b,), jnp.int32)
-    logits, cache = forward_step(params, cfg, cache, prompt, zeros, lengths)
+    logits, cache = forward_step(params, cfg, cache, prompt, zeros, lengths, mesh=mesh)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
     tok = sample_logits(last, sub, temperature, top_p)
@@ -72,7 +72,7 @@ def _generate(
     def body(carry):
         i, cache, out, tok, done, key = carry
         logits, cache = forward_step(
-            params, cfg, cache, tok[:, None], lengths + i - 1, jnp.ones((b,), jnp.int32)
+            params, cfg, cache, tok[:, None], lengths + i - 1, jnp.ones((b,), jnp.int32), mesh=mesh
         )
         key, sub = jax.random.split(key)
         nxt = sample_logits(logits[:, 0], sub, temperature, top_p)
@@ -104,14 +104,16 @@ def generate(
     top_p: float = 1.0,
     key: jax.Array | None = None,
     eos_token_id: int | None = None,
+    mesh=None,
 ) -> jax.Array:
     """Generate ``max_new_tokens`` tokens after each prompt: int32[B, max_new_tokens].
 
     ``prompt_tokens`` int32[B, T]; row b's prompt is its first ``prompt_lengths[b]`` tokens (all
     T when None). Greedy when ``temperature`` is 0; otherwise temperature and nucleus (``top_p``)
     sampling with ``key`` (required). With ``eos_token_id``, a row stops at its first EOS (the
-    rest of its row is EOS) and the loop ends early when every row has stopped. Compiles once per
-    (config, prompt shape, max_new_tokens, eos_token_id)."""
+    rest of its row is EOS) and the loop ends early when every row has stopped. ``mesh`` (a
+    `dsv4.sharding.make_mesh` mesh): the routed experts dispatch over its ``expert`` axis.
+    Compiles once per (config, prompt shape, max_new_tokens, eos_token_id, mesh)."""
     prompt = jnp.asarray(prompt_tokens, jnp.int32)
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(f"prompt_tokens must be int32[B, T] with T >= 1, got {prompt.shape}")
@@ -150,4 +152,5 @@ def generate(
         cfg=cfg,
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
+        mesh=mesh,
     )

@@ -32,9 +32,8 @@ last (`dsv4.paged.draft`); the drafts come back with the step's tokens
 (`StepOutput.draft_token_ids`).
 
 On a mesh (the config's ``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by
-the rule table (`dsv4.sharding.shard_params`), and every step runs under the mesh as JAX's
-ambient mesh (`mesh_context`: `dsv4` reads it when the step is traced), so
-XLA's SPMD partitioner splits heads over ``model`` and `dsv4.expert_parallel` sends tokens to
+the rule table (`dsv4.sharding.shard_params`), and every step takes the mesh as a static
+argument (``mesh=``, handed down to `dsv4.paged.step`), so XLA's SPMD partitioner splits heads over ``model`` and `dsv4.expert_parallel` sends tokens to
 their experts' devices over ``expert``. A `ModelRunner` has one allocator's requests: its pools,
 sampler state and slots are replicated over ``data``. Requests and their pages split over
 ``data`` are `serving.data_parallel.DataParallelRunner`'s: D host halves of this class
@@ -62,7 +61,6 @@ loop runs as many steps as were planned, so one compilation per decode bucket (T
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
@@ -90,7 +88,7 @@ from dsv4.paged.batch import (
     window_slots_at,
 )
 from dsv4.paged.draft import draft_paged, seed_drafter
-from dsv4.paged.step import paged_forward_streams
+from dsv4.paged.step import data_shards, paged_forward_streams
 from serving import sampler as S
 from serving.config import EngineConfig
 from serving.input_batch import InputBatch, RequestState, ScheduledRow
@@ -107,8 +105,8 @@ __all__ = [
     "default_table_buckets",
     "default_token_buckets",
     "engine_step_data_parallel",
-    "mesh_context",
     "rows_for",
+    "run_step",
     "widen_tables",
 ]
 
@@ -293,6 +291,7 @@ class ModelRunner:
             drafter=self.drafter,
             groups=self._groups,
             plans_ahead=plans_ahead,
+            mesh=mesh,
         )
         self.padding_slot = max_num_seqs
         self._write_rows = write_sampler_rows
@@ -311,9 +310,6 @@ class ModelRunner:
         return jax.device_put(
             tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         )
-
-    def _on_mesh(self):
-        return mesh_context(self.mesh)
 
     # ---------------------------------------------------------------- requests
 
@@ -375,8 +371,7 @@ class ModelRunner:
         if self._write_rows is not None:  # a data shard: the stacked state is not ours
             self._write_rows(slot, rows)
             return
-        with self._on_mesh():
-            self.sampler_state = _write_slot(self.sampler_state, np.int32(slot), *rows)
+        self.sampler_state = _write_slot(self.sampler_state, np.int32(slot), *rows)
 
     # ---------------------------------------------------------------- one step
 
@@ -443,20 +438,7 @@ class ModelRunner:
     def dispatch_burst(self, batches: StepBatch, feeds, samplings, plp_targets, num_steps):
         """Run `_engine_burst` on k stacked steps' inputs (every leaf [k, ...]), the first
         ``num_steps`` of them; returns the stacked sampled results without waiting."""
-        with self._on_mesh():
-            out, self.pools, self.sampler_state, self.slots = _engine_burst(
-                self.params,
-                self.pools,
-                self.sampler_state,
-                self.slots,
-                batches,
-                feeds,
-                samplings,
-                plp_targets,
-                num_steps,
-                **self.static,
-            )
-        return out
+        return run_step(_engine_burst, self, batches, feeds, samplings, plp_targets, num_steps)
 
     def plan(self, output: SchedulerOutput) -> _Plan | None:
         """The host's part of a step before its size is fixed: the runner's requests updated
@@ -528,19 +510,7 @@ class ModelRunner:
         """Run the jitted engine step on prepared inputs (numpy or device arrays; see
         `_engine_step`), updating the pools and per-slot state; returns its device results
         without waiting."""
-        with self._on_mesh():
-            out, self.pools, self.sampler_state, self.slots = _engine_step(
-                self.params,
-                self.pools,
-                self.sampler_state,
-                self.slots,
-                batch,
-                feed,
-                sampling,
-                plp_targets,
-                **self.static,
-            )
-        return out
+        return run_step(_engine_step, self, batch, feed, sampling, plp_targets)
 
     @staticmethod
     def _prompt_targets(state: RequestState, start: int, n: int) -> list[int]:
@@ -668,8 +638,7 @@ class ModelRunner:
         v = self.cfg.vocab_size
         slot = np.int32(self.padding_slot)
         rows = (np.zeros(v, np.int32), np.zeros(v, bool), np.zeros(v, bool))
-        with self._on_mesh():
-            self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
+        self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
         widths = table_width_buckets(
             self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
         )
@@ -736,10 +705,14 @@ def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
     return dataclasses.replace(batch, block_tables=tables)
 
 
-def mesh_context(mesh):
-    """``mesh`` as JAX's ambient mesh while a step is traced and run (nothing without one):
-    `dsv4.paged.step`'s kernels and `dsv4.expert_parallel`'s dispatch read it when traced."""
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+def run_step(step, runner, *inputs):
+    """``step`` (a jitted engine step) on ``runner``'s params and device state (``pools``,
+    ``sampler_state``, ``slots``, updated in place) and a step's ``inputs``, with the runner's
+    ``static`` arguments; returns the step's device results without waiting."""
+    out, runner.pools, runner.sampler_state, runner.slots = step(
+        runner.params, runner.pools, runner.sampler_state, runner.slots, *inputs, **runner.static
+    )
+    return out
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -896,7 +869,7 @@ def _verify(
 
 # the engine steps' static arguments, and their jit: the pools and per-slot state donated
 _STATIC = ("cfg", "layout", "num_logprobs", "impl", "interpret", "num_spec", "groups",
-           "plans_ahead", "drafter")  # fmt: skip
+           "plans_ahead", "drafter", "mesh")  # fmt: skip
 _engine_jit = functools.partial(
     jax.jit, static_argnames=_STATIC, donate_argnames=("pools", "sampler_state", "slots")
 )
@@ -914,41 +887,75 @@ def _engine_step(
     feed: jax.Array,
     sampling,  # S.SamplingBatch, or (S.SamplingBatch, SpecBatch) when num_spec > 0
     plp_targets: jax.Array,  # i32[T] prompt token each position predicts, -1 = none
-    *,
-    cfg: ModelConfig,
-    layout,
-    num_logprobs: int,
-    impl,
-    interpret,
-    num_spec: int = 0,
-    drafter: bool = False,
-    groups=(),
-    plans_ahead: bool = False,
+    **static,  # `_step`'s keywords: _STATIC
 ):
     """One engine step on the device: inputs (device-fed tokens; rows planned after drafts in
     flight moved back by the drafts rejected, `_move_back`), the paged step, the head on the
     sampled rows, the sampler (with drafts: the verification, `_verify`), prompt logprobs when
-    some position asks for them, and with the drafter the next drafts (`_draft`)."""
-    batch, sampling, spec, back, drafts_ok = _step_in(
-        slots, batch, feed, sampling, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead
-    )
+    some position asks for them, and with the drafter the next drafts (`_step`)."""
+    inputs = (batch, feed, sampling, plp_targets)
+    return _step(params, pools, sampler_state, slots, *inputs, shard_axis=False, **static)
+
+
+@_engine_jit
+def engine_step_data_parallel(
+    params,
+    pools,  # every leaf [D, ...]: D data shards (`dsv4.paged.step.stack_shards`)
+    sampler_state: S.SamplerState,  # [D, S, ...]
+    slots: SlotState,  # [D, S, ...]
+    batch: StepBatch,  # [D, ...]: the shards' batches, built with the same buckets
+    feed: jax.Array,  # i32[D, T]
+    sampling,  # [D, ...] as `_engine_step`'s
+    plp_targets: jax.Array,  # i32[D, T]
+    **static,  # `_engine_step`'s static arguments
+):
+    """`_engine_step` for D data shards in one program: each shard's inputs, sampler and slot
+    state are its own (`jax.vmap`, split over the mesh's ``data`` axis when it has more than
+    one device); the paged step and the drafter run with their shard axis (data-parallel
+    attention, the MoE on every shard's tokens at once). Shard ``i``'s results are those of
+    `_engine_step` on shard ``i``'s state and inputs."""
+    inputs = (batch, feed, sampling, plp_targets)
+    return _step(params, pools, sampler_state, slots, *inputs, shard_axis=True, **static)
+
+
+def _step(
+    params, pools, sampler_state, slots, batch, feed, sampling, plp_targets, *, cfg, layout,
+    num_logprobs, impl, interpret, num_spec=0, drafter=False, groups=(), plans_ahead=False,
+    mesh=None, shard_axis: bool,
+):  # fmt: skip
+    """The engine step's body (`_engine_step`); with ``shard_axis`` every per-request part runs
+    per data shard (`engine_step_data_parallel`)."""
+    split = "data" if shard_axis and data_shards(mesh) > 1 else None
+
+    def per_shard(fn, *args):
+        return jax.vmap(fn, spmd_axis_name=split)(*args) if shard_axis else fn(*args)
+
+    step_in = functools.partial(_step_in, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead)
+    batch, sampling, spec, back, drafts_ok = per_shard(step_in, slots, batch, feed, sampling)
+    kern = dict(impl=impl, interpret=interpret, shard_axis=shard_axis, mesh=mesh)
     targets = cfg.dspark_target_layer_ids if drafter else ()
-    kern = dict(impl=impl, interpret=interpret)
     h, pools, streams = paged_forward_streams(params, cfg, layout, pools, batch, targets, **kern)
     if drafter:
-        pools = seed_drafter(params, cfg, layout, pools, batch, dspark.target_hidden(cfg, streams))
-    out, accepted, last, sampler_state = _sample_rows(
-        params, h, batch, sampling, spec, back, drafts_ok, sampler_state,
-        num_spec=num_spec, num_logprobs=num_logprobs,
-    )  # fmt: skip
+        seed = functools.partial(seed_drafter, params, cfg, layout)
+        pools = per_shard(seed, pools, batch, dspark.target_hidden(cfg, streams))
+    sample = functools.partial(_sample_rows, params, num_spec=num_spec, num_logprobs=num_logprobs)
+    out, accepted, last, sampler_state = per_shard(
+        sample, h, batch, sampling, spec, back, drafts_ok, sampler_state
+    )
     drafts = None
     if drafter:
-        drafts = _draft(params, cfg, layout, pools, batch, spec, accepted, last, sampling, kern)
-        drafts = drafts[:, :num_spec]
-    result, slots = _step_out(
-        params, h, sampling, spec, out, accepted, last, drafts, slots, plp_targets,
-        num_spec=num_spec, num_logprobs=num_logprobs,
-    )  # fmt: skip
+        start = per_shard(_draft_start, batch, spec, accepted, sampling)
+        block = draft_paged(params, cfg, layout, pools, batch, last, start, **kern)
+        drafts = block.tokens[..., :num_spec]
+    finish = functools.partial(_step_out, params, num_spec=num_spec, num_logprobs=num_logprobs)
+    result, slots = per_shard(
+        finish, h, sampling, spec, out, accepted, last, drafts, slots, plp_targets
+    )
+    if split is not None:
+        # the host reads every shard's few results: replicated, each process (multi-host)
+        # holds them whole
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        result = jax.lax.with_sharding_constraint(result, replicated)
     return result, pools, sampler_state, slots
 
 
@@ -990,75 +997,6 @@ def _engine_burst(
     # a loop of num_steps iterations: a burst shorter than k runs no step of padding
     state, stacked = jax.lax.fori_loop(0, num_steps, body, (state, stacked))
     return stacked, *state
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(*_STATIC, "data_axis"),
-    donate_argnames=("pools", "sampler_state", "slots"),
-)
-def engine_step_data_parallel(
-    params,
-    pools,  # every leaf [D, ...]: D data shards (`dsv4.paged.step.stack_shards`)
-    sampler_state: S.SamplerState,  # [D, S, ...]
-    slots: SlotState,  # [D, S, ...]
-    batch: StepBatch,  # [D, ...]: the shards' batches, built with the same buckets
-    feed: jax.Array,  # i32[D, T]
-    sampling,  # [D, ...] as `_engine_step`'s
-    plp_targets: jax.Array,  # i32[D, T]
-    *,
-    cfg: ModelConfig,
-    layout,
-    num_logprobs: int,
-    impl,
-    interpret,
-    num_spec: int = 0,
-    drafter: bool = False,
-    groups=(),
-    plans_ahead: bool = False,
-    data_axis: str | None = None,
-):
-    """`_engine_step` for D data shards in one program: each shard's inputs, sampler and slot
-    state are its own (`jax.vmap`, split over the mesh's ``data`` axis when there is one),
-    and the paged step is `dsv4.paged.step.paged_forward_streams` with its shard axis
-    (data-parallel attention; the MoE runs on every shard's tokens at once), as is the DSpark
-    drafter (`dsv4.paged.draft`: seeded and read per shard, its stages' MoE on all shards'
-    rows). Shard ``i``'s results are those of `_engine_step` on shard ``i``'s state and
-    inputs. ``data_axis``: the mesh axis the shards are split over ("data" on a mesh whose
-    ``data`` axis has more than one device, else None)."""
-    split = data_axis
-
-    def per_shard(fn, *args):
-        return jax.vmap(fn, spmd_axis_name=split)(*args)
-
-    step_in = functools.partial(_step_in, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead)
-    batch, sampling, spec, back, drafts_ok = per_shard(step_in, slots, batch, feed, sampling)
-    kern = dict(impl=impl, interpret=interpret)
-    targets = cfg.dspark_target_layer_ids if drafter else ()
-    h, pools, streams = paged_forward_streams(
-        params, cfg, layout, pools, batch, targets, shard_axis=True, **kern
-    )
-    if drafter:
-        seed = functools.partial(seed_drafter, params, cfg, layout)
-        pools = per_shard(seed, pools, batch, dspark.target_hidden(cfg, streams))
-    sample = functools.partial(_sample_rows, params, num_spec=num_spec, num_logprobs=num_logprobs)
-    out, accepted, last, sampler_state = per_shard(
-        sample, h, batch, sampling, spec, back, drafts_ok, sampler_state
-    )
-    drafts = None
-    if drafter:
-        start = per_shard(_draft_start, batch, spec, accepted, sampling)
-        block = draft_paged(params, cfg, layout, pools, batch, last, start, shard_axis=True, **kern)
-        drafts = block.tokens[..., :num_spec]
-    finish = functools.partial(_step_out, params, num_spec=num_spec, num_logprobs=num_logprobs)
-    result, slots = per_shard(
-        finish, h, sampling, spec, out, accepted, last, drafts, slots, plp_targets
-    )
-    if split is not None:
-        # the host reads every shard's few results: replicated, each process (multi-host)
-        # holds them whole
-        result = jax.lax.with_sharding_constraint(result, jax.sharding.PartitionSpec())
-    return result, pools, sampler_state, slots
 
 
 def _step_in(slots: SlotState, batch: StepBatch, feed, sampling, *, num_spec, groups, plans_ahead):
@@ -1154,14 +1092,6 @@ def _draft_start(batch: StepBatch, spec: SpecBatch, accepted, sampling) -> jax.A
     accepted token, ``(last verified position) + accepted + 1`` (0: the row drafts nothing)."""
     verified = batch.positions[batch.logits_indices] - spec.num_drafts  # [R]
     return jnp.where(sampling.samples, verified + accepted + 1, 0)
-
-
-def _draft(params, cfg, layout, pools, batch, spec: SpecBatch, accepted, last, sampling, kern):
-    """i32[R, K] the DSpark drafts after each sampling row's last accepted token: its block
-    opens with the token sampled there (``last``) at `_draft_start`."""
-    start = _draft_start(batch, spec, accepted, sampling)
-    block = draft_paged(params, cfg, layout, pools, batch, last, start, **kern)
-    return block.tokens
 
 
 def _pack(token_ids, logprob, rank, top_ids, top_logprobs) -> tuple[jax.Array, jax.Array]:

@@ -86,7 +86,7 @@ def run_processes(
 
 
 def expert_parallel_forward(params, cfg, tokens, mesh):
-    """``reference.forward`` (fp32 matmuls) under ``mesh`` as JAX's ambient mesh, for the
+    """``reference.forward`` (fp32 matmuls) on ``mesh`` (``mesh=``, static), for the
     scripts: the routed experts go through the expert dispatch, whose all-to-all the lowered
     program must contain. Returns the logits as numpy."""
     import jax
@@ -94,8 +94,8 @@ def expert_parallel_forward(params, cfg, tokens, mesh):
 
     from dsv4 import reference
 
-    with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
-        f = jax.jit(reference.forward, static_argnums=1)
-        got = np.asarray(f(params, cfg, tokens))
-        assert "all_to_all" in f.lower(params, cfg, tokens).as_text()
+    with jax.default_matmul_precision("highest"):
+        f = jax.jit(reference.forward, static_argnums=1, static_argnames="mesh")
+        got = np.asarray(f(params, cfg, tokens, mesh=mesh))
+        assert "all_to_all" in f.lower(params, cfg, tokens, mesh=mesh).as_text()
     return got

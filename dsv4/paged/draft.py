@@ -98,6 +98,7 @@ def draft_paged(
     impl: str | None = None,
     interpret: Any = False,
     shard_axis: bool = False,
+    mesh=None,
 ) -> dspark.DraftBlock:
     """The draft block of every request row of ``batch`` (see the module docstring), from the
     caches `seed_drafter` wrote (this step's tokens included). ``start[r] - 1`` must be a
@@ -107,8 +108,8 @@ def draft_paged(
 
     ``shard_axis`` (data-parallel serving, `dsv4.paged.step.paged_forward_streams`'s): the
     pools, the batch, ``next_token`` and ``start`` carry a leading axis of D data shards; each
-    stage's window attention reads every shard's own pages (`jax.vmap`, split over the mesh's
-    ``data`` axis when there is one) while the stages' other layers, the MoE's expert dispatch
+    stage's window attention reads every shard's own pages (`jax.vmap`, split over ``mesh``'s
+    ``data`` axis when it has one) while the stages' other layers, the MoE's expert dispatch
     included, run on all D x R rows at once. The block's fields are then [D, R, K, ...].
 
     Returns `dsv4.dspark.DraftBlock` with ``[R, K, ...]`` fields (K = dspark_block_size)."""
@@ -142,6 +143,7 @@ def draft_paged(
             dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start,
                  return_state=True, **kern),
             ATTENTION_HEADS,
+            mesh=mesh,
         )  # fmt: skip
         own = jnp.repeat(kv.astype(jnp.float32), k, axis=0)  # [R * K, K, hd]: the row's block
         block = softmax_state(qf, own, jnp.ones(own.shape[:2], bool), scale)
@@ -154,10 +156,10 @@ def draft_paged(
             return attend_rows(i, q, kv, sink, pools, batch, start)
 
         next_token = jnp.where(start > 0, next_token, 0).astype(jnp.int32)
-        return dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(start, 0))
+        return dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(start, 0), mesh=mesh)
 
     shards, num_rows = start.shape
-    split = "data" if data_shards() > 1 else None
+    split = "data" if data_shards(mesh) > 1 else None
 
     def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
         per_shard = jax.vmap(
@@ -172,5 +174,5 @@ def draft_paged(
 
     flat = start.reshape(-1)
     next_token = jnp.where(flat > 0, next_token.reshape(-1), 0).astype(jnp.int32)
-    block = dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(flat, 0))
+    block = dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(flat, 0), mesh=mesh)
     return jax.tree.map(lambda x: x.reshape(shards, num_rows, *x.shape[1:]), block)
