@@ -50,12 +50,10 @@ def decoder_block[S](
     many_tokens: bool = False,
 ) -> tuple[jax.Array, jax.Array, S]:
     """One layer on the residual streams x [.., hc, dim]: the attention sub-block, then the FFN
-    sub-block, each between its hyper-connection mixes (mHC).
-
-    ``pre`` [.., hc] collapses the streams into the attention's input: the previous layer's FFN
-    pre-mix (the embedding's first copy for layer 0). ``prefix``: the layer's params names
-    (``layers.{layer}.`` by default). ``many_tokens`` picks the mixes' layout for thousands of
-    tokens (`dsv4.layers.hc_mixes`).
+    sub-block, each between its hyper-connection mixes (mHC). ``pre`` [.., hc], the previous
+    layer's FFN pre-mix (the embedding's first copy at layer 0), collapses the streams into the
+    attention's input; ``prefix``: the params names (``layers.{layer}.``); ``many_tokens``: the
+    mixes' layout for thousands of tokens (`dsv4.layers.hc_mixes`).
 
     Returns:
         (streams x, the pre-mix for the next layer, state).
@@ -90,17 +88,14 @@ def decoder_layers[S](
     Args:
         attention: each layer's attention over its caches (module docstring).
         state: the attention's (and ``ffn``'s) state entering layer 0.
-        engram_rows: (table rows int32[.., engram layers, columns], live bool[..]) of the
-            tokens, for a model with Engram layers.
-        capture: layers whose entering residual stream [.., hc, dim] (after its Engram update,
-            before its attention's mix) is returned: what the DSpark drafter reads.
+        engram_rows: (table rows int32[.., engram layers, cols], live bool[..]) for Engram.
+        capture: layers whose entering stream [.., hc, dim] is returned (the drafter's input).
         ffn: the FFN sub-block; the model's MoE (`model_moe`) by default.
         many_tokens: the mixes' layout for thousands of tokens (training).
         mesh: the device mesh the default FFN dispatches its experts over (None: none).
 
     Returns:
-        (the LM head's input [.., dim] (`dsv4.layers.final_hidden`), the final state, the
-        captured streams by layer).
+        (the LM head's input [.., dim], the final state, the captured streams by layer).
     """
     for layer in capture:
         if not 0 <= layer < cfg.n_layers:

@@ -471,8 +471,7 @@ def seed(
     main_hidden [B, C, n_t * dim] (`target_hidden` of the chunk); start int32[B]: position of
     row b's first chunk entry; lengths int32[B] (default C): its real entries, the rest is
     padding and writes nothing. Only the last window_size real positions of a row are written.
-    Seed only committed positions (the verified prefix): a ring slot holds one position, so a
-    rejected draft's hidden state written here would evict a committed one."""
+    Seed only committed positions: a rejected draft's state would evict a committed one."""
     require_drafter(cfg)
     b = _cache_batch(cfg, cache)
     main_hidden = _check_hidden(cfg, main_hidden)
@@ -511,12 +510,12 @@ def step(
     """Draft the block at positions ``start[b] .. start[b] + K - 1`` from the rings.
 
     next_token int32[B]: the token at position start[b]; start int32[B]. The context is every
-    ring entry at positions start - window_size .. start - 1 (seed them all first to match
-    `draft`). With main_hidden [B, C, n_t * dim] (and lengths int32[B], default C) the positions
-    ``start - lengths .. start - 1`` are seeded from ``main_hidden[b, :lengths[b]]`` first, the
-    decode-time pattern: commit the verified tokens, then draft after them. Returns the block
-    and the cache (updated only by that seeding; the block's own latents are not kept).
-    ``mesh``: as `draft`'s."""
+    ring entry at positions start - window_size .. start - 1. With main_hidden [B, C, n_t *
+    dim] (and lengths int32[B], default C) positions ``start - lengths .. start - 1`` are
+    seeded from it first (commit the verified tokens, then draft). ``mesh``: `draft`'s.
+
+    Returns:
+        (the block, the cache updated only by that seeding)."""
     require_drafter(cfg)
     b = _cache_batch(cfg, cache)
     next_token = _int_array("next_token", next_token, (b,))

@@ -117,10 +117,11 @@ def hc_mixes(
     """(pre [.., hc], post [.., hc], comb [.., hc, hc]) from the stream x [.., hc, dim].
 
     comb[i, j] mixes copy i into copy j and is projected onto the doubly stochastic matrices by
-    Sinkhorn iterations (fp32 throughout). ``many_tokens`` (training: thousands of tokens per
-    call) picks the layout that suits them: the projection as a matmul and the Sinkhorn sums over
-    comb laid out ``[hc, hc, tokens]`` (whole vectors of tokens added, not 4-element minor axes:
-    about ten times faster forward and backward on a CPU); the same math."""
+    Sinkhorn iterations (fp32 throughout). ``many_tokens`` (training) picks the layout that
+    suits thousands of tokens per call; the same math."""
+    # many_tokens: the projection as a matmul and the Sinkhorn sums over comb laid out
+    # [hc, hc, tokens] (whole vectors of tokens added, not 4-element minor axes: about ten
+    # times faster forward and backward on a CPU)
     hc = cfg.hc_mult
     fn = params[prefix + "_fn"].astype(jnp.float32)
     base = params[prefix + "_base"].astype(jnp.float32)
@@ -255,12 +256,11 @@ def route(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig):
 def _all_experts(x, dense_w, w1, w2, w3, cfg: ModelConfig, *, quant: bool) -> jax.Array:
     """sum_e dense_w[:, e] * expert_e(x), f32 [n, dim], for x [n, dim] (activation dtype),
     dense_w f32 [n, e] (zero where a token does not route), w1 / w3 [e, inter, dim] and
-    w2 [e, dim, inter].
-
-    The weights are the left operands of the matmuls, read as stored ([e * inter, dim], and
-    [dim, inter] per expert), the tokens the right ones. With the tokens on the left, XLA:CPU
-    copies every expert's weights into another layout on each call, which made this branch
-    (taken from n * k > e tokens: batched decode) cost several times the gather branch."""
+    w2 [e, dim, inter]."""
+    # The weights are the left operands of the matmuls, read as stored ([e * inter, dim], and
+    # [dim, inter] per expert), the tokens the right ones. With the tokens on the left, XLA:CPU
+    # copies every expert's weights into another layout on each call, which made this branch
+    # (taken from n * k > e tokens: batched decode) cost several times the gather branch.
     dt = x.dtype
     e, inter, dim = w1.shape
 
@@ -348,13 +348,11 @@ def _routed_experts(xq, weights, ids, ws, cfg: ModelConfig, mesh, *, quant: bool
 
 def _tiled_experts(x, weights, ids, w1, w2, w3, cfg: ModelConfig, tile: int, *, quant: bool):
     """sum_k weights[:, k] * expert_{ids[:, k]}(x), f32 [n, dim], for x [n, dim], computing each
-    expert on its own tokens only.
-
-    The all-experts branch of `moe` does ``n_routed_experts / n_activated_experts`` times the
-    work. Here the (token, expert) assignments are sorted by expert, each expert's run padded to
-    a multiple of ``tile`` rows, and every tile multiplied by its expert's weights: the same
-    sums, in another order, on at most ``n * k + n_routed_experts * (tile - 1)`` rows (what
-    makes training's thousands of tokens per call fast)."""
+    expert on its own tokens only (the all-experts branch of `moe` does ``n_routed_experts /
+    n_activated_experts`` times the work): what makes training's thousands of tokens fast."""
+    # the (token, expert) assignments sorted by expert, each expert's run padded to a multiple
+    # of tile rows, every tile multiplied by its expert's weights: the same sums, in another
+    # order, on at most n * k + n_routed_experts * (tile - 1) rows
     n, d = x.shape
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
     a = n * k

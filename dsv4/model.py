@@ -229,9 +229,8 @@ def forward_step(
 
     tokens int32[B, T]; start int32[B] (position of each row's first token); lengths int32[B]
     (real tokens per row, 0..T). Rows must continue exactly where their cache ends.
-    ``write_from`` int32[B] (`docs/serving.md#bounded-replay`): tokens below it recompute
-    their window latents but leave the compressed entries and index keys already cached.
-    ``mesh``: the device mesh the routed experts dispatch over (`dsv4.reference.forward`'s)."""
+    ``write_from`` int32[B] (`docs/serving.md#bounded-replay`): tokens below it write only
+    their window latents. ``mesh``: the device mesh the experts dispatch over."""
     logits, new, _ = forward_step_streams(params, cfg, cache, tokens, start, lengths, (),
                                           write_from, mesh=mesh)  # fmt: skip
     return logits, new

@@ -220,16 +220,9 @@ class ModelRunner:
         params: the model's params (checkpoint names).
         cfg: the model's architecture.
         kv_cache_config: the allocator's layout (block counts, groups).
-        config: the engine's configuration (`serving.config.EngineConfig`; its fields say what
-            each option does): the cache records and pool, the scheduler's limits and buckets,
-            the mesh, speculative decoding (with the DSpark drafter for method "dspark") and
-            the kernels. Asynchronous scheduling compiles the step to move back rows planned
-            past drafts in flight (`_move_back`).
+        config: the engine's configuration (`serving.config.EngineConfig`: its fields say why).
         eos_token_id: the tokenizer's EOS (min_tokens masks it).
-        write_sampler_rows: None, or ``(slot, rows) -> None`` writing a slot's sampler rows
-            into device state that another object owns: this runner is then the host half of
-            one data shard of a `serving.data_parallel.DataParallelRunner` (no params placed,
-            no pools, sampler state or slots of its own).
+        write_sampler_rows: given, this is one data shard's host half (`serving.data_parallel`).
     """
 
     def __init__(
@@ -245,12 +238,7 @@ class ModelRunner:
         config = config.resolved(cfg)
         self.config = config
         sched, cache = config.scheduler_config, config.cache_config
-        k = config.num_speculative_tokens
-        if config.drafter and not 1 <= k <= cfg.dspark_block_size:
-            raise ValueError(
-                f"the DSpark drafter drafts num_speculative_tokens={k}; "
-                f"allowed: 1..dspark_block_size={cfg.dspark_block_size}"
-            )
+        k = check_num_speculative_tokens(config, cfg)
         max_num_seqs = sched.max_num_seqs
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len = config.model_config.max_model_len
@@ -276,23 +264,12 @@ class ModelRunner:
         # samples one row per request, else 1 + k rows, see `_engine_step`)
         self.num_spec = k
         self.drafter = config.drafter
-        self.plans_ahead = plans_ahead = sched.async_scheduling
+        self.plans_ahead = sched.async_scheduling
         self.num_scheduler_steps = check_num_scheduler_steps(
             sched.num_scheduler_steps, cfg.engram_lookback
         )
         self._groups = group_infos(kv_cache_config)
-        self.static = dict(
-            cfg=cfg,
-            layout=self.layout,
-            num_logprobs=self.max_logprobs,
-            impl=config.compilation_config.impl,
-            interpret=config.compilation_config.interpret,
-            num_spec=k,
-            drafter=self.drafter,
-            groups=self._groups,
-            plans_ahead=plans_ahead,
-            mesh=mesh,
-        )
+        self.static = self._static_arguments()
         self.padding_slot = max_num_seqs
         self._write_rows = write_sampler_rows
         if device_state:
@@ -302,6 +279,15 @@ class ModelRunner:
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
         # the requests the engine registered, which the scheduler may (re)admit, by id
         self._registered: dict[str, Request] = {}
+
+    def _static_arguments(self) -> dict[str, Any]:
+        """The engine step's static arguments (`_STATIC`): one compilation per value."""
+        compilation = self.config.compilation_config
+        # this runner's attributes of the same names, and three named otherwise
+        own = ("cfg", "layout", "num_spec", "drafter", "plans_ahead", "mesh")
+        static = {name: getattr(self, name) for name in own}
+        static.update(num_logprobs=self.max_logprobs, groups=self._groups)
+        return static | dict(impl=compilation.impl, interpret=compilation.interpret)
 
     def _replicated(self, tree):
         """``tree`` replicated over the mesh (as it is without one)."""
@@ -680,6 +666,18 @@ class ModelRunner:
         return self.inputs.num_free_slots
 
 
+def check_num_speculative_tokens(config: EngineConfig, cfg: ModelConfig) -> int:
+    """``config``'s drafts verified per step, k (0: no speculative decoding), or a ValueError
+    where the DSpark drafter cannot draft that many."""
+    k = config.num_speculative_tokens
+    if config.drafter and not 1 <= k <= cfg.dspark_block_size:
+        raise ValueError(
+            f"the DSpark drafter drafts num_speculative_tokens={k}; "
+            f"allowed: 1..dspark_block_size={cfg.dspark_block_size}"
+        )
+    return k
+
+
 def check_num_scheduler_steps(num_scheduler_steps: int, engram_lookback: int) -> int:
     """``num_scheduler_steps`` if the model can run bursts of that many steps, else a
     ValueError naming it. `serving.config.SchedulerConfig` checks the rest once (an int >= 1,
@@ -764,11 +762,11 @@ class SlotState:
 
 def _move_back(batch: StepBatch, back: jax.Array, groups, history) -> StepBatch:
     """The batch with each row's positions moved back by ``back`` (i32[R], 0 = unchanged):
-    positions, sequence lengths and every slot mapping recomputed from the block tables
-    (which hold the blocks of the planned positions, so of the earlier ones too), and the
-    Engram look-back taken ``back`` tokens further back (from ``history``). A row's ring rows
-    stay the same tokens of its chunk, the written compressed states those that close at the
-    new positions. Moved rows are decode rows past any bounded replay: every position writes."""
+    positions, sequence lengths and every slot mapping recomputed from the block tables (which
+    hold the earlier positions' blocks too), the Engram look-back from ``history``. Moved rows
+    are decode rows past any bounded replay: every position writes."""
+    # a row's ring rows stay the same tokens of its chunk; the compressed states written are
+    # those that close at the new positions
     req = batch.token_req
     moved = back[req] > 0  # [T]; padding rows never move
     pos = jnp.where(moved, batch.positions - back[req], batch.positions)
@@ -818,12 +816,13 @@ def _verify(
     num_logprobs: int,
 ):
     """Score the 1 + d verified positions of every row and accept drafts while they equal the
-    token the sampler draws at their position (serving.spec_decode): position j of a row is
-    sampled with the key of its position and the penalty counts of the tokens accepted before
-    it, so the emitted tokens are those the step-by-step engine would sample. ``back`` (i32[R])
-    is how far each row was moved back (`_move_back`; ``sampling.counter`` is as planned).
-    Returns the sampler outputs of every position [R, 1 + k], the accepted draft counts i32[R]
-    and the state (counts added for the emitted tokens only)."""
+    token the sampler draws at their position (serving.spec_decode), each position sampled
+    with its own key and the counts of the tokens accepted before it: the step-by-step engine's
+    tokens. ``back``: how far each row was moved back (``sampling.counter`` is as planned).
+
+    Returns:
+        (the sampler outputs of every position [R, 1 + k], the accepted draft counts i32[R],
+        the state with counts added for the emitted tokens only)."""
     j = jnp.arange(num_spec + 1)
     rows = logits_indices[:, None] - spec.num_drafts[:, None] + j  # [R, 1 + k]
     valid = j[None, :] <= spec.num_drafts[:, None]
@@ -837,6 +836,19 @@ def _verify(
     drafts = jnp.where(usable, token_ids[safe[:, 1:]], -1)  # [R, k]
     sampling = dataclasses.replace(sampling, counter=sampling.counter - back)
     suppress = j[None, :] - back[:, None] < spec.min_tokens_left[:, None]  # [R, 1 + k]
+    padded = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=1)
+    xs = (logits, j, suppress, padded, valid)
+    sampler_state, outs = _sample_positions(sampling, sampler_state, xs, num_logprobs)
+    match = (outs.token_ids[:, :num_spec] == drafts) & (drafts >= 0)
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    return outs, accepted.astype(jnp.int32), sampler_state
+
+
+def _sample_positions(sampling, sampler_state, xs, num_logprobs: int):
+    """`_verify`'s sampler over the positions j in turn (`jax.lax.scan`), a row's sampling
+    stopping at its first draft the sampler does not draw. ``xs``: (logits [R, 1 + k, V],
+    j, suppress, drafts padded, valid; each [R, 1 + k] but j [1 + k]). Returns the state and
+    the outputs [R, 1 + k, ...]."""
 
     def position(carry, xs):
         state, alive = carry
@@ -851,7 +863,7 @@ def _verify(
         out, state = S.sample(logits_j, batch_j, state, num_logprobs=num_logprobs)
         return (state, alive & (out.token_ids == draft_j)), out
 
-    padded = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=1)
+    logits, j, suppress, padded, valid = xs
     xs = (
         jnp.swapaxes(logits, 0, 1),
         j,
@@ -859,12 +871,9 @@ def _verify(
         jnp.swapaxes(padded, 0, 1),
         jnp.swapaxes(valid, 0, 1),
     )
-    alive = jnp.ones((r,), bool)
+    alive = jnp.ones((logits.shape[0],), bool)
     (sampler_state, _), outs = jax.lax.scan(position, (sampler_state, alive), xs)
-    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [R, 1 + k, ...]
-    match = (outs.token_ids[:, :num_spec] == drafts) & (drafts >= 0)
-    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
-    return outs, accepted.astype(jnp.int32), sampler_state
+    return sampler_state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [R, 1 + k, ...]
 
 
 # the engine steps' static arguments, and their jit: the pools and per-slot state donated
@@ -973,11 +982,10 @@ def _engine_burst(
     **static,  # `_engine_step`'s static arguments
 ):
     """Up to k engine steps in one program (`ModelRunner.execute_burst`): `_engine_step` on
-    the first ``num_steps`` steps' inputs in turn, the pools, sampler state and slots carried
-    from one to the next, so that a step's device-fed tokens are those the step before it
-    sampled. One compilation serves every burst length. Returns the steps' packed results
-    stacked ([k, ...], zeros past ``num_steps``; no prompt logprobs: a burst decodes) and the
-    state after the last step."""
+    the first ``num_steps`` steps' inputs in turn, the state carried from one to the next (a
+    step's device-fed tokens are those the step before it sampled); one compilation for every
+    burst length. Returns the packed results stacked ([k, ...], zeros past ``num_steps``; no
+    prompt logprobs: a burst decodes) and the state after the last step."""
     inputs = (batches, feeds, samplings, plp_targets)
 
     def one(i, state):

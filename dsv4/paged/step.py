@@ -371,11 +371,12 @@ def paged_forward(
     """The backbone over one step's batch: the LM head's input for every token, [T, dim] in the
     activation dtype (`dsv4.layers.final_hidden`), and the updated pools.
 
-    ``impl`` / ``interpret`` choose the attention kernels (`pallas_kernels` dispatch: None picks
-    by backend — the jnp references on CPU, the Pallas kernels on TPU and GPU).
-    ``scaled_index_keys``: hand ``fp8_132`` index-key records to the indexer undecoded (e4m3
-    rows + per-key scales; bit-exact with decoding them first, half the bytes streamed).
-    ``mesh``: the device mesh (kernels per device, experts dispatched over ``expert``)."""
+    Args:
+        impl: the attention kernels (`pallas_kernels`; None: jnp on CPU, Pallas on TPU / GPU).
+        interpret: the Pallas kernels' interpret mode.
+        scaled_index_keys: ``fp8_132`` index keys to the indexer undecoded (half the bytes).
+        mesh: the device mesh (kernels per device, experts dispatched over ``expert``).
+    """
     h, pools, _ = paged_forward_streams(
         params, cfg, layout, pools, batch, (), impl=impl, interpret=interpret,
         scaled_index_keys=scaled_index_keys, mesh=mesh,
@@ -583,10 +584,9 @@ def paged_step_data_parallel(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """vLLM's data-parallel attention: ``D`` independent steps in one program, each over its own
     requests and pools (a leading shard axis: `stack_shards`), sharing the params; returns
-    logits f32[D, R, vocab] (f32[D, T, vocab] with ``all_logits``) and the pools [D, ...].
-    Shard ``i``'s results are `paged_step`'s on shard ``i``; on a ``mesh`` with a ``data`` axis
-    the shards split over it (`docs/scale_out.md#data-parallel-attention`). Keywords:
-    `paged_step`'s.
+    logits f32[D, R, vocab] (f32[D, T, vocab] with ``all_logits``) and the pools [D, ...],
+    shard ``i``'s those of `paged_step` on shard ``i``; keywords: `paged_step`'s
+    (`docs/scale_out.md#data-parallel-attention`).
 
     Raises:
         ValueError: ``D`` not a multiple of the mesh's ``data`` size, or pools whose leading
