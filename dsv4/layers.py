@@ -324,7 +324,7 @@ def _routed_experts(xq, weights, ids, ws, cfg: ModelConfig, mesh, *, quant: bool
         # kept in their released formats are dequantised whole (each device its experts); the
         # barrier makes that wait for this layer's input. Without it XLA:GPU ran many layers'
         # dequantisations early: the H100 compile of a 12-layer released-width step held
-        # 38.3 GiB of temporaries, 7.5 GiB with it (`dsv4.compiled_step`).
+        # 38.3 GiB of temporaries, 7.5 GiB with it (`planner.compiled_step`).
         if not all(isinstance(w, jax.Array) for w in ws):
             xq, ws = jax.lax.optimization_barrier((xq, ws))
         ws = tuple(w.astype(dt) for w in ws)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from dsv4.config import MODEL_PRESETS
 from serving.spec_decode import SpeculativeConfig
 
 __all__ = [
@@ -39,13 +40,14 @@ __all__ = [
     "engine_fields",
 ]
 
+# The model names of the one preset table (`dsv4.config`, which imports no JAX), by where their
+# weights come from.
+MODEL_NAMES = tuple(MODEL_PRESETS)  # every preset (the planner's)
+RANDOM_PRESETS = tuple(n for n, p in MODEL_PRESETS.items() if p.weights == "random")
+SHIPPED_MODELS = tuple(n for n, p in MODEL_PRESETS.items() if p.weights == "shipped")
 # Names of tables in modules that import JAX, mirrored so that the CLI checks its flags before
-# JAX starts; tests/serving/test_config.py keeps each equal to its source: the model names of
-# `dsv4.config.MODEL_PRESETS` by where their weights come from, `dsv4.qweights.WEIGHTS_ON_DEVICE`,
-# `dsv4.paged.records.PRESETS`, `dsv4.sharding.AXES`.
-RANDOM_PRESETS = ("tiny_v41", "tiny_v41_full")  # seeded random weights
-SHIPPED_MODELS = ("tiny_v41_trained",)
-MODEL_NAMES = ("v41_flash", *RANDOM_PRESETS, *SHIPPED_MODELS)  # every preset (the planner's)
+# JAX starts; tests/serving/test_config.py keeps each equal to its source:
+# `dsv4.qweights.WEIGHTS_ON_DEVICE`, `dsv4.paged.records.PRESETS`, `dsv4.sharding.AXES`.
 DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
 WEIGHTS_ON_DEVICE = ("dequantised", "released")

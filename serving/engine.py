@@ -121,7 +121,7 @@ class Engine:
         self.vocab_size = runner.cfg.vocab_size
         self.max_model_len = scheduler.max_model_len
         self.stats = EngineStats()
-        # Decision counts (preemptions, recomputed tokens), kept as serving.lab keeps them.
+        # Decision counts (preemptions, recomputed tokens), kept as the lab keeps them.
         self.scheduler_stats = SchedulerStats()
         # the users' requests, and each one's n sampled sequences (every live Request), by id
         self._parents: dict[str, ParentRequest] = {}

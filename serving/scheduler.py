@@ -173,7 +173,7 @@ class UpdateResult:
 class SchedulerStats:
     """Counts of the scheduler's decisions, read off its `SchedulerOutput`s (`observe`).
 
-    The engine and `serving.lab` both keep one, so a model-free lab run and an engine run of
+    The engine and `lab` both keep one, so a model-free lab run and an engine run of
     the same workload report the same figures by construction of the same plans, not by two
     bookkeepings that could drift apart.
 

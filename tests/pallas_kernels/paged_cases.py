@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -282,3 +283,17 @@ def cpu_only() -> None:
 
     if jax.default_backend() != "cpu":
         pytest.skip("interpreter-only check")
+
+
+def kernel_arrays(step: Step, cache, dtype, *between) -> tuple:
+    """A paged kernel's leading arrays: q, the cache's pages and tables, token_req, positions,
+    then ``between`` (e.g. the top-k ids), then the sink."""
+    return (
+        jnp.asarray(step.q, dtype),
+        jnp.asarray(cache.pages, dtype),
+        jnp.asarray(cache.tables),
+        jnp.asarray(step.token_req),
+        jnp.asarray(step.positions),
+        *between,
+        jnp.asarray(step.sink),
+    )

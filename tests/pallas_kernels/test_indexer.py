@@ -21,6 +21,11 @@ from aot import (
     requires_cuda_plugin,
     requires_libtpu,
 )
+from indexer_cases import (
+    RELEASED_MODES,
+    indexer_fn,
+    indexer_released,
+)
 
 from dsv4 import reference as dense
 from pallas_kernels.indexer import indexer_topk
@@ -341,53 +346,11 @@ def test_tpu_checking_interpreter_raises_on_bad_block():
 # (ratio 1) or 32 (ratio 2) entries; 8 decode tokens over a 128K-token context, and one at 1M.
 
 
-def _released_args(tokens, entries, e, dtype=jnp.bfloat16):
-    import jax
-
-    s = jax.ShapeDtypeStruct
-    nb = entries // e
-    reqs = tokens
-    return (
-        s((tokens, 32, 128), dtype),
-        s((tokens, 32), jnp.float32),
-        s((reqs * nb + 1, e, 128), dtype),
-        s((reqs, nb), jnp.int32),
-        s((tokens,), jnp.int32),
-        s((tokens,), jnp.int32),
-        s((tokens,), jnp.int32),
-    )
-
-
-RELEASED_MODES = {
-    "plain-r2": dict(e=32, kw=dict(k=512)),
-    "source-r1": dict(e=64, kw=dict(k=512, candidate_block_size=8, candidate_topk_blocks=2048)),
-    "consumer-r1": dict(e=64, kw=dict(k=512, candidate_block_size=8), candidates=True),
-}
-
-
-def _released_fn(mode, impl):
-    spec = RELEASED_MODES[mode]
-    kw = dict(spec["kw"], entries_per_block=spec["e"], impl=impl)
-    if spec.get("candidates"):
-        return lambda *a: indexer_topk(*a[:7], candidates=a[7], **kw)
-    return lambda *a: indexer_topk(*a, **kw)
-
-
-def _released(mode, tokens=8, entries=128 * 1024):
-    import jax
-
-    spec = RELEASED_MODES[mode]
-    args = _released_args(tokens, entries // (2 if spec["e"] == 32 else 1), spec["e"])
-    if spec.get("candidates"):
-        args += (jax.ShapeDtypeStruct((tokens, 2048), jnp.int32),)
-    return args
-
-
 @requires_libtpu
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_tpu_compiles_at_released_shapes(mode, topology):
-    compile_for_tpu(_released_fn(mode, "tpu"), *_released(mode), topology=topology)
+    compile_for_tpu(indexer_fn(mode, "tpu"), *indexer_released(mode), topology=topology)
 
 
 @requires_libtpu
@@ -396,8 +359,8 @@ def test_tpu_compiles_at_1m_context(topology):
     """16 decode tokens of 16 requests over 1M-entry contexts (4 GiB of keys; v5e has 16): 4 MiB
     of scores per token in VMEM, one 16384-page table row in SMEM."""
     compile_for_tpu(
-        _released_fn("source-r1", "tpu"),
-        *_released("source-r1", 16, 1024 * 1024),
+        indexer_fn("source-r1", "tpu"),
+        *indexer_released("source-r1", 16, 1024 * 1024),
         topology=topology,
     )
 
@@ -405,19 +368,19 @@ def test_tpu_compiles_at_1m_context(topology):
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_tpu_lowers_at_released_shapes(mode):
     assert "tpu_custom_call" in lower_for_tpu(
-        _released_fn(mode, "tpu"), *_released(mode), device_kind="TPU v5 lite"
+        indexer_fn(mode, "tpu"), *indexer_released(mode), device_kind="TPU v5 lite"
     )
 
 
 @requires_cuda_plugin
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_h100_compiles_at_released_shapes(mode):
-    compile_for_h100(_released_fn(mode, "gpu"), *_released(mode))
+    compile_for_h100(indexer_fn(mode, "gpu"), *indexer_released(mode))
 
 
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_gpu_lowers_at_released_shapes(mode):
-    assert "triton" in lower_for_gpu(_released_fn(mode, "gpu"), *_released(mode))
+    assert "triton" in lower_for_gpu(indexer_fn(mode, "gpu"), *indexer_released(mode))
 
 
 def test_debug_check_raises_on_bad_block():

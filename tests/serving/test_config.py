@@ -192,3 +192,20 @@ def test_the_config_and_the_cli_flags_import_no_jax():
         "serving.cli.build_parser(); assert 'jax' not in sys.modules, 'jax imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"]])
+def test_the_preset_table_and_the_cli_help_import_no_jax(argv):
+    """One preset table: serving and the CLI read `dsv4.config.MODEL_PRESETS`, which starts no
+    JAX (the lazy `dsv4` package), and ``dsv4 --help`` prints without JAX."""
+    code = (
+        "import sys, serving.config, dsv4.config, serving.cli\n"
+        "assert 'jax' not in sys.modules, 'jax imported'\n"
+        "assert serving.config.MODEL_NAMES == tuple(dsv4.config.MODEL_PRESETS)\n"
+        f"try:\n    serving.cli.main({argv!r})\n"
+        "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "usage: dsv4" in run.stdout
