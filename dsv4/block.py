@@ -26,11 +26,12 @@ Attention = Callable[[int, jax.Array, Any], tuple[jax.Array, Any]]
 FeedForward = Callable[[int, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def model_moe(params, cfg: ModelConfig) -> FeedForward:
-    """The model's FFN (`dsv4.layers.moe`), state passed through: what inference runs."""
+def model_moe(params, cfg: ModelConfig, mesh=None) -> FeedForward:
+    """The model's FFN (`dsv4.layers.moe`, experts dispatched over ``mesh``'s ``expert`` axis),
+    state passed through: what inference runs."""
 
     def ffn(layer: int, h: jax.Array, state):
-        return L.moe(h, params, f"layers.{layer}.ffn.", cfg), state
+        return L.moe(h, params, f"layers.{layer}.ffn.", cfg, mesh=mesh), state
 
     return ffn
 
@@ -49,12 +50,10 @@ def decoder_block[S](
     many_tokens: bool = False,
 ) -> tuple[jax.Array, jax.Array, S]:
     """One layer on the residual streams x [.., hc, dim]: the attention sub-block, then the FFN
-    sub-block, each between its hyper-connection mixes (mHC).
-
-    ``pre`` [.., hc] collapses the streams into the attention's input: the previous layer's FFN
-    pre-mix (the embedding's first copy for layer 0). ``prefix``: the layer's params names
-    (``layers.{layer}.`` by default). ``many_tokens`` picks the mixes' layout for thousands of
-    tokens (`dsv4.layers.hc_mixes`).
+    sub-block, each between its hyper-connection mixes (mHC). ``pre`` [.., hc], the previous
+    layer's FFN pre-mix (the embedding's first copy at layer 0), collapses the streams into the
+    attention's input; ``prefix``: the params names (``layers.{layer}.``); ``many_tokens``: the
+    mixes' layout for thousands of tokens (`dsv4.layers.hc_mixes`).
 
     Returns:
         (streams x, the pre-mix for the next layer, state).
@@ -82,29 +81,28 @@ def decoder_layers[S](
     capture: tuple[int, ...] = (),
     ffn: FeedForward | None = None,
     many_tokens: bool = False,
+    mesh=None,
 ) -> tuple[jax.Array, S, dict[int, jax.Array]]:
     """Embedding, every decoder layer, and the final collapse and norm of tokens int[..].
 
     Args:
         attention: each layer's attention over its caches (module docstring).
         state: the attention's (and ``ffn``'s) state entering layer 0.
-        engram_rows: (table rows int32[.., engram layers, columns], live bool[..]) of the
-            tokens, for a model with Engram layers.
-        capture: layers whose entering residual stream [.., hc, dim] (after its Engram update,
-            before its attention's mix) is returned: what the DSpark drafter reads.
+        engram_rows: (table rows int32[.., engram layers, cols], live bool[..]) for Engram.
+        capture: layers whose entering stream [.., hc, dim] is returned (the drafter's input).
         ffn: the FFN sub-block; the model's MoE (`model_moe`) by default.
         many_tokens: the mixes' layout for thousands of tokens (training).
+        mesh: the device mesh the default FFN dispatches its experts over (None: none).
 
     Returns:
-        (the LM head's input [.., dim] (`dsv4.layers.final_hidden`), the final state, the
-        captured streams by layer).
+        (the LM head's input [.., dim], the final state, the captured streams by layer).
     """
     for layer in capture:
         if not 0 <= layer < cfg.n_layers:
             raise ValueError(f"layer {layer} is not a backbone layer (0..{cfg.n_layers - 1})")
     if cfg.engram_layer_ids and engram_rows is None:
         raise ValueError("an Engram model needs the tokens' engram_rows")
-    ffn = model_moe(params, cfg) if ffn is None else ffn
+    ffn = model_moe(params, cfg, mesh) if ffn is None else ffn
     x = L.embed(params, tokens, cfg)  # [.., hc, dim]
     pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)
     streams: dict[int, jax.Array] = {}

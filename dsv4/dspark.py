@@ -285,12 +285,13 @@ def draft_over_latents(
     next_token: jax.Array,
     start: jax.Array,
     slot_tokens: jax.Array | None = None,
+    *,
+    mesh=None,
 ) -> DraftBlock:
     """`run_drafter` over context latents ``ctx[i]`` [B, N, hd] (one per stage, visible where
     ctx_mask [B, N]) held in memory."""
-    return run_drafter(
-        params, cfg, _dense_attend(cfg, ctx, ctx_mask), next_token, start, slot_tokens
-    )
+    attend = _dense_attend(cfg, ctx, ctx_mask)
+    return run_drafter(params, cfg, attend, next_token, start, slot_tokens, mesh=mesh)
 
 
 def run_drafter(
@@ -300,12 +301,14 @@ def run_drafter(
     next_token: jax.Array,
     start: jax.Array,
     slot_tokens: jax.Array | None = None,
+    *,
+    mesh=None,
 ) -> DraftBlock:
     """The stages and heads for the block ``[next_token, noise...]`` at positions ``start[b] ..
     start[b] + K - 1``, every stage's attention given by ``attend(i, q, kv, sink)`` (its
     context and the block's own latents; see ``Attend``). ``slot_tokens`` int32[B, K-1]
     (training only: teacher forcing) puts those tokens in slots 1..K-1 for the Markov bias
-    instead of the drafts."""
+    instead of the drafts. ``mesh``: the stages' experts dispatch over its ``expert`` axis."""
     k = cfg.dspark_block_size
     b = next_token.shape[0]
     pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, K]
@@ -320,7 +323,7 @@ def run_drafter(
         return _block_attention(h, params, cfg, i, cos, sin, attend), state
 
     def ffn(i, h, state):  # a stage's experts under the drafter's MoE config
-        return L.moe(h, params, _stage(i) + "ffn.", moe_cfg), state
+        return L.moe(h, params, _stage(i) + "ffn.", moe_cfg, mesh=mesh), state
 
     for i in range(cfg.n_mtp_layers):
         x, pre, _ = decoder_block(params, cfg, i, x, pre, attention, ffn, None, prefix=_stage(i))
@@ -361,6 +364,7 @@ def draft_from_hidden(
     next_token: jax.Array,
     *,
     lengths: jax.Array | None = None,
+    mesh=None,
 ) -> DraftBlock:
     """Draft from the target hidden states of a prefix.
 
@@ -385,17 +389,23 @@ def draft_from_hidden(
     pos = jnp.broadcast_to(pos[None, :], (b, pos.shape[0]))
     ctx_mask = (pos < lengths[:, None]) & (pos >= lengths[:, None] - w)
     ctx = context_latents(params, cfg, main_hidden, pos)
-    return draft_over_latents(params, cfg, ctx, ctx_mask, next_token, lengths)
+    return draft_over_latents(params, cfg, ctx, ctx_mask, next_token, lengths, mesh=mesh)
 
 
 def draft(
-    params: Params, cfg: ModelConfig, tokens: jax.Array, *, next_token: jax.Array | None = None
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    *,
+    next_token: jax.Array | None = None,
+    mesh=None,
 ) -> DraftBlock:
     """Draft the K = ``dspark_block_size`` tokens after a prefix, from scratch.
 
     tokens int32[B, T] (positions 0..T-1) runs through the backbone for the target hidden
     states; next_token int32[B] is the token at position T that opens the draft block (None:
-    the backbone's greedy pick after the prefix). ``logits[:, i]`` is for position T+1+i."""
+    the backbone's greedy pick after the prefix). ``logits[:, i]`` is for position T+1+i.
+    ``mesh``: the device mesh the experts dispatch over (`dsv4.reference.forward`'s)."""
     require_drafter(cfg)
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
@@ -411,10 +421,11 @@ def draft(
     if next_token is not None:
         next_token = _int_array("next_token", next_token, (b,))
         _check_ids("next_token", next_token, cfg.vocab_size)
-    logits, streams = reference.forward_streams(params, cfg, tokens, cfg.dspark_target_layer_ids)
+    layers = cfg.dspark_target_layer_ids
+    logits, streams = reference.forward_streams(params, cfg, tokens, layers, mesh=mesh)
     if next_token is None:
         next_token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-    return draft_from_hidden(params, cfg, target_hidden(cfg, streams), next_token)
+    return draft_from_hidden(params, cfg, target_hidden(cfg, streams), next_token, mesh=mesh)
 
 
 # -- incremental ----------------------------------------------------------------------------------
@@ -460,8 +471,7 @@ def seed(
     main_hidden [B, C, n_t * dim] (`target_hidden` of the chunk); start int32[B]: position of
     row b's first chunk entry; lengths int32[B] (default C): its real entries, the rest is
     padding and writes nothing. Only the last window_size real positions of a row are written.
-    Seed only committed positions (the verified prefix): a ring slot holds one position, so a
-    rejected draft's hidden state written here would evict a committed one."""
+    Seed only committed positions: a rejected draft's state would evict a committed one."""
     require_drafter(cfg)
     b = _cache_batch(cfg, cache)
     main_hidden = _check_hidden(cfg, main_hidden)
@@ -495,15 +505,17 @@ def step(
     *,
     main_hidden: jax.Array | None = None,
     lengths: jax.Array | None = None,
+    mesh=None,
 ) -> tuple[DraftBlock, Cache]:
     """Draft the block at positions ``start[b] .. start[b] + K - 1`` from the rings.
 
     next_token int32[B]: the token at position start[b]; start int32[B]. The context is every
-    ring entry at positions start - window_size .. start - 1 (seed them all first to match
-    `draft`). With main_hidden [B, C, n_t * dim] (and lengths int32[B], default C) the positions
-    ``start - lengths .. start - 1`` are seeded from ``main_hidden[b, :lengths[b]]`` first, the
-    decode-time pattern: commit the verified tokens, then draft after them. Returns the block
-    and the cache (updated only by that seeding; the block's own latents are not kept)."""
+    ring entry at positions start - window_size .. start - 1. With main_hidden [B, C, n_t *
+    dim] (and lengths int32[B], default C) positions ``start - lengths .. start - 1`` are
+    seeded from it first (commit the verified tokens, then draft). ``mesh``: `draft`'s.
+
+    Returns:
+        (the block, the cache updated only by that seeding)."""
     require_drafter(cfg)
     b = _cache_batch(cfg, cache)
     next_token = _int_array("next_token", next_token, (b,))
@@ -521,4 +533,5 @@ def step(
     held = cache["win_pos"]  # [B, w]
     ctx_mask = (held >= 0) & (held < start[:, None]) & (held >= start[:, None] - cfg.window_size)
     ctx = [cache[_ring(cfg, i)] for i in range(cfg.n_mtp_layers)]
-    return draft_over_latents(params, cfg, ctx, ctx_mask, next_token, start), cache
+    block = draft_over_latents(params, cfg, ctx, ctx_mask, next_token, start, mesh=mesh)
+    return block, cache

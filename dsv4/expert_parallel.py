@@ -22,10 +22,9 @@ f32 times the routing weight, the fp8 QDQ of the intermediate under ``quant_sim`
 projection in f32 cast to the activation dtype, the k results added in f32), so the sharded
 forward equals the single-device one up to the order of the matmuls' own sums.
 
-The mesh is JAX's ambient one (`jax.set_mesh`), read when the forward is traced: run a jitted
-path inside ``with jax.set_mesh(mesh):`` to get this dispatch; without an ambient mesh, or with
-an ``expert`` axis of 1, `layers.moe` computes every expert locally as before and XLA's SPMD
-partitioner places the work.
+The mesh is data: the forward paths take ``mesh=`` (a static argument under `jax.jit`) and hand
+it down to `layers.moe`; nothing reads JAX's ambient mesh. Without a mesh, or with an ``expert``
+axis of 1, `layers.moe` computes every expert locally and XLA's SPMD partitioner places the work.
 """
 
 from __future__ import annotations
@@ -39,20 +38,19 @@ from jax.sharding import PartitionSpec
 from dsv4.config import ModelConfig
 from dsv4.quant import fp8_qdq
 
-__all__ = ["ambient_expert_mesh", "routed_experts", "swiglu"]
+__all__ = ["expert_mesh", "routed_experts", "swiglu"]
 
 EXPERT = "expert"
 
 
-def ambient_expert_mesh(cfg: ModelConfig):
-    """The ambient mesh when it splits the routed experts over an ``expert`` axis of size > 1,
-    else None.
+def expert_mesh(mesh, cfg: ModelConfig):
+    """``mesh`` when it splits the routed experts over an ``expert`` axis of size > 1, else
+    None (no mesh, or no such axis: every expert runs locally).
 
     Raises:
         ValueError: the ``expert`` axis does not divide the routed experts.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT not in mesh.axis_names or mesh.shape[EXPERT] == 1:
+    if mesh is None or mesh.empty or EXPERT not in mesh.axis_names or mesh.shape[EXPERT] == 1:
         return None
     if cfg.n_routed_experts % mesh.shape[EXPERT]:
         raise ValueError(
@@ -86,7 +84,7 @@ def routed_experts(
     quant: bool,
 ) -> jax.Array:
     """sum_j expert_{ids[:, j]}(x) * weights[:, j], f32 [n, dim], with the dispatch described
-    in the module docstring over ``mesh`` (from `ambient_expert_mesh`). The weights come in
+    in the module docstring over ``mesh`` (from `expert_mesh`). The weights come in
     the activation dtype (`layers.moe` casts them, which also dequantises weights kept in their
     released formats, each device its own experts)."""
     n = x.shape[0]

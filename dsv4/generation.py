@@ -23,11 +23,10 @@ def sample_logits(
 ) -> jax.Array:
     """One token per row of ``logits`` [B, V]: argmax when temperature == 0, else a sample from
     softmax(logits / temperature) restricted to the smallest set of tokens whose probability
-    reaches ``top_p`` (nucleus; the most likely token is always kept).
-
-    ``temperature`` and ``top_p`` are f32 scalars (traced under jit). Only the chosen branch
-    runs: greedy decoding does not pay for the nucleus's sort of every row's vocabulary (on
-    CPU that sort costs more than the rest of a tiny model's decode step at batch 8)."""
+    reaches ``top_p`` (nucleus; the most likely token is always kept). ``temperature`` and
+    ``top_p`` are f32 scalars (traced under jit); only the chosen branch runs."""
+    # greedy decoding does not pay for the nucleus's sort of every row's vocabulary (on CPU
+    # that sort costs more than the rest of a tiny model's decode step at batch 8)
     return jax.lax.cond(temperature > 0, _nucleus_sample, _greedy, logits, key, temperature, top_p)
 
 
@@ -50,15 +49,15 @@ def _nucleus_sample(logits, key, temperature, top_p):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_token_id"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_token_id", "mesh"))
 def _generate(
-    params, prompt, lengths, key, temperature, top_p, *, cfg, max_new_tokens, eos_token_id
+    params, prompt, lengths, key, temperature, top_p, *, cfg, max_new_tokens, eos_token_id, mesh
 ):
     b, t = prompt.shape
     dtype = params["embed.weight"].dtype
     cache = init_cache(cfg, b, t + max_new_tokens, dtype)
     zeros = jnp.zeros((b,), jnp.int32)
-    logits, cache = forward_step(params, cfg, cache, prompt, zeros, lengths)
+    logits, cache = forward_step(params, cfg, cache, prompt, zeros, lengths, mesh=mesh)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
     tok = sample_logits(last, sub, temperature, top_p)
@@ -72,7 +71,7 @@ def _generate(
     def body(carry):
         i, cache, out, tok, done, key = carry
         logits, cache = forward_step(
-            params, cfg, cache, tok[:, None], lengths + i - 1, jnp.ones((b,), jnp.int32)
+            params, cfg, cache, tok[:, None], lengths + i - 1, jnp.ones((b,), jnp.int32), mesh=mesh
         )
         key, sub = jax.random.split(key)
         nxt = sample_logits(logits[:, 0], sub, temperature, top_p)
@@ -93,6 +92,19 @@ def _generate(
     return out
 
 
+def _prompt_lengths(prompt_lengths, b: int, t: int) -> jax.Array:
+    """i32[b] of `generate`'s ``prompt_lengths`` (all ``t`` when None), each in 1..t."""
+    if prompt_lengths is None:
+        return jnp.full((b,), t, jnp.int32)
+    lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    if lengths.shape != (b,):
+        raise ValueError(f"prompt_lengths must have shape ({b},), got {lengths.shape}")
+    bad = [int(v) for v in jax.device_get(lengths) if not 1 <= int(v) <= t]
+    if bad:
+        raise ValueError(f"prompt_lengths {bad} outside 1..{t} (the prompt width)")
+    return lengths
+
+
 def generate(
     params,
     cfg: ModelConfig,
@@ -104,29 +116,22 @@ def generate(
     top_p: float = 1.0,
     key: jax.Array | None = None,
     eos_token_id: int | None = None,
+    mesh=None,
 ) -> jax.Array:
     """Generate ``max_new_tokens`` tokens after each prompt: int32[B, max_new_tokens].
 
     ``prompt_tokens`` int32[B, T]; row b's prompt is its first ``prompt_lengths[b]`` tokens (all
-    T when None). Greedy when ``temperature`` is 0; otherwise temperature and nucleus (``top_p``)
-    sampling with ``key`` (required). With ``eos_token_id``, a row stops at its first EOS (the
-    rest of its row is EOS) and the loop ends early when every row has stopped. Compiles once per
-    (config, prompt shape, max_new_tokens, eos_token_id)."""
+    T when None). Greedy when ``temperature`` is 0, else nucleus sampling with ``key``. With
+    ``eos_token_id`` a row stops at its first EOS (the rest of its row is EOS). ``mesh``: the
+    experts dispatch over its ``expert`` axis. Compiles once per config, shape and static arg.
+    """
     prompt = jnp.asarray(prompt_tokens, jnp.int32)
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(f"prompt_tokens must be int32[B, T] with T >= 1, got {prompt.shape}")
     b, t = prompt.shape
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-    if prompt_lengths is None:
-        lengths = jnp.full((b,), t, jnp.int32)
-    else:
-        lengths = jnp.asarray(prompt_lengths, jnp.int32)
-        if lengths.shape != (b,):
-            raise ValueError(f"prompt_lengths must have shape ({b},), got {lengths.shape}")
-        bad = [int(v) for v in jax.device_get(lengths) if not 1 <= int(v) <= t]
-        if bad:
-            raise ValueError(f"prompt_lengths {bad} outside 1..{t} (the prompt width)")
+    lengths = _prompt_lengths(prompt_lengths, b, t)
     if t + max_new_tokens > cfg.max_seq_len:
         raise ValueError(
             f"prompt width {t} + max_new_tokens {max_new_tokens} exceeds max_seq_len "
@@ -150,4 +155,5 @@ def generate(
         cfg=cfg,
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
+        mesh=mesh,
     )

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4.config import ModelConfig, rope_inv_freq
-from dsv4.expert_parallel import ambient_expert_mesh, routed_experts, swiglu
+from dsv4.expert_parallel import expert_mesh, routed_experts, swiglu
 from dsv4.params import quantised_weights
 from dsv4.quant import fp4_qdq_e4m3, fp4_qdq_pow2, fp8_qdq
 
@@ -117,10 +117,11 @@ def hc_mixes(
     """(pre [.., hc], post [.., hc], comb [.., hc, hc]) from the stream x [.., hc, dim].
 
     comb[i, j] mixes copy i into copy j and is projected onto the doubly stochastic matrices by
-    Sinkhorn iterations (fp32 throughout). ``many_tokens`` (training: thousands of tokens per
-    call) picks the layout that suits them: the projection as a matmul and the Sinkhorn sums over
-    comb laid out ``[hc, hc, tokens]`` (whole vectors of tokens added, not 4-element minor axes:
-    about ten times faster forward and backward on a CPU); the same math."""
+    Sinkhorn iterations (fp32 throughout). ``many_tokens`` (training) picks the layout that
+    suits thousands of tokens per call; the same math."""
+    # many_tokens: the projection as a matmul and the Sinkhorn sums over comb laid out
+    # [hc, hc, tokens] (whole vectors of tokens added, not 4-element minor axes: about ten
+    # times faster forward and backward on a CPU)
     hc = cfg.hc_mult
     fn = params[prefix + "_fn"].astype(jnp.float32)
     base = params[prefix + "_base"].astype(jnp.float32)
@@ -255,12 +256,11 @@ def route(x: jax.Array, params: Params, prefix: str, cfg: ModelConfig):
 def _all_experts(x, dense_w, w1, w2, w3, cfg: ModelConfig, *, quant: bool) -> jax.Array:
     """sum_e dense_w[:, e] * expert_e(x), f32 [n, dim], for x [n, dim] (activation dtype),
     dense_w f32 [n, e] (zero where a token does not route), w1 / w3 [e, inter, dim] and
-    w2 [e, dim, inter].
-
-    The weights are the left operands of the matmuls, read as stored ([e * inter, dim], and
-    [dim, inter] per expert), the tokens the right ones. With the tokens on the left, XLA:CPU
-    copies every expert's weights into another layout on each call, which made this branch
-    (taken from n * k > e tokens: batched decode) cost several times the gather branch."""
+    w2 [e, dim, inter]."""
+    # The weights are the left operands of the matmuls, read as stored ([e * inter, dim], and
+    # [dim, inter] per expert), the tokens the right ones. With the tokens on the left, XLA:CPU
+    # copies every expert's weights into another layout on each call, which made this branch
+    # (taken from n * k > e tokens: batched decode) cost several times the gather branch.
     dt = x.dtype
     e, inter, dim = w1.shape
 
@@ -286,38 +286,51 @@ def moe(
     *,
     tile: int | None = None,
     return_load: bool = False,
+    mesh=None,
 ):
     """Routed experts (top-k) plus the shared expert, for x [.., dim]; with ``return_load``
     also the tokens routed to each expert, int32[n_routed_experts] (what balances the router in
     training). ``tile`` (training) runs each routed expert on its own tokens only, in tiles of
-    that many rows (`_tiled_experts`); by default the expert-parallel mesh, gather (few tokens)
-    or all-experts (many) branch below is taken."""
+    that many rows (`_tiled_experts`); by default the expert dispatch over ``mesh`` (when its
+    ``expert`` axis is > 1, `dsv4.expert_parallel`), else the gather or all-experts branch."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
-    n = xf.shape[0]
     weights, ids = route(xf, params, prefix, cfg)
-    k, e = cfg.n_activated_experts, cfg.n_routed_experts
-    w1 = params[prefix + "experts.w1.weight"]
-    w2 = params[prefix + "experts.w2.weight"]
-    w3 = params[prefix + "experts.w3.weight"]
+    ws = tuple(params[prefix + f"experts.{w}.weight"] for w in ("w1", "w2", "w3"))
     quant = cfg.quant_sim and (prefix + "experts.w1.weight") in _quantised(cfg)
     xq = fp8_qdq(xf, cfg.fp8_block_size) if quant else xf
     dt = x.dtype
-    mesh = ambient_expert_mesh(cfg) if tile is None else None
     if tile is not None:
-        y = _tiled_experts(xq, weights, ids, w1, w2, w3, cfg, tile, quant=quant)
-    elif mesh is not None:
+        y = _tiled_experts(xq, weights, ids, *ws, cfg, tile, quant=quant)
+    else:
+        y = _routed_experts(xq, weights, ids, ws, cfg, expert_mesh(mesh, cfg), quant=quant)
+    s = prefix + "shared_experts."
+    sg = linear(xf, params, s + "w1.weight", cfg)
+    su = linear(xf, params, s + "w3.weight", cfg)
+    sy = linear(swiglu(sg, su, cfg.swiglu_limit).astype(dt), params, s + "w2.weight", cfg)
+    y = (y + sy.astype(jnp.float32)).astype(dt).reshape(shape)
+    if return_load:
+        return y, jnp.bincount(ids.reshape(-1), length=cfg.n_routed_experts).astype(jnp.int32)
+    return y
+
+
+def _routed_experts(xq, weights, ids, ws, cfg: ModelConfig, mesh, *, quant: bool):
+    """`moe`'s routed experts, f32 [n, dim]: over an expert-parallel ``mesh`` (from
+    `expert_mesh`) the token dispatch, else the gather (few tokens) or all-experts branch."""
+    n, dt = xq.shape[0], xq.dtype
+    k, e = cfg.n_activated_experts, cfg.n_routed_experts
+    if mesh is not None:
         # an expert-parallel mesh: tokens travel to their experts' devices and back. Weights
         # kept in their released formats are dequantised whole (each device its experts); the
         # barrier makes that wait for this layer's input. Without it XLA:GPU ran many layers'
         # dequantisations early: the H100 compile of a 12-layer released-width step held
         # 38.3 GiB of temporaries, 7.5 GiB with it (`planner.compiled_step`).
-        ws = (w1, w2, w3)
         if not all(isinstance(w, jax.Array) for w in ws):
             xq, ws = jax.lax.optimization_barrier((xq, ws))
         ws = tuple(w.astype(dt) for w in ws)
-        y = routed_experts(xq, weights, ids, *ws, cfg, mesh, quant=quant)
-    elif n * k <= e:
+        return routed_experts(xq, weights, ids, *ws, cfg, mesh, quant=quant)
+    w1, w2, w3 = ws
+    if n * k <= e:
         # few tokens: gather each token's selected experts
         g = jnp.einsum("nd,nkid->nki", xq, w1[ids].astype(dt), preferred_element_type=jnp.float32)
         u = jnp.einsum("nd,nkid->nki", xq, w3[ids].astype(dt), preferred_element_type=jnp.float32)
@@ -327,30 +340,19 @@ def moe(
         out = jnp.einsum(
             "nki,nkdi->nkd", act, w2[ids].astype(dt), preferred_element_type=jnp.float32
         )
-        y = jnp.sum(out.astype(dt).astype(jnp.float32), axis=1)
-    else:
-        # many tokens: every expert on every token, combined by the (mostly zero) routing weights
-        dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].set(weights)
-        y = _all_experts(xq, dense_w, w1, w2, w3, cfg, quant=quant)
-    s = prefix + "shared_experts."
-    sg = linear(xf, params, s + "w1.weight", cfg)
-    su = linear(xf, params, s + "w3.weight", cfg)
-    sy = linear(swiglu(sg, su, cfg.swiglu_limit).astype(dt), params, s + "w2.weight", cfg)
-    y = (y + sy.astype(jnp.float32)).astype(dt).reshape(shape)
-    if return_load:
-        return y, jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
-    return y
+        return jnp.sum(out.astype(dt).astype(jnp.float32), axis=1)
+    # many tokens: every expert on every token, combined by the (mostly zero) routing weights
+    dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].set(weights)
+    return _all_experts(xq, dense_w, w1, w2, w3, cfg, quant=quant)
 
 
 def _tiled_experts(x, weights, ids, w1, w2, w3, cfg: ModelConfig, tile: int, *, quant: bool):
     """sum_k weights[:, k] * expert_{ids[:, k]}(x), f32 [n, dim], for x [n, dim], computing each
-    expert on its own tokens only.
-
-    The all-experts branch of `moe` does ``n_routed_experts / n_activated_experts`` times the
-    work. Here the (token, expert) assignments are sorted by expert, each expert's run padded to
-    a multiple of ``tile`` rows, and every tile multiplied by its expert's weights: the same
-    sums, in another order, on at most ``n * k + n_routed_experts * (tile - 1)`` rows (what
-    makes training's thousands of tokens per call fast)."""
+    expert on its own tokens only (the all-experts branch of `moe` does ``n_routed_experts /
+    n_activated_experts`` times the work): what makes training's thousands of tokens fast."""
+    # the (token, expert) assignments sorted by expert, each expert's run padded to a multiple
+    # of tile rows, every tile multiplied by its expert's weights: the same sums, in another
+    # order, on at most n * k + n_routed_experts * (tile - 1) rows
     n, d = x.shape
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
     a = n * k

@@ -222,15 +222,17 @@ def forward_step(
     start: jax.Array,
     lengths: jax.Array,
     write_from: jax.Array | None = None,
+    *,
+    mesh=None,
 ) -> tuple[jax.Array, Cache]:
     """One chunk for every row: logits float32[B, T, vocab] and the updated cache.
 
     tokens int32[B, T]; start int32[B] (position of each row's first token); lengths int32[B]
     (real tokens per row, 0..T). Rows must continue exactly where their cache ends.
-    ``write_from`` int32[B] (`docs/serving.md#bounded-replay`): tokens below it recompute
-    their window latents but leave the compressed entries and index keys already cached."""
+    ``write_from`` int32[B] (`docs/serving.md#bounded-replay`): tokens below it write only
+    their window latents. ``mesh``: the device mesh the experts dispatch over."""
     logits, new, _ = forward_step_streams(params, cfg, cache, tokens, start, lengths, (),
-                                          write_from)  # fmt: skip
+                                          write_from, mesh=mesh)  # fmt: skip
     return logits, new
 
 
@@ -243,6 +245,8 @@ def forward_step_streams(
     lengths: jax.Array,
     layers: tuple[int, ...] = (),
     write_from: jax.Array | None = None,
+    *,
+    mesh=None,
 ) -> tuple[jax.Array, Cache, dict[int, jax.Array]]:
     """`forward_step`, plus the residual stream [B, T, hc, dim] of the chunk entering each layer
     of ``layers`` (after its Engram update): what the DSpark drafter's `seed` reads."""
@@ -265,6 +269,6 @@ def forward_step_streams(
         return out, (new, shared)
 
     h, (new, _), streams = decoder_layers(
-        params, cfg, tokens, attention, (new, {}), engram_rows=rows, capture=layers
+        params, cfg, tokens, attention, (new, {}), engram_rows=rows, capture=layers, mesh=mesh
     )
     return L.lm_head(params, h), new, streams

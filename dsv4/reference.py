@@ -123,9 +123,11 @@ def _attention(x, params, layer: int, cfg: ModelConfig, shared: Shared):
     return L.attention_output(o, cos, sin, params, a, cfg), shared
 
 
-def forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Logits float32[B, T, vocab] of DeepSeek-V4.1 for tokens int32[B, T] at positions 0..T-1."""
-    return forward_streams(params, cfg, tokens, ())[0]
+def forward(params, cfg: ModelConfig, tokens: jax.Array, *, mesh=None) -> jax.Array:
+    """Logits float32[B, T, vocab] of DeepSeek-V4.1 for tokens int32[B, T] at positions 0..T-1.
+    ``mesh``: the device mesh (`dsv4.sharding.make_mesh`) whose ``expert`` axis the routed
+    experts dispatch their tokens over (`dsv4.expert_parallel`); static under `jax.jit`."""
+    return forward_streams(params, cfg, tokens, (), mesh=mesh)[0]
 
 
 def engram_rows(params, cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -141,11 +143,11 @@ def engram_rows(params, cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array,
 
 
 def forward_streams(
-    params, cfg: ModelConfig, tokens: jax.Array, layers: tuple[int, ...] = ()
+    params, cfg: ModelConfig, tokens: jax.Array, layers: tuple[int, ...] = (), *, mesh=None
 ) -> tuple[jax.Array, dict[int, jax.Array]]:
     """`forward`'s logits, and the residual stream [B, T, hc, dim] entering each layer of
     ``layers`` (after its Engram update, before its attention's mix): what the DSpark drafter
-    reads from its target layers."""
+    reads from its target layers. ``mesh``: as `forward`'s."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
@@ -155,6 +157,6 @@ def forward_streams(
         return _attention(h, params, layer, cfg, shared)
 
     h, _, streams = decoder_layers(
-        params, cfg, tokens, attention, Shared({}, {}), engram_rows=rows, capture=layers
+        params, cfg, tokens, attention, Shared({}, {}), engram_rows=rows, capture=layers, mesh=mesh
     )
     return L.lm_head(params, h), streams

@@ -31,8 +31,8 @@ and whose ``expert`` divides the routed experts).
 process decoding only its devices' slices of the checkpoint (`param_shardings` of the abstract
 params gives them).
 
-Under a mesh set with `jax.set_mesh`, the routed experts dispatch their tokens over ``expert``
-(`dsv4.expert_parallel`); the engine takes a mesh (`serving.LLM(mesh=)`) and replicates its
+Given the mesh (``mesh=`` of the forward paths), the routed experts dispatch their tokens over
+``expert`` (`dsv4.expert_parallel`); the engine takes a mesh (`serving.LLM(mesh=)`) and replicates its
 pools. The data-parallel step (`dsv4.paged.step.paged_step_data_parallel`, vLLM's
 data-parallel attention: one allocator, one set of pools and one batch per data shard) takes
 pools and batches with a leading shard axis, which `data_parallel_sharding` splits over

@@ -14,8 +14,8 @@ memory planner (`planner.plan`).
   names no CUDA platform (``JAX_PLATFORMS=cpu``, as the tests run) or
   ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` is set; no GPU, cuDNN or driver is needed.
 
-What is compiled, per device of a ``data x expert x model`` mesh (`dsv4.sharding.AXES`) under
-``jax.set_mesh`` (so `layers.moe` dispatches tokens to the experts' devices,
+What is compiled, per device of a ``data x expert x model`` mesh (`dsv4.sharding.AXES`), passed
+to the step as ``mesh=`` (so `layers.moe` dispatches tokens to the experts' devices,
 `dsv4.expert_parallel`):
 
 * params sharded by `dsv4.sharding.PARAM_RULES`: ``weights="bf16"`` the dequantised params
@@ -36,8 +36,8 @@ What is compiled, per device of a ``data x expert x model`` mesh (`dsv4.sharding
   engine donates them.
 
 The Pallas kernels inside this GSPMD program: XLA cannot partition a Mosaic or Triton custom
-call, so `dsv4.paged.step` runs each attention kernel inside a `jax.shard_map` over the ambient
-mesh (`dsv4.paged.step.local_kernel`): the window and sparse attention with their heads split
+call, so `dsv4.paged.step` runs each attention kernel inside a `jax.shard_map` over that mesh
+(`dsv4.paged.step.local_kernel`): the window and sparse attention with their heads split
 over ``model`` (each head's softmax is its own, the pages are replicated), the indexer and the
 compressor replicated (the indexer sums its heads' scores before the top-k).
 
@@ -318,13 +318,13 @@ def _lower_and_compile(
     d = jmesh.shape["data"]
 
     def step(params, pools, batch):
-        if d > 1:
-            return paged_step_data_parallel(params, cfg, layout, pools, batch, impl=impl)
-        return paged_step(params, cfg, layout, pools, batch, impl=impl)
+        run = paged_step_data_parallel if d > 1 else paged_step
+        return run(params, cfg, layout, pools, batch, impl=impl, mesh=jmesh)
 
     # the serving precision: under jax.default_matmul_precision("highest") (the model tests'
     # setting) XLA:TPU's ragged-dot kernel (the expert-parallel MoE) fails to compile: Mosaic
-    # "Bad lhs type" for a bf16 matmul at fp32 contract precision
+    # "Bad lhs type" for a bf16 matmul at fp32 contract precision. The step takes the mesh as
+    # data; set_mesh stays only for `pallas_kernels.backend.tpu_num_cores` (the target's cores)
     with jax.set_mesh(jmesh), jax.default_matmul_precision("default"):
         lowered = jax.jit(step, donate_argnums=1).trace(*args).lower()
         t_lower = time.perf_counter() - t0

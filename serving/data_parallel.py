@@ -51,7 +51,7 @@ from serving.runner import (
     SlotState,
     StepOutput,
     engine_step_data_parallel,
-    mesh_context,
+    run_step,
     widen_tables,
 )
 from serving.scheduler import (
@@ -313,8 +313,6 @@ class DataParallelRunner:
         ]
         first = self.shards[0]
         self.mesh = mesh = first.mesh
-        # the shard axis is split over the mesh's data axis when it has several devices
-        self.data_axis = "data" if config.parallel_config.mesh_data_size > 1 else None
         if mesh is not None:
             params = sharding.shard_params(params, cfg, mesh)
         self.params, self.cfg = params, cfg
@@ -333,7 +331,7 @@ class DataParallelRunner:
             "padding_slot",
         ):
             setattr(self, name, getattr(first, name))
-        self.static = dict(first.static, data_axis=self.data_axis)
+        self.static = first.static
         k, slots, vocab = first.num_spec, first.max_num_seqs + 1, cfg.vocab_size
         fill = config.cache_config.fill
         self.pools = self._stacked(lambda: P.init_pools(first.layout, fill=fill))
@@ -354,10 +352,9 @@ class DataParallelRunner:
         return jax.jit(build, out_shardings=out)()
 
     def _write_sampler_rows(self, shard: int, slot: int, rows) -> None:
-        with mesh_context(self.mesh):
-            self.sampler_state = _write_shard_slot(
-                self.sampler_state, np.int32(shard), np.int32(slot), *rows
-            )
+        self.sampler_state = _write_shard_slot(
+            self.sampler_state, np.int32(shard), np.int32(slot), *rows
+        )
 
     # ---------------------------------------------------------------- requests
 
@@ -416,19 +413,7 @@ class DataParallelRunner:
         """Run the jitted data-parallel step on stacked inputs (every leaf [D, ...]), updating
         the stacked state; returns its device results without waiting (as
         `ModelRunner.dispatch`)."""
-        with mesh_context(self.mesh):
-            out, self.pools, self.sampler_state, self.slots = engine_step_data_parallel(
-                self.params,
-                self.pools,
-                self.sampler_state,
-                self.slots,
-                batch,
-                feed,
-                sampling,
-                plp_targets,
-                **self.static,
-            )
-        return out
+        return run_step(engine_step_data_parallel, self, batch, feed, sampling, plp_targets)
 
     # ---------------------------------------------------------------- warm-up
 

@@ -32,9 +32,8 @@ last (`dsv4.paged.draft`); the drafts come back with the step's tokens
 (`StepOutput.draft_token_ids`).
 
 On a mesh (the config's ``mesh``, a `dsv4.sharding.make_mesh` mesh): the params are placed by
-the rule table (`dsv4.sharding.shard_params`), and every step runs under the mesh as JAX's
-ambient mesh (`mesh_context`: `dsv4` reads it when the step is traced), so
-XLA's SPMD partitioner splits heads over ``model`` and `dsv4.expert_parallel` sends tokens to
+the rule table (`dsv4.sharding.shard_params`), and every step takes the mesh as a static
+argument (``mesh=``, handed down to `dsv4.paged.step`), so XLA's SPMD partitioner splits heads over ``model`` and `dsv4.expert_parallel` sends tokens to
 their experts' devices over ``expert``. A `ModelRunner` has one allocator's requests: its pools,
 sampler state and slots are replicated over ``data``. Requests and their pages split over
 ``data`` are `serving.data_parallel.DataParallelRunner`'s: D host halves of this class
@@ -62,7 +61,6 @@ loop runs as many steps as were planned, so one compilation per decode bucket (T
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
@@ -90,7 +88,7 @@ from dsv4.paged.batch import (
     window_slots_at,
 )
 from dsv4.paged.draft import draft_paged, seed_drafter
-from dsv4.paged.step import paged_forward_streams
+from dsv4.paged.step import data_shards, paged_forward_streams
 from serving import sampler as S
 from serving.config import EngineConfig
 from serving.input_batch import InputBatch, RequestState, ScheduledRow
@@ -107,8 +105,8 @@ __all__ = [
     "default_table_buckets",
     "default_token_buckets",
     "engine_step_data_parallel",
-    "mesh_context",
     "rows_for",
+    "run_step",
     "widen_tables",
 ]
 
@@ -222,16 +220,9 @@ class ModelRunner:
         params: the model's params (checkpoint names).
         cfg: the model's architecture.
         kv_cache_config: the allocator's layout (block counts, groups).
-        config: the engine's configuration (`serving.config.EngineConfig`; its fields say what
-            each option does): the cache records and pool, the scheduler's limits and buckets,
-            the mesh, speculative decoding (with the DSpark drafter for method "dspark") and
-            the kernels. Asynchronous scheduling compiles the step to move back rows planned
-            past drafts in flight (`_move_back`).
+        config: the engine's configuration (`serving.config.EngineConfig`: its fields say why).
         eos_token_id: the tokenizer's EOS (min_tokens masks it).
-        write_sampler_rows: None, or ``(slot, rows) -> None`` writing a slot's sampler rows
-            into device state that another object owns: this runner is then the host half of
-            one data shard of a `serving.data_parallel.DataParallelRunner` (no params placed,
-            no pools, sampler state or slots of its own).
+        write_sampler_rows: given, this is one data shard's host half (`serving.data_parallel`).
     """
 
     def __init__(
@@ -247,12 +238,7 @@ class ModelRunner:
         config = config.resolved(cfg)
         self.config = config
         sched, cache = config.scheduler_config, config.cache_config
-        k = config.num_speculative_tokens
-        if config.drafter and not 1 <= k <= cfg.dspark_block_size:
-            raise ValueError(
-                f"the DSpark drafter drafts num_speculative_tokens={k}; "
-                f"allowed: 1..dspark_block_size={cfg.dspark_block_size}"
-            )
+        k = check_num_speculative_tokens(config, cfg)
         max_num_seqs = sched.max_num_seqs
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len = config.model_config.max_model_len
@@ -278,22 +264,12 @@ class ModelRunner:
         # samples one row per request, else 1 + k rows, see `_engine_step`)
         self.num_spec = k
         self.drafter = config.drafter
-        self.plans_ahead = plans_ahead = sched.async_scheduling
+        self.plans_ahead = sched.async_scheduling
         self.num_scheduler_steps = check_num_scheduler_steps(
             sched.num_scheduler_steps, cfg.engram_lookback
         )
         self._groups = group_infos(kv_cache_config)
-        self.static = dict(
-            cfg=cfg,
-            layout=self.layout,
-            num_logprobs=self.max_logprobs,
-            impl=config.compilation_config.impl,
-            interpret=config.compilation_config.interpret,
-            num_spec=k,
-            drafter=self.drafter,
-            groups=self._groups,
-            plans_ahead=plans_ahead,
-        )
+        self.static = self._static_arguments()
         self.padding_slot = max_num_seqs
         self._write_rows = write_sampler_rows
         if device_state:
@@ -304,6 +280,15 @@ class ModelRunner:
         # the requests the engine registered, which the scheduler may (re)admit, by id
         self._registered: dict[str, Request] = {}
 
+    def _static_arguments(self) -> dict[str, Any]:
+        """The engine step's static arguments (`_STATIC`): one compilation per value."""
+        compilation = self.config.compilation_config
+        # this runner's attributes of the same names, and three named otherwise
+        own = ("cfg", "layout", "num_spec", "drafter", "plans_ahead", "mesh")
+        static = {name: getattr(self, name) for name in own}
+        static.update(num_logprobs=self.max_logprobs, groups=self._groups)
+        return static | dict(impl=compilation.impl, interpret=compilation.interpret)
+
     def _replicated(self, tree):
         """``tree`` replicated over the mesh (as it is without one)."""
         if self.mesh is None:
@@ -311,9 +296,6 @@ class ModelRunner:
         return jax.device_put(
             tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         )
-
-    def _on_mesh(self):
-        return mesh_context(self.mesh)
 
     # ---------------------------------------------------------------- requests
 
@@ -375,8 +357,7 @@ class ModelRunner:
         if self._write_rows is not None:  # a data shard: the stacked state is not ours
             self._write_rows(slot, rows)
             return
-        with self._on_mesh():
-            self.sampler_state = _write_slot(self.sampler_state, np.int32(slot), *rows)
+        self.sampler_state = _write_slot(self.sampler_state, np.int32(slot), *rows)
 
     # ---------------------------------------------------------------- one step
 
@@ -443,20 +424,7 @@ class ModelRunner:
     def dispatch_burst(self, batches: StepBatch, feeds, samplings, plp_targets, num_steps):
         """Run `_engine_burst` on k stacked steps' inputs (every leaf [k, ...]), the first
         ``num_steps`` of them; returns the stacked sampled results without waiting."""
-        with self._on_mesh():
-            out, self.pools, self.sampler_state, self.slots = _engine_burst(
-                self.params,
-                self.pools,
-                self.sampler_state,
-                self.slots,
-                batches,
-                feeds,
-                samplings,
-                plp_targets,
-                num_steps,
-                **self.static,
-            )
-        return out
+        return run_step(_engine_burst, self, batches, feeds, samplings, plp_targets, num_steps)
 
     def plan(self, output: SchedulerOutput) -> _Plan | None:
         """The host's part of a step before its size is fixed: the runner's requests updated
@@ -528,19 +496,7 @@ class ModelRunner:
         """Run the jitted engine step on prepared inputs (numpy or device arrays; see
         `_engine_step`), updating the pools and per-slot state; returns its device results
         without waiting."""
-        with self._on_mesh():
-            out, self.pools, self.sampler_state, self.slots = _engine_step(
-                self.params,
-                self.pools,
-                self.sampler_state,
-                self.slots,
-                batch,
-                feed,
-                sampling,
-                plp_targets,
-                **self.static,
-            )
-        return out
+        return run_step(_engine_step, self, batch, feed, sampling, plp_targets)
 
     @staticmethod
     def _prompt_targets(state: RequestState, start: int, n: int) -> list[int]:
@@ -668,8 +624,7 @@ class ModelRunner:
         v = self.cfg.vocab_size
         slot = np.int32(self.padding_slot)
         rows = (np.zeros(v, np.int32), np.zeros(v, bool), np.zeros(v, bool))
-        with self._on_mesh():
-            self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
+        self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
         widths = table_width_buckets(
             self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
         )
@@ -711,6 +666,18 @@ class ModelRunner:
         return self.inputs.num_free_slots
 
 
+def check_num_speculative_tokens(config: EngineConfig, cfg: ModelConfig) -> int:
+    """``config``'s drafts verified per step, k (0: no speculative decoding), or a ValueError
+    where the DSpark drafter cannot draft that many."""
+    k = config.num_speculative_tokens
+    if config.drafter and not 1 <= k <= cfg.dspark_block_size:
+        raise ValueError(
+            f"the DSpark drafter drafts num_speculative_tokens={k}; "
+            f"allowed: 1..dspark_block_size={cfg.dspark_block_size}"
+        )
+    return k
+
+
 def check_num_scheduler_steps(num_scheduler_steps: int, engram_lookback: int) -> int:
     """``num_scheduler_steps`` if the model can run bursts of that many steps, else a
     ValueError naming it. `serving.config.SchedulerConfig` checks the rest once (an int >= 1,
@@ -736,10 +703,14 @@ def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
     return dataclasses.replace(batch, block_tables=tables)
 
 
-def mesh_context(mesh):
-    """``mesh`` as JAX's ambient mesh while a step is traced and run (nothing without one):
-    `dsv4.paged.step`'s kernels and `dsv4.expert_parallel`'s dispatch read it when traced."""
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+def run_step(step, runner, *inputs):
+    """``step`` (a jitted engine step) on ``runner``'s params and device state (``pools``,
+    ``sampler_state``, ``slots``, updated in place) and a step's ``inputs``, with the runner's
+    ``static`` arguments; returns the step's device results without waiting."""
+    out, runner.pools, runner.sampler_state, runner.slots = step(
+        runner.params, runner.pools, runner.sampler_state, runner.slots, *inputs, **runner.static
+    )
+    return out
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -791,11 +762,11 @@ class SlotState:
 
 def _move_back(batch: StepBatch, back: jax.Array, groups, history) -> StepBatch:
     """The batch with each row's positions moved back by ``back`` (i32[R], 0 = unchanged):
-    positions, sequence lengths and every slot mapping recomputed from the block tables
-    (which hold the blocks of the planned positions, so of the earlier ones too), and the
-    Engram look-back taken ``back`` tokens further back (from ``history``). A row's ring rows
-    stay the same tokens of its chunk, the written compressed states those that close at the
-    new positions. Moved rows are decode rows past any bounded replay: every position writes."""
+    positions, sequence lengths and every slot mapping recomputed from the block tables (which
+    hold the earlier positions' blocks too), the Engram look-back from ``history``. Moved rows
+    are decode rows past any bounded replay: every position writes."""
+    # a row's ring rows stay the same tokens of its chunk; the compressed states written are
+    # those that close at the new positions
     req = batch.token_req
     moved = back[req] > 0  # [T]; padding rows never move
     pos = jnp.where(moved, batch.positions - back[req], batch.positions)
@@ -845,12 +816,13 @@ def _verify(
     num_logprobs: int,
 ):
     """Score the 1 + d verified positions of every row and accept drafts while they equal the
-    token the sampler draws at their position (serving.spec_decode): position j of a row is
-    sampled with the key of its position and the penalty counts of the tokens accepted before
-    it, so the emitted tokens are those the step-by-step engine would sample. ``back`` (i32[R])
-    is how far each row was moved back (`_move_back`; ``sampling.counter`` is as planned).
-    Returns the sampler outputs of every position [R, 1 + k], the accepted draft counts i32[R]
-    and the state (counts added for the emitted tokens only)."""
+    token the sampler draws at their position (serving.spec_decode), each position sampled
+    with its own key and the counts of the tokens accepted before it: the step-by-step engine's
+    tokens. ``back``: how far each row was moved back (``sampling.counter`` is as planned).
+
+    Returns:
+        (the sampler outputs of every position [R, 1 + k], the accepted draft counts i32[R],
+        the state with counts added for the emitted tokens only)."""
     j = jnp.arange(num_spec + 1)
     rows = logits_indices[:, None] - spec.num_drafts[:, None] + j  # [R, 1 + k]
     valid = j[None, :] <= spec.num_drafts[:, None]
@@ -864,6 +836,19 @@ def _verify(
     drafts = jnp.where(usable, token_ids[safe[:, 1:]], -1)  # [R, k]
     sampling = dataclasses.replace(sampling, counter=sampling.counter - back)
     suppress = j[None, :] - back[:, None] < spec.min_tokens_left[:, None]  # [R, 1 + k]
+    padded = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=1)
+    xs = (logits, j, suppress, padded, valid)
+    sampler_state, outs = _sample_positions(sampling, sampler_state, xs, num_logprobs)
+    match = (outs.token_ids[:, :num_spec] == drafts) & (drafts >= 0)
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    return outs, accepted.astype(jnp.int32), sampler_state
+
+
+def _sample_positions(sampling, sampler_state, xs, num_logprobs: int):
+    """`_verify`'s sampler over the positions j in turn (`jax.lax.scan`), a row's sampling
+    stopping at its first draft the sampler does not draw. ``xs``: (logits [R, 1 + k, V],
+    j, suppress, drafts padded, valid; each [R, 1 + k] but j [1 + k]). Returns the state and
+    the outputs [R, 1 + k, ...]."""
 
     def position(carry, xs):
         state, alive = carry
@@ -878,7 +863,7 @@ def _verify(
         out, state = S.sample(logits_j, batch_j, state, num_logprobs=num_logprobs)
         return (state, alive & (out.token_ids == draft_j)), out
 
-    padded = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=1)
+    logits, j, suppress, padded, valid = xs
     xs = (
         jnp.swapaxes(logits, 0, 1),
         j,
@@ -886,17 +871,14 @@ def _verify(
         jnp.swapaxes(padded, 0, 1),
         jnp.swapaxes(valid, 0, 1),
     )
-    alive = jnp.ones((r,), bool)
+    alive = jnp.ones((logits.shape[0],), bool)
     (sampler_state, _), outs = jax.lax.scan(position, (sampler_state, alive), xs)
-    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [R, 1 + k, ...]
-    match = (outs.token_ids[:, :num_spec] == drafts) & (drafts >= 0)
-    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
-    return outs, accepted.astype(jnp.int32), sampler_state
+    return sampler_state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [R, 1 + k, ...]
 
 
 # the engine steps' static arguments, and their jit: the pools and per-slot state donated
 _STATIC = ("cfg", "layout", "num_logprobs", "impl", "interpret", "num_spec", "groups",
-           "plans_ahead", "drafter")  # fmt: skip
+           "plans_ahead", "drafter", "mesh")  # fmt: skip
 _engine_jit = functools.partial(
     jax.jit, static_argnames=_STATIC, donate_argnames=("pools", "sampler_state", "slots")
 )
@@ -914,41 +896,75 @@ def _engine_step(
     feed: jax.Array,
     sampling,  # S.SamplingBatch, or (S.SamplingBatch, SpecBatch) when num_spec > 0
     plp_targets: jax.Array,  # i32[T] prompt token each position predicts, -1 = none
-    *,
-    cfg: ModelConfig,
-    layout,
-    num_logprobs: int,
-    impl,
-    interpret,
-    num_spec: int = 0,
-    drafter: bool = False,
-    groups=(),
-    plans_ahead: bool = False,
+    **static,  # `_step`'s keywords: _STATIC
 ):
     """One engine step on the device: inputs (device-fed tokens; rows planned after drafts in
     flight moved back by the drafts rejected, `_move_back`), the paged step, the head on the
     sampled rows, the sampler (with drafts: the verification, `_verify`), prompt logprobs when
-    some position asks for them, and with the drafter the next drafts (`_draft`)."""
-    batch, sampling, spec, back, drafts_ok = _step_in(
-        slots, batch, feed, sampling, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead
-    )
+    some position asks for them, and with the drafter the next drafts (`_step`)."""
+    inputs = (batch, feed, sampling, plp_targets)
+    return _step(params, pools, sampler_state, slots, *inputs, shard_axis=False, **static)
+
+
+@_engine_jit
+def engine_step_data_parallel(
+    params,
+    pools,  # every leaf [D, ...]: D data shards (`dsv4.paged.step.stack_shards`)
+    sampler_state: S.SamplerState,  # [D, S, ...]
+    slots: SlotState,  # [D, S, ...]
+    batch: StepBatch,  # [D, ...]: the shards' batches, built with the same buckets
+    feed: jax.Array,  # i32[D, T]
+    sampling,  # [D, ...] as `_engine_step`'s
+    plp_targets: jax.Array,  # i32[D, T]
+    **static,  # `_engine_step`'s static arguments
+):
+    """`_engine_step` for D data shards in one program: each shard's inputs, sampler and slot
+    state are its own (`jax.vmap`, split over the mesh's ``data`` axis when it has more than
+    one device); the paged step and the drafter run with their shard axis (data-parallel
+    attention, the MoE on every shard's tokens at once). Shard ``i``'s results are those of
+    `_engine_step` on shard ``i``'s state and inputs."""
+    inputs = (batch, feed, sampling, plp_targets)
+    return _step(params, pools, sampler_state, slots, *inputs, shard_axis=True, **static)
+
+
+def _step(
+    params, pools, sampler_state, slots, batch, feed, sampling, plp_targets, *, cfg, layout,
+    num_logprobs, impl, interpret, num_spec=0, drafter=False, groups=(), plans_ahead=False,
+    mesh=None, shard_axis: bool,
+):  # fmt: skip
+    """The engine step's body (`_engine_step`); with ``shard_axis`` every per-request part runs
+    per data shard (`engine_step_data_parallel`)."""
+    split = "data" if shard_axis and data_shards(mesh) > 1 else None
+
+    def per_shard(fn, *args):
+        return jax.vmap(fn, spmd_axis_name=split)(*args) if shard_axis else fn(*args)
+
+    step_in = functools.partial(_step_in, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead)
+    batch, sampling, spec, back, drafts_ok = per_shard(step_in, slots, batch, feed, sampling)
+    kern = dict(impl=impl, interpret=interpret, shard_axis=shard_axis, mesh=mesh)
     targets = cfg.dspark_target_layer_ids if drafter else ()
-    kern = dict(impl=impl, interpret=interpret)
     h, pools, streams = paged_forward_streams(params, cfg, layout, pools, batch, targets, **kern)
     if drafter:
-        pools = seed_drafter(params, cfg, layout, pools, batch, dspark.target_hidden(cfg, streams))
-    out, accepted, last, sampler_state = _sample_rows(
-        params, h, batch, sampling, spec, back, drafts_ok, sampler_state,
-        num_spec=num_spec, num_logprobs=num_logprobs,
-    )  # fmt: skip
+        seed = functools.partial(seed_drafter, params, cfg, layout)
+        pools = per_shard(seed, pools, batch, dspark.target_hidden(cfg, streams))
+    sample = functools.partial(_sample_rows, params, num_spec=num_spec, num_logprobs=num_logprobs)
+    out, accepted, last, sampler_state = per_shard(
+        sample, h, batch, sampling, spec, back, drafts_ok, sampler_state
+    )
     drafts = None
     if drafter:
-        drafts = _draft(params, cfg, layout, pools, batch, spec, accepted, last, sampling, kern)
-        drafts = drafts[:, :num_spec]
-    result, slots = _step_out(
-        params, h, sampling, spec, out, accepted, last, drafts, slots, plp_targets,
-        num_spec=num_spec, num_logprobs=num_logprobs,
-    )  # fmt: skip
+        start = per_shard(_draft_start, batch, spec, accepted, sampling)
+        block = draft_paged(params, cfg, layout, pools, batch, last, start, **kern)
+        drafts = block.tokens[..., :num_spec]
+    finish = functools.partial(_step_out, params, num_spec=num_spec, num_logprobs=num_logprobs)
+    result, slots = per_shard(
+        finish, h, sampling, spec, out, accepted, last, drafts, slots, plp_targets
+    )
+    if split is not None:
+        # the host reads every shard's few results: replicated, each process (multi-host)
+        # holds them whole
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        result = jax.lax.with_sharding_constraint(result, replicated)
     return result, pools, sampler_state, slots
 
 
@@ -966,11 +982,10 @@ def _engine_burst(
     **static,  # `_engine_step`'s static arguments
 ):
     """Up to k engine steps in one program (`ModelRunner.execute_burst`): `_engine_step` on
-    the first ``num_steps`` steps' inputs in turn, the pools, sampler state and slots carried
-    from one to the next, so that a step's device-fed tokens are those the step before it
-    sampled. One compilation serves every burst length. Returns the steps' packed results
-    stacked ([k, ...], zeros past ``num_steps``; no prompt logprobs: a burst decodes) and the
-    state after the last step."""
+    the first ``num_steps`` steps' inputs in turn, the state carried from one to the next (a
+    step's device-fed tokens are those the step before it sampled); one compilation for every
+    burst length. Returns the packed results stacked ([k, ...], zeros past ``num_steps``; no
+    prompt logprobs: a burst decodes) and the state after the last step."""
     inputs = (batches, feeds, samplings, plp_targets)
 
     def one(i, state):
@@ -990,75 +1005,6 @@ def _engine_burst(
     # a loop of num_steps iterations: a burst shorter than k runs no step of padding
     state, stacked = jax.lax.fori_loop(0, num_steps, body, (state, stacked))
     return stacked, *state
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(*_STATIC, "data_axis"),
-    donate_argnames=("pools", "sampler_state", "slots"),
-)
-def engine_step_data_parallel(
-    params,
-    pools,  # every leaf [D, ...]: D data shards (`dsv4.paged.step.stack_shards`)
-    sampler_state: S.SamplerState,  # [D, S, ...]
-    slots: SlotState,  # [D, S, ...]
-    batch: StepBatch,  # [D, ...]: the shards' batches, built with the same buckets
-    feed: jax.Array,  # i32[D, T]
-    sampling,  # [D, ...] as `_engine_step`'s
-    plp_targets: jax.Array,  # i32[D, T]
-    *,
-    cfg: ModelConfig,
-    layout,
-    num_logprobs: int,
-    impl,
-    interpret,
-    num_spec: int = 0,
-    drafter: bool = False,
-    groups=(),
-    plans_ahead: bool = False,
-    data_axis: str | None = None,
-):
-    """`_engine_step` for D data shards in one program: each shard's inputs, sampler and slot
-    state are its own (`jax.vmap`, split over the mesh's ``data`` axis when there is one),
-    and the paged step is `dsv4.paged.step.paged_forward_streams` with its shard axis
-    (data-parallel attention; the MoE runs on every shard's tokens at once), as is the DSpark
-    drafter (`dsv4.paged.draft`: seeded and read per shard, its stages' MoE on all shards'
-    rows). Shard ``i``'s results are those of `_engine_step` on shard ``i``'s state and
-    inputs. ``data_axis``: the mesh axis the shards are split over ("data" on a mesh whose
-    ``data`` axis has more than one device, else None)."""
-    split = data_axis
-
-    def per_shard(fn, *args):
-        return jax.vmap(fn, spmd_axis_name=split)(*args)
-
-    step_in = functools.partial(_step_in, num_spec=num_spec, groups=groups, plans_ahead=plans_ahead)
-    batch, sampling, spec, back, drafts_ok = per_shard(step_in, slots, batch, feed, sampling)
-    kern = dict(impl=impl, interpret=interpret)
-    targets = cfg.dspark_target_layer_ids if drafter else ()
-    h, pools, streams = paged_forward_streams(
-        params, cfg, layout, pools, batch, targets, shard_axis=True, **kern
-    )
-    if drafter:
-        seed = functools.partial(seed_drafter, params, cfg, layout)
-        pools = per_shard(seed, pools, batch, dspark.target_hidden(cfg, streams))
-    sample = functools.partial(_sample_rows, params, num_spec=num_spec, num_logprobs=num_logprobs)
-    out, accepted, last, sampler_state = per_shard(
-        sample, h, batch, sampling, spec, back, drafts_ok, sampler_state
-    )
-    drafts = None
-    if drafter:
-        start = per_shard(_draft_start, batch, spec, accepted, sampling)
-        block = draft_paged(params, cfg, layout, pools, batch, last, start, shard_axis=True, **kern)
-        drafts = block.tokens[..., :num_spec]
-    finish = functools.partial(_step_out, params, num_spec=num_spec, num_logprobs=num_logprobs)
-    result, slots = per_shard(
-        finish, h, sampling, spec, out, accepted, last, drafts, slots, plp_targets
-    )
-    if split is not None:
-        # the host reads every shard's few results: replicated, each process (multi-host)
-        # holds them whole
-        result = jax.lax.with_sharding_constraint(result, jax.sharding.PartitionSpec())
-    return result, pools, sampler_state, slots
 
 
 def _step_in(slots: SlotState, batch: StepBatch, feed, sampling, *, num_spec, groups, plans_ahead):
@@ -1154,14 +1100,6 @@ def _draft_start(batch: StepBatch, spec: SpecBatch, accepted, sampling) -> jax.A
     accepted token, ``(last verified position) + accepted + 1`` (0: the row drafts nothing)."""
     verified = batch.positions[batch.logits_indices] - spec.num_drafts  # [R]
     return jnp.where(sampling.samples, verified + accepted + 1, 0)
-
-
-def _draft(params, cfg, layout, pools, batch, spec: SpecBatch, accepted, last, sampling, kern):
-    """i32[R, K] the DSpark drafts after each sampling row's last accepted token: its block
-    opens with the token sampled there (``last``) at `_draft_start`."""
-    start = _draft_start(batch, spec, accepted, sampling)
-    block = draft_paged(params, cfg, layout, pools, batch, last, start, **kern)
-    return block.tokens
 
 
 def _pack(token_ids, logprob, rank, top_ids, top_logprobs) -> tuple[jax.Array, jax.Array]:

@@ -86,7 +86,7 @@ def run_processes(
 
 
 def expert_parallel_forward(params, cfg, tokens, mesh):
-    """``reference.forward`` (fp32 matmuls) under ``mesh`` as JAX's ambient mesh, for the
+    """``reference.forward`` (fp32 matmuls) on ``mesh`` (``mesh=``, static), for the
     scripts: the routed experts go through the expert dispatch, whose all-to-all the lowered
     program must contain. Returns the logits as numpy."""
     import jax
@@ -94,17 +94,17 @@ def expert_parallel_forward(params, cfg, tokens, mesh):
 
     from dsv4 import reference
 
-    with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
-        f = jax.jit(reference.forward, static_argnums=1)
-        got = np.asarray(f(params, cfg, tokens))
-        assert "all_to_all" in f.lower(params, cfg, tokens).as_text()
+    with jax.default_matmul_precision("highest"):
+        f = jax.jit(reference.forward, static_argnums=1, static_argnames="mesh")
+        got = np.asarray(f(params, cfg, tokens, mesh=mesh))
+        assert "all_to_all" in f.lower(params, cfg, tokens, mesh=mesh).as_text()
     return got
 
 
 def check_sharded_forward(sharded, want_params, cfg, mesh):
     """For the scripts: ``reference.forward`` of the sharded params equals that of
     ``want_params`` on one device (max abs diff < 1e-4), and so does the expert-parallel
-    forward under ``mesh`` (< 1e-5); both differences are printed."""
+    forward on ``mesh`` (< 1e-5); both differences are printed."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -119,7 +119,7 @@ def check_sharded_forward(sharded, want_params, cfg, mesh):
     err = float(np.max(np.abs(got - want)))
     print("max_abs_diff", err)
     assert err < 1e-4, err
-    # under the ambient mesh the routed experts run expert-parallel (dsv4.expert_parallel)
+    # given the mesh the routed experts run expert-parallel (dsv4.expert_parallel)
     got = expert_parallel_forward(sharded, cfg, tokens, mesh)
     err = float(np.max(np.abs(got - want)))
     print("expert_parallel_max_abs_diff", err)

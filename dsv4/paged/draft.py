@@ -98,66 +98,67 @@ def draft_paged(
     impl: str | None = None,
     interpret: Any = False,
     shard_axis: bool = False,
+    mesh=None,
 ) -> dspark.DraftBlock:
-    """The draft block of every request row of ``batch`` (see the module docstring), from the
-    caches `seed_drafter` wrote (this step's tokens included). ``start[r] - 1`` must be a
-    position row r ran in this step (the drafter drafts after one of its tokens: the pages read
-    are those the step's windows cover). Rows with ``start <= 0`` (padding, rows that do not
-    sample) get a block computed over no context, to be ignored.
-
-    ``shard_axis`` (data-parallel serving, `dsv4.paged.step.paged_forward_streams`'s): the
-    pools, the batch, ``next_token`` and ``start`` carry a leading axis of D data shards; each
-    stage's window attention reads every shard's own pages (`jax.vmap`, split over the mesh's
-    ``data`` axis when there is one) while the stages' other layers, the MoE's expert dispatch
-    included, run on all D x R rows at once. The block's fields are then [D, R, K, ...].
+    """The draft block of every request row of ``batch`` (module docstring) from the caches
+    `seed_drafter` wrote: ``start[r] - 1`` must be a position row r ran in this step (rows with
+    ``start <= 0`` get a block to be ignored). ``shard_axis``: a leading axis of D data shards
+    on the inputs and the block, each stage's window attention per shard (`docs/scale_out.md`).
 
     Returns `dsv4.dspark.DraftBlock` with ``[R, K, ...]`` fields (K = dspark_block_size)."""
     _check(cfg, layout)
     kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
+    attend_rows = functools.partial(_attend_rows, cfg, layout, kern, mesh)
+    if shard_axis:
+        return _draft_shards(params, cfg, attend_rows, pools, batch, next_token, start, mesh)
+
+    def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
+        return attend_rows(i, q, kv, sink, pools, batch, start)
+
+    next_token = jnp.where(start > 0, next_token, 0).astype(jnp.int32)
+    return dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(start, 0), mesh=mesh)
+
+
+def _attend_rows(cfg: ModelConfig, layout, kern, mesh, i, q, kv, sink, pools, batch, start):
+    """Stage i's attention of one shard's rows (q [R, K, H, hd], kv [R, K, hd]): the window of
+    position ``start[r] - 1`` read through the stage's cache, merged with the row's block."""
     k = cfg.dspark_block_size
-    names = draft_cache_names(cfg)
     scale = cfg.head_dim**-0.5
+    num_rows, _, h, d = q.shape
+    # every block query of row r attends to the window of position start[r] - 1
+    ctx_pos = jnp.repeat(jnp.where(start > 0, start - 1, -1), k)  # i32[R * K]
+    query_req = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), k)
+    name = draft_cache_names(cfg)[i]
+    pages, table = P.read_for_table(
+        layout,
+        pools,
+        name,
+        batch.block_tables[layout.group_of(name)],
+        dtype=q.dtype,
+        positions=batch.positions,
+        token_req=batch.token_req,
+        window=cfg.window_size,
+    )
+    qf = q.reshape(num_rows * k, h, d)
+    context = local_kernel(  # on a multi-device mesh: per device, heads over model
+        window_attention,
+        (qf, pages, table, query_req, ctx_pos, sink),
+        dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start,
+             return_state=True, **kern),
+        ATTENTION_HEADS,
+        mesh=mesh,
+    )  # fmt: skip
+    own = jnp.repeat(kv.astype(jnp.float32), k, axis=0)  # [R * K, K, hd]: the row's block
+    block = softmax_state(qf, own, jnp.ones(own.shape[:2], bool), scale)
+    out = finish(merge_states(context, block), sink, jnp.zeros_like(ctx_pos), jnp.float32)
+    return out.reshape(num_rows, k, h, d)
 
-    def attend_rows(i, q, kv, sink, pools, batch, start):
-        """Stage i's attention of one shard's rows (q [R, K, H, hd], kv [R, K, hd])."""
-        num_rows, _, h, d = q.shape
-        # every block query of row r attends to the window of position start[r] - 1
-        ctx_pos = jnp.repeat(jnp.where(start > 0, start - 1, -1), k)  # i32[R * K]
-        query_req = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), k)
-        name = names[i]
-        pages, table = P.read_for_table(
-            layout,
-            pools,
-            name,
-            batch.block_tables[layout.group_of(name)],
-            dtype=q.dtype,
-            positions=batch.positions,
-            token_req=batch.token_req,
-            window=cfg.window_size,
-        )
-        qf = q.reshape(num_rows * k, h, d)
-        context = local_kernel(  # under a multi-device mesh: per device, heads over model
-            window_attention,
-            (qf, pages, table, query_req, ctx_pos, sink),
-            dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start,
-                 return_state=True, **kern),
-            ATTENTION_HEADS,
-        )  # fmt: skip
-        own = jnp.repeat(kv.astype(jnp.float32), k, axis=0)  # [R * K, K, hd]: the row's block
-        block = softmax_state(qf, own, jnp.ones(own.shape[:2], bool), scale)
-        out = finish(merge_states(context, block), sink, jnp.zeros_like(ctx_pos), jnp.float32)
-        return out.reshape(num_rows, k, h, d)
 
-    if not shard_axis:
-
-        def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
-            return attend_rows(i, q, kv, sink, pools, batch, start)
-
-        next_token = jnp.where(start > 0, next_token, 0).astype(jnp.int32)
-        return dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(start, 0))
-
+def _draft_shards(params, cfg: ModelConfig, attend_rows, pools, batch, next_token, start, mesh):
+    """`draft_paged` with a leading shard axis: ``attend_rows`` (`_attend_rows`) per shard
+    under `jax.vmap` (split over ``mesh``'s ``data`` axis), the stages on all D x R rows."""
     shards, num_rows = start.shape
-    split = "data" if data_shards() > 1 else None
+    split = "data" if data_shards(mesh) > 1 else None
 
     def attend(i: int, q: jax.Array, kv: jax.Array, sink: jax.Array) -> jax.Array:
         per_shard = jax.vmap(
@@ -172,5 +173,5 @@ def draft_paged(
 
     flat = start.reshape(-1)
     next_token = jnp.where(flat > 0, next_token.reshape(-1), 0).astype(jnp.int32)
-    block = dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(flat, 0))
+    block = dspark.run_drafter(params, cfg, attend, next_token, jnp.maximum(flat, 0), mesh=mesh)
     return jax.tree.map(lambda x: x.reshape(shards, num_rows, *x.shape[1:]), block)

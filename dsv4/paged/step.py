@@ -30,7 +30,7 @@ slot of -1 writes nothing; an out-of-range id reads NaN, and the builder's debug
 it).
 Caches are whatever `dsv4.paged.pools` holds (aliased or separate pools of f32 / bf16 / fp8 /
 FP4 records); the attention math runs through `pallas_kernels` (the jnp references on CPU, the
-Pallas kernels on TPU and GPU). Under an ambient mesh of more than one device (`jax.set_mesh`)
+Pallas kernels on TPU and GPU). On a mesh of more than one device (the steps' ``mesh=``, static)
 each kernel runs inside a `jax.shard_map` (XLA cannot partition a Pallas call): the window and
 sparse attention with their heads split over ``model``, the indexer and the compressor whole on
 every device (`local_kernel`).
@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from cache.layout import compressed_kv_name, indexer_k_name, ring_name, swa_cache_name
 from dsv4 import engram
@@ -79,18 +79,13 @@ def records_quantise(layout, kind: str) -> bool:
     return layout.formats.record(kind) not in ("f32", "bf16")
 
 
-def local_kernel(kernel, args: tuple, kwargs: dict, heads: dict | None = None):
-    """``kernel(*args, **kwargs)``, inside a `jax.shard_map` over the ambient mesh when there is
-    one of more than one device (`jax.set_mesh`): XLA's SPMD partitioner cannot partition a
-    Pallas call (Mosaic or Triton custom call), so in a sharded program each device runs the
-    kernel on its own operands. ``heads`` maps an argument (its position, or a keyword's name)
-    to its head dim: those arguments, and every output at dim 1, are split over ``model`` when
-    it divides the heads of ``args[0]`` (attention is independent per head: each device runs
-    its heads against the whole, replicated pages); everything else is replicated (each device
-    runs the whole kernel: the indexer, whose top-k reads the sum over its heads, and the
-    compressor). Without such a mesh the kernel is called as it is."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+def local_kernel(kernel, args: tuple, kwargs: dict, heads: dict | None = None, *, mesh=None):
+    """``kernel(*args, **kwargs)``, inside a `jax.shard_map` over ``mesh`` when it has more than
+    one device: XLA cannot partition a Pallas call, so each device runs the kernel on its own
+    operands. ``heads`` maps an argument (position or keyword) to its head dim: those, and every
+    output at dim 1, split over ``model`` when it divides ``args[0]``'s heads; the rest is
+    replicated (`docs/scale_out.md#kernels-on-a-mesh`). Without such a mesh: called as it is."""
+    if mesh is None or mesh.empty or mesh.size == 1:
         return kernel(*args, **kwargs)
     model = dict(mesh.shape).get("model", 1)
     split = bool(heads) and model > 1 and args[0].shape[1] % model == 0
@@ -113,6 +108,7 @@ def local_kernel(kernel, args: tuple, kwargs: dict, heads: dict | None = None):
 
     return jax.shard_map(
         body,
+        mesh=mesh,
         in_specs=({k: jax.tree.map(lambda _, k=k: spec(k), v) for k, v in operands.items()},),
         out_specs=PartitionSpec(None, "model") if split else PartitionSpec(),
         check_vma=False,
@@ -124,8 +120,9 @@ ATTENTION_HEADS = {0: 1, 5: 0}
 
 
 def _attention(
-    x, params, layer: int, cfg: ModelConfig, layout, pools, batch: StepBatch, shared, kern, scaled
-):
+    x, params, layer: int, cfg: ModelConfig, layout, pools, batch: StepBatch, shared, kern, scaled,
+    mesh,
+):  # fmt: skip
     """One layer's attention over the step's batch: the window latents written and read, then
     (compressed layers) the compressor at kv sources, the top-k at index sources and one
     softmax over the window and the picked entries. ``shared`` carries the latest top-k (and
@@ -150,22 +147,26 @@ def _attention(
             (q, swa_pages, swa_table, tok_req, pos, sink),
             win_kwargs,
             ATTENTION_HEADS,
+            mesh=mesh,
         )
         return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
     if info.role is Role.FULL:
-        pools = _compress(x, params, a, layer, cfg, layout, pools, batch, kern)
+        pools = _compress(x, params, a, layer, cfg, layout, pools, batch, kern, mesh)
     visible = jnp.where(real, (safe_pos + 1) // r, 0)
     if info.role in (Role.FULL, Role.REINDEX):
         qi, w = L.index_query(x, qr, params, a, cfg, cos, sin)
-        _select(qi, w, x.dtype, layer, cfg, layout, pools, batch, visible, shared, kern, scaled)
+        _select(qi, w, x.dtype, layer, cfg, layout, pools, batch, visible, shared, kern, scaled,
+                mesh)  # fmt: skip
     state = local_kernel(
         window_attention,
         (q, swa_pages, swa_table, tok_req, pos, sink),
         dict(win_kwargs, return_state=True),
         ATTENTION_HEADS,
+        mesh=mesh,
     )
-    o, pools = _sparse(q, sink, state, layer, cfg, layout, pools, batch, shared["topk"], kern)
+    topk = shared["topk"]
+    o, pools = _sparse(q, sink, state, layer, cfg, layout, pools, batch, topk, kern, mesh)
     return L.attention_output(o.astype(x.dtype), cos, sin, params, a, cfg), pools
 
 
@@ -195,7 +196,7 @@ def _window_pages(layer: int, cfg: ModelConfig, layout, pools, batch: StepBatch,
 
 
 def _select(qi, w, dtype, layer: int, cfg: ModelConfig, layout, pools, batch, visible, shared,
-            kern, scaled) -> None:  # fmt: skip
+            kern, scaled, mesh) -> None:  # fmt: skip
     """The indexer of an index source: the top-k compressed entries of each token among its
     ``visible`` [T] ones, from index queries ``qi`` and weights ``w``, into ``shared["topk"]``
     (and, at the candidate source, its candidate blocks into ``shared["candidates"]``)."""
@@ -224,6 +225,7 @@ def _select(qi, w, dtype, layer: int, cfg: ModelConfig, layout, pools, batch, vi
         (qi.astype(dtype), w.astype(jnp.float32), ikey_pages, ikey_table, batch.token_req,
          batch.positions, visible),
         kw,
+        mesh=mesh,
     )  # fmt: skip
     if info.is_candidate_source:
         shared["topk"], shared["candidates"] = out
@@ -231,7 +233,7 @@ def _select(qi, w, dtype, layer: int, cfg: ModelConfig, layout, pools, batch, vi
         shared["topk"] = out
 
 
-def _sparse(q, sink, state, layer: int, cfg: ModelConfig, layout, pools, batch, topk, kern):
+def _sparse(q, sink, state, layer: int, cfg: ModelConfig, layout, pools, batch, topk, kern, mesh):
     """The sparse attention of a compressed layer: queries ``q`` [T, H, D] over the compressed
     entries ``topk`` [T, K] picks, merged with the window attention's ``state``. Returns the
     output [T, H, D] and the pools."""
@@ -258,11 +260,12 @@ def _sparse(q, sink, state, layer: int, cfg: ModelConfig, layout, pools, batch, 
         (q, comp_pages, comp_table, sel_req, pos, topk, sink),
         dict(entries_per_block=e_comp, scale=cfg.head_dim**-0.5, state=state, **kern),
         {0: 1, 6: 0, "state": 1},
+        mesh=mesh,
     )
     return o, pools
 
 
-def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, batch, kern):
+def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, batch, kern, mesh):
     """Compressor of a kv source: compressed entries, index keys and (ratio 2) ring rows."""
     r = cfg.plan[layer].ratio
     pos = batch.positions
@@ -279,6 +282,7 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
             (kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
              inv_freq, None, None, None, None),
             dict(ratio=1, eps=cfg.norm_eps, latent_dtype=x.dtype, **kern),
+            mesh=mesh,
         )  # fmt: skip
     else:
         xf = x.astype(jnp.float32)
@@ -299,6 +303,7 @@ def _compress(x, params, a: str, layer: int, cfg: ModelConfig, layout, pools, ba
             (kv, tok_req, pos, batch.query_start_loc, params[a + "compressor.norm.weight"],
              inv_freq, None, ring_block, None, ring),
             dict(ratio=2, eps=cfg.norm_eps, latent_dtype=x.dtype, **kern),
+            mesh=mesh,
         )  # fmt: skip
         pools = P.write_ring(layout, pools, rname, batch.ring_slots[g_ring], kv)
     latent = latent.astype(x.dtype)
@@ -361,17 +366,20 @@ def paged_forward(
     impl: str | None = None,
     interpret: Any = False,
     scaled_index_keys: bool = True,
+    mesh=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The backbone over one step's batch: the LM head's input for every token, [T, dim] in the
     activation dtype (`dsv4.layers.final_hidden`), and the updated pools.
 
-    ``impl`` / ``interpret`` choose the attention kernels (`pallas_kernels` dispatch: None picks
-    by backend — the jnp references on CPU, the Pallas kernels on TPU and GPU).
-    ``scaled_index_keys``: hand ``fp8_132`` index-key records to the indexer undecoded (e4m3
-    rows + per-key scales; bit-exact with decoding them first, half the bytes streamed)."""
+    Args:
+        impl: the attention kernels (`pallas_kernels`; None: jnp on CPU, Pallas on TPU / GPU).
+        interpret: the Pallas kernels' interpret mode.
+        scaled_index_keys: ``fp8_132`` index keys to the indexer undecoded (half the bytes).
+        mesh: the device mesh (kernels per device, experts dispatched over ``expert``).
+    """
     h, pools, _ = paged_forward_streams(
         params, cfg, layout, pools, batch, (), impl=impl, interpret=interpret,
-        scaled_index_keys=scaled_index_keys,
+        scaled_index_keys=scaled_index_keys, mesh=mesh,
     )  # fmt: skip
     return h, pools
 
@@ -388,29 +396,29 @@ def paged_forward_streams(
     interpret: Any = False,
     scaled_index_keys: bool = True,
     shard_axis: bool = False,
+    mesh=None,
 ) -> tuple[jax.Array, dict[str, jax.Array], dict[int, jax.Array]]:
     """`paged_forward`, and the residual stream [T, hc, dim] entering each layer of ``layers``
-    (after its Engram update, before its attention's mix; `dsv4.reference.forward_streams`'s
-    streams): what the DSpark drafter reads from its target layers (`dsv4.paged.draft`).
+    (after its Engram update, before its attention's mix): what the DSpark drafter reads.
 
-    ``shard_axis`` (`paged_step_data_parallel`): the pools and every batch field carry a
-    leading axis of D data shards, and so do the results ([D, T, ..]). What reads the pools or
-    the batch's per-request fields (the attention, Engram's look-back) runs per shard under
-    `jax.vmap` (``spmd_axis_name="data"`` under a mesh with a ``data`` axis); everything per
-    token, the MoE's expert dispatch included, runs on all D x T tokens at once."""
+    ``shard_axis`` (`paged_step_data_parallel`): the pools, every batch field and the results
+    carry a leading axis of D data shards; what reads the pools or per-request fields runs per
+    shard (`jax.vmap`, split over ``mesh``'s ``data`` axis), the rest on all D x T tokens."""
     kern = {"impl": impl} if impl in (None, "reference") else {"impl": impl, "interpret": interpret}
     scaled = scaled_index_keys and layout.formats.record("index") in P.SCALED_RECORDS
 
     def attention(layer, h, pools, batch, shared):
         shared = dict(shared)
-        att, pools = _attention(h, params, layer, cfg, layout, pools, batch, shared, kern, scaled)
+        att, pools = _attention(
+            h, params, layer, cfg, layout, pools, batch, shared, kern, scaled, mesh
+        )
         return att, pools, shared
 
     def rows_of(batch):
         return engram_rows(params, cfg, batch)
 
     if shard_axis:
-        attention, rows_of = _per_shard(attention, rows_of)
+        attention, rows_of = _per_shard(attention, rows_of, mesh)
 
     def block_attention(layer, h, state):
         pools, shared = state
@@ -426,15 +434,16 @@ def paged_forward_streams(
         (pools, {}),
         engram_rows=rows_of(batch) if cfg.engram_layer_ids else None,
         capture=layers,
+        mesh=mesh,
     )
     return h, pools, streams
 
 
-def _per_shard(attention, rows_of):
+def _per_shard(attention, rows_of, mesh):
     """``attention(layer, h, pools, batch, shared)`` and ``rows_of(batch)`` over a leading axis
-    of data shards (`jax.vmap`; ``spmd_axis_name="data"`` under a mesh with a ``data`` axis of
+    of data shards (`jax.vmap`; ``spmd_axis_name="data"`` on a mesh with a ``data`` axis of
     more than one device, where each shard's tokens and pools are also pinned to its devices)."""
-    split = "data" if data_shards() > 1 else None
+    split = "data" if data_shards(mesh) > 1 else None
     per_shard = jax.vmap(attention, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=split)
     rows_of = jax.vmap(rows_of, spmd_axis_name=split)
     if split is None:
@@ -442,7 +451,9 @@ def _per_shard(attention, rows_of):
     # a shard's tokens whole on each of its devices (the MoE leaves them split over every
     # axis), and its pools on its own devices: otherwise XLA splits the page writes over the
     # shard's devices and gathers the shard's whole pools back
-    on_data = functools.partial(jax.lax.with_sharding_constraint, shardings=PartitionSpec(split))
+    on_data = functools.partial(
+        jax.lax.with_sharding_constraint, shardings=NamedSharding(mesh, PartitionSpec(split))
+    )
 
     def pinned(layer, h, pools, batch, shared):
         att, pools, shared = per_shard(layer, on_data(h), pools, on_data(batch), shared)
@@ -459,39 +470,43 @@ def paged_step(
     batch: StepBatch,
     *,
     all_logits: bool = False,
-    impl: str | None = None,
-    interpret: Any = False,
-    scaled_index_keys: bool = True,
+    shard_axis: bool = False,
+    **kw,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One step: logits f32[R, vocab] at ``batch.logits_indices`` (or f32[T, vocab] for every
     token with ``all_logits``) and the updated pools.
 
-    ``batch`` is a `dsv4.paged.batch.StepBatch` (built by `build_batch`); the keywords are
-    those of `paged_forward`."""
-    h, pools = paged_forward(
-        params, cfg, layout, pools, batch, impl=impl, interpret=interpret,
-        scaled_index_keys=scaled_index_keys,
-    )  # fmt: skip
+    ``batch`` is a `dsv4.paged.batch.StepBatch` (built by `build_batch`); ``shard_axis``: the
+    data-parallel step (`paged_step_data_parallel`); the other keywords (``impl``,
+    ``interpret``, ``scaled_index_keys``, ``mesh``) are those of `paged_forward`."""
+    if shard_axis:
+        _check_shards(pools, batch, kw.get("mesh"))
+    # the pools keep their placement: with shard_axis every layer's attention pins them to data
+    h, pools, _ = paged_forward_streams(
+        params, cfg, layout, pools, batch, (), shard_axis=shard_axis, **kw
+    )
     if not all_logits:
-        h = h[batch.logits_indices]
+        idx = batch.logits_indices
+        h = jnp.take_along_axis(h, idx[..., None], axis=1) if shard_axis else h[idx]
     return L.lm_head(params, h), pools
 
 
 def _jitted(step, doc: str):
     """``step(params, cfg, layout, pools, batch, **kw)`` under jit as ``(params, pools, batch, *,
-    cfg, layout, **kw)``, the config, layout and switches static and the pools donated
+    cfg, layout, **kw)``, the config, layout, switches and mesh static and the pools donated
     (updated in place on device)."""
 
     @functools.partial(
         jax.jit,
-        static_argnames=("cfg", "layout", "all_logits", "impl", "interpret", "scaled_index_keys"),
+        static_argnames=("cfg", "layout", "all_logits", "impl", "interpret", "scaled_index_keys",
+                         "mesh"),
         donate_argnames=("pools",),
-    )
+    )  # fmt: skip
     def jitted(params, pools, batch, *, cfg, layout, all_logits=False, impl=None,
-               interpret=False, scaled_index_keys=True):  # fmt: skip
+               interpret=False, scaled_index_keys=True, mesh=None):  # fmt: skip
         return step(
             params, cfg, layout, pools, batch, all_logits=all_logits, impl=impl,
-            interpret=interpret, scaled_index_keys=scaled_index_keys,
+            interpret=interpret, scaled_index_keys=scaled_index_keys, mesh=mesh,
         )  # fmt: skip
 
     jitted.__doc__ = doc
@@ -504,11 +519,9 @@ paged_step_jit = _jitted(paged_step, "`paged_step` under jit; the pools are dona
 # -- data-parallel attention: one set of pools and one batch per data shard --------------------
 
 
-def data_shards() -> int:
-    """The ``data`` axis size of the ambient mesh (`jax.set_mesh`); 1 when there is no mesh or
-    no such axis."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+def data_shards(mesh) -> int:
+    """The ``data`` axis size of ``mesh``; 1 without a mesh or without such an axis."""
+    if mesh is None or mesh.empty:
         return 1
     return dict(mesh.shape).get("data", 1)
 
@@ -542,9 +555,9 @@ def stack_shards(trees) -> Any:
     return jax.tree.unflatten(treedef, [stack(xs) for xs in zip(*leaves)])
 
 
-def _check_shards(pools: dict[str, jax.Array], batch: StepBatch) -> None:
+def _check_shards(pools: dict[str, jax.Array], batch: StepBatch, mesh) -> None:
     """Raise `paged_step_data_parallel`'s ValueError where ``batch`` has no leading shard axis
-    ``D``, a pool's leading axis is not ``D``, or ``D`` is not a multiple of the ambient mesh's
+    ``D``, a pool's leading axis is not ``D``, or ``D`` is not a multiple of ``mesh``'s
     ``data`` size."""
     d = batch.token_ids.shape[0] if batch.token_ids.ndim == 2 else None
     if d is None:
@@ -558,7 +571,7 @@ def _check_shards(pools: dict[str, jax.Array], batch: StepBatch) -> None:
                 f"paged_step_data_parallel: pool {key!r} has shape {list(buf.shape)}, expected "
                 f"a leading shard axis of {d} (stack_shards of {d} pools)"
             )
-    n = data_shards()
+    n = data_shards(mesh)
     if d % n:
         raise ValueError(
             f"paged_step_data_parallel: {d} shards cannot be split over the mesh's data axis "
@@ -567,51 +580,19 @@ def _check_shards(pools: dict[str, jax.Array], batch: StepBatch) -> None:
 
 
 def paged_step_data_parallel(
-    params,
-    cfg: ModelConfig,
-    layout,
-    pools: dict[str, jax.Array],
-    batch: StepBatch,
-    *,
-    all_logits: bool = False,
-    impl: str | None = None,
-    interpret: Any = False,
-    scaled_index_keys: bool = True,
+    params, cfg: ModelConfig, layout, pools: dict[str, jax.Array], batch: StepBatch, **kw
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """vLLM's data-parallel attention: ``D`` independent steps in one program, each over its own
-    requests and its own pools, sharing the params.
-
-    ``pools`` and ``batch`` carry a leading shard axis (`stack_shards` of ``D`` pools of
-    ``layout`` and of ``D`` batches built with the same buckets; each shard's block ids index its
-    own pools, handed out by its own allocator). Returns logits f32[D, R, vocab] (f32[D, T, vocab]
-    with ``all_logits``) and the updated pools [D, ...]; shard ``i``'s results are those of
-    `paged_step` on shard ``i``'s pools and batch (up to the rounding of the batched matmuls:
-    within 1e-5 in fp32 in the tests), and a shard whose batch is padding keeps its pools.
-
-    What reads pages or per-request fields (each layer's attention, Engram's look-back) runs per
-    shard (`jax.vmap`); everything per token runs on all ``D x T`` tokens at once, the MoE
-    included, as vLLM's data-parallel attention hands every rank's tokens to one expert-parallel
-    MoE. Under an ambient mesh with a ``data`` axis (`jax.set_mesh`), the shard axis is split
-    over ``data`` (``D`` a multiple of its size; place the pools and the batch with
-    `dsv4.sharding.data_parallel_sharding`): each device holds and reads only its shards'
-    pages. The vmap's ``spmd_axis_name="data"`` makes the kernels' `jax.shard_map`s
-    (`local_kernel`: heads over ``model``) split their shard axis over ``data``, and the
-    expert dispatch (`dsv4.expert_parallel`) splits the tokens of all shards over every axis.
-    Nothing gathers pages across ``data``.
+    requests and pools (a leading shard axis: `stack_shards`), sharing the params; returns
+    logits f32[D, R, vocab] (f32[D, T, vocab] with ``all_logits``) and the pools [D, ...],
+    shard ``i``'s those of `paged_step` on shard ``i``; keywords: `paged_step`'s
+    (`docs/scale_out.md#data-parallel-attention`).
 
     Raises:
-        ValueError: ``D`` not a multiple of the ambient mesh's ``data`` size, or pools whose
-            leading axis is not ``D``.
+        ValueError: ``D`` not a multiple of the mesh's ``data`` size, or pools whose leading
+            axis is not ``D``.
     """
-    _check_shards(pools, batch)
-    # the pools keep their placement: every layer's attention pins them to data
-    h, pools, _ = paged_forward_streams(
-        params, cfg, layout, pools, batch, (), impl=impl, interpret=interpret,
-        scaled_index_keys=scaled_index_keys, shard_axis=True,
-    )  # fmt: skip
-    if not all_logits:
-        h = jnp.take_along_axis(h, batch.logits_indices[..., None], axis=1)
-    return L.lm_head(params, h), pools
+    return paged_step(params, cfg, layout, pools, batch, shard_axis=True, **kw)
 
 
 paged_step_data_parallel_jit = _jitted(

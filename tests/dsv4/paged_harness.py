@@ -13,7 +13,6 @@ the scheduler's own rules.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -108,6 +107,7 @@ class Harness:
         self.max_model_len = max_model_len
         self.impl, self.interpret = impl, interpret
         self.scaled_index_keys = scaled_index_keys
+        self.mesh = None  # the device mesh the step runs on (`paged_step`'s ``mesh``)
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
         self.table_buckets = table_buckets
         self.table_widths: set[tuple[int, ...]] = set()  # widths of the tables each step used
@@ -162,6 +162,7 @@ class Harness:
             impl=self.impl,
             interpret=self.interpret,
             scaled_index_keys=self.scaled_index_keys,
+            mesh=self.mesh,
         )
         self.stats.num_steps += 1
         return np.asarray(logits)
@@ -226,7 +227,7 @@ def data_parallel_schedules(hs: list[Harness], seqs: list[list[Seq]], rng: np.ra
     `paged_step_data_parallel` over all of them: shard ``i`` has its own harness (allocator,
     scheduler, pools) and teacher-forces ``seqs[i]``; a shard with nothing left to run gets a
     batch of padding. The shards' pools are stacked (on ``mesh``: split over ``data``, and the
-    step runs under it) and handed back to their harnesses at the end. Each harness collects
+    step runs on it) and handed back to their harnesses at the end. Each harness collects
     its own logits. Returns the number of steps."""
     from dsv4 import sharding
 
@@ -248,11 +249,11 @@ def data_parallel_schedules(hs: list[Harness], seqs: list[list[Seq]], rng: np.ra
         batch = jax.tree.map(jnp.asarray, stack_shards(batches))
         if mesh is not None:
             batch = jax.device_put(batch, sharding.data_parallel_sharding(batch, mesh))
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            logits, pools = paged_step_data_parallel_jit(
-                params, pools, batch, cfg=h0.cfg, layout=h0.layout, all_logits=True,
-                impl=h0.impl, interpret=h0.interpret, scaled_index_keys=h0.scaled_index_keys,
-            )  # fmt: skip
+        logits, pools = paged_step_data_parallel_jit(
+            params, pools, batch, cfg=h0.cfg, layout=h0.layout, all_logits=True,
+            impl=h0.impl, interpret=h0.interpret, scaled_index_keys=h0.scaled_index_keys,
+            mesh=mesh,
+        )  # fmt: skip
         logits = np.asarray(logits)
         for i, (run, p) in enumerate(zip(runs, planned)):
             if p is not None:

@@ -4,7 +4,7 @@ collectives over gloo, 4 host devices each) run the same host program over one g
 
 Every process builds the same params from the same seed, places them by the rule table
 (`shard_params` keeps the shards its own devices hold), splits the prompts over ``data`` and
-calls `dsv4.generate` under the ambient mesh: the expert axis spans both processes, so the
+calls `dsv4.generate(..., mesh=)`: the expert axis spans both processes, so the
 routed experts' all-to-all crosses the process boundary. The output is a global array; each
 process gathers it (`multihost_utils.process_allgather`) and prints it. A long variant runs
 `serving.LLM(mesh=)` the same way: both processes run the same engine loop and print the tokens
@@ -69,8 +69,9 @@ _WORKER = textwrap.dedent(
         sys.exit(0)
     sharded = sharding.shard_params(params, cfg, mesh)
     tokens = jax.device_put(prompts, NamedSharding(mesh, P("data")))
-    with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
-        out = dsv4.generate(sharded, cfg, tokens, int(sys.argv[5]), prompt_lengths=lengths)
+    with jax.default_matmul_precision("highest"):
+        out = dsv4.generate(sharded, cfg, tokens, int(sys.argv[5]), prompt_lengths=lengths,
+                            mesh=mesh)
     out = multihost_utils.process_allgather(out, tiled=True)
     print("TOKENS " + json.dumps(np.asarray(out).tolist()), flush=True)
     """

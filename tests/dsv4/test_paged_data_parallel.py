@@ -164,10 +164,10 @@ _SCRIPT = textwrap.dedent(
         batch = jax.tree.map(jnp.asarray, stack_shards([idle] * d))
         batch = jax.device_put(batch, sharding.data_parallel_sharding(batch, mesh))
         sp = sharding.shard_params(params, cfg, mesh)
-        with jax.set_mesh(mesh):
-            lowered = paged_step_data_parallel_jit.lower(sp, pools, batch, cfg=cfg,
-                                                         layout=h.layout)
-            _, out = paged_step_data_parallel_jit(sp, pools, batch, cfg=cfg, layout=h.layout)
+        lowered = paged_step_data_parallel_jit.lower(sp, pools, batch, cfg=cfg, layout=h.layout,
+                                                     mesh=mesh)
+        _, out = paged_step_data_parallel_jit(sp, pools, batch, cfg=cfg, layout=h.layout,
+                                              mesh=mesh)
         compiled = lowered.compile()
         local = {k: v.addressable_shards[0].data.shape[0] for k, v in out.items()}
         hlo = compiled.as_text()

@@ -413,5 +413,5 @@ def test_sharded_released_forward_equals_single_device():
     """On 8 host devices (data 2, expert 2, model 2) codes and scales take their weight's spec
     and the sharded forward over released params equals the single-device dequantised one
     (within 1e-4: the sharded matmuls add in another order), and within 1e-5 with the routed
-    experts dispatched under the ambient mesh (each device dequantising its own experts)."""
+    experts dispatched over the mesh (``mesh=``; each device dequantising its own experts)."""
     assert "max_abs_diff" in run_script(_SHARDED)

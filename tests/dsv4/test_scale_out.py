@@ -1,8 +1,8 @@
 """Sharded paths equal the single-device ones on a mesh of 8 host devices (issue: scale-out).
 
 Each case runs in a subprocess (the host device count is fixed when JAX starts): params placed
-by `dsv4.sharding.shard_params`, the prompts split over ``data``, the ambient mesh set with
-`jax.set_mesh` (so an ``expert`` axis > 1 dispatches tokens to their experts' devices,
+by `dsv4.sharding.shard_params`, the prompts split over ``data``, the mesh passed as
+``mesh=`` (so an ``expert`` axis > 1 dispatches tokens to their experts' devices,
 `dsv4.expert_parallel`); `reference.forward`'s logits within 1e-5 of one device's and
 `dsv4.generate`'s greedy tokens identical: expert parallelism together with data and tensor
 parallelism, the meshes of the issue (data x model 2x4, 4x2, 8x1, and 1x8 for a config with 8
@@ -47,11 +47,10 @@ _SCRIPT = textwrap.dedent(
             mesh = sharding.make_mesh(**axes)
             sp = sharding.shard_params(params, cfg, mesh)
             toks = jax.device_put(tokens, NamedSharding(mesh, P("data")))
-            with jax.set_mesh(mesh):
-                f = jax.jit(reference.forward, static_argnums=1)
-                got = np.asarray(f(sp, cfg, toks))
-                hlo = f.lower(sp, cfg, toks).as_text()
-                gen = np.asarray(dsv4.generate(sp, cfg, toks, 6, prompt_lengths=lengths))
+            f = jax.jit(reference.forward, static_argnums=1, static_argnames="mesh")
+            got = np.asarray(f(sp, cfg, toks, mesh=mesh))
+            hlo = f.lower(sp, cfg, toks, mesh=mesh).as_text()
+            gen = np.asarray(dsv4.generate(sp, cfg, toks, 6, prompt_lengths=lengths, mesh=mesh))
             err = float(np.max(np.abs(got - want)))
             print(json.dumps({"mesh": axes, "max_abs_diff": err,
                               "all_to_all": "all_to_all" in hlo,

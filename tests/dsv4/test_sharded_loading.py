@@ -264,9 +264,9 @@ _WORKER = textwrap.dedent(
     assert sum(r[3] for r in read) * 2 == sum(size.values())
     prompts = np.asarray(json.loads(sys.argv[5]), np.int32)
     tokens = jax.device_put(prompts, NamedSharding(mesh, P("data")))
-    with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
+    with jax.default_matmul_precision("highest"):
         out = dsv4.generate(params, cfg, tokens, int(sys.argv[7]),
-                            prompt_lengths=json.loads(sys.argv[6]))
+                            prompt_lengths=json.loads(sys.argv[6]), mesh=mesh)
     out = multihost_utils.process_allgather(out, tiled=True)
     print("TOKENS " + json.dumps(np.asarray(out).tolist()), flush=True)
     """

@@ -1,7 +1,8 @@
 """dsv4.sharding: every parameter has a rule, the released model's shapes divide a real mesh,
 and on a mesh of 8 host devices the sharded reference forward equals the single-device one, by
-XLA's partitioner and, under the mesh as JAX's ambient mesh, with the routed experts dispatched
-to their devices by all-to-all (`dsv4.expert_parallel`).
+XLA's partitioner and, with the mesh passed as ``mesh=``, with the routed experts dispatched
+to their devices by all-to-all (`dsv4.expert_parallel`); the dispatch follows that argument,
+never JAX's ambient mesh.
 
 The multi-device checks run in a subprocess: the host device count is fixed when JAX starts."""
 
@@ -78,3 +79,50 @@ def test_sharded_forward_equals_single_device():
     out = run_script(_SCRIPT)
     assert "max_abs_diff" in out and "expert_parallel_max_abs_diff" in out
     assert tiny_v41_full().n_heads % 2 == 0
+
+
+_ARGUMENT_NOT_AMBIENT = textwrap.dedent(
+    """
+    import contextlib
+    import jax, jax.numpy as jnp
+    from dsv4 import reference, sharding
+    from dsv4.config import tiny_v41
+    from dsv4.paged.batch import empty_batch
+    from dsv4.paged.step import paged_step_jit
+    from dsv4.paged import records as R
+    from dsv4.params import init_params
+    from tests.dsv4.paged_harness import Harness
+
+    cfg = tiny_v41()
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    mesh = sharding.make_mesh(data=1, expert=2, model=2)
+    sp = sharding.shard_params(params, cfg, mesh)
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    fwd = jax.jit(reference.forward, static_argnums=1, static_argnames="mesh")
+    h = Harness(cfg, params, R.CacheFormats.EXACT)
+    batch = jax.tree.map(jnp.asarray, empty_batch(h.config, max_model_len=h.max_model_len,
+                                                  num_tokens=8, num_rows=4))
+
+    def manual(text):  # a shard_map in the lowered program
+        return "manual_computation" in text or "SPMDFullToShardShape" in text
+
+    for ambient in (False, True):
+        with jax.set_mesh(mesh) if ambient else contextlib.nullcontext():
+            for given in (None, mesh):
+                f = fwd.lower(sp, cfg, tokens, mesh=given).as_text()
+                p = paged_step_jit.lower(sp, h.pools, batch, cfg=cfg, layout=h.layout,
+                                         mesh=given).as_text()
+                print("ROW", ambient, given is not None, "all_to_all" in f, manual(p), flush=True)
+    """
+)
+
+
+def test_the_mesh_argument_decides_the_dispatch_not_the_ambient_mesh():
+    """On 4 host devices, under `jax.set_mesh` or not: with ``mesh=None`` the lowered forward has
+    no expert all-to-all and the paged step no `shard_map`; with ``mesh=`` both have them."""
+    out = run_script(_ARGUMENT_NOT_AMBIENT, num_devices=4)
+    rows = [line.split()[1:] for line in out.splitlines() if line.startswith("ROW")]
+    assert len(rows) == 4, out
+    for ambient, given, all_to_all, manual in rows:
+        assert all_to_all == given, (ambient, given, all_to_all)
+        assert manual == given, (ambient, given, manual)

@@ -1,6 +1,6 @@
 """The sharded paged step compiles without devices for 8 TPU chips (libtpu's compile-only
 topology, Pallas TPU kernels) and for 8 H100s (the CUDA plugin's compile-only ``1x1x8``
-topology, Pallas GPU kernels), on a ``data=1, expert=4, model=2`` mesh under ``jax.set_mesh``
+topology, Pallas GPU kernels), on a ``data=1, expert=4, model=2`` mesh passed as ``mesh=``
 (expert dispatch by all-to-all), params sharded by the rule table, pools replicated; XLA's
 per-device memory is set beside the planner's (`planner.compiled_step`).
 
@@ -98,7 +98,7 @@ def test_routed_experts_are_read_without_a_copy_on_tpu():
             return routed_experts(x, weights, ids, w1, w2, w3, cfg, mesh, quant=False)
 
         # serving precision: XLA:TPU's ragged dot refuses bf16 at fp32 contract precision
-        with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        with jax.default_matmul_precision("default"):
             compiled = jax.jit(f).trace(*args).lower().compile()
         layouts = [fmt.layout.major_to_minor for fmt in compiled.input_formats[0][3:]]
         return compiled.memory_analysis().temp_size_in_bytes, layouts
@@ -155,6 +155,7 @@ _SAME_SCRIPT = textwrap.dedent(
 
     def prefill(params, mesh=None):
         h = Harness(cfg, params, R.CacheFormats.EXACT)
+        h.mesh = mesh
         if mesh is not None:
             h.pools = jax.device_put(h.pools, NamedSharding(mesh, PartitionSpec()))
         scheduler = h.scheduler(max_num_seqs=2)
@@ -166,8 +167,7 @@ _SAME_SCRIPT = textwrap.dedent(
 
     want = prefill(params)
     mesh = sharding.make_mesh(data=1, expert=4, model=2)
-    with jax.set_mesh(mesh):
-        got = prefill(sharding.shard_params(params, cfg, mesh), mesh)
+    got = prefill(sharding.shard_params(params, cfg, mesh), mesh)
     print("MAXDIFF", float(np.max(np.abs(got - want))))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     print("SAME")
@@ -177,7 +177,7 @@ _SAME_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_sharded_step_equals_one_device():
-    """The paged step under ``jax.set_mesh`` on 8 host devices (``expert=4, model=2``: the
+    """The paged step on a mesh (``mesh=``) of 8 host devices (``expert=4, model=2``: the
     kernels in `shard_map` with heads split over ``model``, the experts dispatched), params
     sharded, pools replicated: one prefill step's logits equal one device's within 1e-5 (jnp
     kernels, f32 records; with bf16 records the sharded sums' other order rounds a few cached
