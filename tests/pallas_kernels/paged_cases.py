@@ -122,6 +122,21 @@ class Step:
         ]
         return tuple(np.stack(x) for x in zip(*parts))
 
+    def kernel_args(self, cache: PagedCache, dtype, *extra) -> tuple:
+        """The attention kernels' positional arguments over ``cache``: queries, pages, block
+        tables, token rows, positions, the kernel's ``extra`` arrays, then the sink."""
+        import jax.numpy as jnp
+
+        return (
+            jnp.asarray(self.q, dtype),
+            jnp.asarray(cache.pages, dtype),
+            jnp.asarray(cache.tables),
+            jnp.asarray(self.token_req),
+            jnp.asarray(self.positions),
+            *(jnp.asarray(x) for x in extra),
+            jnp.asarray(self.sink),
+        )
+
     def window_out(self) -> np.ndarray:
         m, denom, acc = self.window_state()
         out = finish_state(m, denom, acc, self.sink.astype(np.float64)[None, :])

@@ -8,19 +8,11 @@ from __future__ import annotations
 
 import functools
 
+import aot
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import (
-    TPU_TOPOLOGIES,
-    compile_for_h100,
-    compile_for_tpu,
-    lower_for_gpu,
-    lower_for_tpu,
-    requires_cuda_plugin,
-    requires_libtpu,
-)
 from paged_cases import (
     Selection,
     Step,
@@ -63,16 +55,7 @@ def _case(scenario, dtype=np.float32, seed=0, *, padding=2, shuffle=True, **kw):
 
 
 def _args(step: Step, sel: Selection, dtype):
-    args = (
-        jnp.asarray(step.q, dtype),
-        jnp.asarray(sel.comp.pages, dtype),
-        jnp.asarray(sel.comp.tables),
-        jnp.asarray(step.token_req),
-        jnp.asarray(step.positions),
-        jnp.asarray(sel.topk),
-        jnp.asarray(step.sink),
-    )
-    return args, dict(entries_per_block=E, scale=step.scale)
+    return step.kernel_args(sel.comp, dtype, sel.topk), dict(entries_per_block=E, scale=step.scale)
 
 
 def _window_state(step: Step, dtype):
@@ -289,39 +272,39 @@ RELEASED_CASES = {
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
 def test_tpu_kernel_lowers(kind):
     t, r, dtype, e, state = RELEASED_CASES["decode-ratio1"]
-    text = lower_for_tpu(_entry("tpu", e), *_released(t, r, dtype, e, state), device_kind=kind)
+    text = aot.lower_for_tpu(_entry("tpu", e), *_released(t, r, dtype, e, state), device_kind=kind)
     assert "tpu_custom_call" in text
 
 
 def test_gpu_kernel_lowers_for_h100():
     t, r, dtype, e, state = RELEASED_CASES["decode-ratio1"]
-    assert "triton" in lower_for_gpu(_entry("gpu", e), *_released(t, r, dtype, e, state))
+    assert "triton" in aot.lower_for_gpu(_entry("gpu", e), *_released(t, r, dtype, e, state))
 
 
-@requires_libtpu
+@aot.requires_libtpu
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
-@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
+@pytest.mark.parametrize("topology", aot.TPU_TOPOLOGIES)
 def test_tpu_kernel_compiles(topology, case):
     t, r, dtype, e, state = RELEASED_CASES[case]
-    compile_for_tpu(_entry("tpu", e), *_released(t, r, dtype, e, state), topology=topology)
+    aot.compile_for_tpu(_entry("tpu", e), *_released(t, r, dtype, e, state), topology=topology)
 
 
-@requires_libtpu
+@aot.requires_libtpu
 def test_tpu_kernel_with_row_sharing_compiles():
     """Speculative decode: 32 requests x 4 tokens, tiles of 4 sharing their union."""
     args = _released(128, 32, jnp.bfloat16, 64, True)
-    compile_for_tpu(_entry("tpu", 64, tokens_per_tile=4), *args, topology="v5e:1x1")
+    aot.compile_for_tpu(_entry("tpu", 64, tokens_per_tile=4), *args, topology="v5e:1x1")
 
 
-@requires_cuda_plugin
+@aot.requires_cuda_plugin
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
 def test_gpu_kernel_compiles_for_h100(case):
     t, r, dtype, e, state = RELEASED_CASES[case]
-    compile_for_h100(_entry("gpu", e), *_released(t, r, dtype, e, state))
+    aot.compile_for_h100(_entry("gpu", e), *_released(t, r, dtype, e, state))
 
 
-@requires_libtpu
-@requires_cuda_plugin
+@aot.requires_libtpu
+@aot.requires_cuda_plugin
 def test_kernels_compile_for_awkward_sizes():
     """Nothing needs powers of two or aligned counts: 100 tokens, top-300, 999 pages, 77-wide
     tables (Triton shapes are padded inside the kernel entry)."""
@@ -331,5 +314,5 @@ def test_kernels_compile_for_awkward_sizes():
         sds((100, 64, 512), bf16), sds((999, 64, 512), bf16), sds((3, 77), i32),
         sds((100,), i32), sds((100,), i32), sds((100, 300), i32), sds((64,), jnp.float32),
     )  # fmt: skip
-    compile_for_h100(_entry("gpu", 64), *args)
-    compile_for_tpu(_entry("tpu", 64), *args, topology="v6e:1x1")
+    aot.compile_for_h100(_entry("gpu", 64), *args)
+    aot.compile_for_tpu(_entry("tpu", 64), *args, topology="v6e:1x1")

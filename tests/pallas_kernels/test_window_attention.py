@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import functools
 
+import aot
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import (
-    TPU_TOPOLOGIES,
-    compile_for_h100,
-    compile_for_tpu,
-    lower_for_gpu,
-    lower_for_tpu,
-    requires_cuda_plugin,
-    requires_libtpu,
-)
 from paged_cases import Step, checking_tpu_interpreter, cpu_only, kernel_mode, make_step
 
 from pallas_kernels import window_attention
@@ -44,14 +36,7 @@ PADDING = {"decode": 1, "prefill": 2, "mixed": 2}
 
 def _args(step: Step, dtype):
     """The positional arguments and the static keywords of a step."""
-    args = (
-        jnp.asarray(step.q, dtype),
-        jnp.asarray(step.swa.pages, dtype),
-        jnp.asarray(step.swa.tables),
-        jnp.asarray(step.token_req),
-        jnp.asarray(step.positions),
-        jnp.asarray(step.sink),
-    )
+    args = step.kernel_args(step.swa, dtype)
     rs = None if step.replay_start is None else jnp.asarray(step.replay_start)
     return args, dict(window=step.window, scale=step.scale, replay_start=rs)
 
@@ -232,28 +217,28 @@ RELEASED_CASES = {"decode": (128, 128, jnp.bfloat16, False), "prefill": (512, 2,
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
 def test_tpu_kernel_lowers(kind):
     t, r, dtype, state = RELEASED_CASES["decode"]
-    assert "tpu_custom_call" in lower_for_tpu(_entry("tpu", state), *_released(t, r, dtype),
-                                              device_kind=kind)  # fmt: skip
+    assert "tpu_custom_call" in aot.lower_for_tpu(_entry("tpu", state), *_released(t, r, dtype),
+                                                  device_kind=kind)  # fmt: skip
 
 
 def test_gpu_kernel_lowers_for_h100():
     t, r, dtype, state = RELEASED_CASES["decode"]
-    assert "triton" in lower_for_gpu(_entry("gpu", state), *_released(t, r, dtype))
+    assert "triton" in aot.lower_for_gpu(_entry("gpu", state), *_released(t, r, dtype))
 
 
-@requires_libtpu
+@aot.requires_libtpu
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
-@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
+@pytest.mark.parametrize("topology", aot.TPU_TOPOLOGIES)
 def test_tpu_kernel_compiles(topology, case):
     t, r, dtype, state = RELEASED_CASES[case]
-    compile_for_tpu(_entry("tpu", state), *_released(t, r, dtype), topology=topology)
+    aot.compile_for_tpu(_entry("tpu", state), *_released(t, r, dtype), topology=topology)
 
 
-@requires_cuda_plugin
+@aot.requires_cuda_plugin
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
 def test_gpu_kernel_compiles_for_h100(case):
     t, r, dtype, state = RELEASED_CASES[case]
-    compile_for_h100(_entry("gpu", state), *_released(t, r, dtype))
+    aot.compile_for_h100(_entry("gpu", state), *_released(t, r, dtype))
 
 
 # --------------------------------------------------------------------------- benchmark
