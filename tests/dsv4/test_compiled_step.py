@@ -15,6 +15,7 @@ small machine may want TEST_WORKERS=1."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -27,8 +28,15 @@ import pytest
 from dsv4 import compiled_step as C
 from dsv4 import plan as P
 from dsv4.config import tiny_v41
-from tests.pallas_kernels.aot import requires_cuda_plugin, requires_libtpu
 
+requires_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (pip install -e '.[aot]')",
+)
+requires_cuda_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+    reason="jax-cuda12-plugin not installed (pip install -e '.[aot]')",
+)
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 MESH = P.MeshAxes(data=1, expert=4, model=2)
