@@ -202,6 +202,18 @@ def to_vllm_config(kv_cache_config: Any, prefix_cache_retention_interval: int | 
 # --------------------------------------------------------------------------------------------
 
 
+def _on_vllm_request(name: str) -> property:
+    """An attribute of `MirroredRequest` that lives on its vLLM request."""
+
+    def get(self):
+        return getattr(self.vllm_request, name)
+
+    def set_(self, value) -> None:
+        setattr(self.vllm_request, name, value)
+
+    return property(get, set_)
+
+
 class MirroredRequest(Request):
     """Our `cache.Request` (what the Scheduler reads and writes) paired with the vLLM
     ``Request`` that vLLM's manager reads.
@@ -223,21 +235,11 @@ class MirroredRequest(Request):
         self._preempted_status = preempted_status
         super().__init__(request_id, prompt_token_ids, **kwargs)
 
-    @property
-    def num_computed_tokens(self) -> int:
-        return self.vllm_request.num_computed_tokens
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        self.vllm_request.num_computed_tokens = value
-
-    @property
-    def num_in_flight_tokens(self) -> int:
-        return self.vllm_request.num_in_flight_tokens
-
-    @num_in_flight_tokens.setter
-    def num_in_flight_tokens(self, value: int) -> None:
-        self.vllm_request.num_in_flight_tokens = value
+    # the Scheduler's progress fields: read and written on the vLLM request
+    num_computed_tokens = _on_vllm_request("num_computed_tokens")
+    num_in_flight_tokens = _on_vllm_request("num_in_flight_tokens")
+    spec_token_ids = _on_vllm_request("spec_token_ids")
+    shared_prefix_boundary = _on_vllm_request("shared_prefix_boundary")
 
     @property
     def num_preemptions(self) -> int:
@@ -250,22 +252,6 @@ class MirroredRequest(Request):
             vllm_request.status = self._preempted_status
         vllm_request.num_preemptions = value
 
-    @property
-    def spec_token_ids(self) -> list[int]:
-        return self.vllm_request.spec_token_ids
-
-    @spec_token_ids.setter
-    def spec_token_ids(self, value: list[int]) -> None:
-        self.vllm_request.spec_token_ids = value
-
-    @property
-    def shared_prefix_boundary(self) -> int:
-        return self.vllm_request.shared_prefix_boundary
-
-    @shared_prefix_boundary.setter
-    def shared_prefix_boundary(self, value: int) -> None:
-        self.vllm_request.shared_prefix_boundary = value
-
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         if not isinstance(token_ids, int):
             token_ids = list(token_ids)
@@ -274,19 +260,13 @@ class MirroredRequest(Request):
 
 
 class VllmKVCacheManager:
-    """`cache.KVCacheManager`'s interface, as `serving.scheduler.Scheduler` calls it, over a
-    vLLM 0.32 ``KVCacheManager``.
-
-    The translation is what vLLM's own scheduler does around its manager, call by call:
-    docs/benchmarks.md#benchmarksadaptersvllmkvcachemanager.
+    """`cache.KVCacheManager`'s interface over ``manager``, a vLLM 0.32 ``KVCacheManager`` (or one
+    shaped like it), driven as vLLM's scheduler drives it: docs/benchmarks.md#benchmarksadapters.
 
     Args:
-        manager: vLLM's ``KVCacheManager``, or anything shaped like it.
-        new_vllm_request: ``(request_id, prompt_token_ids) -> vLLM Request`` hashed every
-            ``hash_block_size`` tokens.
+        new_vllm_request: ``(request_id, prompt_token_ids) -> vLLM Request``, hashed per block.
         hash_block_size, scheduler_block_size: the block sizes ``manager`` was built with.
-        prefix_replay_tokens: the bounded-replay window (vLLM ``Scheduler.prefix_replay_tokens``;
-            0: none).
+        prefix_replay_tokens: the bounded-replay window (vLLM's; 0: none).
         running_status, preempted_status: vLLM's ``RequestStatus.RUNNING`` / ``PREEMPTED``.
     """
 

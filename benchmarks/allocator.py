@@ -135,6 +135,19 @@ def run_benchmark(
     """Run the benchmark and return the result dict (what ``main`` prints as JSON)."""
     t0 = time.perf_counter()
     wl, scale = make_workload(quick, seed)
+    out = _header(wl, quick, seed, with_vllm)
+    for layout in layouts:
+        kv_cfg = make_layout(layout, scale=scale)
+        for la in lookaheads:
+            out["results"][f"{layout}/lookahead{la}"] = _measure(
+                wl, kv_cfg, la, with_vllm=with_vllm, repeats=repeats, keep_logs=keep_logs
+            )
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def _header(wl: ChatWorkload, quick: bool, seed: int, with_vllm: bool) -> dict[str, Any]:
+    """The result dict before any run: the workload, the loop's limits, the versions."""
     out: dict[str, Any] = {
         "benchmark": "allocator",
         "quick": quick,
@@ -151,65 +164,63 @@ def run_benchmark(
         "results": {},
     }
     if with_vllm:
-        import vllm
+        import vllm  # reason: optional, only with --with-vllm
 
         out["vllm_version"] = getattr(vllm, "__version__", "?")
         out["pythonhashseed"] = os.environ.get("PYTHONHASHSEED")
-    for layout in layouts:
-        kv_cfg = make_layout(layout, scale=scale)
-        for la in lookaheads:
-            key = f"{layout}/lookahead{la}"
-            cfg = _loop_config(la)
-            entry: dict[str, Any] = {"num_blocks": kv_cfg.num_blocks}
-            kinds = ("ours", "vllm") if with_vllm else ("ours",)
-            factories = {k: _factory(k, kv_cfg) for k in kinds}
-            # Logged runs (decision equality) are kept out of the timings.
-            logged = (
-                {k: run_loop(wl, factories[k](), cfg, name=k, record_log=True) for k in kinds}
-                if with_vllm or keep_logs
-                else {}
-            )
-            timed: dict[str, list[LoopResult]] = {k: [] for k in kinds}
-            for _ in range(repeats):
-                for k in kinds:  # alternate ours / vLLM
-                    timed[k].append(run_loop(wl, factories[k](), cfg, name=k))
-            for k in kinds:
-                entry[k] = _best(timed[k])
-                entry[k + "_counts"] = (logged.get(k) or timed[k][0]).counts()
-            if with_vllm:
-                ours, theirs = entry["ours"], entry["vllm"]
-                entry["ratio_vllm_over_ours"] = {
-                    m: round(theirs[m] / ours[m], 3) if ours[m] else None for m in METRICS
-                }
-                # steps/s is a rate: invert so that > 1 still means "ours is faster".
-                if ours["steps_per_s"] and theirs["steps_per_s"]:
-                    entry["ratio_vllm_over_ours"]["steps_per_s"] = round(
-                        ours["steps_per_s"] / theirs["steps_per_s"], 3
-                    )
-                diff = first_difference(logged["ours"].log, logged["vllm"].log)
-                entry["decisions_identical"] = diff is None
-                raw = [
-                    (a, b)
-                    for a, b in zip(logged["ours"].raw_hits, logged["vllm"].raw_hits, strict=False)
-                    if a != b
-                ]
-                # Raw get_computed_blocks hit lengths that differ before the scheduler-side
-                # bounded-replay drop (ours drops hits <= window inside the call).
-                entry["raw_hit_differences"] = len(raw)
-                if raw:
-                    entry["first_raw_hit_difference"] = {"ours": raw[0][0], "vllm": raw[0][1]}
-                entry["log_entries"] = len(logged["ours"].log)
-                if diff is not None:
-                    entry["first_difference"] = {
-                        "index": diff["index"],
-                        "ours": diff["a"],
-                        "vllm": diff["b"],
-                    }
-            if keep_logs:
-                entry["_logs"] = {k: logged[k].log for k in kinds}
-            out["results"][key] = entry
-    out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+def _measure(
+    wl: ChatWorkload, kv_cfg, lookahead: int, *, with_vllm: bool, repeats: int, keep_logs: bool
+) -> dict[str, Any]:
+    """One layout and lookahead: best timings and counts of ours (and vLLM's), compared."""
+    cfg = _loop_config(lookahead)
+    entry: dict[str, Any] = {"num_blocks": kv_cfg.num_blocks}
+    kinds = ("ours", "vllm") if with_vllm else ("ours",)
+    factories = {k: _factory(k, kv_cfg) for k in kinds}
+    # Logged runs (decision equality) are kept out of the timings.
+    logged = (
+        {k: run_loop(wl, factories[k](), cfg, name=k, record_log=True) for k in kinds}
+        if with_vllm or keep_logs
+        else {}
+    )
+    timed: dict[str, list[LoopResult]] = {k: [] for k in kinds}
+    for _ in range(repeats):
+        for k in kinds:  # alternate ours / vLLM
+            timed[k].append(run_loop(wl, factories[k](), cfg, name=k))
+    for k in kinds:
+        entry[k] = _best(timed[k])
+        entry[k + "_counts"] = (logged.get(k) or timed[k][0]).counts()
+    if with_vllm:
+        _compare(entry, logged["ours"], logged["vllm"])
+    if keep_logs:
+        entry["_logs"] = {k: logged[k].log for k in kinds}
+    return entry
+
+
+def _compare(entry: dict[str, Any], ours_log: LoopResult, vllm_log: LoopResult) -> None:
+    """Add vLLM-over-ours ratios and where the two runs' decisions first differ to ``entry``."""
+    ours, theirs = entry["ours"], entry["vllm"]
+    entry["ratio_vllm_over_ours"] = {
+        m: round(theirs[m] / ours[m], 3) if ours[m] else None for m in METRICS
+    }
+    # steps/s is a rate: invert so that > 1 still means "ours is faster".
+    if ours["steps_per_s"] and theirs["steps_per_s"]:
+        entry["ratio_vllm_over_ours"]["steps_per_s"] = round(
+            ours["steps_per_s"] / theirs["steps_per_s"], 3
+        )
+    diff = first_difference(ours_log.log, vllm_log.log)
+    entry["decisions_identical"] = diff is None
+    raw = [(a, b) for a, b in zip(ours_log.raw_hits, vllm_log.raw_hits, strict=False) if a != b]
+    # Raw get_computed_blocks hit lengths that differ before the scheduler-side
+    # bounded-replay drop (ours drops hits <= window inside the call).
+    entry["raw_hit_differences"] = len(raw)
+    if raw:
+        entry["first_raw_hit_difference"] = {"ours": raw[0][0], "vllm": raw[0][1]}
+    entry["log_entries"] = len(ours_log.log)
+    if diff is not None:
+        entry["first_difference"] = {"index": diff["index"], "ours": diff["a"], "vllm": diff["b"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,35 +140,7 @@ def measure(
         blocks_per_request(g, max_model_len, MAX_NUM_BATCHED_TOKENS) for g in config.kv_cache_groups
     )
     layers = _layers(aliased)
-    checks: dict[str, dict[str, Any]] = {}
-    for kind, want in SECTION_3_3.get(preset, {}).items():
-        got = (layers[kind]["real_page_bytes"], layers[kind]["page_bytes"])
-        checks[f"{preset}/{kind}"] = {"expected": list(want), "got": list(got), "ok": got == want}
-    layout_bytes = config_pool_bytes(config)
-    checks[f"{preset}/aliased_pool_bytes"] = {
-        "expected": [layout_bytes, report.pool_bytes_per_block * num_blocks],
-        "got": aliased.pool_bytes(),
-        "ok": aliased.pool_bytes() == layout_bytes == report.pool_bytes_per_block * num_blocks,
-    }
-    sep_want = num_blocks * sum(lp.page_bytes for lp in separate.layers)
-    checks[f"{preset}/separate_pool_bytes"] = {
-        "expected": sep_want,
-        "got": separate.pool_bytes(),
-        "ok": separate.pool_bytes() == sep_want,
-    }
-    records = {
-        kind: {
-            "record": formats.record(kind),
-            "bytes": get_record(formats.record(kind)).record_bytes(dim),
-            "dim": dim,
-        }
-        for kind, dim in (
-            ("swa", cfg.head_dim),
-            ("compressed", cfg.head_dim),
-            ("index", cfg.index_head_dim),
-            ("ring", 2 * cfg.head_dim),
-        )
-    }
+    checks = _checks(preset, layers, config, report, aliased, separate, num_blocks)
     entry = {
         "platform": platform,
         **plat,
@@ -177,7 +149,7 @@ def measure(
             "compressed": formats.compressed,
             "index": formats.index,
         },
-        "records": records,
+        "records": _records(cfg, formats),
         "layers": layers,
         "groups": _groups(aliased, separate),
         "aliased": {
@@ -198,6 +170,46 @@ def measure(
         "blocks_per_request_at_max_len": blocks_per_req,
     }
     return entry, checks
+
+
+def _checks(
+    preset: str, layers: dict, config, report, aliased, separate, num_blocks: int
+) -> dict[str, dict[str, Any]]:
+    """Page sizes against section 3.3's, and each pool's bytes against the layout's."""
+    checks: dict[str, dict[str, Any]] = {}
+    for kind, want in SECTION_3_3.get(preset, {}).items():
+        got = (layers[kind]["real_page_bytes"], layers[kind]["page_bytes"])
+        checks[f"{preset}/{kind}"] = {"expected": list(want), "got": list(got), "ok": got == want}
+    layout_bytes = config_pool_bytes(config)
+    checks[f"{preset}/aliased_pool_bytes"] = {
+        "expected": [layout_bytes, report.pool_bytes_per_block * num_blocks],
+        "got": aliased.pool_bytes(),
+        "ok": aliased.pool_bytes() == layout_bytes == report.pool_bytes_per_block * num_blocks,
+    }
+    sep_want = num_blocks * sum(lp.page_bytes for lp in separate.layers)
+    checks[f"{preset}/separate_pool_bytes"] = {
+        "expected": sep_want,
+        "got": separate.pool_bytes(),
+        "ok": separate.pool_bytes() == sep_want,
+    }
+    return checks
+
+
+def _records(cfg: ModelConfig, formats: CacheFormats) -> dict[str, dict[str, Any]]:
+    """Each cache kind's record format, its bytes and the dimension it stores."""
+    return {
+        kind: {
+            "record": formats.record(kind),
+            "bytes": get_record(formats.record(kind)).record_bytes(dim),
+            "dim": dim,
+        }
+        for kind, dim in (
+            ("swa", cfg.head_dim),
+            ("compressed", cfg.head_dim),
+            ("index", cfg.index_head_dim),
+            ("ring", 2 * cfg.head_dim),
+        )
+    }
 
 
 def _cache_layout_defaults(num_blocks: int, max_model_len: int) -> dict[str, Any]:

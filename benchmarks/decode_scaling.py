@@ -8,16 +8,13 @@ Fields: docs/benchmarks.md#benchmarksdecode_scaling.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import batch_sizes
+from benchmarks import batch_sizes, run_and_print, tiny_v41_header
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 PATHS = ("generate", "paged", "matmuls", "rest")
@@ -125,6 +122,7 @@ class PagedCase:
         from dsv4.paged import pools as P
         from dsv4.paged import records as R
         from dsv4.paged.batch import rows_needed
+        from serving.config import SchedulerConfig
         from serving.input_batch import InputBatch
         from serving.scheduler import Scheduler, StopCriteria
 
@@ -137,8 +135,9 @@ class PagedCase:
         budget = batch * prompt_len
         mgr = KVCacheManager(self.config, max_model_len, enable_caching=False,
                              max_num_batched_tokens=budget)  # fmt: skip
-        scheduler = Scheduler(mgr, max_num_seqs=batch, max_num_batched_tokens=budget,
-                              max_model_len=max_model_len)  # fmt: skip
+        sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
+                                async_scheduling=False)  # fmt: skip
+        scheduler = Scheduler(mgr, sched, max_model_len=max_model_len)
         self.params, self.cfg, self.calls = params, cfg, calls
         self.max_model_len = max_model_len
         self.token_bucket = token_bucket or batch
@@ -423,7 +422,7 @@ def run_benchmark(
     import jax
 
     from dsv4.config import tiny_v41
-    from dsv4.params import count_params, init_params
+    from dsv4.params import init_params
 
     t0 = time.perf_counter()
     cfg = tiny_v41()
@@ -441,15 +440,7 @@ def run_benchmark(
         for case in cases.values():
             case.measure()
     out: dict[str, Any] = {
-        "benchmark": "decode_scaling",
-        "model": "tiny_v41",
-        "params": count_params(cfg),
-        "dtype": "float32",
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
+        **tiny_v41_header("decode_scaling", cfg),
         "batches": list(batches),
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -460,6 +451,18 @@ def run_benchmark(
     _summary(out, cases, batches, paths, paged)
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+# the flags `run_benchmark` takes as they are parsed
+_FLAGS_AS_GIVEN = (
+    "prompt_len",
+    "new_tokens",
+    "repeats",
+    "paged_calls",
+    "token_bucket",
+    "request_bucket",
+    "seed",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -478,22 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = tuple(p for p in args.paths.split(",") if p)
     if not paths or not set(paths) <= set(PATHS):
         ap.error(f"--paths must be a comma list from {','.join(PATHS)}, got {args.paths!r}")
-    try:
-        res = run_benchmark(
-            batches=batches,
-            prompt_len=args.prompt_len,
-            new_tokens=args.new_tokens,
-            repeats=args.repeats,
-            paged_calls=args.paged_calls,
-            token_bucket=args.token_bucket,
-            request_bucket=args.request_bucket,
-            paths=paths,
-            seed=args.seed,
-        )
-    except ValueError as exc:
-        ap.error(str(exc))
-    print(json.dumps(res, sort_keys=True))
-    return 0
+    return run_and_print(ap, run_benchmark, args, *_FLAGS_AS_GIVEN, batches=batches, paths=paths)
 
 
 if __name__ == "__main__":

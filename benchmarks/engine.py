@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks import batch_sizes
+from benchmarks import at_least_one, batch_sizes
 
 DEFAULT_BATCHES = (1, 8, 32)
 
@@ -106,15 +106,16 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> tuple
     import numpy as np
 
     from serving import sampler as S
+    from serving.config import SchedulerConfig
     from serving.input_batch import InputBatch
     from serving.sampling_params import SamplingParams
     from serving.scheduler import Scheduler, StopCriteria
 
     runner = llm.engine.runner
     manager = llm.engine.kv_cache_manager
-    scheduler = Scheduler(manager, max_num_seqs=batch,
-                          max_num_batched_tokens=llm.engine.scheduler.max_num_batched_tokens,
-                          max_model_len=runner.max_model_len)  # fmt: skip
+    sched = SchedulerConfig(max_num_seqs=batch, async_scheduling=False,
+                            max_num_batched_tokens=llm.engine.scheduler.max_num_batched_tokens)  # fmt: skip
+    scheduler = Scheduler(manager, sched, max_model_len=runner.max_model_len)
     inputs = InputBatch(batch, engram_lookback=llm.cfg.engram_lookback)
     rng = np.random.default_rng(1)  # prompts nobody else sends: no prefix hit on these blocks
     ids = [f"device{i}" for i in range(batch)]
@@ -218,26 +219,7 @@ def measure(
         asyn = _engine_run(llms["async"], prompts, sp, repeats)
         burst = _engine_run(llms["burst"], prompts, sp, repeats)
         device, loop = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
-        results[f"batch_{b}"] = {
-            "batch": b,
-            "generate_tokens_per_s": round(gen, 1),
-            "engine_sync_tokens_per_s": round(sync["tokens_per_s"], 1),
-            "engine_async_tokens_per_s": round(asyn["tokens_per_s"], 1),
-            "engine_over_generate": round(gen / asyn["tokens_per_s"], 3),
-            "async_speedup": round(asyn["tokens_per_s"] / sync["tokens_per_s"], 3),
-            "engine_burst_tokens_per_s": round(burst["tokens_per_s"], 1),
-            "burst_over_generate": round(gen / burst["tokens_per_s"], 3),
-            "burst_ms_per_step": round(burst["ms_per_step"], 3),
-            "steps": asyn["steps"],
-            "host_ms_per_step": round(sync["host_ms_per_step"], 3),
-            "device_ms_per_step": round(device, 3),
-            "loop_ms_per_step": round(loop, 3),
-            "sync_ms_per_step": round(sync["ms_per_step"], 3),
-            "async_ms_per_step": round(asyn["ms_per_step"], 3),
-            "ttft_ms": _percentiles(asyn["ttft"]),
-            "tpot_ms": _percentiles(asyn["tpot"]),
-            "engine_compilations": sum(r["compilations"] for r in (sync, asyn, burst)),
-        }
+        results[f"batch_{b}"] = _batch_row(b, gen, sync, asyn, burst, device, loop)
     return {
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
@@ -252,6 +234,30 @@ def measure(
     }
 
 
+def _batch_row(b: int, gen: float, sync: dict, asyn: dict, burst: dict, device, loop) -> dict:
+    """One batch size's row: generate's and each engine mode's rates, per-step times, latencies."""
+    return {
+        "batch": b,
+        "generate_tokens_per_s": round(gen, 1),
+        "engine_sync_tokens_per_s": round(sync["tokens_per_s"], 1),
+        "engine_async_tokens_per_s": round(asyn["tokens_per_s"], 1),
+        "engine_over_generate": round(gen / asyn["tokens_per_s"], 3),
+        "async_speedup": round(asyn["tokens_per_s"] / sync["tokens_per_s"], 3),
+        "engine_burst_tokens_per_s": round(burst["tokens_per_s"], 1),
+        "burst_over_generate": round(gen / burst["tokens_per_s"], 3),
+        "burst_ms_per_step": round(burst["ms_per_step"], 3),
+        "steps": asyn["steps"],
+        "host_ms_per_step": round(sync["host_ms_per_step"], 3),
+        "device_ms_per_step": round(device, 3),
+        "loop_ms_per_step": round(loop, 3),
+        "sync_ms_per_step": round(sync["ms_per_step"], 3),
+        "async_ms_per_step": round(asyn["ms_per_step"], 3),
+        "ttft_ms": _percentiles(asyn["ttft"]),
+        "tpot_ms": _percentiles(asyn["tpot"]),
+        "engine_compilations": sum(r["compilations"] for r in (sync, asyn, burst)),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
@@ -262,15 +268,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-scheduler-steps", type=int, default=16)
     args = parser.parse_args(argv)
     batches = batch_sizes(parser, args.batches)
-    for flag, value in (
-        ("--prompt-len", args.prompt_len),
-        ("--new-tokens", args.new_tokens),
-        ("--repeats", args.repeats),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        ("--num-scheduler-steps", args.num_scheduler_steps),
-    ):
-        if value < 1:
-            parser.error(f"{flag} {value}: must be >= 1")
+    at_least_one(
+        parser,
+        args,
+        "prompt_len",
+        "new_tokens",
+        "repeats",
+        "max_num_batched_tokens",
+        "num_scheduler_steps",
+    )
     if args.prompt_len + args.new_tokens + 8 > 512:
         parser.error("--prompt-len + --new-tokens must stay under tiny_v41's 504 tokens")
     t0 = time.perf_counter()

@@ -6,15 +6,12 @@ Prints one JSON line. Fields: docs/benchmarks.md#benchmarksgenerate_cpu.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import batch_sizes
+from benchmarks import batch_sizes, run_and_print, tiny_v41_header
 
 DEFAULT_BATCHES = (1, 8)
 
@@ -89,7 +86,7 @@ def run_benchmark(
     import jax
 
     from dsv4.config import tiny_v41
-    from dsv4.params import count_params, init_params
+    from dsv4.params import init_params
 
     t0 = time.perf_counter()
     cfg = tiny_v41()
@@ -106,15 +103,7 @@ def run_benchmark(
         for b in batches
     }
     out: dict[str, Any] = {
-        "benchmark": "generate_cpu",
-        "model": "tiny_v41",
-        "params": count_params(cfg),
-        "dtype": "float32",
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
+        **tiny_v41_header("generate_cpu", cfg),
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "repeats": repeats,
@@ -138,18 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     batches = batch_sizes(ap, args.batches)
-    try:
-        res = run_benchmark(
-            batches=batches,
-            prompt_len=args.prompt_len,
-            new_tokens=args.new_tokens,
-            repeats=args.repeats,
-            seed=args.seed,
-        )
-    except ValueError as exc:
-        ap.error(str(exc))
-    print(json.dumps(res, sort_keys=True))
-    return 0
+    flags = ("prompt_len", "new_tokens", "repeats", "seed")  # passed to run_benchmark as parsed
+    return run_and_print(ap, run_benchmark, args, *flags, batches=batches)
 
 
 if __name__ == "__main__":

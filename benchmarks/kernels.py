@@ -101,6 +101,19 @@ def _pool_pages(rows_per_page: int, pool_bytes: float, row_bytes: int | None = N
     return int(pool_bytes // (rows_per_page * row_bytes)) + 1
 
 
+def _attention_inputs(
+    rng: np.random.Generator, key: int, shape: Shape, num_pages: int, page: int, blocks: int
+) -> tuple:
+    """An attention bench's queries, random page pool, block tables and tokens' requests (the
+    pool and queries from PRNG keys ``key`` and ``key + 1``, the tables from ``rng``)."""
+    t, r = shape.tokens, shape.batch
+    pages = jax.random.normal(jax.random.key(key), (num_pages, page, LATENT), DTYPE)
+    tables = rng.integers(1, num_pages, (r, blocks), dtype=np.int32)
+    q = jax.random.normal(jax.random.key(key + 1), (t, HEADS, LATENT), DTYPE)
+    req = np.repeat(np.arange(r, dtype=np.int32), t // r)
+    return q, pages, jnp.asarray(tables), jnp.asarray(req)
+
+
 def window_bench(shape: Shape, impl: str | None, pool_bytes: float = POOL_BYTES) -> Bench:
     """Window attention of every token over its 128-token window (one layer)."""
     t, r = shape.tokens, shape.batch
@@ -113,12 +126,9 @@ def window_bench(shape: Shape, impl: str | None, pool_bytes: float = POOL_BYTES)
     )  # fmt: skip
 
     def make_args(rng: np.random.Generator):
-        pages = jax.random.normal(jax.random.key(0), (num_pages, SWA_PAGE, LATENT), DTYPE)
-        tables = rng.integers(1, num_pages, (r, nb), dtype=np.int32)
-        q = jax.random.normal(jax.random.key(1), (t, HEADS, LATENT), DTYPE)
-        req = np.repeat(np.arange(r, dtype=np.int32), t // r)
+        inputs = _attention_inputs(rng, 0, shape, num_pages, SWA_PAGE, nb)
         sink = jnp.zeros((HEADS,), jnp.float32)
-        return q, pages, jnp.asarray(tables), jnp.asarray(req), jnp.asarray(_positions(shape)), sink
+        return (*inputs, jnp.asarray(_positions(shape)), sink)
 
     def run(*args):
         return window_attention(*args, window=WINDOW, scale=LATENT**-0.5, impl=impl)
@@ -130,7 +140,7 @@ def sparse_bench(
     shape: Shape, impl: str | None, pool_bytes: float = POOL_BYTES, ratio: int = 1
 ) -> Bench:
     """Sparse attention over 512 selected compressed entries, continuing a window state."""
-    t, r = shape.tokens, shape.batch
+    t = shape.tokens
     per_block = COMP_BLOCK // ratio
     entries = shape.context // ratio
     nbc = shape.context // COMP_BLOCK
@@ -143,10 +153,7 @@ def sparse_bench(
     )  # fmt: skip
 
     def make_args(rng: np.random.Generator):
-        pages = jax.random.normal(jax.random.key(2), (num_pages, per_block, LATENT), DTYPE)
-        tables = rng.integers(1, num_pages, (r, nbc), dtype=np.int32)
-        q = jax.random.normal(jax.random.key(3), (t, HEADS, LATENT), DTYPE)
-        req = np.repeat(np.arange(r, dtype=np.int32), t // r)
+        inputs = _attention_inputs(rng, 2, shape, num_pages, per_block, nbc)
         # distinct entries spread over the context (random start, even stride): random pages
         stride = entries // k
         topk = (rng.integers(0, entries, (t, 1)) + np.arange(k) * stride) % entries
@@ -157,8 +164,7 @@ def sparse_bench(
             jnp.ones((t, HEADS), jnp.float32),
             jnp.zeros((t, HEADS, LATENT), jnp.float32),
         )
-        args = (q, pages, jnp.asarray(tables), jnp.asarray(req), jnp.asarray(_positions(shape)))
-        return (*args, jnp.asarray(topk), sink, state)
+        return (*inputs, jnp.asarray(_positions(shape)), jnp.asarray(topk), sink, state)
 
     def run(*args):
         *args, state = args
@@ -190,7 +196,7 @@ def indexer_tile(impl: str | None) -> int:
     return tpu_indexer.TOKENS_PER_TILE
 
 
-def _indexer_cost(
+def summed_indexer_cost(
     visible: np.ndarray,
     *,
     k: int,
@@ -270,7 +276,7 @@ def indexer_bench(
     cap = CAND_BLOCKS * CAND_BLOCK if mode == "consumer" else None
     tile = indexer_tile(impl)
     req = np.repeat(np.arange(shape.batch, dtype=np.int32), shape.tokens // shape.batch)
-    cost = _indexer_cost(
+    cost = summed_indexer_cost(
         visible, k=TOPK, per_block=per_block, cand_out=CAND_BLOCKS * (mode == "source"), cap=cap,
         token_req=req, tile=tile, fp8=fp8,
     )  # fmt: skip
@@ -341,7 +347,7 @@ def indexer_scoring_bench(
     without outputs (what any scoring pass must read), so `hbm_roofline_pct` compares with it."""
     del impl  # plain jnp on every platform
     per_block, nb, num_pages, visible = _indexer_inputs(shape, ratio, pool_bytes)
-    cost = _indexer_cost(visible, k=0, per_block=per_block, cand_out=0, cap=None)
+    cost = summed_indexer_cost(visible, k=0, per_block=per_block, cand_out=0, cap=None)
     base = _indexer_make_args(shape, per_block, nb, num_pages, visible)
     per_token = nb * per_block * (INDEX_DIM * jnp.dtype(DTYPE).itemsize + INDEX_HEADS * 4 + 4)
     steps = -(-shape.tokens // max(1, int(SCORE_GROUP_BYTES // per_token)))
@@ -478,7 +484,7 @@ def measure(bench: Bench, shape: Shape, *, timed: bool, peak: float | None, repe
     return row
 
 
-def _timing_order(shape_list: list[Shape]) -> list[int]:
+def timing_order(shape_list: list[Shape]) -> list[int]:
     """The order rows are timed in, most telling first (what a time budget keeps): decode at
     the largest batch, then prefill, then the smaller batches, larger first."""
     big = max((s.batch for s in shape_list if s.phase == "decode"), default=0)
@@ -533,7 +539,7 @@ def run_benchmark(
             share_end = now + max(0.0, deadline - now) / (len(kernels) - i)
         partner = SCORING_OF.get(name)
         rows: list[dict[str, Any]] = [{}] * len(shape_list)
-        for j in _timing_order(shape_list):
+        for j in timing_order(shape_list):
             shape = shape_list[j]
             skip = None
             if timed and share_end is not None and time.monotonic() > share_end:

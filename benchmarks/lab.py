@@ -11,9 +11,9 @@ import json
 import sys
 import time
 
-from serving import lab
-from serving.lab import experiment as X
-from serving.lab.drive import ModelFreeBackend, drive
+import lab
+from lab import experiment as X
+from lab.drive import ModelFreeBackend, drive
 
 TABLE_GIB = (16.0, 0.5)  # a roomy pool and one under pressure
 _TABLE_FIELDS = (
@@ -48,9 +48,9 @@ def speed(
     )
     cfg = lab.LabConfig(pool_blocks=8000, max_model_len=8192)
     # the Scheduler and the allocator alone (the lab's loop, no metering)
-    manager = X._manager(lab.build_layout(cfg), cfg)
+    manager = X.make_manager(lab.build_layout(cfg), cfg)
     t0 = time.perf_counter()
-    plain = drive(wl, ModelFreeBackend(X._scheduler(manager, cfg)), max_steps=max_steps)
+    plain = drive(wl, ModelFreeBackend(X.make_scheduler(manager, cfg)), max_steps=max_steps)
     plain_wall = time.perf_counter() - t0
     # a whole lab run: the same plus KV bytes per group, the cost model and TTFT every step
     t0 = time.perf_counter()

@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from serving.lab import quality as Q
+from benchmarks import at_least_one
+from lab import quality as Q
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -30,9 +31,7 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.topk = [int(v) for v in a.topk.split(",")]
     if a.quick:
         a.pieces, a.topk = 4, [16, 8]
-    for flag in ("pieces", "prefix", "tail"):
-        if getattr(a, flag) < 1:
-            p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
+    at_least_one(p, a, "pieces", "prefix", "tail")
     if any(k < 1 for k in a.topk):
         p.error(f"--topk {a.topk}: every value must be >= 1")
     return a

@@ -17,8 +17,8 @@ import textwrap
 import time
 from typing import Any
 
-from dsv4 import plan as P
 from dsv4.config import ModelConfig, v41_flash
+from planner import plan as P
 
 TABLE_SLICES = (
     "v5e-64",
@@ -51,9 +51,9 @@ def _target_weights(item: str) -> tuple[str, str]:
 def compiled_step(
     target: str, weights: str, mesh: P.MeshAxes = COMPILE_MESH, **sizes: int
 ) -> dict[str, Any]:
-    """`dsv4.compiled_step.compiled_step_memory` of `reduced_flash_roles` on ``target``, or
+    """`planner.compiled_step.compiled_step_memory` of `reduced_flash_roles` on ``target``, or
     ``{"skipped": why}`` when its compiler package (libtpu, the CUDA plugin) is absent."""
-    from dsv4 import compiled_step as C
+    from planner import compiled_step as C
 
     package = "jax_plugins.xla_cuda12" if target == C.H100X8 else "libtpu"
     if importlib.util.find_spec(package) is None:
@@ -166,14 +166,14 @@ def cpu_step_ratio() -> dict[str, Any]:
 
 
 def table(slices=TABLE_SLICES, **kwargs: Any) -> str:
-    """The markdown table of docs/planner.md: `dsv4.plan.markdown_table` of v41_flash per slice."""
+    """The markdown table of docs/planner.md: `planner.plan.markdown_table` of v41_flash per slice."""
     cfg = v41_flash()
     return P.markdown_table([P.plan(cfg, P.parse_slice(s), **kwargs) for s in slices])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chips", default="v5p-16", help="the slice (dsv4.plan.parse_slice)")
+    ap.add_argument("--chips", default="v5p-16", help="the slice (planner.plan.parse_slice)")
     ap.add_argument("--mesh", default=None, help="data=D,expert=E,model=M (default: planner's)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=131_072)
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--describe",
         action="store_true",
-        help="after the JSON line, each paged-step compile in words (dsv4.compiled_step.describe)",
+        help="after the JSON line, each paged-step compile in words (planner.compiled_step.describe)",
     )
     ap.add_argument(
         "--cpu-step-ratio",
@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the engine's step on 8 fake CPU devices against one (a subprocess)",
     )
     ap.add_argument("--table", action="store_true", help="print docs/planner.md's markdown table")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     try:
         if args.table:
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe_steps(res: dict[str, Any]) -> str:
     """The JSON line's paged-step compiles in words, one block each (skipped ones named)."""
-    from dsv4.compiled_step import describe
+    from planner.compiled_step import describe
 
     steps = res.get("compiled_step", [])
     if isinstance(steps, dict):

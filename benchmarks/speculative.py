@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks import batch_sizes
+from benchmarks import at_least_one, batch_sizes
 
 
 class OracleProposer:
@@ -68,11 +68,11 @@ def _run(llm, prompts, sp) -> tuple[float, list[list[int]], dict[str, Any]]:
 
 
 def heldout_prefixes(tokenizer, prefix_len: int, num: int) -> list[list[int]]:
-    """``num`` held-out prefixes of ``prefix_len`` tokens, the ones `dsv4.train_dspark.acceptance`
+    """``num`` held-out prefixes of ``prefix_len`` tokens, the ones `training.dspark.acceptance`
     takes (consecutive windows of the held-out stream, evenly spread)."""
     import numpy as np
 
-    from dsv4 import data as D
+    from training import data as D
 
     split = D.source_split()
     windows = D.consecutive_windows(D.load_split(split, "heldout", tokenizer), prefix_len)
@@ -97,6 +97,49 @@ def first_block_acceptance(llm, prefixes: Sequence[Sequence[int]]) -> float:
     return delta["spec_num_accepted_tokens"] / delta["spec_num_drafts"]
 
 
+def _llm_kwargs(max_seqs: int, k: int, max_model_len: int, blocks_per_seq: int) -> dict:
+    """The `LLM` arguments every mode of one measurement shares (fp32, no compile cache)."""
+    return dict(
+        dtype="float32",
+        max_model_len=max_model_len,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max(64, max_seqs * (k + 1)),
+        num_gpu_blocks_override=blocks_per_seq * max_seqs,
+        compilation_cache_dir=None,
+    )
+
+
+def _best_runs(llms: dict, prompts, sp, repeats: int, plain) -> tuple[dict, dict, bool]:
+    """Each mode's best tokens/s over ``repeats`` alternating runs (after one warm-up run),
+    the engine counters of that run, and whether every output equalled ``plain``."""
+    for llm in llms.values():  # warm: any lazy host setup
+        _run(llm, prompts, sp)
+    best: dict[str, float] = {}
+    stats: dict[str, dict] = {}
+    equal = True
+    for _ in range(repeats):
+        for mode, llm in llms.items():
+            rate, tokens, delta = _run(llm, prompts, sp)
+            equal &= tokens == plain
+            if rate > best.get(mode, 0.0):
+                best[mode], stats[mode] = rate, delta
+    return best, stats, bool(equal)
+
+
+def _speed_columns(row: dict[str, Any], best: dict, stats: dict) -> None:
+    for mode in best:
+        row[f"{mode}_tokens_per_s"] = round(best[mode], 1)
+        row[f"{mode}_steps"] = stats[mode]["num_steps"]
+
+
+def _acceptance_columns(row: dict[str, Any], mode: str, s: dict, no_drafts: float) -> None:
+    """Accepted over drafted tokens, and 1 + accepted per draft (``no_drafts`` without any)."""
+    drafted, drafts = s["spec_num_draft_tokens"], s["spec_num_drafts"]
+    accepted = s["spec_num_accepted_tokens"]
+    row[f"{mode}_acceptance_rate"] = round(accepted / drafted, 4) if drafted else 0.0
+    row[f"{mode}_mean_acceptance_length"] = round(1 + accepted / drafts, 3) if drafts else no_drafts
+
+
 def measure_dspark(
     batches: Sequence[int],
     k: int,
@@ -106,81 +149,59 @@ def measure_dspark(
     num_prefixes: int,
 ) -> dict[str, Any]:
     """The DSpark rows of the module docstring."""
-    import numpy as np
-
-    from dsv4 import train_dspark
     from serving.llm import LLM
     from serving.sampling_params import SamplingParams
 
-    max_seqs = max(batches)
-    common = dict(
-        dtype="float32",
-        max_model_len=max(prompt_len + new_tokens, 128 + 2) + k + 8,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=max(64, max_seqs * (k + 1)),
-        num_gpu_blocks_override=96 * max_seqs,
-        compilation_cache_dir=None,
-    )
+    max_model_len = max(prompt_len + new_tokens, 128 + 2) + k + 8
+    common = _llm_kwargs(max(batches), k, max_model_len, blocks_per_seq=96)
     spec = {"method": "dspark", "num_speculative_tokens": k}
+    model = "tiny_v41_trained"
     llms = {
-        "trained_plain_sync": LLM("tiny_v41_trained", async_scheduling=False, **common),
-        "trained_plain_async": LLM("tiny_v41_trained", async_scheduling=True, **common),
-        "dspark": LLM(
-            "tiny_v41_trained", speculative_config=spec, async_scheduling=False, **common
-        ),
-        "dspark_async": LLM(
-            "tiny_v41_trained", speculative_config=spec, async_scheduling=True, **common
-        ),
+        "trained_plain_sync": LLM(model, async_scheduling=False, **common),
+        "trained_plain_async": LLM(model, async_scheduling=True, **common),
+        "dspark": LLM(model, speculative_config=spec, async_scheduling=False, **common),
+        "dspark_async": LLM(model, speculative_config=spec, async_scheduling=True, **common),
     }
     tok = llms["dspark"].get_tokenizer()
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    out: dict[str, Any] = {"model": "tiny_v41_trained", "k": k}
+    out: dict[str, Any] = {"model": model, "k": k}
     for b in batches:
         prompts = heldout_prefixes(tok, prompt_len, b)
         _, plain, _ = _run(llms["trained_plain_sync"], prompts, sp)
-        for llm in llms.values():  # warm
-            _run(llm, prompts, sp)
-        best: dict[str, float] = {}
-        stats: dict[str, dict] = {}
-        equal = True
-        for _ in range(repeats):
-            for mode, llm in llms.items():
-                rate, tokens, delta = _run(llm, prompts, sp)
-                equal &= tokens == plain
-                if rate > best.get(mode, 0.0):
-                    best[mode], stats[mode] = rate, delta
-        row: dict[str, Any] = {"outputs_equal": bool(equal)}
-        for mode in llms:
-            row[f"{mode}_tokens_per_s"] = round(best[mode], 1)
-            row[f"{mode}_steps"] = stats[mode]["num_steps"]
+        best, stats, equal = _best_runs(llms, prompts, sp, repeats, plain)
+        row: dict[str, Any] = {"outputs_equal": equal}
+        _speed_columns(row, best, stats)
         for mode in ("dspark", "dspark_async"):
-            s = stats[mode]
             for base in ("plain_sync", "plain_async"):
                 row[f"{mode}_over_{base}"] = round(best[mode] / best[f"trained_{base}"], 3)
-            row[f"{mode}_acceptance_rate"] = round(
-                s["spec_num_accepted_tokens"] / max(s["spec_num_draft_tokens"], 1), 4
-            )
-            row[f"{mode}_mean_acceptance_length"] = round(
-                1 + s["spec_num_accepted_tokens"] / max(s["spec_num_drafts"], 1), 3
-            )
+            _acceptance_columns(row, mode, stats[mode], no_drafts=1.0)
         out[f"batch_{b}"] = row
     per_pos = llms["dspark"].engine.stats.spec_acceptance_per_pos
     out["dspark_acceptance_per_pos"] = [round(x, 4) for x in per_pos]
     if num_prefixes:
-        prefixes = heldout_prefixes(tok, 128, num_prefixes)
-        engine = first_block_acceptance(llms["dspark"], prefixes)
-        cfg, params = llms["dspark"].cfg, llms["dspark"].engine.runner.params
-        heldout = [t for p in prefixes for t in p]  # the same prefixes, back to back
-        offline = train_dspark.acceptance(
-            params, cfg, np.asarray(heldout), prefix_len=128, num_prefixes=num_prefixes
-        )
-        out["first_block"] = {
-            "prefixes": num_prefixes,
-            "engine_mean_accepted": round(engine, 4),
-            "offline_mean_accepted": round(offline["mean_acceptance_length"], 4),
-            "offline_per_position": [round(x, 4) for x in offline["per_position_acceptance"]],
-        }
+        out["first_block"] = _first_block(llms["dspark"], tok, num_prefixes)
     return out
+
+
+def _first_block(llm, tok, num_prefixes: int) -> dict[str, Any]:
+    """The drafter's first-block acceptance on held-out prefixes: in the engine and offline."""
+    import numpy as np
+
+    from training import dspark as train_dspark
+
+    prefixes = heldout_prefixes(tok, 128, num_prefixes)
+    engine = first_block_acceptance(llm, prefixes)
+    cfg, params = llm.cfg, llm.engine.runner.params
+    heldout = [t for p in prefixes for t in p]  # the same prefixes, back to back
+    offline = train_dspark.acceptance(
+        params, cfg, np.asarray(heldout), prefix_len=128, num_prefixes=num_prefixes
+    )
+    return {
+        "prefixes": num_prefixes,
+        "engine_mean_accepted": round(engine, 4),
+        "offline_mean_accepted": round(offline["mean_acceptance_length"], 4),
+        "offline_per_position": [round(x, 4) for x in offline["per_position_acceptance"]],
+    }
 
 
 def measure(
@@ -191,22 +212,14 @@ def measure(
     repeats: int,
     model: str = "tiny_v41",
 ):
+    """The n-gram rows of the module docstring (and an oracle proposer's, its ceiling)."""
     import jax
     import numpy as np
 
     from serving.llm import LLM
     from serving.sampling_params import SamplingParams
 
-    max_seqs = max(batches)
-    budget = max(64, max_seqs * (k + 1))
-    common = dict(
-        dtype="float32",
-        max_model_len=prompt_len + new_tokens + k + 8,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        num_gpu_blocks_override=64 * max_seqs,
-        compilation_cache_dir=None,
-    )
+    common = _llm_kwargs(max(batches), k, prompt_len + new_tokens + k + 8, blocks_per_seq=64)
     spec = {
         "method": "ngram",
         "num_speculative_tokens": k,
@@ -229,33 +242,11 @@ def measure(
         llms["oracle"].engine.proposer = ngram_proposer
         _, plain, _ = _run(llms["plain_sync"], prompts, sp)
         llms["oracle"].engine.proposer = OracleProposer(prompts, plain, k)
-        for llm in llms.values():  # warm: any lazy host setup
-            _run(llm, prompts, sp)
-        best: dict[str, float] = {}
-        stats: dict[str, dict] = {}
-        equal = True
-        for _ in range(repeats):
-            for mode, llm in llms.items():
-                rate, tokens, delta = _run(llm, prompts, sp)
-                equal &= tokens == plain
-                if rate > best.get(mode, 0.0):
-                    best[mode], stats[mode] = rate, delta
-        row: dict[str, Any] = {"batch": b, "outputs_equal": bool(equal)}
-        for mode in llms:
-            row[f"{mode}_tokens_per_s"] = round(best[mode], 1)
-            row[f"{mode}_steps"] = stats[mode]["num_steps"]
+        best, stats, equal = _best_runs(llms, prompts, sp, repeats, plain)
+        row: dict[str, Any] = {"batch": b, "outputs_equal": equal}
+        _speed_columns(row, best, stats)
         for mode in ("ngram", "ngram_async", "oracle"):
-            s = stats[mode]
-            row[f"{mode}_acceptance_rate"] = (
-                round(s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"], 4)
-                if s["spec_num_draft_tokens"]
-                else 0.0
-            )
-            row[f"{mode}_mean_acceptance_length"] = (
-                round(1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"], 3)
-                if s["spec_num_drafts"]
-                else 0.0
-            )
+            _acceptance_columns(row, mode, stats[mode], no_drafts=0.0)
             for base in ("plain_sync", "plain_async"):
                 row[f"{mode}_over_{base}"] = round(best[mode] / best[base], 3)
         per_pos = llms["ngram"].engine.stats.spec_acceptance_per_pos
@@ -299,14 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     batches = batch_sizes(p, args.batches)
-    for flag, value in (
-        ("--k", args.k),
-        ("--prompt-len", args.prompt_len),
-        ("--new-tokens", args.new_tokens),
-        ("--repeats", args.repeats),
-    ):
-        if value < 1:
-            p.error(f"{flag} must be >= 1, got {value}")
+    at_least_one(p, args, "k", "prompt_len", "new_tokens", "repeats")
     if not 0 <= args.dspark_k <= 5:
         p.error(f"--dspark-k must be in 0..5 (the shipped drafter's block), got {args.dspark_k}")
     if args.prefixes < 0:

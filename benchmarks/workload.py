@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
 
-from serving.lab.drive import ModelFreeBackend, drive
-from serving.lab.workloads import Session, Turn, Workload, make_chat_workload
+from lab.drive import ModelFreeBackend, drive
+from lab.workloads import Session, Turn, Workload, make_chat_workload
+from serving.config import SchedulerConfig
 from serving.scheduler import Scheduler
 
 __all__ = [
@@ -269,20 +270,14 @@ def run_loop(
     name: str = "ours",
     record_log: bool = False,
 ) -> LoopResult:
-    """Replay ``workload`` through a `Scheduler` over ``manager`` until every turn has finished.
+    """Replay ``workload`` (a turn's prompt: its conversation so far) through a `Scheduler` over
+    ``manager`` to the end; RuntimeError if a step schedules nothing or frees an unknown request.
 
     Args:
-        workload: the conversations; each turn's prompt is the conversation so far.
-        manager: a fresh KV-cache manager with `cache.KVCacheManager`'s interface (ours, or
-            `benchmarks.adapters.VllmKVCacheManager`).
+        manager: a fresh manager with `cache.KVCacheManager`'s interface (or vLLM's, adapted).
         cfg: the Scheduler's arguments and the step limit.
         name: the manager's name in the result and in errors.
         record_log: keep the decision log (see `TimedManager`) in ``LoopResult.log``.
-
-    Raises:
-        RuntimeError: a step schedules nothing (the pool cannot hold the request at the head of
-            the queue even when idle), or the Scheduler frees a request the loop cannot account
-            for (the decision log's "why" would be wrong).
     """
     result = LoopResult(adapter=name)
     log: list[tuple] | None = [] if record_log else None
@@ -290,11 +285,14 @@ def run_loop(
     timed = TimedManager(manager, result, log)
     scheduler = Scheduler(
         timed,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            async_scheduling=False,
+            scheduler_reserve_full_isl=cfg.full_sequence_must_fit,
+        ),
         max_model_len=cfg.max_model_len,
         num_lookahead_tokens=cfg.num_lookahead_tokens,
-        reserve_full_isl=cfg.full_sequence_must_fit,
     )
     backend = ModelFreeBackend(scheduler, hooks=_LoopHooks(result, timed))
     t_start = perf_counter_ns()

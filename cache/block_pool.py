@@ -25,7 +25,7 @@ class KVCacheBlock:
 
     __slots__ = (
         "_block_hash",
-        "_block_hash_num_tokens",
+        "block_hash_num_tokens",
         "block_id",
         "is_null",
         "next_free_block",
@@ -37,7 +37,8 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         self._block_hash: bytes | None = None
-        self._block_hash_num_tokens: int | None = None
+        # Prefix tokens the primary hash covers (a block boundary, or a prompt-tail boundary).
+        self.block_hash_num_tokens: int | None = None
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
@@ -47,20 +48,15 @@ class KVCacheBlock:
         """The index key (hash + group id) while the block is cached, else None."""
         return self._block_hash
 
-    @property
-    def block_hash_num_tokens(self) -> int | None:
-        """Prefix tokens the primary hash covers (a block boundary, or a prompt-tail boundary)."""
-        return self._block_hash_num_tokens
-
     def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
         if self._block_hash is not None:
             raise RuntimeError(f"block {self.block_id} already has a hash; hashes are set once")
         self._block_hash = key
-        self._block_hash_num_tokens = num_tokens
+        self.block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
         self._block_hash = None
-        self._block_hash_num_tokens = None
+        self.block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, hashed={self._block_hash is not None})"
@@ -234,10 +230,7 @@ class BlockPool:
         enable_caching: keep a prefix index.
         hash_block_size: granularity of the requests' block hashes.
         enable_kv_cache_events: record `BlockStored` / `BlockRemoved` / `AllBlocksCleared`.
-        unhashed_blocks_to_front: vLLM 0.32's free ordering (default): blocks freed without a
-            hash (they can never produce a hit), and every block when caching is off, go to the
-            *front* of the free queue; hashed blocks go to the tail (LRU). False gives vLLM's
-            earlier behaviour (everything to the tail), which the reference scenarios assume.
+        unhashed_blocks_to_front: vLLM 0.32's free order; docs/allocator_internals.md, section 3.
         group_metadata: per group ``(spec kind, sliding window)`` for `BlockStored` events.
     """
 
@@ -324,7 +317,7 @@ class BlockPool:
             key = block_hashes[i] + suffix
             if blk._block_hash is None:
                 blk._block_hash = key
-                blk._block_hash_num_tokens = (i + 1) * block_size
+                blk.block_hash_num_tokens = (i + 1) * block_size
                 index.insert(key, blk)
             else:  # a prompt-tail partial entry becomes a full one
                 self._emit_removed(self._remove_cached_block_hashes(blk), blk.block_id)
@@ -365,8 +358,8 @@ class BlockPool:
             return
         if (
             block._block_hash is not None
-            and block._block_hash_num_tokens is not None
-            and block._block_hash_num_tokens < num_hash_blocks * hash_block
+            and block.block_hash_num_tokens is not None
+            and block.block_hash_num_tokens < num_hash_blocks * hash_block
         ):
             self._emit_removed(self._remove_cached_block_hashes(block), block.block_id)
         self._insert_block_hash(key, block, num_hash_blocks * hash_block)
@@ -426,7 +419,7 @@ class BlockPool:
             return
         if block._block_hash is None:
             block._block_hash = key
-            block._block_hash_num_tokens = num_tokens
+            block.block_hash_num_tokens = num_tokens
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
         self.cached_block_hash_to_block.insert(key, block)
@@ -443,7 +436,7 @@ class BlockPool:
         pop = self.cached_block_hash_to_block.pop
         removed = [key for key in keys if pop(key, block.block_id) is not None]
         block._block_hash = None
-        block._block_hash_num_tokens = None
+        block.block_hash_num_tokens = None
         return removed
 
     def _emit_removed(self, keys: list[bytes], block_id: int) -> None:

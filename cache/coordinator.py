@@ -149,7 +149,6 @@ class KVCacheCoordinator:
         self._cache_alignment = 0
         self._build_plans()
 
-    # Over 60 lines: the demand count stays inline, as it runs on every call that is not quiet.
     def allocate_plain(
         self,
         request: Request,
@@ -182,7 +181,23 @@ class KVCacheCoordinator:
             del self._quiet[rid]
         if self._freeing:
             self._free_skipped_plain(rid, processed, request.num_prompt_tokens)
-        # `get_num_blocks_to_allocate` without hits; todo: (group, tables, blocks to add)
+        need, todo = self._plain_demand(rid, num_computed_tokens, num_tokens_need_slot)
+        if need + reserved_blocks > self.block_pool.free_block_queue.num_free_blocks:
+            return None
+        new_blocks = self.no_new_blocks if todo is None else self._take_new_blocks(rid, todo)
+        if num_tokens_to_cache >= 0 and self._caching:
+            self._cache_plain(request, num_tokens_to_cache)
+        if self._quiet_ok:
+            limits = self._quiet_limits(rid, processed)
+            if limits is not None:
+                self._quiet[rid] = limits
+        return new_blocks
+
+    def _plain_demand(
+        self, rid: str, num_computed_tokens: int, num_tokens_need_slot: int
+    ) -> tuple[int, list[tuple[int, dict, int]] | None]:
+        """`get_num_blocks_to_allocate` of every group without hits: (free blocks needed, the
+        (group, tables, blocks to add) of each group that grows, or None when none does)."""
         need = 0
         todo = None
         for i, m, tables, block_size, fixed, skips, cached in self._plan:
@@ -202,16 +217,7 @@ class KVCacheCoordinator:
                     need += required - held
             else:
                 need += required - held
-        if need + reserved_blocks > self.block_pool.free_block_queue.num_free_blocks:
-            return None
-        new_blocks = self.no_new_blocks if todo is None else self._take_new_blocks(rid, todo)
-        if num_tokens_to_cache >= 0 and self._caching:
-            self._cache_plain(request, num_tokens_to_cache)
-        if self._quiet_ok:
-            limits = self._quiet_limits(rid, processed)
-            if limits is not None:
-                self._quiet[rid] = limits
-        return new_blocks
+        return need, todo
 
     def _free_skipped_plain(self, rid: str, processed: int, num_prompt_tokens: int) -> None:
         """`remove_skipped_blocks` of every freeing group, by its skip offset where it has one."""

@@ -12,6 +12,8 @@ import pickle
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NewType, Protocol
 
+from cache.util import lookup
+
 BlockHash = NewType("BlockHash", bytes)
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 HashFn = Callable[[Any], bytes]
@@ -52,12 +54,7 @@ HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256, "blake2b": blake2b_256}
 
 def get_hash_fn_by_name(name: str) -> HashFn:
     """Returns the hash function called ``name`` (one of `HASH_FUNCTIONS`)."""
-    try:
-        return HASH_FUNCTIONS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown prefix-caching hash algorithm {name!r}; allowed: {sorted(HASH_FUNCTIONS)}"
-        ) from None
+    return lookup(HASH_FUNCTIONS, name, f"unknown prefix-caching hash algorithm {name!r}")
 
 
 def none_hash(hash_fn: HashFn = sha256, seed: int = 0) -> BlockHash:

@@ -97,33 +97,8 @@ def _check_count(name: str, value: int) -> None:
 class KVCacheManager:
     """Allocates KV-cache blocks for requests across all KV-cache groups, with prefix caching.
 
-    Args:
-        kv_cache_config: groups and number of blocks (see `cache.layout`).
-        max_model_len: longest sequence (prompt + output) a request may reach.
-        enable_caching: prefix caching.
-        hash_block_size: granularity of request hashes; default as vLLM (the block size for
-            one group, else the gcd of the prefix-cacheable groups' block sizes).
-        use_eagle: drop the last matched block of hits (the drafter needs its hidden states).
-        enable_kv_cache_events: record events for `take_events`.
-        max_num_batched_tokens: the scheduler's token budget, for the window kinds' admission
-            cap (default: ``max_model_len``, i.e. no cap beyond the sequence).
-        prefix_cache_retention_interval: which window blocks are indexed (vLLM 0.32 default 0:
-            only those a resend of the prompt can hit; None: every aligned boundary; N: also one
-            per N tokens). Full attention is always indexed densely.
-        unhashed_blocks_to_front: free ordering (see `cache.block_pool.BlockPool`); vLLM 0.32's
-            default True; False is vLLM's earlier "everything to the tail".
-        swa_bounded_replay: V4.1's bounded replay (off by default, unlike vLLM 0.32's model
-            runner V2): window caches are not prefix-cached; a hit is kept only if longer than
-            the widest window, and its last ``window`` tokens must be recomputed
-            (`num_replay_tokens`). It trades exactness of layers >= 1's window KV for hit rate.
-        watermark: fraction of blocks kept free when admitting new requests (vLLM's watermark).
-        eagle_drop_once: vLLM 0.32's EAGLE hit lookup (see `HybridKVCacheCoordinator`); False
-            gives the earlier per-lookup drop that the reference scenario 24 encodes.
-        log_stats: collect `PrefixCacheStats`.
-        scheduler_block_size: accepted for vLLM 0.32 callers, who pass the resolved value; it
-            must equal ours (the lcm of the group block sizes).
-        max_in_flight_tokens: vLLM 0.32's name for ``max_num_batched_tokens`` (synchronous
-            scheduling: one batch in flight).
+    Its constructor's arguments (the config, lengths, caching switches and vLLM-version options):
+    docs/allocator_internals.md, section 10.
     """
 
     def __init__(
@@ -248,7 +223,7 @@ class KVCacheManager:
 
     # -- allocation ---------------------------------------------------------------------------
 
-    # Over 60 lines: the Args list, and the per-step checks kept inline (hot path).
+    # Over 60 lines: the fast path's checks and counts stay inline (one call per request per step).
     def allocate_slots(
         self,
         request: Request,
@@ -266,21 +241,7 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Gives the request slots for ``num_new_tokens`` more tokens (plus lookahead).
 
-        Args:
-            request: the request; ``request.num_computed_tokens`` tokens already have slots.
-            num_new_tokens: tokens to compute this step (including unverified drafts).
-            num_new_computed_tokens: prefix-hit tokens from `get_computed_blocks` (new requests).
-            new_computed_blocks: the hit blocks from `get_computed_blocks`.
-            num_lookahead_tokens: extra slots reserved for speculative drafts; never cached.
-            num_encoder_tokens: encoder tokens (cross-attention groups only).
-            delay_cache_blocks: do not register blocks in the prefix index yet.
-            full_sequence_must_fit: admit only if the whole request fits (window kinds at their
-                admission cap).
-            has_scheduled_reqs: whether other requests are already scheduled this step; the
-                watermark applies only then, and only to requests not yet running.
-            reserved_blocks: free blocks this call must leave untouched (vLLM: for in-flight
-                asynchronous loads).
-            num_external_computed_tokens: tokens a KV connector holds; must be 0 (no connectors).
+        Steps and arguments: docs/allocator_internals.md, sections 6 and 10.
 
         Returns:
             The newly allocated blocks per group, or None if the pool cannot supply them.

@@ -28,9 +28,9 @@ from cache.spec import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
-    cdiv,
     iter_layer_specs,
 )
+from cache.util import cdiv
 
 # Block size vLLM's cache config starts from; used when a model has no cache groups at all.
 DEFAULT_BLOCK_SIZE = 16
@@ -191,8 +191,7 @@ def get_kv_cache_groups(
     """Split layers into KV-cache groups (one block table each); see the module docstring.
 
     Args:
-        specs: layer name -> spec, in layer registration order (the order matters for ties
-            and for strided assignment).
+        specs: layer name -> spec, in registration order (it breaks ties, orders strided groups).
         disable_hybrid_kv_cache_manager: treat local attention as full attention.
         packed_layout: use vLLM 0.32's block-outermost packing (DeepSeek V4/V4.1 backends).
 
@@ -591,18 +590,12 @@ def resolve_kv_cache_block_sizes(
     enable_caching: bool = True,
     hash_block_size: int | None = None,
 ) -> tuple[int, int]:
-    """``(scheduler_block_size, hash_block_size)`` for a config.
-
-    Scheduler block = lcm of the group block sizes (every computed-token boundary the
-    scheduler rounds to). Hash block = ``hash_block_size`` if given, else the gcd of the
-    prefix-cacheable groups' block sizes (all groups if none is cacheable); with one group or
-    caching off it equals the scheduler block.
+    """``(scheduler_block_size, hash_block_size)`` for a config: the lcm of the groups' block
+    sizes, and the given hash block or else the gcd of the prefix-cacheable groups' block sizes
+    (docs/allocator_internals.md, section 8).
 
     Raises:
-        ValueError: if a given hash block does not divide every prefix-cacheable block size, if
-            a single-group config is given a different hash block, or if a prefix-cacheable
-            ``tokens_per_state`` does not divide the scheduler block (hits would end inside a
-            compressed state).
+        ValueError: a hash block or ``tokens_per_state`` that does not fit the block sizes.
     """
     groups = kv_cache_config.kv_cache_groups
     if len(groups) <= 1:
@@ -802,27 +795,8 @@ def ring_capacity(num_speculative_tokens: int) -> int:
 class ModelCacheDesc:
     """What the cache layout needs from a V4.1 config (layer plan and record sizes).
 
-    Defaults are DeepSeek-V4.1-Flash on SM90/H200 (584-B records, 576-B alignment, FP8
-    indexer keys of 132 B, ``block_size`` 64; SM100 would use 528-B records, 512-B alignment and
-    ``block_size`` 128).
-
-    Fields:
-        compress_ratios: r per layer (draft layers included) in {0, 1, 2}; missing -> 0.
-        kv_source_layer_ids / index_source_layer_ids: layers owning a compressor (+ compressed
-            KV cache) / an indexer; kv sources must be index sources.
-        num_hidden_layers: backbone layers; layers >= it are DSpark draft layers (SWA only).
-        num_draft_layers: draft layers after the backbone.
-        sliding_window: SWA window in tokens (query included).
-        block_size: B, raw tokens per compressed / indexer block.
-        swa_block_size: tokens per SWA block (32 in V4.1).
-        num_speculative_tokens: k; ring capacity = ``max(8, next_pow2(k + 2))``.
-        swa_record_bytes / compressed_record_bytes: bytes per stored SWA / compressed state.
-        indexer_key_bytes: bytes per stored index key (128 fp8 + 4-B scale).
-        page_alignment / indexer_page_alignment: page rounding in bytes (None = none).
-        record_dtype: dtype name of the records (``"uint8"`` for packed records).
-        ring_floats_per_row: float32 values per ring row (``[kv | score]`` = 2 x head_dim).
-        swa_bounded_replay: V4.1 SWA bounded replay (SWA then not prefix-cacheable). vLLM's
-            default is on; ours is off, for bit-faithful prefix-cache tests.
+    Defaults are DeepSeek-V4.1-Flash on SM90/H200 (584-B records, 576-B alignment, 132-B FP8
+    indexer keys, ``block_size`` 64); the fields: docs/allocator_internals.md, section 10.
     """
 
     compress_ratios: tuple[int, ...]

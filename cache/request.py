@@ -13,25 +13,9 @@ _NEVER = sys.maxsize  # a token count no request reaches
 class Request:
     """One request as the KV-cache manager sees it, mirroring vLLM's ``Request``.
 
-    Block hashes are computed incrementally and lazily: each full block once, the first time
-    `block_hashes` is read after it completed (vLLM hashes the prompt on arrival and each block
-    as it completes; the values are the same, only later). They live on the request, so a
-    preempted request reuses them when it resumes.
-
-    Args:
-        request_id: unique id.
-        prompt_token_ids: the prompt.
-        hash_block_size: build the default SHA-256 block hasher with this granularity (tokens);
-            it must equal the manager's ``hash_block_size``. Ignored if ``block_hasher`` is given.
-        block_hasher: a function from `cache.hashing.get_request_block_hasher`; None (and no
-            ``hash_block_size``) means the request is not hashed (prefix caching off).
-        cache_salt: isolates this request's prefix-cache entries (mixed into the first block).
-        lora_name: the LoRA adapter, mixed into every block's hash.
-        mm_features: multimodal items as ``(identifier, offset, length)`` sorted by offset.
-        skip_reading_prefix_cache: never look up hits (prompt-logprobs requests); still writes.
-        priority, arrival_time: scheduling order (lower first).
-        max_tokens: output budget, for schedulers.
-        hash_fn, hash_seed: the hash function and ``NONE_HASH`` seed of the default hasher.
+    Block hashes are computed lazily, each full block once, the first time `block_hashes` is read
+    after it completed; they live on the request, so a preempted request reuses them. Arguments:
+    docs/allocator_internals.md, section 10.
     """
 
     def __init__(

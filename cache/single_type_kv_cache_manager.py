@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from cache import spec as specs
 from cache.block_pool import BlockPool, KVCacheBlock
 from cache.hashing import BlockHashes, resolve_block_hashes
 from cache.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from cache.util import cdiv
 
 
 def _cached_prefix_of_group(
@@ -126,6 +123,29 @@ def _rightmost_aligned_run(
     return [], -1
 
 
+class HitQuery(NamedTuple):
+    """One prefix-cache lookup, as `find_longest_cache_hit` is asked it, for a kind's scan."""
+
+    block_hashes: Sequence[bytes]
+    max_length: int
+    group_ids: Sequence[int]
+    block_pool: BlockPool
+    kv_cache_spec: specs.KVCacheSpec
+    block_size: int
+    drop_eagle_block: bool
+    alignment_tokens: int
+
+    def hashes(self) -> Sequence[bytes]:
+        """The request's hashes at this kind's block size."""
+        return resolve_block_hashes(
+            self.block_hashes, self.block_pool.hash_block_size, self.block_size
+        )
+
+    def no_hit(self) -> tuple[list[KVCacheBlock], ...]:
+        """One empty block list per group."""
+        return tuple([] for _ in self.group_ids)
+
+
 class SingleTypeKVCacheManager:
     """Blocks of one KV-cache group for every request.
 
@@ -135,8 +155,7 @@ class SingleTypeKVCacheManager:
         enable_caching: prefix caching on.
         kv_cache_group_id: this group's index.
         scheduler_block_size: lcm of all groups' block sizes; hits align to it.
-        max_admission_blocks_per_request: recycling-aware cap on one request's reservation
-            (window kinds only), used by the full-sequence admission check.
+        max_admission_blocks_per_request: window kinds' cap for the full-sequence admission check.
     """
 
     supports_prefix_caching: ClassVar[bool] = True
@@ -146,6 +165,8 @@ class SingleTypeKVCacheManager:
     frees_blocks: ClassVar[bool] = False
     # Blocks a request holds whatever its length (a ring), or 0 for per-token growth.
     fixed_num_blocks: ClassVar[int] = 0
+    # Whether only some full blocks are indexed (`reachable_block_mask`, sliding windows).
+    sparse_retention: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -220,6 +241,8 @@ class SingleTypeKVCacheManager:
         num_local_computed_tokens: int,
     ) -> None:
         """Gives a new request its prefix hits: nulls for skipped positions, then the hits."""
+        if self.fixed_num_blocks:
+            return  # a ring takes no prefix hits
         if self.req_to_blocks.get(request_id):
             raise RuntimeError(
                 f"request {request_id!r} already holds blocks in group {self.kv_cache_group_id}"
@@ -258,37 +281,56 @@ class SingleTypeKVCacheManager:
         retention_interval: int | None,
         replay_boundaries: Sequence[int],
     ) -> None:
-        """Registers the request's newly full blocks (up to ``num_tokens``) in the prefix index."""
-        if not self.supports_prefix_caching or not self.kv_cache_spec.prefix_cacheable:
-            return
-        request_id = request.request_id
-        num_cached = self.num_cached_block.get(request_id, 0)
-        num_full = num_tokens // self.block_size
-        if num_cached >= num_full:
-            return
-        mask = self.reachable_block_mask(
-            num_cached, num_full, retention_interval, replay_boundaries
-        )
-        self.block_pool.cache_full_blocks(
-            request,
-            self.req_to_blocks[request_id],
-            num_cached,
-            num_full,
-            self.block_size,
-            self.kv_cache_group_id,
-            mask,
-        )
-        self.num_cached_block[request_id] = num_full
+        """Registers the request's newly full blocks (up to ``num_tokens``) in the prefix index.
 
-    def reachable_block_mask(
-        self,
-        start_block: int,
-        end_block: int,
-        retention_interval: int | None,
-        replay_boundaries: Sequence[int],
-    ) -> list[bool] | None:
-        """Which of blocks ``[start_block, end_block)`` to index; None = all (dense kinds)."""
-        return None
+        Where blocks are coarser than hashes (`caches_below_blocks`), also the prompt's last
+        hash boundary inside a block.
+        """
+        request_id = request.request_id
+        if self.supports_prefix_caching and self.kv_cache_spec.prefix_cacheable:
+            num_cached = self.num_cached_block.get(request_id, 0)
+            num_full = num_tokens // self.block_size
+            if num_cached < num_full:
+                mask = None  # index every block (dense kinds)
+                if self.sparse_retention:
+                    mask = self.reachable_block_mask(
+                        num_cached, num_full, retention_interval, replay_boundaries
+                    )
+                self.block_pool.cache_full_blocks(
+                    request,
+                    self.req_to_blocks[request_id],
+                    num_cached,
+                    num_full,
+                    self.block_size,
+                    self.kv_cache_group_id,
+                    mask,
+                )
+                self.num_cached_block[request_id] = num_full
+        if self.caches_below_blocks:
+            if self._cache_partial_tail_block(request, num_tokens):
+                self.tail_settled.add(request_id)
+            else:
+                self.tail_settled.discard(request_id)
+
+    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> bool:
+        """Registers the prompt's last hash boundary when it ends inside one of our blocks.
+
+        vLLM 0.32 does this for blocks coarser than the hash block (docs/allocator_internals.md,
+        section 3). Returns whether nothing more can happen before the next block fills.
+        """
+        hash_block = self.block_pool.hash_block_size
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = limit // hash_block * hash_block
+        if boundary == 0 or boundary % self.block_size == 0:
+            return True
+        if boundary > num_tokens:
+            return False
+        blocks = self.req_to_blocks.get(request.request_id)
+        idx = boundary // self.block_size
+        if blocks is None or idx >= len(blocks):
+            return False
+        self.block_pool.cache_partial_block(request, blocks[idx], boundary, self.kv_cache_group_id)
+        return True
 
     @classmethod
     def find_longest_cache_hit(
@@ -303,10 +345,25 @@ class SingleTypeKVCacheManager:
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Longest hit of at most ``max_length`` tokens common to all ``kv_cache_group_ids``.
 
-        Returns one block list per group (nulls at skipped positions) and the hit length; by
-        default no hit (kinds that are never prefix-cached).
+        Returns one block list per group (nulls at skipped positions) and the hit length; the
+        kind's `_longest_hit` does the scan.
         """
-        return tuple([] for _ in kv_cache_group_ids), 0
+        query = HitQuery(
+            block_hashes,
+            max_length,
+            kv_cache_group_ids,
+            block_pool,
+            kv_cache_spec,
+            kv_cache_spec.block_size,
+            drop_eagle_block,
+            alignment_tokens,
+        )
+        return cls._longest_hit(query)
+
+    @classmethod
+    def _longest_hit(cls, q: HitQuery) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The kind's scan; by default no hit (kinds that are never prefix-cached)."""
+        return q.no_hit(), 0
 
     # -- release ------------------------------------------------------------------------------
 
@@ -374,71 +431,28 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         self.caches_below_blocks = self.block_size != self.block_pool.hash_block_size
 
     @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: specs.KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        block_size = kv_cache_spec.block_size
+    def _longest_hit(cls, q: HitQuery) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        block_size = q.block_size
         computed: tuple[list[KVCacheBlock], ...]
-        if len(kv_cache_group_ids) == 1 and block_size % block_pool.hash_block_size == 0:
+        if len(q.group_ids) == 1 and block_size % q.block_pool.hash_block_size == 0:
             computed = (
                 _cached_prefix_of_group(
-                    block_hashes, max_length, block_size, kv_cache_group_ids[0], block_pool
+                    q.block_hashes, q.max_length, block_size, q.group_ids[0], q.block_pool
                 ),
             )
         else:
-            hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
-            computed = tuple([] for _ in kv_cache_group_ids)
-            stop = min(max_length // block_size, len(hashes))
-            _extend_cached_prefix(computed, hashes, 0, stop, kv_cache_group_ids, block_pool)
+            hashes = q.hashes()
+            computed = q.no_hit()
+            stop = min(q.max_length // block_size, len(hashes))
+            _extend_cached_prefix(computed, hashes, 0, stop, q.group_ids, q.block_pool)
         hit_length = len(computed[0]) * block_size
-        if drop_eagle_block and hit_length > 0:
-            hit_length -= min(alignment_tokens, block_size)
-        hit_length -= hit_length % alignment_tokens
+        if q.drop_eagle_block and hit_length > 0:
+            hit_length -= min(q.alignment_tokens, block_size)
+        hit_length -= hit_length % q.alignment_tokens
         keep = cdiv(hit_length, block_size)
         for out in computed:
             del out[keep:]
         return computed, hit_length
-
-    def cache_blocks(
-        self,
-        request: Request,
-        num_tokens: int,
-        retention_interval: int | None,
-        replay_boundaries: Sequence[int],
-    ) -> None:
-        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
-        if self.caches_below_blocks:
-            if self._cache_partial_tail_block(request, num_tokens):
-                self.tail_settled.add(request.request_id)
-            else:
-                self.tail_settled.discard(request.request_id)
-
-    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> bool:
-        """Registers the prompt's last hash boundary when it ends inside one of our blocks.
-
-        vLLM 0.32 does this for blocks coarser than the hash block (docs/allocator_internals.md,
-        section 3). Returns whether nothing more can happen before the next block fills.
-        """
-        hash_block = self.block_pool.hash_block_size
-        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
-        boundary = limit // hash_block * hash_block
-        if boundary == 0 or boundary % self.block_size == 0:
-            return True
-        if boundary > num_tokens:
-            return False
-        blocks = self.req_to_blocks.get(request.request_id)
-        idx = boundary // self.block_size
-        if blocks is None or idx >= len(blocks):
-            return False
-        self.block_pool.cache_partial_block(request, blocks[idx], boundary, self.kv_cache_group_id)
-        return True
 
 
 class SinkFullAttentionManager(FullAttentionManager):
@@ -475,11 +489,17 @@ class RSWAManager(FullAttentionManager):
         self.free_blocks_in_range(blocks, first_gap, window_start // self.block_size)
 
 
-class SlidingWindowManager(SingleTypeKVCacheManager):
-    """Sliding-window attention: blocks before the window are freed; hits scanned right to left."""
+class SkippingManager(SingleTypeKVCacheManager):
+    """Kinds whose queries skip leading tokens (windows, chunks): those blocks are freed."""
 
     skips_tokens = True
     frees_blocks = True
+
+
+class SlidingWindowManager(SkippingManager):
+    """Sliding-window attention: blocks before the window are freed; hits scanned right to left."""
+
+    sparse_retention = True
 
     def __init__(self, kv_cache_spec: specs.KVCacheSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
@@ -494,22 +514,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return cdiv(window - 1, block_size) + (1 if use_eagle else 0)
 
     @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: specs.KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        block_size = kv_cache_spec.block_size
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+    def _longest_hit(cls, q: HitQuery) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        block_size, alignment = q.block_size, q.alignment_tokens
+        hashes = q.hashes()
         need = cls._contiguous_blocks_for_hit(
-            kv_cache_spec.sliding_window, block_size, drop_eagle_block
+            q.kv_cache_spec.sliding_window, block_size, q.drop_eagle_block
         )
-        max_num_blocks = min(max_length // block_size, len(hashes))
+        max_num_blocks = min(q.max_length // block_size, len(hashes))
         # The run's right end e is aligned when ``(e + 1) * B`` (``e * B`` with the EAGLE drop)
         # is a multiple of the alignment; a shorter run is a prefix the window reaches before.
         need = max(need, 1)  # vLLM's scan always needs one cached block, even for window 1
@@ -517,24 +528,24 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             hashes,
             max_num_blocks,
             need,
-            alignment_tokens // math.gcd(block_size, alignment_tokens),
-            0 if drop_eagle_block else 1,
-            kv_cache_group_ids,
-            block_pool,
+            alignment // math.gcd(block_size, alignment),
+            0 if q.drop_eagle_block else 1,
+            q.group_ids,
+            q.block_pool,
         )
         computed: tuple[list[KVCacheBlock], ...]
         if end < 0:
-            computed = tuple([] for _ in kv_cache_group_ids)
+            computed = q.no_hit()
         else:
             run.reverse()
-            lead = [block_pool.null_block] * (end + 1 - len(run))
+            lead = [q.block_pool.null_block] * (end + 1 - len(run))
             computed = tuple(lead + [blocks[g] for blocks in run] for g in range(len(run[0])))
             if len(run) < need:
-                cls._pop_to_alignment(computed, block_size, alignment_tokens)
-        if drop_eagle_block and computed[0]:
+                cls._pop_to_alignment(computed, block_size, alignment)
+        if q.drop_eagle_block and computed[0]:
             for out in computed:
                 out.pop()
-            cls._pop_to_alignment(computed, block_size, alignment_tokens)
+            cls._pop_to_alignment(computed, block_size, alignment)
         return computed, len(computed[0]) * block_size
 
     @staticmethod
@@ -584,43 +595,32 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return max(0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens)
 
 
-class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+class ChunkedLocalAttentionManager(SkippingManager):
     """Chunked local attention: tokens attend within their chunk; earlier chunks are freed."""
-
-    skips_tokens = True
-    frees_blocks = True
 
     def __init__(self, kv_cache_spec: specs.KVCacheSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
         self.attention_chunk_size: int = kv_cache_spec.attention_chunk_size
 
     @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[bytes],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: specs.KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        block_size = kv_cache_spec.block_size
-        if drop_eagle_block:
+    def _longest_hit(cls, q: HitQuery) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        block_size = q.block_size
+        if q.drop_eagle_block:
             raise ValueError("EAGLE is not supported with chunked local attention")
-        if block_size != alignment_tokens:
+        if block_size != q.alignment_tokens:
             raise ValueError(
                 "chunked local attention needs every group to share its block size "
-                f"({block_size}), got hit alignment {alignment_tokens}"
+                f"({block_size}), got hit alignment {q.alignment_tokens}"
             )
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
-        chunk = kv_cache_spec.attention_chunk_size
+        hashes = q.hashes()
+        chunk = q.kv_cache_spec.attention_chunk_size
+        max_length = q.max_length
         first_block = (max_length // chunk * chunk if max_length > 0 else 0) // block_size
         computed: tuple[list[KVCacheBlock], ...] = tuple(
-            [block_pool.null_block] * first_block for _ in kv_cache_group_ids
+            [q.block_pool.null_block] * first_block for _ in q.group_ids
         )
         stop = min(max_length // block_size, len(hashes))
-        _extend_cached_prefix(computed, hashes, first_block, stop, kv_cache_group_ids, block_pool)
+        _extend_cached_prefix(computed, hashes, first_block, stop, q.group_ids, q.block_pool)
         return computed, len(computed[0]) * block_size
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -633,7 +633,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
     supports_prefix_caching = False
 
     @classmethod
-    def find_longest_cache_hit(cls, *args, **kwargs):
+    def _longest_hit(cls, q: HitQuery) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         raise NotImplementedError("cross-attention KV is per request and never prefix-cached")
 
 
@@ -642,14 +642,6 @@ class CircularBufferManager(SingleTypeKVCacheManager):
 
     supports_prefix_caching = False
     fixed_num_blocks = 1
-
-    def add_local_computed_blocks(
-        self,
-        request_id: str,
-        new_computed_blocks: Sequence[KVCacheBlock],
-        num_local_computed_tokens: int,
-    ) -> None:
-        return  # a ring takes no prefix hits
 
 
 SPEC_MANAGER_MAP: dict[type, type[SingleTypeKVCacheManager]] = {

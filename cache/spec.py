@@ -13,7 +13,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from enum import IntEnum
-from typing import Self
+from typing import ClassVar, Self
+
+from cache.util import cdiv, lookup, round_up
 
 # Bytes per element of the dtype names a cache may use.
 DTYPE_SIZE_BYTES: dict[str, int] = {
@@ -34,24 +36,9 @@ DTYPE_SIZE_BYTES: dict[str, int] = {
 MODEL_VERSIONS = (None, "deepseek_v4")
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ``a`` by positive ``b``."""
-    return -(-a // b)
-
-
-def round_up(x: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``x``."""
-    return cdiv(x, multiple) * multiple
-
-
 def dtype_size_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name; ``ValueError`` for an unknown name."""
-    try:
-        return DTYPE_SIZE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"dtype={dtype!r} is not a known cache dtype; allowed: {sorted(DTYPE_SIZE_BYTES)}"
-        ) from None
+    return lookup(DTYPE_SIZE_BYTES, dtype, f"dtype={dtype!r} is not a known cache dtype")
 
 
 def _require_positive(owner: object, name: str, value: int | None, *, optional=False) -> None:
@@ -64,6 +51,12 @@ def _require_positive(owner: object, name: str, value: int | None, *, optional=F
         )
 
 
+def _require_positive_slot_fields(spec: KVCacheSpec) -> None:
+    """A spec's `_validate` when its `slot_fields` are all positive ints (sinks, RSWA)."""
+    for name in spec.slot_fields:
+        _require_positive(spec, name, getattr(spec, name))
+
+
 def _require_non_negative(owner: object, name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(
@@ -74,6 +67,11 @@ def _require_non_negative(owner: object, name: str, value: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Quantization modes
 # ---------------------------------------------------------------------------------------------
+
+
+def _mode_family(doc: str, *names: str) -> property:
+    """A `KVQuantMode` predicate: whether the mode is one of ``names``."""
+    return property(lambda mode: mode.name in names, doc=doc)
 
 
 class KVQuantMode(IntEnum):
@@ -96,34 +94,21 @@ class KVQuantMode(IntEnum):
     NVFP4_DS_MLA = 10
     ULTRAQUANT_4BIT = 11
 
-    @property
-    def is_per_token_head(self) -> bool:
-        """True for the int8 / fp8 / int4 per-token-head modes."""
-        return self in (
-            KVQuantMode.INT8_PER_TOKEN_HEAD,
-            KVQuantMode.FP8_PER_TOKEN_HEAD,
-            KVQuantMode.INT4_PER_TOKEN_HEAD,
-        )
-
-    @property
-    def is_nvfp4(self) -> bool:
-        """True for plain NVFP4 (not the opaque DS-MLA NVFP4 record)."""
-        return self == KVQuantMode.NVFP4
-
-    @property
-    def is_turboquant(self) -> bool:
-        """True for the four TurboQuant modes."""
-        return self in (
-            KVQuantMode.TURBOQUANT_K8V4,
-            KVQuantMode.TURBOQUANT_4BIT_NC,
-            KVQuantMode.TURBOQUANT_K3V4_NC,
-            KVQuantMode.TURBOQUANT_3BIT_NC,
-        )
-
-    @property
-    def is_ultraquant(self) -> bool:
-        """True for the UltraQuant 4-bit format."""
-        return self == KVQuantMode.ULTRAQUANT_4BIT
+    is_per_token_head = _mode_family(
+        "True for the int8 / fp8 / int4 per-token-head modes.",
+        "INT8_PER_TOKEN_HEAD",
+        "FP8_PER_TOKEN_HEAD",
+        "INT4_PER_TOKEN_HEAD",
+    )
+    is_nvfp4 = _mode_family("True for plain NVFP4 (not the opaque DS-MLA NVFP4 record).", "NVFP4")
+    is_turboquant = _mode_family(
+        "True for the four TurboQuant modes.",
+        "TURBOQUANT_K8V4",
+        "TURBOQUANT_4BIT_NC",
+        "TURBOQUANT_K3V4_NC",
+        "TURBOQUANT_3BIT_NC",
+    )
+    is_ultraquant = _mode_family("True for the UltraQuant 4-bit format.", "ULTRAQUANT_4BIT")
 
 
 def get_kv_quant_mode(cache_dtype: str) -> KVQuantMode:
@@ -164,6 +149,8 @@ class KVCacheSpec:
     """
 
     block_size: int
+    # Fields that must match for two specs of one uniform-type family to need the same slots.
+    slot_fields: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for klass in reversed(type(self).__mro__):
@@ -256,19 +243,7 @@ def _differences(a: KVCacheSpec, b: KVCacheSpec, skip: Iterable[str] = ()) -> st
 class AttentionSpec(KVCacheSpec):
     """A paged attention cache: ``[num_blocks, num_heads, num_states, state_content_size_bytes]``.
 
-    Fields:
-        num_kv_heads: KV heads of the layer (1 for MLA latents).
-        head_size: key width in elements; ``head_size_v`` value width (None = ``head_size``;
-            0 for single-latent MLA formats).
-        dtype: element dtype name, see ``DTYPE_SIZE_BYTES``.
-        kv_quant_mode: quantization mode (kernels dispatch on it).
-        page_size_padded: explicit padded page bytes (>= the real page), or None.
-        num_head_slots: H of the page when the packing differs from one slot per KV head.
-        state_content_bytes: bytes of one (head slot, state) cell for packed records
-            (e.g. V4's 584-B MLA record); None = dense ``(head_size + head_size_v) * dtype``.
-        tokens_per_state: tokens folded into one stored state (V4.1 compress ratio r);
-            ``num_states = block_size // tokens_per_state``. vLLM also allows fractions
-            (several states per token); we only need whole ratios.
+    Its fields: docs/allocator_internals.md, section 10.
     """
 
     num_kv_heads: int
@@ -340,12 +315,11 @@ class AttentionSpec(KVCacheSpec):
 
     def is_uniform_with(self, specs: Iterable[KVCacheSpec]) -> bool:
         base = _uniform_base(self)
-        return all(_uniform_base(spec) is base and base.same_slots(self, spec) for spec in specs)
-
-    @staticmethod
-    def same_slots(a: KVCacheSpec, b: KVCacheSpec) -> bool:
-        """Whether two specs of this uniform-type family need the same token slots."""
-        return True
+        return all(
+            _uniform_base(spec) is base
+            and all(getattr(spec, f) == getattr(self, f) for f in base.slot_fields)
+            for spec in specs
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -397,10 +371,6 @@ class FullAttentionSpec(AttentionSpec):
                 f"(chunk {merged['attention_chunk_size']})"
             )
         return dataclasses.replace(specs[0], **merged)
-
-    @staticmethod
-    def same_slots(a: KVCacheSpec, b: KVCacheSpec) -> bool:
-        return True
 
 
 def _merge_window_sizes(specs: list[FullAttentionSpec], name: str) -> int | None:
@@ -474,6 +444,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     sliding_window: int
     extra_retained_tokens: int = 0
+    slot_fields = ("sliding_window",)
 
     def _validate(self) -> None:
         _require_positive(self, "sliding_window", self.sliding_window)
@@ -498,10 +469,6 @@ class SlidingWindowSpec(AttentionSpec):
         blocks = self.max_admission_blocks_per_request(max_model_len, max_num_batched_tokens)
         return blocks * self.page_size_bytes
 
-    @staticmethod
-    def same_slots(a: KVCacheSpec, b: KVCacheSpec) -> bool:
-        return a.sliding_window == b.sliding_window
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SlidingWindowMLASpec(SlidingWindowSpec):
@@ -516,6 +483,7 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
     model_version: str | None = None
     bounded_replay: bool = False
     head_size_v: int = 0
+    slot_fields = ("sliding_window", "bounded_replay")
 
     def _validate(self) -> None:
         _check_model_version(self)
@@ -533,16 +501,13 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
         padded = None if self.alignment is not None else self.page_size_padded
         return dataclasses.replace(self, block_size=block_size, page_size_padded=padded)
 
-    @staticmethod
-    def same_slots(a: KVCacheSpec, b: KVCacheSpec) -> bool:
-        return a.sliding_window == b.sliding_window and a.bounded_replay == b.bounded_replay
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
     """Chunked local attention: a token attends within its ``attention_chunk_size`` chunk."""
 
     attention_chunk_size: int
+    slot_fields = ("attention_chunk_size",)
 
     def _validate(self) -> None:
         _require_positive(self, "attention_chunk_size", self.attention_chunk_size)
@@ -557,10 +522,6 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         blocks = self.max_admission_blocks_per_request(max_model_len, max_num_batched_tokens)
         return blocks * self.page_size_bytes
-
-    @staticmethod
-    def same_slots(a: KVCacheSpec, b: KVCacheSpec) -> bool:
-        return a.attention_chunk_size == b.attention_chunk_size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -588,13 +549,8 @@ class SinkFullAttentionSpec(FullAttentionSpec):
     """
 
     sink_len: int
-
-    def _validate(self) -> None:
-        _require_positive(self, "sink_len", self.sink_len)
-
-    @staticmethod
-    def same_slots(a: KVCacheSpec, b: KVCacheSpec) -> bool:
-        return a.sink_len == b.sink_len
+    slot_fields = ("sink_len",)
+    _validate = _require_positive_slot_fields
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -603,13 +559,8 @@ class RSWASpec(FullAttentionSpec):
     generated tokens are kept. Its own uniform type (see ``SinkFullAttentionSpec``)."""
 
     rswa_window: int
-
-    def _validate(self) -> None:
-        _require_positive(self, "rswa_window", self.rswa_window)
-
-    @staticmethod
-    def same_slots(a: KVCacheSpec, b: KVCacheSpec) -> bool:
-        return a.rswa_window == b.rswa_window
+    slot_fields = ("rswa_window",)
+    _validate = _require_positive_slot_fields
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from dsv4.engram_hash import next_prime
 
@@ -454,82 +454,10 @@ class ModelConfig:
             # V4.1 keeps the text model under text_config; top-level keys (e.g. quantisation)
             # still apply where the nested block does not set them.
             merged.update(text)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        unknown = []
-        storage = None  # a torch dtype name from an HF config's "dtype" / "torch_dtype"
-        for key, value in merged.items():
-            if key in ("dtype", "torch_dtype") and value not in _INFERENCE_DTYPES:
-                # transformers writes the torch model's storage dtype under these keys; the
-                # quantised formats come from quantization_config and expert_dtype instead
-                storage = _storage_dtype(key, value)
-                continue
-            name = _HF_NAMES.get(key, key)
-            if name in fields:
-                if name in values and values[name] != value:
-                    raise ValueError(
-                        f"config sets {name!r} twice with different values ({values[name]!r} "
-                        f"and {value!r} from {key!r})"
-                    )
-                values[name] = value
-            elif key in _IGNORED_KEYS or key.startswith("vision_"):
-                continue
-            else:
-                unknown.append(key)
-        if unknown:
-            raise ValueError(f"unknown config keys {sorted(unknown)}")
-        rope = merged.get("rope_scaling") or merged.get("rope_parameters")
-        if (
-            isinstance(rope, Mapping)
-            and "compress" in rope
-            and isinstance(rope["compress"], Mapping)
-        ):
-            rope = rope["compress"]
-        if isinstance(rope, Mapping) and rope.get("type", rope.get("rope_type")) not in (
-            None,
-            "default",
-        ):
-            values.setdefault("rope_factor", rope.get("factor", 1.0))
-            if "original_max_position_embeddings" in rope:
-                values.setdefault("original_seq_len", rope["original_max_position_embeddings"])
-            for k in ("beta_fast", "beta_slow"):
-                if k in rope:
-                    values.setdefault(k, rope[k])
-        quant = merged.get("quantization_config")
-        if isinstance(quant, Mapping):
-            block = quant.get("weight_block_size")
-            if block is not None:
-                if len(block) != 2 or block[0] != block[1]:
-                    raise ValueError(f"weight_block_size={block} must be square [B, B]")
-                values.setdefault("fp8_block_size", int(block[0]))
-            values.setdefault("dtype", "fp8")
-            if "expert_dtype" in quant:
-                values.setdefault("expert_dtype", quant["expert_dtype"])
-        elif "dtype" not in values and (text is not None or storage is not None):
-            # an HF config without quantization_config: plain (bf16 / fp16 / fp32) weights
-            values.setdefault("dtype", "bf16")
-            if storage is not None:
-                values.setdefault("expert_dtype", None)
-        if "engram_layer_ids" in merged:
-            values["engram_layer_ids"] = tuple(merged["engram_layer_ids"])
-            # a config that names its Engram layers but not their table sizes: derive them
-            values.setdefault("engram_num_embeddings", ())
-        elif "text_config" in raw or "n_layers" in raw or "num_hidden_layers" in raw:
-            values["engram_layer_ids"] = ()
-        for key in ("dspark_target_layer_ids", "dspark_block_size"):
-            if key in merged:
-                values[key] = merged[key]
-        if "candidate_source_layer" not in values:
-            values["candidate_source_layer"] = -1
-            values.setdefault("candidate_topk_blocks", 0)
-            values.setdefault("candidate_block_size", 0)
-        for key in ("kv_source_layers", "index_source_layers", "compress_ratios"):
-            if key in values:
-                values[key] = tuple(int(v) for v in values[key])
-        if "n_mtp_layers" not in values:
-            values["n_mtp_layers"] = max(
-                0, len(values.get("compress_ratios", ())) - values.get("n_layers", cls.n_layers)
-            )
+        values, storage = _config_values(merged, {f.name for f in dataclasses.fields(cls)})
+        _rope_values(merged, values)
+        _storage_values(merged, values, text is not None or storage is not None, storage)
+        _layout_values(raw, merged, values, cls.n_layers)
         values.update(overrides)
         try:
             return cls(**values)
@@ -623,6 +551,103 @@ def _engram_primes(
     return _PRIMES_CACHE[key]
 
 
+# -- config.json parsing steps (`ModelConfig.from_dict`) ---------------------------------------
+
+
+def _config_values(
+    merged: Mapping[str, Any], fields: set[str]
+) -> tuple[dict[str, Any], str | None]:
+    """(the keys that name a field, under our names; the torch storage dtype if one is named)."""
+    values: dict[str, Any] = {}
+    unknown = []
+    storage = None  # a torch dtype name from an HF config's "dtype" / "torch_dtype"
+    for key, value in merged.items():
+        if key in ("dtype", "torch_dtype") and value not in _INFERENCE_DTYPES:
+            # transformers writes the torch model's storage dtype under these keys; the
+            # quantised formats come from quantization_config and expert_dtype instead
+            storage = _storage_dtype(key, value)
+            continue
+        name = _HF_NAMES.get(key, key)
+        if name in fields:
+            if name in values and values[name] != value:
+                raise ValueError(
+                    f"config sets {name!r} twice with different values ({values[name]!r} "
+                    f"and {value!r} from {key!r})"
+                )
+            values[name] = value
+        elif key in _IGNORED_KEYS or key.startswith("vision_"):
+            continue
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}")
+    return values, storage
+
+
+def _rope_values(merged: Mapping[str, Any], values: dict[str, Any]) -> None:
+    """YaRN's fields from ``rope_scaling`` / ``rope_parameters`` (its ``compress`` block if any)."""
+    rope = merged.get("rope_scaling") or merged.get("rope_parameters")
+    if isinstance(rope, Mapping) and "compress" in rope and isinstance(rope["compress"], Mapping):
+        rope = rope["compress"]
+    if isinstance(rope, Mapping) and rope.get("type", rope.get("rope_type")) not in (
+        None,
+        "default",
+    ):
+        values.setdefault("rope_factor", rope.get("factor", 1.0))
+        if "original_max_position_embeddings" in rope:
+            values.setdefault("original_seq_len", rope["original_max_position_embeddings"])
+        for k in ("beta_fast", "beta_slow"):
+            if k in rope:
+                values.setdefault(k, rope[k])
+
+
+def _storage_values(
+    merged: Mapping[str, Any], values: dict[str, Any], hf: bool, storage: str | None
+) -> None:
+    """The weights' formats from ``quantization_config``, else plain weights for an HF config."""
+    quant = merged.get("quantization_config")
+    if isinstance(quant, Mapping):
+        block = quant.get("weight_block_size")
+        if block is not None:
+            if len(block) != 2 or block[0] != block[1]:
+                raise ValueError(f"weight_block_size={block} must be square [B, B]")
+            values.setdefault("fp8_block_size", int(block[0]))
+        values.setdefault("dtype", "fp8")
+        if "expert_dtype" in quant:
+            values.setdefault("expert_dtype", quant["expert_dtype"])
+    elif "dtype" not in values and hf:
+        # an HF config without quantization_config: plain (bf16 / fp16 / fp32) weights
+        values.setdefault("dtype", "bf16")
+        if storage is not None:
+            values.setdefault("expert_dtype", None)
+
+
+def _layout_values(
+    raw: Mapping[str, Any], merged: Mapping[str, Any], values: dict[str, Any], n_layers: int
+) -> None:
+    """Engram layers, DSpark fields, the candidate defaults, layer tuples and the MTP count."""
+    if "engram_layer_ids" in merged:
+        values["engram_layer_ids"] = tuple(merged["engram_layer_ids"])
+        # a config that names its Engram layers but not their table sizes: derive them
+        values.setdefault("engram_num_embeddings", ())
+    elif "text_config" in raw or "n_layers" in raw or "num_hidden_layers" in raw:
+        values["engram_layer_ids"] = ()
+    for key in ("dspark_target_layer_ids", "dspark_block_size"):
+        if key in merged:
+            values[key] = merged[key]
+    if "candidate_source_layer" not in values:
+        values["candidate_source_layer"] = -1
+        values.setdefault("candidate_topk_blocks", 0)
+        values.setdefault("candidate_block_size", 0)
+    for key in ("kv_source_layers", "index_source_layers", "compress_ratios"):
+        if key in values:
+            values[key] = tuple(int(v) for v in values[key])
+    if "n_mtp_layers" not in values:
+        values["n_mtp_layers"] = max(
+            0, len(values.get("compress_ratios", ())) - values.get("n_layers", n_layers)
+        )
+
+
 # -- layer plan ------------------------------------------------------------------------------
 
 
@@ -714,46 +739,68 @@ def _build_plan(
     key = (n_layers, ratios, kv_sources, index_sources, candidate_source, draft_ratios)
     if key in _PLAN_CACHE:
         return _PLAN_CACHE[key]
+    sources = _PlanSources(n_layers, ratios, kv_sources, index_sources, candidate_source)
+    sources.check(draft_ratios)
+    plan = LayerPlan(tuple(sources.layer_info(layer) for layer in range(n_layers)))
+    _PLAN_CACHE[key] = plan
+    return plan
 
-    def fail(msg: str) -> None:
-        raise ValueError(f"layer plan: {msg}")
 
-    for layer, r in enumerate(ratios):
-        if r not in (0, 1, 2):
-            fail(f"layer {layer} has compress ratio {r}; V4.1 allows 0, 1 or 2")
-    for layer, r in enumerate(draft_ratios, start=n_layers):
-        if r != 0:
-            fail(f"draft layer {layer} has compress ratio {r}; draft layers are window-only")
-    for name, ids in (("kv_source_layers", kv_sources), ("index_source_layers", index_sources)):
-        if list(ids) != sorted(set(ids)):
-            fail(f"{name}={list(ids)} must be sorted and unique")
-        for s in ids:
-            if not 0 <= s < n_layers:
-                fail(f"{name} names layer {s}, outside the backbone's layers 0..{n_layers - 1}")
-            if ratios[s] == 0:
-                fail(f"layer {s} is in {name} but has compress ratio 0")
-    for s in kv_sources:
-        if s not in index_sources:
-            fail(f"layer {s} is a kv source but not an index source (nobody would make its keys)")
-    if candidate_source >= 0 and candidate_source not in kv_sources:
-        fail(f"candidate source layer {candidate_source} must be a kv source")
+def _plan_error(msg: str) -> NoReturn:
+    raise ValueError(f"layer plan: {msg}")
 
-    infos = []
-    for layer in range(n_layers):
+
+@dataclasses.dataclass(frozen=True)
+class _PlanSources:
+    """The config's ratios and source layers, checked and turned into per-layer roles."""
+
+    n_layers: int
+    ratios: tuple[int, ...]
+    kv_sources: tuple[int, ...]
+    index_sources: tuple[int, ...]
+    candidate_source: int
+
+    def check(self, draft_ratios: tuple[int, ...]) -> None:
+        """The ratios and source lists on their own: allowed ratios, sorted in-range sources."""
+        fail, ratios, n_layers = _plan_error, self.ratios, self.n_layers
+        for layer, r in enumerate(ratios):
+            if r not in (0, 1, 2):
+                fail(f"layer {layer} has compress ratio {r}; V4.1 allows 0, 1 or 2")
+        for layer, r in enumerate(draft_ratios, start=n_layers):
+            if r != 0:
+                fail(f"draft layer {layer} has compress ratio {r}; draft layers are window-only")
+        lists = (("kv_source_layers", self.kv_sources), ("index_source_layers", self.index_sources))
+        for name, ids in lists:
+            if list(ids) != sorted(set(ids)):
+                fail(f"{name}={list(ids)} must be sorted and unique")
+            for s in ids:
+                if not 0 <= s < n_layers:
+                    fail(f"{name} names layer {s}, outside the backbone's layers 0..{n_layers - 1}")
+                if ratios[s] == 0:
+                    fail(f"layer {s} is in {name} but has compress ratio 0")
+        for s in self.kv_sources:
+            if s not in self.index_sources:
+                fail(
+                    f"layer {s} is a kv source but not an index source (nobody would make its keys)"
+                )
+        if self.candidate_source >= 0 and self.candidate_source not in self.kv_sources:
+            fail(f"candidate source layer {self.candidate_source} must be a kv source")
+
+    def layer_info(self, layer: int) -> LayerInfo:
+        """One layer's role and sources, checked against its sources' ratios."""
+        fail, ratios, cand = _plan_error, self.ratios, self.candidate_source
+        kv_sources, index_sources = self.kv_sources, self.index_sources
         r = ratios[layer]
         if r == 0:
-            infos.append(
-                LayerInfo(
-                    layer=layer,
-                    ratio=0,
-                    role=Role.SWA,
-                    kv_source=None,
-                    index_source=None,
-                    is_candidate_source=False,
-                    uses_candidates=False,
-                )
+            return LayerInfo(
+                layer=layer,
+                ratio=0,
+                role=Role.SWA,
+                kv_source=None,
+                index_source=None,
+                is_candidate_source=False,
+                uses_candidates=False,
             )
-            continue
         kv = max((s for s in kv_sources if s <= layer), default=None)
         idx = max((s for s in index_sources if s <= layer), default=None)
         if kv is None:
@@ -777,29 +824,23 @@ def _build_plan(
             role = Role.REINDEX
         else:
             role = Role.REUSE
-        is_cand = layer == candidate_source
-        uses = layer in index_sources and 0 <= candidate_source < layer
-        if uses and ratios[candidate_source] != r:
+        uses = layer in index_sources and 0 <= cand < layer
+        if uses and ratios[cand] != r:
             fail(
-                f"layer {layer} consumes candidates of layer {candidate_source} but its ratio "
-                f"{r} differs from the candidate source's {ratios[candidate_source]}"
+                f"layer {layer} consumes candidates of layer {cand} but its ratio "
+                f"{r} differs from the candidate source's {ratios[cand]}"
             )
-        if uses and kv != max(s for s in kv_sources if s <= layer and s >= candidate_source):
+        if uses and kv != max(s for s in kv_sources if s <= layer and s >= cand):
             fail(f"layer {layer} consumes candidates but reads a different kv source ({kv})")
-        infos.append(
-            LayerInfo(
-                layer=layer,
-                ratio=r,
-                role=role,
-                kv_source=kv,
-                index_source=idx,
-                is_candidate_source=is_cand,
-                uses_candidates=uses,
-            )
+        return LayerInfo(
+            layer=layer,
+            ratio=r,
+            role=role,
+            kv_source=kv,
+            index_source=idx,
+            is_candidate_source=layer == cand,
+            uses_candidates=uses,
         )
-    plan = LayerPlan(tuple(infos))
-    _PLAN_CACHE[key] = plan
-    return plan
 
 
 # -- presets ---------------------------------------------------------------------------------
@@ -864,25 +905,23 @@ def tiny_v41(**overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+# The small DSpark drafter both drafting tiny presets carry: it reads layers 5-7, with 8 routed
+# experts of which 2 active and a Markov rank of 16.
+_TINY_DRAFTER: dict[str, Any] = dict(
+    dspark_target_layer_ids=(5, 6, 7),
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=8,
+    dspark_n_activated_experts=2,
+)
+
+
 def tiny_v41_trained(*, drafter: bool = True, **overrides: Any) -> ModelConfig:
-    """`tiny_v41`'s eight layers (every role, both ratios, the candidate blocks, mHC, MoE) at width
-    128, trained (`dsv4.train`, `scripts/train_tiny.py`) on the standard library's source
-    (`dsv4.data`) in the ids of a byte-level BPE of 2048 tokens (`dsv4.data.train_bpe`; ids 0-2
-    BOS, EOS, padding), about 2.9 bytes per token. The shipped weights took 4 minutes of one H200
-    (windows of 1024 tokens, 64 a step); on two CPU cores the same run takes about 19 hours.
+    """`tiny_v41` at width 128 with 16 routed experts (2 active), the config of the shipped
+    weights trained on the standard library's source (docs/trained_model.md says how and what).
 
-    Training windows of 1024 tokens (about 3 KB) hold 64 windows of 16, 512 ratio-2 and 1024
-    ratio-1 compressed entries: every compressed layer attends to its 16 best entries, and layers
-    5-6 choose them among the 8 best candidate blocks of 4 (32 entries) of layer 3. 16 routed
-    experts of which 2 active; about 8.0M parameters, 2.3M of them active per token. The
-    compressed layers' YaRN frequencies (factor 4 over 256 positions) are used in training as in
-    inference. No Engram.
-
-    With ``drafter`` (the shipped checkpoint's config) a 2-stage DSpark drafter (1.2M
-    parameters) drafts blocks of 5 as the released one does, reading layers 5-7, with 8 experts
-    of which 2 active, a Markov rank of 16 and the padding id as its noise token; it is trained
-    after the backbone, which it leaves frozen (`dsv4.train_dspark`). ``drafter=False`` is the
-    backbone alone, the config `dsv4.train` trains.
+    With ``drafter`` (the shipped checkpoint's config) a 2-stage DSpark drafter drafts blocks of
+    5 with the padding id as its noise token; ``drafter=False`` is the backbone alone, the config
+    `training.train` trains.
     """
     fields: dict[str, Any] = dict(
         vocab_size=2048,
@@ -903,11 +942,8 @@ def tiny_v41_trained(*, drafter: bool = True, **overrides: Any) -> ModelConfig:
             n_mtp_layers=2,
             compress_ratios=(0, 2, 2, 1, 1, 1, 1, 0, 0, 0),
             dspark_block_size=5,
-            dspark_target_layer_ids=(5, 6, 7),
-            dspark_markov_rank=16,
             dspark_noise_token_id=2,
-            dspark_n_routed_experts=8,
-            dspark_n_activated_experts=2,
+            **_TINY_DRAFTER,
         )
     fields.update(overrides)
     return tiny_v41(**fields)
@@ -931,11 +967,8 @@ def tiny_v41_full(**overrides: Any) -> ModelConfig:
         engram_compressed_vocab_size=230,
         engram_pad_id=2,
         dspark_block_size=3,
-        dspark_target_layer_ids=(5, 6, 7),
-        dspark_markov_rank=16,
         dspark_noise_token_id=500,
-        dspark_n_routed_experts=8,
-        dspark_n_activated_experts=2,
+        **_TINY_DRAFTER,
     )
     fields.update(overrides)
     return tiny_v41(**fields)
@@ -951,8 +984,9 @@ class Preset:
     weights: str | None = None
 
 
-# The one table of model names: the planner (`dsv4.plan.MODELS`), the shipped checkpoints
-# (`dsv4.checkpoint.SHIPPED`, which `load_pretrained` accepts by name) read it.
+# The one table of model names: the planner (`planner.plan.MODELS`), the shipped checkpoints
+# (`dsv4.checkpoint.SHIPPED`, which `load_pretrained` accepts by name), `serving.config` (`LLM`)
+# and the CLI read it (this module imports no JAX, so the CLI reads it before JAX starts).
 MODEL_PRESETS: dict[str, Preset] = {
     "v41_flash": Preset(v41_flash),
     "tiny_v41": Preset(tiny_v41, "random"),

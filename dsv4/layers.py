@@ -311,7 +311,7 @@ def moe(
         # kept in their released formats are dequantised whole (each device its experts); the
         # barrier makes that wait for this layer's input. Without it XLA:GPU ran many layers'
         # dequantisations early: the H100 compile of a 12-layer released-width step held
-        # 38.3 GiB of temporaries, 7.5 GiB with it (`dsv4.compiled_step`).
+        # 38.3 GiB of temporaries, 7.5 GiB with it (`planner.compiled_step`).
         ws = (w1, w2, w3)
         if not all(isinstance(w, jax.Array) for w in ws):
             xq, ws = jax.lax.optimization_barrier((xq, ws))

@@ -37,6 +37,7 @@ __all__ = [
     "block_specs",
     "byte_token_map",
     "check_params",
+    "check_shapes",
     "check_token_map",
     "checkpoint_tensors",
     "count_params",
@@ -159,14 +160,11 @@ def require_drafter(cfg: ModelConfig) -> None:
 
 
 def dspark_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Every ``mtp.{i}.*`` tensor of the DSpark drafter with its released storage and shape.
-
-    Per stage the tensors of a window-only backbone layer, with ``dspark_n_routed_experts``
-    routed experts (stacked ``[E, out, in]``); stage 0 adds ``main_proj`` (fp8 [dim, n_t * dim])
-    and ``main_norm``; the last stage adds ``norm``, the Markov head (``embed`` and ``head``,
-    bf16 [vocab, markov_rank]) and ``confidence_head.proj`` (bf16 [1, dim + markov_rank]).
-    ``ffn.gate.bias_vl`` (the image-span routing bias, never used by the text-only drafts) is
-    left out like the backbone's."""
+    """Every ``mtp.{i}.*`` tensor of the DSpark drafter with its released storage and shape:
+    per stage a window-only backbone layer's, with ``dspark_n_routed_experts`` experts; stage 0
+    adds ``main_proj`` and ``main_norm``, the last ``norm``, the Markov head and
+    ``confidence_head.proj`` (shapes: docs/model.md#dspark-drafter). ``ffn.gate.bias_vl`` (the
+    image-span routing bias) is left out like the backbone's."""
     require_drafter(cfg)
     d = cfg.dim
     specs: dict[str, ParamSpec] = {}
@@ -186,20 +184,32 @@ def dspark_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     return specs
 
 
-def check_params(params: Mapping[str, Any], cfg: ModelConfig, what: str) -> None:
-    """Names and shapes of ``params`` must be exactly ``param_specs(cfg)``'s; else one
-    `dsv4.formats.CheckpointError` listing every difference (``what`` names the caller)."""
+def check_shapes(
+    shapes: Mapping[str, tuple[int, ...]],
+    cfg: ModelConfig,
+    title: str,
+    words: tuple[str, str] = ("expected", "got"),
+) -> None:
+    """Names and shapes must be exactly ``param_specs(cfg)``'s; else one
+    `dsv4.formats.CheckpointError` titled ``title`` listing every difference (a wrong shape
+    reads ``"<name>: <words[0]> <spec shape>, <words[1]> <shape>"``)."""
     specs = param_specs(cfg)
-    missing = [n for n in specs if n not in params]
-    unexpected = [n for n in params if n not in specs]
+    missing = [n for n in specs if n not in shapes]
+    unexpected = [n for n in shapes if n not in specs]
     wrong = [
-        f"{n}: expected {list(specs[n].shape)}, got {list(np.shape(params[n]))}"
+        f"{n}: {words[0]} {list(specs[n].shape)}, {words[1]} {list(shapes[n])}"
         for n in specs
-        if n in params and tuple(np.shape(params[n])) != specs[n].shape
+        if n in shapes and tuple(shapes[n]) != specs[n].shape
     ]
     groups = [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
     if missing or unexpected or wrong:
-        raise CheckpointError(format_problems(f"{what}: params do not match the config", groups))
+        raise CheckpointError(format_problems(title, groups))
+
+
+def check_params(params: Mapping[str, Any], cfg: ModelConfig, what: str) -> None:
+    """`check_shapes` of ``params`` (``what`` names the caller in the error)."""
+    shapes = {n: tuple(np.shape(w)) for n, w in params.items()}
+    check_shapes(shapes, cfg, f"{what}: params do not match the config")
 
 
 def _engram_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -249,6 +259,25 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _stored_parts(
+    storage: Storage, shape: tuple[int, ...], blk: int
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """(safetensors dtype, stored shape, role) of each tensor one param of ``shape`` is saved as."""
+    if storage is Storage.FP8:
+        out, inp = shape
+        scale = (_ceil_div(out, blk), _ceil_div(inp, blk))
+        return [("F8_E4M3", shape, "weight"), ("F8_E8M0", scale, "scale")]
+    if storage is Storage.FP4:
+        out, inp = shape
+        return [("I8", (out, inp // 2), "weight"), ("F8_E8M0", (out, inp // 32), "scale")]
+    if storage is Storage.FP8_ROWS:
+        rows, width = shape
+        return [("F8_E4M3", shape, "weight"), ("F8_E8M0", (rows, _ceil_div(width, blk)), "scale")]
+    if storage is Storage.DERIVED:
+        return []
+    return [("BF16" if storage is Storage.BF16 else "F32", shape, "weight")]
+
+
 def checkpoint_tensors(cfg: ModelConfig) -> Iterator[CheckpointTensor]:
     """The released checkpoint's tensors for our params: names, dtypes and stored shapes
     (fp8 weights with their ``.scale`` tiles, packed fp4 experts with per-32 scales)."""
@@ -263,53 +292,9 @@ def checkpoint_tensors(cfg: ModelConfig) -> Iterator[CheckpointTensor]:
         else:
             entries = [(name, spec.shape, None)]
         for tname, shape, expert in entries:
-            if spec.storage is Storage.FP8:
-                out, inp = shape
-                yield CheckpointTensor(
-                    tname, "F8_E4M3", shape, name, expert, "weight", spec.storage
-                )
-                yield CheckpointTensor(
-                    tname.removesuffix(".weight") + ".scale",
-                    "F8_E8M0",
-                    (_ceil_div(out, blk), _ceil_div(inp, blk)),
-                    name,
-                    expert,
-                    "scale",
-                    spec.storage,
-                )
-            elif spec.storage is Storage.FP4:
-                out, inp = shape
-                yield CheckpointTensor(
-                    tname, "I8", (out, inp // 2), name, expert, "weight", spec.storage
-                )
-                yield CheckpointTensor(
-                    tname.removesuffix(".weight") + ".scale",
-                    "F8_E8M0",
-                    (out, inp // 32),
-                    name,
-                    expert,
-                    "scale",
-                    spec.storage,
-                )
-            elif spec.storage is Storage.FP8_ROWS:
-                rows, width = shape
-                yield CheckpointTensor(
-                    tname, "F8_E4M3", shape, name, expert, "weight", spec.storage
-                )
-                yield CheckpointTensor(
-                    tname.removesuffix(".weight") + ".scale",
-                    "F8_E8M0",
-                    (rows, _ceil_div(width, blk)),
-                    name,
-                    expert,
-                    "scale",
-                    spec.storage,
-                )
-            elif spec.storage is Storage.DERIVED:
-                continue
-            else:
-                dt = "BF16" if spec.storage is Storage.BF16 else "F32"
-                yield CheckpointTensor(tname, dt, shape, name, expert, "weight", spec.storage)
+            for dtype, stored, role in _stored_parts(spec.storage, shape, blk):
+                tensor = tname if role == "weight" else tname.removesuffix(".weight") + ".scale"
+                yield CheckpointTensor(tensor, dtype, stored, name, expert, role, spec.storage)
 
 
 # -- initialisation --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ formats and scale rules: docs/model.md#dsv4quant.
 from __future__ import annotations
 
 import jax
+import jax.experimental.pallas  # first, for stable compilation-cache keys (dsv4/__init__.py)
 import jax.numpy as jnp
 import numpy as np
 

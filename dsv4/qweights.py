@@ -82,18 +82,13 @@ def check_weights_on_device(value: Any) -> str:
 
 
 def quantise_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """``params`` stored as `dsv4.save_pretrained` stores them, kept in memory.
-
-    fp8 / FP4 / Engram-table tensors become `QuantisedWeight`s holding exactly the bytes
-    save_pretrained writes (its codecs, `dsv4.formats.quant_fp8` / ``quant_fp4`` /
-    ``quant_fp8_rows``), standing for their input's dtype; BF16-stored tensors are rounded to
-    bf16 and keep their dtype, F32 ones become float32; the Engram token map, an Engram
-    `HostTable` and tensors already quantised are kept. The result equals
-    ``load_pretrained(<params saved>, dtype, weights_on_device="released")`` leaf for leaf.
+    """``params`` stored as `dsv4.save_pretrained` stores them, kept in memory: fp8 / FP4 /
+    Engram-table tensors become `QuantisedWeight`s of save_pretrained's bytes (standing for the
+    input's dtype), BF16-stored ones are rounded to bf16, F32 ones become float32, the rest kept.
+    Equals ``load_pretrained(<params saved>, dtype, weights_on_device="released")`` leaf for leaf.
 
     Raises:
-        dsv4.checkpoint.CheckpointError (a ValueError): names or shapes differ from the
-            config's, or a tensor holds NaN / Inf.
+        CheckpointError: names or shapes differ from the config's, or a NaN / Inf tensor.
     """
     check_params(params, cfg, "quantise_params")
     blk = cfg.fp8_block_size

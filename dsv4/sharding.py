@@ -76,16 +76,11 @@ _M, _E = "model", "expert"
 _BLOCK = r"(?:layers|mtp)\.\d+\."
 PARAM_RULES: tuple[tuple[str, tuple[str | None, ...] | None], ...] = (
     # attention: heads split, the shared latent replicated
-    (_BLOCK + r"attn\.wq_b\.weight$", (_M, None)),
-    (_BLOCK + r"attn\.wo_a\.weight$", (_M, None)),
+    (_BLOCK + r"attn\.(wq_b|wo_a|indexer\.wq_b|indexer\.weights_proj)\.weight$", (_M, None)),
     (_BLOCK + r"attn\.wo_b\.weight$", (None, _M)),
     (_BLOCK + r"attn\.attn_sink$", (_M,)),
-    (_BLOCK + r"attn\.indexer\.wq_b\.weight$", (_M, None)),
-    (_BLOCK + r"attn\.indexer\.weights_proj\.weight$", (_M, None)),
-    (_BLOCK + r"attn\.(wq_a|wkv)\.weight$", None),
-    (_BLOCK + r"attn\.(q_norm|kv_norm)\.weight$", None),
+    (_BLOCK + r"attn\.(wq_a|wkv|q_norm|kv_norm|indexer\.wk|indexer\.k_norm)\.weight$", None),
     (_BLOCK + r"attn\.compressor\.", None),
-    (_BLOCK + r"attn\.indexer\.(wk|k_norm)\.weight$", None),
     # MoE: routed experts over the expert axis, shared experts tensor-parallel
     (_BLOCK + r"ffn\.experts\.w[123]\.weight$", (_E, None, None)),
     (_BLOCK + r"ffn\.shared_experts\.w[13]\.weight$", (_M, None)),

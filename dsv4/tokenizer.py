@@ -68,22 +68,8 @@ class ByteTokenizer:
     PAD = 2
     OFFSET = 3
     VOCAB_SIZE = 256 + OFFSET
-
-    @property
-    def bos_id(self) -> int:
-        return self.BOS
-
-    @property
-    def eos_id(self) -> int:
-        return self.EOS
-
-    @property
-    def pad_id(self) -> int:
-        return self.PAD
-
-    @property
-    def vocab_size(self) -> int:
-        return self.VOCAB_SIZE
+    # `Tokenizer`'s names for the constants above
+    bos_id, eos_id, pad_id, vocab_size = BOS, EOS, PAD, VOCAB_SIZE
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         if not isinstance(text, str):

@@ -122,17 +122,13 @@ def token_tiles(
     num_cores: int | None,
     max_tokens_per_call: int,
 ) -> Any:
-    """Run a TPU kernel over whole tiles of tokens split over TensorCores (window, sparse).
-
-    Calls ``run(tokens, tq, cores, per_core)`` on at most ``max_tokens_per_call`` tokens at a
-    time (SMEM budget), padded to ``cores * per_core * tq`` tokens with each entry's fill (a
-    padding token has position -1: it reads nothing); results are cut back and concatenated.
+    """Run a TPU kernel over whole tiles of tokens split over TensorCores (window, sparse): calls
+    ``run(tokens, tq, cores, per_core)`` on at most ``max_tokens_per_call`` tokens at a time,
+    padded to whole tiles per core (pallas_kernels/README.md, "pallas_kernels/backend.py").
 
     Args:
       tokens: per-token pytrees with a leading T axis (None entries allowed).
       fills: one pad value per entry of ``tokens``.
-    Returns:
-      ``run``'s result for the T tokens.
     """
     num_tokens = jax.tree.leaves(tokens)[0].shape[0]
     again = functools.partial(
@@ -161,6 +157,20 @@ def token_tiles(
     return run(tokens, tq, cores, per_core)
 
 
+def double_buffered(i: Any, n: Any, for_copies: Any) -> Any:
+    """One step of a double-buffered DMA loop inside a TPU kernel: start item ``i + 1``'s
+    copies into the other buffer, wait for item ``i``'s; returns ``i``'s buffer slot.
+    ``for_copies(item, slot, fn)`` applies ``fn`` (start or wait) to each copy of ``item``."""
+    slot = i % 2
+
+    @pl.when(i + 1 < n)
+    def _next():
+        for_copies(i + 1, 1 - slot, lambda cp: cp.start())
+
+    for_copies(i, slot, lambda cp: cp.wait())
+    return slot
+
+
 def cost_estimate(flops: float, bytes_accessed: float, transcendentals: float = 0) -> Any:
     """A `pl.CostEstimate` from a kernel's cost model (rounded to ints, as XLA wants)."""
     return pl.CostEstimate(
@@ -171,6 +181,18 @@ def cost_estimate(flops: float, bytes_accessed: float, transcendentals: float = 
 def itemsize(dtype: Any) -> int:
     """Bytes per element of `dtype`."""
     return np.dtype(dtype).itemsize
+
+
+def call_sizes(q: Any, pages: Any) -> dict[str, int]:
+    """The sizes an attention cost model takes from ``q`` [T, H, D] and the cache pages."""
+    num_tokens, heads, dim = q.shape
+    return dict(
+        num_tokens=num_tokens,
+        heads=heads,
+        dim=dim,
+        q_bytes=itemsize(q.dtype),
+        kv_bytes=itemsize(pages.dtype),
+    )
 
 
 def pow2_divisor(n: int, cap: int) -> int:
@@ -221,6 +243,22 @@ def check_block_tables(tables: jax.Array, num_pages: int, name: str) -> None:
     this check raises on every implementation (block 0 is the null block).
     """
     check_range(tables, 0, num_pages, name, "a block id")
+
+
+def check_paged_indices(
+    tables: jax.Array, num_pages: int, per_block: int, token_req: jax.Array, index: jax.Array,
+    names: tuple[str, str, str],
+) -> None:  # fmt: skip
+    """The ``debug=True`` checks of a paged entry, at run time: block ids of ``tables``, ``index``
+    in [-1, what the table covers), ``token_req`` in [0, rows).
+
+    Args:
+      names: the table's name, the index's name and what an index entry is (for the message).
+    """
+    table_name, index_name, what = names
+    check_block_tables(tables, num_pages, table_name)
+    check_range(index, -1, tables.shape[1] * per_block, index_name, what)
+    check_range(token_req, 0, tables.shape[0], "token_req", "a request row")
 
 
 def check_shapes(**arrays: tuple[jax.Array, tuple[Any, ...]]) -> None:

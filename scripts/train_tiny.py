@@ -1,4 +1,4 @@
-"""Train `tiny_v41_trained` on the Python standard library's source (`dsv4.train`, `dsv4.data`).
+"""Train `tiny_v41_trained` on the Python standard library's source (`training.train`, `training.data`).
 
     python scripts/train_tiny.py --out runs/tiny_v41_trained --export dsv4/weights/tiny_v41_trained
 
@@ -18,12 +18,12 @@ import time
 import jax
 import numpy as np
 
-from dsv4 import data as D
-from dsv4 import train as T
-from dsv4 import train_dspark as TD
 from dsv4.config import tiny_v41_trained
 from dsv4.tokenizer import HFTokenizer
-from serving.lab.quality import heldout_score
+from lab.quality import heldout_score
+from training import data as D
+from training import dspark as TD
+from training import train as T
 
 # --cpu-hour: the widths of the first tiny_v41_trained, and the run that trained it on two CPU
 # cores in 61 minutes (with its drafter, 72)
@@ -110,7 +110,7 @@ def measure(cfg, tcfg, tokens, n: int) -> dict[str, float]:
 
 
 def tokenizer_for(out: str, split: D.Split, vocab_size: int) -> HFTokenizer:
-    """``out/tokenizer.json``, trained by `dsv4.data.train_bpe` when it is not there yet."""
+    """``out/tokenizer.json``, trained by `training.data.train_bpe` when it is not there yet."""
     path = os.path.join(out, "tokenizer.json")
     if not os.path.isfile(path):
         os.makedirs(out, exist_ok=True)
@@ -161,6 +161,29 @@ def main(argv=None) -> None:
     if a.measure:
         print(json.dumps(measure(cfg, tcfg, train_tokens, a.measure)))
         return
+    state = _train_backbone(a, cfg, tcfg, train_tokens, heldout, per_byte)
+    if state is None or int(state.step) != tcfg.steps:
+        return
+    final_path = os.path.join(a.out, "final.json")
+    if os.path.isfile(final_path):  # a rerun after the backbone finished: scored already
+        with open(final_path, encoding="utf-8") as f:
+            row = json.load(f)
+    else:  # every held-out window at the trained length and at the longest, xz alike
+        row = {"step": tcfg.steps, **heldout_score(state.params, cfg, tok, root=a.data_root)}
+    params, out_cfg = state.params, cfg
+    if a.drafter_steps:
+        params, out_cfg = _train_drafter(a, params, widths, train_tokens, heldout, row)
+    with open(final_path, "w", encoding="utf-8") as f:
+        json.dump(row, f)
+    print(json.dumps(row))
+    if a.export:
+        export(params, out_cfg, a.export, os.path.join(a.out, "tokenizer.json"))
+        print(f"wrote {a.export}")
+
+
+def _train_backbone(a, cfg, tcfg, train_tokens, heldout, per_byte):
+    """Train (or resume) the backbone in chunks of ``--eval-every`` steps, logging held-out
+    bits after each; returns the last train state (None when there was nothing to do)."""
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "metrics.jsonl"), "a", encoding="utf-8") as log_file:
 
@@ -192,34 +215,25 @@ def main(argv=None) -> None:
             )
             print(f"step {done}: held-out {bits:.3f} bits per token, {bits * per_byte:.3f} per byte "
                   f"({a.eval_batches} batches)")  # fmt: skip
-    if state is None or int(state.step) != tcfg.steps:
-        return
-    final_path = os.path.join(a.out, "final.json")
-    if os.path.isfile(final_path):  # a rerun after the backbone finished: scored already
-        with open(final_path, encoding="utf-8") as f:
-            row = json.load(f)
-    else:  # every held-out window at the trained length and at the longest, xz alike
-        row = {"step": tcfg.steps, **heldout_score(state.params, cfg, tok, root=a.data_root)}
-    params, out_cfg = state.params, cfg
-    if a.drafter_steps:
-        full = tiny_v41_trained(**widths)
-        dcfg = TD.DraftTrainConfig(steps=a.drafter_steps, seed=a.seed)
-        before = TD.init_draft_state(full, dcfg, params).params
-        row["drafter_untrained"] = TD.acceptance({**params, **before}, full, heldout)
-        drafter_log = os.path.join(a.out, "drafter_metrics.jsonl")
-        with open(drafter_log, "w", encoding="utf-8") as f:  # a fresh run each time
-            dstate, _ = TD.train_drafter(
-                params, full, dcfg, train_tokens, log=lambda r: f.write(json.dumps(r) + "\n")
-            )
-        params, out_cfg = {**params, **dstate.params}, full
-        row["drafter_steps"] = a.drafter_steps
-        row["drafter"] = TD.acceptance(params, full, heldout)
-    with open(final_path, "w", encoding="utf-8") as f:
-        json.dump(row, f)
-    print(json.dumps(row))
-    if a.export:
-        export(params, out_cfg, a.export, os.path.join(a.out, "tokenizer.json"))
-        print(f"wrote {a.export}")
+    return state
+
+
+def _train_drafter(a, params, widths, train_tokens, heldout, row):
+    """Train the DSpark drafter over the frozen backbone ``params``, its held-out acceptance
+    before and after into ``row``; returns the parameters with the drafter and their config."""
+    full = tiny_v41_trained(**widths)
+    dcfg = TD.DraftTrainConfig(steps=a.drafter_steps, seed=a.seed)
+    before = TD.init_draft_state(full, dcfg, params).params
+    row["drafter_untrained"] = TD.acceptance({**params, **before}, full, heldout)
+    drafter_log = os.path.join(a.out, "drafter_metrics.jsonl")
+    with open(drafter_log, "w", encoding="utf-8") as f:  # a fresh run each time
+        dstate, _ = TD.train_drafter(
+            params, full, dcfg, train_tokens, log=lambda r: f.write(json.dumps(r) + "\n")
+        )
+    params = {**params, **dstate.params}
+    row["drafter_steps"] = a.drafter_steps
+    row["drafter"] = TD.acceptance(params, full, heldout)
+    return params, full
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ checkpoint given with ``--model PATH``.
 ``dsv4 cache-demo`` walks multi-turn conversations, one turn at a time, through the scheduler
 (``serving.scheduler.Scheduler``) and the KV-cache allocator on the V4.1 cache layout, with made-up
 tokens. ``dsv4 layout`` prints the layout and its memory report. ``dsv4 lab`` runs cache-layout
-experiments (`serving.lab.cli`). ``dsv4 plan`` prints the memory planner's per-chip bytes of a
-slice (`dsv4.plan`).
+experiments (`lab.cli`). ``dsv4 plan`` prints the memory planner's per-chip bytes of a
+slice (`planner.plan`).
 
 JAX is imported only by the model commands, so ``cache-demo`` and ``layout`` start instantly.
 """
@@ -15,6 +15,7 @@ JAX is imported only by the model commands, so ``cache-demo`` and ``layout`` sta
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
@@ -32,9 +33,10 @@ from cache.layout import (
     v41_flash_desc,
 )
 from cache.spec import KVCacheConfig, iter_layer_specs
+from dsv4.config import MODEL_PRESETS
+from lab.cli import add_lab_command
 from serving.cli_llm import UsageError, add_commands
-from serving.config import MODEL_NAMES
-from serving.lab.cli import add_lab_command
+from serving.config import SchedulerConfig
 from serving.scheduler import Scheduler
 
 _DESCS = {"flash": v41_flash_desc, "tiny": tiny_v41_desc}
@@ -104,14 +106,10 @@ def _layout(args: argparse.Namespace) -> int:
 
 # -- dsv4 plan ---------------------------------------------------------------------------------
 
-_PLAN_MODELS = MODEL_NAMES  # `dsv4.plan.MODELS`, named without importing JAX
-
 
 def _check_plan_args(args: argparse.Namespace):
     """Parse the slices and the mesh; reject bad values with the flag and the value."""
-    from dsv4 import (
-        plan as P,  # reason: the planner imports JAX; the other commands start without it
-    )
+    from planner import plan as P  # reason: imports JAX; the other commands start without it
 
     _check_at_least("--max-num-seqs", args.max_num_seqs, 1)
     _check_at_least("--max-model-len", args.max_model_len, 1)
@@ -130,10 +128,8 @@ def _check_plan_args(args: argparse.Namespace):
 
 def _plan(args: argparse.Namespace) -> int:
     """Per-chip weights, KV pages per group, activations and the largest batch per slice."""
-    import json
-
     slices, mesh = _check_plan_args(args)
-    from dsv4 import plan as P  # reason: as in _check_plan_args
+    from planner import plan as P  # reason: as in _check_plan_args
 
     cfg = P.MODELS[args.model]()
     plans = []
@@ -262,13 +258,16 @@ def _cache_demo(args: argparse.Namespace) -> int:
     )
     scheduler = Scheduler(
         mgr,
-        max_num_seqs=1,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        SchedulerConfig(
+            max_num_seqs=1,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=False,
+            long_prefill_token_threshold=args.chunk_tokens,
+        ),
         max_model_len=args.max_model_len,
         num_spec_tokens=args.num_speculative_tokens,
         # DSpark writes KV for its drafts: reserve their slots (no drafts are proposed here).
         num_lookahead_tokens=args.num_speculative_tokens,
-        long_prefill_token_threshold=args.chunk_tokens,
     )
     names = _group_names(config)
     print(
@@ -312,12 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", choices=sorted(_DESCS), default="flash")
-    common.add_argument(
-        "--max-model-len", type=int, default=65_536, help="most tokens a request may hold"
-    )
-    common.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
-    )
+    _add_sizes(common, max_model_len=65_536)
     common.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -357,15 +351,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_sizes(parser: argparse.ArgumentParser, max_model_len: int) -> None:
+    """The request and step sizes every layout and plan command takes."""
+    parser.add_argument(
+        "--max-model-len", type=int, default=max_model_len, help="most tokens a request may hold"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
+    )
+
+
 def _add_plan_command(sub) -> None:
     plan = sub.add_parser(
         "plan",
         help="per-chip bytes of weights, KV pages and activations on a slice (no devices)",
-        description="The memory planner (dsv4.plan): per chip, the weights at the released "
+        description="The memory planner (planner.plan): per chip, the weights at the released "
         "formats (and dequantised to bf16), the KV pages per group and the step's activations, "
         "and the most requests that fit, per context length.",
     )
-    plan.add_argument("--model", choices=_PLAN_MODELS, default="v41_flash")
+    plan.add_argument("--model", choices=list(MODEL_PRESETS), default="v41_flash")
     plan.add_argument(
         "--chips",
         nargs="+",
@@ -377,12 +381,7 @@ def _add_plan_command(sub) -> None:
         "--mesh", default=None, help="data=D,expert=E,model=M (default: the best that fits)"
     )
     plan.add_argument("--max-num-seqs", type=int, default=64, help="requests served at once")
-    plan.add_argument(
-        "--max-model-len", type=int, default=131_072, help="most tokens a request may hold"
-    )
-    plan.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
-    )
+    _add_sizes(plan, max_model_len=131_072)
     plan.add_argument(
         "--records",
         default=None,

@@ -370,6 +370,15 @@ def _bench(args: argparse.Namespace) -> int:
     the system prompt plus the conversation so far plus a new user message."""
     _check(args)
     llm = _llm(args)
+    t0 = time.perf_counter()
+    outputs = _bench_turns(args, llm)
+    result = _bench_result(args, llm, outputs, time.perf_counter() - t0)
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def _bench_turns(args: argparse.Namespace, llm) -> list:
+    """Run the conversations turn by turn; every turn's outputs."""
     rng = random.Random(args.seed)
     vocab = llm.cfg.vocab_size
 
@@ -380,7 +389,6 @@ def _bench(args: argparse.Namespace) -> int:
     histories = [list(system) for _ in range(args.conversations)]
     sp = _sampling(args, ignore_eos=True)
     outputs = []
-    t0 = time.perf_counter()
     for _ in range(args.turns):
         for h in histories:
             h += tokens(rng.randint(1, args.user_tokens))
@@ -394,11 +402,15 @@ def _bench(args: argparse.Namespace) -> int:
         outputs += outs
         for h, o in zip(histories, outs, strict=True):
             h += o.outputs[0].token_ids
-    wall = time.perf_counter() - t0
+    return outputs
+
+
+def _bench_result(args: argparse.Namespace, llm, outputs: list, wall: float) -> dict:
+    """The figures `dsv4 bench` prints (one JSON object)."""
     st = llm.engine.stats
     gen = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    result = {
+    return {
         "benchmark": "dsv4 bench",
         "model": args.model,
         "dtype": args.dtype,
@@ -424,5 +436,3 @@ def _bench(args: argparse.Namespace) -> int:
         "compilations_after_warm_up": st.compilations_after_warm_up,
         "python": platform.python_version(),
     }
-    print(json.dumps(result, sort_keys=True))
-    return 0

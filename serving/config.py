@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from cache import KVCacheManager
+from dsv4.config import MODEL_PRESETS
+from serving.request_queue import SchedulingPolicy
 from serving.spec_decode import SpeculativeConfig
 
 __all__ = [
@@ -25,6 +29,7 @@ __all__ = [
     "MESH_AXES",
     "MODEL_NAMES",
     "RANDOM_PRESETS",
+    "SCHEDULING_POLICIES",
     "SECTIONS",
     "SHIPPED_MODELS",
     "WEIGHTS_ON_DEVICE",
@@ -39,13 +44,14 @@ __all__ = [
     "engine_fields",
 ]
 
+# The model names of the one preset table (`dsv4.config`, which imports no JAX), by where their
+# weights come from.
+MODEL_NAMES = tuple(MODEL_PRESETS)  # every preset (the planner's)
+RANDOM_PRESETS = tuple(n for n, p in MODEL_PRESETS.items() if p.weights == "random")
+SHIPPED_MODELS = tuple(n for n, p in MODEL_PRESETS.items() if p.weights == "shipped")
 # Names of tables in modules that import JAX, mirrored so that the CLI checks its flags before
-# JAX starts; tests/serving/test_config.py keeps each equal to its source: the model names of
-# `dsv4.config.MODEL_PRESETS` by where their weights come from, `dsv4.qweights.WEIGHTS_ON_DEVICE`,
-# `dsv4.paged.records.PRESETS`, `dsv4.sharding.AXES`.
-RANDOM_PRESETS = ("tiny_v41", "tiny_v41_full")  # seeded random weights
-SHIPPED_MODELS = ("tiny_v41_trained",)
-MODEL_NAMES = ("v41_flash", *RANDOM_PRESETS, *SHIPPED_MODELS)  # every preset (the planner's)
+# JAX starts; tests/serving/test_config.py keeps each equal to its source:
+# `dsv4.qweights.WEIGHTS_ON_DEVICE`, `dsv4.paged.records.PRESETS`, `dsv4.sharding.AXES`.
 DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
 WEIGHTS_ON_DEVICE = ("dequantised", "released")
@@ -166,6 +172,23 @@ class ModelConfig:
         return self.model in RANDOM_PRESETS or self.model in SHIPPED_MODELS
 
 
+# CacheConfig fields that are `cache.KVCacheManager` keywords, by the keyword's name. The cache
+# package is also used without serving, so the manager keeps their defaults; the fields read them
+# from its signature rather than restate them.
+_MANAGER_KEYWORDS = {
+    "enable_prefix_caching": "enable_caching",
+    "swa_bounded_replay": "swa_bounded_replay",
+    "enable_kv_cache_events": "enable_kv_cache_events",
+}
+_MANAGER_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(KVCacheManager).parameters.items()
+}
+
+
+def _manager_default(field_name: str) -> Any:
+    return _MANAGER_DEFAULTS[_MANAGER_KEYWORDS[field_name]]
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """The KV cache: its record format, block sizes, pool size and prefix caching (vLLM's
@@ -189,15 +212,21 @@ class CacheConfig:
         None, "KV pool budget (None: 90% of the device's free memory, 256 MiB on the CPU)"
     )
     enable_prefix_caching: bool = _field(
-        True, "reuse cached prefixes across requests", negations={"--no-prefix-caching": False}
+        _manager_default("enable_prefix_caching"),
+        "reuse cached prefixes across requests",
+        negations={"--no-prefix-caching": False},
     )
     swa_bounded_replay: bool = _field(
-        False, "V4.1's approximate window replay on prefix hits", aliases=("--bounded-replay",)
+        _manager_default("swa_bounded_replay"),
+        "V4.1's approximate window replay on prefix hits",
+        aliases=("--bounded-replay",),
     )
     pool_layout: str = _field(
         "aliased", "aliased (one byte pool, as vLLM) or separate", choices=("aliased", "separate")
     )
-    enable_kv_cache_events: bool = _field(False, "record KV events (Engine.subscribe_kv_events)")
+    enable_kv_cache_events: bool = _field(
+        _manager_default("enable_kv_cache_events"), "record KV events (Engine.subscribe_kv_events)"
+    )
     fill: str = _field(
         "zeros",
         "initial pool bytes (nan: a wrong read poisons the logits)",
@@ -216,6 +245,13 @@ class CacheConfig:
         for name in ("block_size", "swa_block_size", "kv_cache_memory_bytes"):
             _int(name, getattr(self, name), 1, none_ok=True)
         _int("num_gpu_blocks_override", self.num_gpu_blocks_override, 2, none_ok=True)
+
+    def manager_kwargs(self) -> dict[str, Any]:
+        """The `cache.KVCacheManager` keywords this config sets."""
+        return {keyword: getattr(self, name) for name, keyword in _MANAGER_KEYWORDS.items()}
+
+
+SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,11 +278,25 @@ class SchedulerConfig:
         "else powers of two from 16 blocks; none: always full width)",
         parse=_table_buckets,
     )
+    scheduling_policy: str = _field(
+        "fcfs",
+        "admission and preemption order (priority: by request priority, then arrival)",
+        choices=SCHEDULING_POLICIES,
+    )
+    long_prefill_token_threshold: int = _field(0, "if > 0, most tokens one request gets in a step")
+    enable_chunked_prefill: bool = _field(
+        True, "split a long prompt over steps (else one that does not fit stops admission)"
+    )
+    scheduler_reserve_full_isl: bool = _field(
+        True, "admit a request only if its whole remaining sequence fits (else one chunk)"
+    )
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
         _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _int("num_scheduler_steps", self.num_scheduler_steps, 1)
+        _int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES, quoted=True)
         if self.num_scheduler_steps > 1 and not self.async_scheduling:
             raise ConfigError(
                 "num_scheduler_steps", self.num_scheduler_steps, "1 with async_scheduling=False"

@@ -2,33 +2,7 @@
 
 One `Scheduler` plans every step (vLLM's rules, host side), one `ModelRunner` runs it (device
 side), and the engine turns sampled tokens into text, logprobs, stop decisions and metrics.
-
-Asynchronous scheduling (the default, vLLM's `AsyncScheduler`): `step` plans and dispatches step
-N+1 while step N is still running on the device, then waits for step N and applies its tokens.
-The tokens step N sampled never travel through the host to become step N+1's inputs (the runner
-reads them from the device); the host learns them one step later, which is when stop strings,
-EOS and outputs are seen. A request that stops on a token therefore costs one wasted row in the
-next step; a request that stops by length costs nothing (the scheduler knows it in advance).
-Synchronous scheduling waits for each step before planning the next. Both run the same
-scheduler, runner and sampler, and sample each token with a key fixed by the request and the
-token's position, so they produce the same tokens (the tests check it on random workloads).
-
-Bursts (``num_scheduler_steps`` k > 1, vLLM v0's multi-step scheduling, asynchronous only): when
-every running request decodes and none waits, `step` plans up to k steps in a row, each ahead of
-the one before as asynchronous scheduling plans one step ahead, and the runner runs them as one
-program (`ModelRunner.execute_burst`); the next `step` plans the next burst while this one runs,
-then applies its k steps in order. What a program call costs (dispatch, starting the executable)
-is then paid once a burst. A request that stops on a token costs the rest of its burst in
-wasted rows, and a request that arrives waits for the burst in flight.
-
-Speculative decoding (``speculative_config``, `serving.spec_decode`): synchronously, after each
-step the engine asks its proposer for the running requests' drafts (`next_drafts`: n-gram lookup
-on the host, or the DSpark drafts the runner's step made on the device and returned with its
-tokens), the scheduler attaches them to requests that decode next, and the next step verifies
-them. Asynchronously, step N+1 is planned as if step N accepted every draft and the device moves
-it back by those rejected (`serving.runner`); DSpark's drafts stay on the device (the scheduler
-plans placeholders), and a host proposer proposes past the step in flight
-(`next_drafts_ahead`).
+docs/serving.md explains its asynchronous scheduling, bursts and speculative decoding.
 """
 
 from __future__ import annotations
@@ -83,19 +57,14 @@ def _splitmix64(x: int) -> int:
 
 
 class Engine:
-    """vLLM's engine loop over our scheduler and model runner (see the module docstring).
+    """vLLM's engine loop over our scheduler and model runner (docs/serving.md).
 
     Args:
         runner: the device side (params, pools, sampler state).
-        scheduler: the host side (its `KVCacheManager` is the runner's allocator); its
-            ``async_scheduling`` decides the loop.
-        config: what the engine was built from (`build`); the engine reads its ``seed``
-            (seeds requests that give none: their keys derive from it and their arrival order,
-            so a run is reproducible) and ``prompt_logprobs_on_hits``.
-        tokenizer: decodes outputs (text, stop strings, logprob tokens) and gives the EOS
-            that stops requests unless they ignore it; None: token ids only.
-        proposer: the drafts for the next step (`serving.spec_decode`: NgramProposer,
-            DSparkProposer, or any object `next_drafts` accepts); None: no speculation.
+        scheduler: the host side; its ``async_scheduling`` decides the loop.
+        config: what it was built from; the engine reads ``seed`` and ``prompt_logprobs_on_hits``.
+        tokenizer: decodes outputs and gives the EOS; None: token ids only.
+        proposer: the next step's drafts (`serving.spec_decode`); None: no speculation.
     """
 
     def __init__(
@@ -121,7 +90,7 @@ class Engine:
         self.vocab_size = runner.cfg.vocab_size
         self.max_model_len = scheduler.max_model_len
         self.stats = EngineStats()
-        # Decision counts (preemptions, recomputed tokens), kept as serving.lab keeps them.
+        # Decision counts (preemptions, recomputed tokens), kept as the lab keeps them.
         self.scheduler_stats = SchedulerStats()
         # the users' requests, and each one's n sampled sequences (every live Request), by id
         self._parents: dict[str, ParentRequest] = {}
@@ -138,65 +107,34 @@ class Engine:
         cls, params, cfg, config: EngineConfig | None = None, *, tokenizer: Any | None = None
     ) -> Engine:
         """An engine over ``params`` of the architecture ``cfg``, as ``config`` says (default
-        `EngineConfig()`; `LLM` builds it from its keywords, whose meaning the config's fields
-        give): the cache layout of its records with its block count or as many blocks as its
-        memory budget holds (default: 90% of the device's free memory, or 256 MiB on a device
-        without memory statistics), the allocator, the scheduler and the model runner. More
-        than one data shard (`ParallelConfig.num_shards`) builds one allocator and scheduler
-        per shard, stepping in lockstep (`serving.data_parallel`)."""
-
+        `EngineConfig()`; `LLM` builds it from its keywords): the cache layout, one allocator
+        and scheduler per data shard (`serving.data_parallel` steps them in lockstep), the
+        model runner and the drafts' proposer."""
         config = (config or EngineConfig()).resolved(cfg)
-        model, cache, sched = config.model_config, config.cache_config, config.scheduler_config
-        spec = _check_speculative(config.speculative_config, cfg)
-        max_model_len = model.max_model_len
-        k = config.num_speculative_tokens
-        if spec is None:
-            proposer = None
-        elif spec.method == "dspark":  # checks k against the drafter's block first
-            proposer = DSparkProposer(spec, cfg, max_model_len)
-        else:
-            proposer = NgramProposer(spec, max_model_len)
-        desc = P.cache_desc(
-            cfg,
-            R.PRESETS[cache.kv_cache_dtype.upper()],
-            block_size=cache.block_size,
-            swa_block_size=cache.swa_block_size,
-            swa_bounded_replay=cache.swa_bounded_replay,
-            num_speculative_tokens=k,  # the compressor rings hold the drafts
-        )
-        parallel = config.parallel_config
-        shards = parallel.num_shards
-        memory = cache.kv_cache_memory_bytes
-        if cache.num_gpu_blocks_override is None and memory is None:
-            # each device holds shards / (the mesh's data axis) shards' pools
-            memory = _default_kv_bytes() // max(1, shards // parallel.mesh_data_size)
-        kv_config = for_model(
-            desc,
-            available_memory_bytes=memory,
-            num_gpu_blocks_override=cache.num_gpu_blocks_override,
-        )
+        sched = config.scheduler_config
+        max_model_len = config.model_config.max_model_len
+        # the proposer first: DSpark's checks k before the cache layout uses it
+        proposer = _proposer(config.speculative_config, cfg, max_model_len)
+        kv_config = _kv_cache_config(cfg, config)
         eos = None if tokenizer is None else tokenizer.eos_id
 
         def one_scheduler() -> Scheduler:
             manager = KVCacheManager(
                 kv_config,
                 max_model_len,
-                enable_caching=cache.enable_prefix_caching,
                 max_num_batched_tokens=sched.max_num_batched_tokens,
-                swa_bounded_replay=cache.swa_bounded_replay,
-                enable_kv_cache_events=cache.enable_kv_cache_events,
+                **config.cache_config.manager_kwargs(),
             )
             return Scheduler(
                 manager,
-                max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=sched.max_num_batched_tokens,
+                sched,
                 max_model_len=max_model_len,
                 eos_token_id=eos,
-                async_scheduling=sched.async_scheduling,
-                num_spec_tokens=k,
+                num_spec_tokens=config.num_speculative_tokens,
                 drafts_on_device=sched.async_scheduling and config.drafter,
             )
 
+        shards = config.parallel_config.num_shards
         if shards == 1:
             scheduler = one_scheduler()
             runner = ModelRunner(params, cfg, kv_config, config, eos_token_id=eos)
@@ -391,12 +329,10 @@ class Engine:
         return len(self._parents)
 
     def subscribe_kv_events(self, callback: Callable[[list], None]) -> None:
-        """Call ``callback(events)`` after every step with the allocator's KV events of that
-        step (`cache.events`: BlockStored / BlockRemoved / AllBlocksCleared, each with its
-        group id). Needs the manager built with ``enable_kv_cache_events=True``. With
-        data parallelism every shard has its own pools and block ids: the callback is called
-        as ``callback(events, data_parallel_rank)``, once per shard that has events (vLLM
-        tags its event batches with the rank the same way)."""
+        """Call ``callback(events)`` after every step with that step's KV events (`cache.events`);
+        needs ``enable_kv_cache_events=True``. With data parallelism it is called as
+        ``callback(events, data_parallel_rank)``, once per shard that has events (vLLM tags its
+        event batches with the rank the same way)."""
         if not all(m.enable_kv_cache_events for m in self.kv_cache_managers):
             raise ValueError("KV events are off: build the engine with enable_kv_cache_events=True")
         self._kv_event_subscribers.append(callback)
@@ -447,12 +383,10 @@ class Engine:
         return outputs
 
     def _plan_burst(self, first) -> tuple[list, Any]:
-        """The steps to dispatch now: ``first`` alone, or with ``num_scheduler_steps`` k > 1
-        and a pure decode ``first`` (`ModelRunner.burst_bucket`) and nobody waiting, up to k
-        such steps planned in a row (each with the steps before it as placeholders, as the
-        asynchronous engine plans one step ahead), run as one program. Planning stops at the
-        first step that is not pure decode or needs a larger bucket; that step (``rest``,
-        else None) is dispatched alone after the burst."""
+        """The steps to dispatch now: ``first`` alone or, when it is a pure decode
+        (`ModelRunner.burst_bucket`), k = ``num_scheduler_steps`` > 1 and nobody waits, up to k
+        steps planned in a row and run as one program; the first step that is not pure decode or
+        needs a larger bucket (``rest``, else None) is dispatched alone after the burst."""
         k = self.runner.num_scheduler_steps
         burst, rest = [first], None
         if k < 2 or len(self.scheduler.waiting):
@@ -706,6 +640,40 @@ class Engine:
                 )
                 out[g] += held / usable / len(managers)
         return out
+
+
+def _proposer(config, cfg, max_model_len: int) -> Any:
+    """The drafts' proposer the speculative config asks for (None: no speculation)."""
+    spec = _check_speculative(config, cfg)
+    if spec is None:
+        return None
+    if spec.method == "dspark":  # checks k against the drafter's block
+        return DSparkProposer(spec, cfg, max_model_len)
+    return NgramProposer(spec, max_model_len)
+
+
+def _kv_cache_config(cfg, config: EngineConfig):
+    """The cache layout of the resolved ``config``'s records: its block count, or as many blocks
+    as its memory budget holds (default: 90% of the device's free memory, 256 MiB on a device
+    without memory statistics, split between the shards one device holds)."""
+    cache, parallel = config.cache_config, config.parallel_config
+    desc = P.cache_desc(
+        cfg,
+        R.PRESETS[cache.kv_cache_dtype.upper()],
+        block_size=cache.block_size,
+        swa_block_size=cache.swa_block_size,
+        swa_bounded_replay=cache.swa_bounded_replay,
+        num_speculative_tokens=config.num_speculative_tokens,  # the compressor rings hold drafts
+    )
+    memory = cache.kv_cache_memory_bytes
+    if cache.num_gpu_blocks_override is None and memory is None:
+        # each device holds shards / (the mesh's data axis) shards' pools
+        memory = _default_kv_bytes() // max(1, parallel.num_shards // parallel.mesh_data_size)
+    return for_model(
+        desc,
+        available_memory_bytes=memory,
+        num_gpu_blocks_override=cache.num_gpu_blocks_override,
+    )
 
 
 def _check_speculative(config, cfg) -> SpeculativeConfig | None:

@@ -1,17 +1,8 @@
 """`InputBatch`: the host side of every running request, and the step's requests built from a
 `SchedulerOutput` (vLLM's `InputBatch` / `CachedRequestState`, without the device arrays).
 
-The scheduler sends a request's whole state only when it (re)enters the batch
-(`NewRequestData`: its tokens and every block id); afterwards only the block ids appended per
-step (`CachedRequestData`). This class keeps what those messages add up to — each request's
-block ids per KV-cache group, the tokens the host knows, how many of its sampled tokens are
-still only on the device, its persistent slot and its bounded-replay bounds — and turns one
-step's plan into `ScheduledRow`s (the runner's view of each row) and
-`dsv4.paged.batch.StepRequest`s (the model's). It is the one place that does so: the model
-runner and the paged-step test harness both use it. `RequestState` is the runner's side of a
-`serving.request.Request` (which it points to): it lives from an admission to the next
-preemption or the finish, and holds what the device has, a step ahead of what the scheduler
-has learned.
+The one place that turns a plan into `ScheduledRow`s (the runner's view of each row) and
+`dsv4.paged.batch.StepRequest`s (the model's); docs/serving.md says what it keeps.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ __all__ = ["InputBatch", "RequestState", "ScheduledRow"]
 @dataclasses.dataclass(slots=True)
 class RequestState:
     """What the runner keeps of one running request between its admission and its preemption
-    or finish (see the module docstring)."""
+    or finish (docs/serving.md)."""
 
     request_id: str
     slot: int  # its row of the device's per-slot state
@@ -91,28 +82,24 @@ class RequestState:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledRow:
-    """One request's row of a step (a view of the request for that step): where its tokens
-    start, how many (its drafts included), whether it samples, the drafts it verifies, and for
-    each token the slot whose last sampled token it is on the device (-1: host-known).
-
-    With drafts made on the device (``device_drafts``), the row's drafts are the slot's last
-    drafts there (-1 placeholders in ``drafts``). With ``shifted`` drafts in flight
-    (`RequestState.num_shifted`), ``start`` is optimistic: the device moves the row back by the
-    drafts of that step it rejected, and ``history`` holds the tokens of the ``shifted``
-    positions before the Engram look-back (newest first; -1 before position 0), which a moved
-    row's look-back reaches. ``prompt_logprobs``: some of its positions predict prompt tokens
-    whose logprobs it asked for (the runner sets it)."""
+    """One request's row of a step (a view of the request for that step); each field's comment
+    says what it holds."""
 
     request_id: str
-    start: int
-    num_tokens: int
-    samples: bool
-    drafts: tuple[int, ...]
-    device_slots: tuple[int, ...]
-    device_drafts: bool = False
+    start: int  # its first position (optimistic when ``shifted``: the device may move it back)
+    num_tokens: int  # tokens it runs, its drafts included
+    samples: bool  # whether it samples a token
+    drafts: tuple[int, ...]  # the drafts it verifies (-1 placeholders: made on the device)
+    device_slots: tuple[int, ...]  # per token, the slot whose last sampled token it is (-1: host)
+    device_drafts: bool = False  # its drafts are the slot's last drafts on the device
+    # drafts of its step in flight (`RequestState.num_shifted`): the device moves the row back
+    # by those that step rejected
     shifted: int = 0
+    # the tokens of the ``shifted`` positions before the Engram look-back (newest first; -1
+    # before position 0), which a moved row's look-back reaches
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    # some of its positions predict prompt tokens whose logprobs it asked for (the runner sets it)
     prompt_logprobs: bool = False
 
     @property
@@ -122,7 +109,7 @@ class ScheduledRow:
 
 
 class InputBatch:
-    """Running requests' host state (see the module docstring).
+    """Running requests' host state (docs/serving.md).
 
     Args:
         max_num_seqs: slots 0..max_num_seqs-1 (the scheduler never runs more at once).
@@ -185,64 +172,9 @@ class InputBatch:
         starts.update((r.request_id, r.num_computed_tokens) for r in output.scheduled_cached_reqs)
         rows, step_requests = [], []
         for request_id, n in output.num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            start = starts[request_id]  # tokens in its cache before this step
-            drafts = tuple(output.scheduled_spec_decode_tokens.get(request_id, ()))
-            # -1 drafts are placeholders: the device drafted them (async scheduling)
-            device_drafts = bool(drafts) and drafts[0] < 0
-            tokens, device = self._inputs(state, start, n - len(drafts))
-            shifted = state.num_shifted
-            m = self.engram_lookback
-            # the tokens of positions lo..start-1 (Engram's look-back and, for a moved row, the
-            # history before it): host-known tokens, then the drafts in flight if any
-            lo = max(0, start - m - shifted)
-            if shifted:  # the positions before start hold the drafts in flight
-                in_flight = state.pending_drafts[-1]
-                if in_flight is None:  # made on the device: learned with the step before
-                    in_flight = state.last_drafts[:shifted]
-                if len(state.tokens) + len(in_flight) != start:
-                    raise RuntimeError(
-                        f"{request_id!r}: scheduled from position {start} with {shifted} drafts "
-                        f"in flight, but the host knows {len(state.tokens)} tokens and "
-                        f"{len(state.last_drafts)} drafts"
-                    )
-                tail = [*state.tokens[lo:], *in_flight] if m else []
-            else:
-                tail = state.tokens[lo:start] if m else []
-            history = ()
-            if shifted and m:
-                history = tuple(
-                    tail[p - lo] if p >= 0 else -1
-                    for p in range(start - m - 1, start - m - 1 - shifted, -1)
-                )
-            rows.append(
-                ScheduledRow(
-                    request_id,
-                    start,
-                    n,
-                    request_id in output.sampling_req_ids,
-                    drafts,
-                    (*device, *[-1] * len(drafts)),
-                    device_drafts,
-                    shifted,
-                    history,
-                    state.num_prompt_tokens,
-                )
-            )
-            step_requests.append(
-                StepRequest(
-                    token_ids=tokens + ([0] * len(drafts) if device_drafts else list(drafts)),
-                    start=start,
-                    block_ids=state.block_ids,
-                    replay_start=state.replay_start,
-                    cache_write_from=state.write_from,
-                    req_id=request_id,
-                    # every position before start is known to the host (only the newest
-                    # token can be in flight, and it is at start or later), or is a draft in
-                    # flight that the host learned (see ScheduledRow)
-                    prev_tokens=tail[max(0, start - m) - lo :] if m else (),
-                )
-            )
+            row, step_request = self._row(output, request_id, starts[request_id], n)
+            rows.append(row)
+            step_requests.append(step_request)
         for row, step_request in zip(rows, step_requests, strict=True):
             if row.samples:
                 state = self.requests[row.request_id]
@@ -251,6 +183,72 @@ class InputBatch:
                 state.pending_drafts.append(None if row.device_drafts else tuple(drafts))
                 state.pending_guesses.append(None)  # the runner sets it (`note_guess`)
         return rows, step_requests
+
+    def _row(
+        self, output: SchedulerOutput, request_id: str, start: int, n: int
+    ) -> tuple[ScheduledRow, StepRequest]:
+        """One request's row of the step: ``n`` tokens from position ``start`` (the tokens in
+        its cache before this step)."""
+        state = self.requests[request_id]
+        drafts = tuple(output.scheduled_spec_decode_tokens.get(request_id, ()))
+        # -1 drafts are placeholders: the device drafted them (async scheduling)
+        device_drafts = bool(drafts) and drafts[0] < 0
+        tokens, device = self._inputs(state, start, n - len(drafts))
+        shifted = state.num_shifted
+        m = self.engram_lookback
+        lo, tail = self._look_back(state, start)
+        history = ()
+        if shifted and m:
+            history = tuple(
+                tail[p - lo] if p >= 0 else -1
+                for p in range(start - m - 1, start - m - 1 - shifted, -1)
+            )
+        row = ScheduledRow(
+            request_id,
+            start,
+            n,
+            request_id in output.sampling_req_ids,
+            drafts,
+            (*device, *[-1] * len(drafts)),
+            device_drafts,
+            shifted,
+            history,
+            state.num_prompt_tokens,
+        )
+        step_request = StepRequest(
+            token_ids=tokens + ([0] * len(drafts) if device_drafts else list(drafts)),
+            start=start,
+            block_ids=state.block_ids,
+            replay_start=state.replay_start,
+            cache_write_from=state.write_from,
+            req_id=request_id,
+            # every position before start is known to the host (only the newest token can be
+            # in flight, and it is at start or later), or is a draft in flight that the host
+            # learned (see ScheduledRow)
+            prev_tokens=tail[max(0, start - m) - lo :] if m else (),
+        )
+        return row, step_request
+
+    def _look_back(self, state: RequestState, start: int) -> tuple[int, list[int]]:
+        """``(lo, tail)``: the tokens of positions lo..start-1 (Engram's look-back and, for a
+        moved row, the history before it): host-known tokens, then the drafts in flight if
+        any; no tokens without Engram."""
+        shifted = state.num_shifted
+        m = self.engram_lookback
+        lo = max(0, start - m - shifted)
+        if not shifted:
+            return lo, state.tokens[lo:start] if m else []
+        # the positions before start hold the drafts in flight
+        in_flight = state.pending_drafts[-1]
+        if in_flight is None:  # made on the device: learned with the step before
+            in_flight = state.last_drafts[:shifted]
+        if len(state.tokens) + len(in_flight) != start:
+            raise RuntimeError(
+                f"{state.request_id!r}: scheduled from position {start} with {shifted} drafts "
+                f"in flight, but the host knows {len(state.tokens)} tokens and "
+                f"{len(state.last_drafts)} drafts"
+            )
+        return lo, [*state.tokens[lo:], *in_flight] if m else []
 
     def note_guess(self, request_id: str, guess: tuple[int, int] | None) -> None:
         """The guess the request's newest step in flight was given (the runner's SpecBatch)."""

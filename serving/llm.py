@@ -70,27 +70,13 @@ def _fail(name: str, value: Any, allowed: str) -> ValueError:
 
 
 class LLM:
-    """vLLM's `LLM` for DeepSeek-V4.1 in JAX.
+    """vLLM's `LLM` for DeepSeek-V4.1 in JAX (docs/serving.md). Outputs with speculative
+    decoding, asynchronous scheduling, bursts or data shards equal those without, token for
+    token. An unknown option raises TypeError (naming the closest), a bad value ValueError.
 
     Args:
-        model: a preset name (``"tiny_v41"``: the seeded random tiny model with the built-in
-            byte tokenizer; ``"tiny_v41_full"``: the same with Engram and the DSpark drafter),
-            a shipped checkpoint (``"tiny_v41_trained"``, the default: the small V4.1 trained
-            on the Python standard library, `dsv4.checkpoint.shipped_checkpoint`) or a
-            released-format checkpoint directory (`dsv4.load_pretrained`; its tokenizer.json
-            when there is one, else the byte tokenizer).
-        **kwargs: the engine's options, every field of `serving.config.EngineConfig`'s
-            sections by name (vLLM's: ``dtype``, ``max_model_len``, ``max_num_seqs``,
-            ``max_num_batched_tokens``, ``num_gpu_blocks_override``, ``kv_cache_dtype``,
-            ``enable_prefix_caching``, ``async_scheduling``, ``mesh``, ``data_parallel_size``,
-            ``speculative_config`` (vLLM's dict), ...); each field's help says what it does
-            and its default. Outputs with speculative decoding, asynchronous scheduling,
-            bursts (``num_scheduler_steps``) or data shards equal those without, token for
-            token.
-
-    Raises:
-        TypeError: an unknown option (naming the closest ones).
-        ValueError: an option out of range, naming it and what is allowed.
+        model: a random preset, the shipped ``tiny_v41_trained`` (default) or a checkpoint dir.
+        **kwargs: the fields of `serving.config.EngineConfig`'s sections by name (vLLM's names).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -83,10 +83,8 @@ class Request(CacheRequest):
     """One sampled sequence from arrival to finish (see the module docstring).
 
     Args:
-        request_id, prompt_token_ids: as `cache.Request`'s; its other keyword arguments
-            (``hash_block_size``, ``max_tokens``, ``priority``, ``arrival_time``, ...) too.
-        sampling_params: how it samples; None for a request driven without the engine (the
-            scheduler's tests, the model-free lab).
+        request_id, prompt_token_ids: as `cache.Request`'s, and so are its other keywords.
+        sampling_params: how it samples; None when driven without the engine (tests, the lab).
         stop: its stop rules; None: the scheduler's ``eos_token_id`` only.
         key_data: its sampler key (`serving.sampler.key_data_for_seed`).
         parent: the user's request it is one sample of; ``index`` its place there.

@@ -127,21 +127,14 @@ def slot_rows(
     output_token_ids: Sequence[int],
     eos_token_id: int | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A request's rows of `SamplerState`, for `write_slots` when it (re)enters a slot.
+    """A request's rows of `SamplerState` for `write_slots` when it (re)enters a slot: output
+    counts i32[V], prompt mask and stop mask bool[V] (EOS, even with ignore_eos as vLLM's
+    min_tokens, and stop_token_ids). A token id outside [0, V) raises ValueError naming it.
 
     Args:
-        vocab_size: V.
-        params: the request's sampling parameters.
-        prompt_token_ids: its prompt.
-        output_token_ids: what it has generated so far (a resumed request has some).
+        vocab_size, params: V, and the request's sampling parameters.
+        prompt_token_ids, output_token_ids: its prompt, and what it has generated so far.
         eos_token_id: the tokenizer's EOS, or None.
-
-    Returns:
-        (output_counts i32[V], prompt_mask bool[V], stop_mask bool[V]); the stop mask holds EOS
-        (even with ignore_eos, as vLLM's min_tokens does) and stop_token_ids.
-
-    Raises:
-        ValueError: a token id outside [0, V), naming it.
     """
     prompt = _token_array("prompt_token_ids", prompt_token_ids, vocab_size)
     outputs = _token_array("output_token_ids", output_token_ids, vocab_size)
@@ -253,17 +246,15 @@ def sample(
     *,
     num_logprobs: int,
 ) -> tuple[SamplerOutput, SamplerState]:
-    """One token per row of ``logits`` under each row's parameters (vLLM v1 order, see the
-    module docstring), and ``state`` with each sampled token counted in its row's slot.
+    """One token per row of ``logits`` under each row's parameters, in vLLM v1's order
+    (docs/serving.md); returns (SamplerOutput, the new SamplerState, each token counted in its
+    slot).
 
     Args:
         logits: the model's logits of the rows' last tokens.
         batch: per-row parameters (rows with ``samples`` False: token 0, state untouched).
         state: the per-slot state (donate it: only ``output_counts`` changes).
         num_logprobs: L, static: top logprobs returned per row (0 = only the sampled token's).
-
-    Returns:
-        (SamplerOutput, new SamplerState).
     """
     raw = logits.astype(jnp.float32)
     samples = batch.samples.astype(bool)

@@ -54,54 +54,34 @@ def _fail(name: str, value: object, allowed: str) -> ValueError:
 
 @dataclass
 class SamplingParams:
-    """Sampling parameters of one request (vLLM `SamplingParams`, the subset served here).
+    """Sampling parameters of one request (vLLM `SamplingParams`, the subset served here, with
+    vLLM's defaults); each field's comment says what it does, docs/serving.md the checks."""
 
-    The defaults are vLLM's.
-
-    Attributes:
-        n: outputs per prompt, >= 1.
-        presence_penalty: subtracted once from tokens already generated, in [-2, 2].
-        frequency_penalty: subtracted per occurrence of a generated token, in [-2, 2].
-        repetition_penalty: > 0; tokens of the prompt or the outputs have positive logits
-            divided and negative ones multiplied by it (1 = off).
-        temperature: >= 0; below 1e-5 the request is greedy.
-        top_p: nucleus mass in (0, 1] (1 = off).
-        top_k: keep the k most likely tokens; 0 or -1 = off.
-        min_p: drop tokens less likely than min_p times the most likely one, in [0, 1].
-        seed: per-request seed (None or -1: the engine draws one).
-        stop: strings that end the output (not included unless include_stop_str_in_output).
-        stop_token_ids: token ids that end the output (included in it).
-        ignore_eos: keep generating after the EOS token.
-        max_tokens: output tokens at most (None: up to the model's length).
-        min_tokens: EOS and stop_token_ids cannot be sampled before this many outputs.
-        logprobs: number of top logprobs returned per output token (plus the sampled one).
-        prompt_logprobs: number of top logprobs returned per prompt token.
-        detokenize, skip_special_tokens, spaces_between_special_tokens,
-        include_stop_str_in_output: output text options.
-        output_kind: what the engine's step reports (`RequestOutputKind`).
-    """
-
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = 1  # outputs per prompt, >= 1
+    presence_penalty: float = 0.0  # subtracted once from tokens already generated, in [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token, in [-2, 2]
+    # > 0; tokens of the prompt or the outputs have positive logits divided and negative ones
+    # multiplied by it (1 = off)
     repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    temperature: float = 1.0  # >= 0; below 1e-5 the request is greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1] (1 = off)
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely, in [0, 1]
+    seed: int | None = None  # per-request seed (None or -1: the engine draws one)
+    # strings that end the output (not included unless include_stop_str_in_output)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    stop_token_ids: list[int] | None = None  # token ids that end the output (included in it)
+    ignore_eos: bool = False  # keep generating after the EOS token
+    max_tokens: int | None = 16  # output tokens at most (None: up to the model's length)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many outputs
+    logprobs: int | None = None  # top logprobs per output token (plus the sampled one's)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token
+    # output text options
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step reports
 
     def __post_init__(self) -> None:
         self._normalise()

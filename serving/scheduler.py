@@ -1,58 +1,18 @@
 """Host-side scheduler: decides, each step, which requests run and how many tokens each gets.
 
-Mirrors vLLM v1's `Scheduler` (`vllm/v1/core/sched/scheduler.py`) and, with
-``async_scheduling=True``, its `AsyncScheduler` (`async_scheduler.py`), over our
+vLLM v1's `Scheduler` and, with ``async_scheduling``, its `AsyncScheduler`, over our
 `cache.KVCacheManager`: one class, one state machine, so the synchronous and the asynchronous
-engines plan by the same rules. The algorithm is token-centric, as in vLLM: every request
-has `num_computed_tokens` and wants to reach `num_tokens_with_spec` (prompt + outputs +
-draft tokens); a step hands out at most `max_num_batched_tokens` tokens, first to the
-running requests in list order, then (only when nobody was preempted) to waiting requests
-in queue order while fewer than `max_num_seqs` run. Chunked prefill, prefix-cache hits,
-preemption by recompute and speculative-decoding reservation all fall out of that rule.
-
-Asynchronous scheduling: the engine plans step N+1 before step N's tokens reach the host. A
-request whose step will sample gets an *output placeholder* at schedule time (vLLM
-``num_output_placeholders``), so the next plan already gives it its next decode token (whose id
-stays on the device); the placeholder is consumed when the token arrives. With speculative
-decoding the drafts a step verifies are placeholders too, counted as accepted (the optimistic
-frontier of vLLM's AsyncScheduler): the next step is planned 1 + k tokens past them, its slots
-reserved there, and when the output arrives the rejected ones are taken back from
-`num_computed_tokens` (the device has already moved that next step back by them; the blocks
-stay with the request). A request that is certain to be finished by its in-flight steps
-(``max_tokens``, ``max_model_len``; each step counted as one token, whatever it accepts) is not
-scheduled again. A lone running request whose next chunk does not fit while its own step is in
-flight waits for that step instead of preempting itself (a deviation: vLLM would recompute it
-and fail the same way again). Deviation from vLLM, on purpose: a request preempted while one of its steps is
-in flight keeps the token that step samples (vLLM discards it, `discard_latest_async_tokens`,
-and samples it again after the recompute); the token was computed from intact state, and keeping
-it makes the asynchronous engine's tokens those of the synchronous one. A preempted request is
-re-admitted only once it has no token in flight.
-
-Stop rules per request (`StopCriteria`, vLLM `check_stop`): below ``min_tokens`` outputs
-nothing stops a request but ``max_model_len``; then EOS (unless ignored), a stop token id
-(its id becomes the stop reason), ``max_tokens`` / ``max_model_len``. Stop *strings* need the
-text: the engine checks them and calls `finish_requests(..., FINISHED_STOPPED)`.
-
-Left out, compared with vLLM: KV connectors, encoder inputs, LoRA, structured output, pooling,
-streaming sessions, pause states.
-
-Invariants kept here:
-* a request id is in exactly one of `running`, `waiting`, or neither (finished and freed);
-* every running request holds KV blocks and every waiting one holds none
-  (preemption frees everything: recompute, not swap);
-* `num_computed_tokens` is advanced at schedule time (so the next step can plan the next
-  chunk before outputs arrive) and pulled back by the rejected draft tokens when outputs
-  arrive;
-* a request's output placeholders count its sampling steps in flight (always 0 when
-  synchronous); a waiting request is admitted only with none.
+engines plan by the same rules. docs/serving.md gives the rules, the stop rules, the
+deviations from vLLM and the invariants kept here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
+from serving.config import SchedulerConfig
 from serving.request import Request, RequestStatus, StopCriteria, init_scheduling
 from serving.request_queue import SchedulingPolicy, create_request_queue
 
@@ -171,35 +131,22 @@ class UpdateResult:
 
 @dataclass(slots=True)
 class SchedulerStats:
-    """Counts of the scheduler's decisions, read off its `SchedulerOutput`s (`observe`).
+    """Counts of the scheduler's decisions, read off its `SchedulerOutput`s (`observe`). The
+    engine and the lab both keep one, so a lab run and an engine run of the same workload
+    report the same figures from the same plans; each field's comment says what it counts."""
 
-    The engine and `serving.lab` both keep one, so a model-free lab run and an engine run of
-    the same workload report the same figures by construction of the same plans, not by two
-    bookkeepings that could drift apart.
-
-    Fields:
-        steps: `observe` calls (steps that were planned).
-        scheduled_tokens: tokens handed out, summed over steps.
-        max_scheduled_requests: most requests scheduled in one step.
-        admissions: requests that entered the batch from the waiting queue (resumed included).
-        preemptions: requests preempted.
-        replay_tokens: bounded-replay tokens: prefix-hit tokens whose window KV is rebuilt.
-        preemption_recomputed_tokens: scheduled tokens below the request's high-water mark
-            (positions it had computed before a preemption), replay tokens excluded.
-        prefix_queries / prefix_hits: prompt tokens of first admissions (resumed requests
-            excluded) and, of them, the prefix-cache hit tokens they were admitted with
-            (replay tokens included: their full-attention KV was found). This is the share of
-            prompt tokens served from the cache; vLLM's `PrefixCacheStats` instead counts
-            every lookup, including those of a request that waits and looks up again.
-    """
-
-    steps: int = 0
-    scheduled_tokens: int = 0
-    max_scheduled_requests: int = 0
-    admissions: int = 0
+    steps: int = 0  # `observe` calls (steps that were planned)
+    scheduled_tokens: int = 0  # tokens handed out, summed over steps
+    max_scheduled_requests: int = 0  # most requests scheduled in one step
+    admissions: int = 0  # requests that entered the batch from the waiting queue (resumed too)
     preemptions: int = 0
-    replay_tokens: int = 0
+    replay_tokens: int = 0  # bounded replay: prefix-hit tokens whose window KV is rebuilt
+    # scheduled tokens below the request's high-water mark (positions it had computed before a
+    # preemption), replay tokens excluded
     preemption_recomputed_tokens: int = 0
+    # prompt tokens of first admissions (resumed requests excluded) and, of them, the prefix-cache
+    # hit tokens they were admitted with, replay tokens included (docs/serving.md compares this
+    # with vLLM's `PrefixCacheStats`)
     prefix_queries: int = 0
     prefix_hits: int = 0
     # request id -> most tokens it has had computed (forgotten when it finishes)
@@ -244,18 +191,14 @@ class SchedulerStats:
                 high[request_id] = end
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "steps": self.steps,
-            "scheduled_tokens": self.scheduled_tokens,
-            "max_scheduled_requests": self.max_scheduled_requests,
-            "admissions": self.admissions,
-            "preemptions": self.preemptions,
-            "replay_tokens": self.replay_tokens,
-            "preemption_recomputed_tokens": self.preemption_recomputed_tokens,
-            "recomputed_tokens": self.recomputed_tokens,
-            "prefix_queries": self.prefix_queries,
-            "prefix_hits": self.prefix_hits,
-        }
+        """Every count by name, `recomputed_tokens` after the two it sums."""
+        out = {}
+        for f in fields(self):
+            if f.repr:  # not the high-water bookkeeping
+                out[f.name] = getattr(self, f.name)
+            if f.name == "preemption_recomputed_tokens":
+                out["recomputed_tokens"] = self.recomputed_tokens
+        return out
 
 
 @dataclass(slots=True)
@@ -279,80 +222,54 @@ def _check_count(name: str, value: int, minimum: int = 0) -> None:
 
 
 class Scheduler:
-    """Plans steps over a `KVCacheManager` (vLLM v1 `Scheduler`, synchronous, host only).
+    """Plans steps over a `KVCacheManager` (vLLM v1 `Scheduler`, host only); docs/serving.md
+    explains its rules (budget, chunked prefill, preemption, asynchronous placeholders).
 
     Args:
         kv_cache_manager: the allocator; the scheduler is its only caller.
-        max_num_seqs: most requests running at once (vLLM `max_num_seqs`).
-        max_num_batched_tokens: token budget of one step.
-        max_model_len: most tokens a request may hold (prompt + outputs).
-        policy: FCFS or PRIORITY admission and preemption order.
-        num_spec_tokens: draft tokens proposed per request per step (0: no spec decoding).
-        num_lookahead_tokens: extra KV slots reserved after the scheduled tokens for the
-            next round of drafts (EAGLE/MTP proposers write KV for them; n-gram uses 0).
-        long_prefill_token_threshold: if > 0, most tokens one request gets in a step.
-        enable_chunked_prefill: if False, a waiting request whose remaining prompt does not
-            fit in the budget stops admission for this step instead of being chunked.
-        eos_token_id: token that stops a request (FINISHED_STOPPED) unless `add_request`
-            gives it its own `StopCriteria`; None: never.
-        reserve_full_isl: admit a waiting request only if its whole remaining sequence fits
-            (vLLM 0.32's `scheduler_reserve_full_isl`, default on); False checks one chunk.
-        async_scheduling: plan the next step before this one's tokens are known (output
-            placeholders, see the module docstring).
-        drafts_on_device: (asynchronous speculative decoding) the drafter runs on the device
-            in every step: a sampling request's next drafts are planned as k placeholders
-            (-1) at once (vLLM's AsyncScheduler with EAGLE / MTP); else the engine attaches
-            drafts with `update_draft_token_ids`.
-
-    Raises:
-        ValueError: a count is negative or zero where at least one is needed.
+        scheduler_config: limits and rules (`serving.config.SchedulerConfig` holds the defaults).
+        max_model_len, eos_token_id: most tokens a request holds; the token that stops one.
+        num_spec_tokens, num_lookahead_tokens: drafts per request and step; KV slots kept for them.
+        drafts_on_device: asynchronous drafts are planned as k placeholders (-1) at once.
     """
 
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
+        scheduler_config: SchedulerConfig,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         max_model_len: int,
-        policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+        eos_token_id: int | None = None,
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
-        long_prefill_token_threshold: int = 0,
-        enable_chunked_prefill: bool = True,
-        eos_token_id: int | None = None,
-        reserve_full_isl: bool = True,
-        async_scheduling: bool = False,
         drafts_on_device: bool = False,
     ) -> None:
-        _check_count("max_num_seqs", max_num_seqs, 1)
-        _check_count("max_num_batched_tokens", max_num_batched_tokens, 1)
+        if not isinstance(scheduler_config, SchedulerConfig):
+            raise ValueError(
+                f"scheduler_config must be a SchedulerConfig, got {scheduler_config!r}"
+            )
         _check_count("max_model_len", max_model_len, 1)
         _check_count("num_spec_tokens", num_spec_tokens)
         _check_count("num_lookahead_tokens", num_lookahead_tokens)
-        _check_count("long_prefill_token_threshold", long_prefill_token_threshold)
-        if not isinstance(policy, SchedulingPolicy):
-            raise ValueError(f"policy must be a SchedulingPolicy, got {policy!r}")
         self.kv_cache_manager = kv_cache_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduler_config = scheduler_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.policy = SchedulingPolicy(scheduler_config.scheduling_policy)
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.reserve_full_isl = scheduler_config.scheduler_reserve_full_isl
+        self.async_scheduling = scheduler_config.async_scheduling
         self.max_model_len = max_model_len
-        self.policy = policy
+        self.eos_token_id = eos_token_id
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.eos_token_id = eos_token_id
-        # vLLM 0.32's `scheduler_reserve_full_isl`: admit a request only if its whole prompt
-        # fits (window kinds at their admission cap), not just the first chunk.
-        self.reserve_full_isl = reserve_full_isl
-        self.async_scheduling = async_scheduling
         self.drafts_on_device = drafts_on_device
 
         # Every unfinished request, by id; each carries its status, stop rules and in-flight
         # counts (`serving.request.Request`).
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(policy)
+        self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []  # admission order; FCFS preempts from the back
         # Finished since the last schedule(): reported once in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
@@ -363,16 +280,12 @@ class Scheduler:
         """Queue a new request as WAITING (vLLM `add_request`).
 
         Args:
-            request: the request (`serving.request.Request`; a bare `cache.Request`, as the
-                lab and the allocator benchmarks make them, is given the scheduler's fields
-                here, `init_scheduling`).
-            stop: its stop rules; None: the request's own (``request.stop``), else the
-                scheduler's ``eos_token_id`` only.
+            request: the request (a bare `cache.Request` gets the scheduler's fields here).
+            stop: its stop rules; None: ``request.stop``, else the scheduler's ``eos_token_id``.
 
         Raises:
-            ValueError: the id is already known, the prompt is empty or not shorter than
-                `max_model_len`, max_tokens is below 1, the request already has computed
-                tokens, or a stop rule is invalid.
+            ValueError: a known id, a prompt empty or not shorter than `max_model_len`, max_tokens
+                below 1, tokens already computed, or an invalid stop rule.
         """
         request_id = request.request_id
         if request_id in self.requests:
@@ -408,11 +321,9 @@ class Scheduler:
         request_ids: str | Iterable[str],
         finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED,
     ) -> list[Request]:
-        """Finish requests from outside (e.g. client abort) and free their blocks
-        (vLLM `finish_requests`).
-
-        Ids that finished since the last `schedule()` are ignored, as vLLM ignores
-        already-finished requests (an abort can race with a stop).
+        """Finish requests from outside (e.g. client abort) and free their blocks (vLLM
+        `finish_requests`); ids finished since the last `schedule()` are ignored (an abort can race
+        with a stop).
 
         Returns:
             the requests finished by this call.
@@ -436,16 +347,12 @@ class Scheduler:
         return doomed
 
     def update_draft_token_ids(self, draft_token_ids: Mapping[str, list[int]]) -> None:
-        """Attach the drafter's proposals to requests for the next step
-        (vLLM `update_draft_token_ids`).
-
-        Drafts for a request still in prefill are dropped, as in vLLM, and so are drafts for
-        a request that is not running (preempted); ids that finished since the last
-        `schedule()` are ignored.
+        """Attach the drafter's proposals to requests for the next step (vLLM
+        `update_draft_token_ids`); drafts for a request in prefill or not running are dropped, and
+        ids finished since the last `schedule()` are ignored.
 
         Raises:
-            ValueError: an id is unknown, a draft is longer than `num_spec_tokens`, or a
-                token id is negative.
+            ValueError: an unknown id, more than `num_spec_tokens` drafts, or a negative token id.
         """
         for request_id, spec_token_ids in draft_token_ids.items():
             if request_id in self.finished_req_ids:
@@ -461,19 +368,11 @@ class Scheduler:
             request.spec_token_ids = list(spec_token_ids) if runs_decode else []
 
     def stalled_request(self, output: SchedulerOutput, steps_in_flight: int) -> Request | None:
-        """The request at the head of ``waiting`` if ``output`` (the last `schedule()`) shows
-        that it can never be admitted, else None.
-
-        That is the case when the step scheduled nothing, nothing runs, nothing was preempted
-        (so admission was tried) and no step is in flight (so no block is held for one): the
-        head did not fit a pool in which every block is free or evictable, and no later step
-        can do better; it would wait forever, and everyone behind it too. vLLM refuses at
-        start-up a pool that cannot hold one ``max_model_len`` request, so its scheduler never
-        meets this; a tighter pool (tests, the lab, a small ``num_gpu_blocks_override``) can,
-        with a long prompt, or with a request that outgrew the pool: alone, it preempts itself,
-        and each readmission recomputes it and samples one token more, until its recompute no
-        longer fits. Decisions are unchanged: the caller decides (the engine finishes it with
-        "error", the lab raises).
+        """The head of ``waiting`` if ``output`` (the last `schedule()`) shows that it can never be
+        admitted, else None: nothing was scheduled, runs, was preempted or is in flight, so it did
+        not fit a pool whose every block is free or evictable (docs/serving.md says when that
+        happens). The caller decides what to do with it (the engine finishes it with "error", the
+        lab raises).
         """
         if output.total_num_scheduled_tokens or self.running or not self.waiting:
             return None
@@ -491,17 +390,10 @@ class Scheduler:
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step (vLLM `Scheduler.schedule`, synchronous).
-
-        1. Running requests in list order get `num_tokens_with_spec - num_computed_tokens`
-           tokens, capped by `long_prefill_token_threshold`, the remaining budget and
-           `max_model_len - 1 - num_computed_tokens`; when `allocate_slots` fails, a victim
-           is preempted (see `_preempt_for`) until it fits or the request itself is the
-           victim; in that case scheduling of running requests stops.
-        2. Waiting requests are admitted only if nobody was preempted in step 1, while budget
-           is left and fewer than `max_num_seqs` run; a failed allocation stops admission
-           (waiting requests never preempt).
-        3. `num_computed_tokens` of every scheduled request advances by its tokens now.
+        """Plan one step (vLLM `Scheduler.schedule`): running requests first, in list order,
+        preempting on a failed allocation; then, if nobody was preempted, waiting requests while
+        budget, `max_num_seqs` and the pool allow; then every scheduled request's
+        `num_computed_tokens` advances by its tokens (docs/serving.md gives the rules).
         """
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         self._schedule_running(plan)
@@ -740,12 +632,11 @@ class Scheduler:
         return request.num_tokens + request.num_output_placeholders + request.num_draft_placeholders
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
-        """vLLM `_update_after_schedule`: advance `num_computed_tokens` (and the in-flight
-        count) by the scheduled tokens, and note who is still mid-prefill. Asynchronously, a
-        sampling request gets its output placeholders (one token, plus the drafts it verifies,
-        optimistically all accepted) and, with speculative decoding, k placeholder drafts
-        (-1): the device drafts them in this step and feeds them to the next one (vLLM's
-        AsyncScheduler with EAGLE / MTP)."""
+        """vLLM `_update_after_schedule`: advance `num_computed_tokens` and the in-flight count by
+        the scheduled tokens and note who is mid-prefill; asynchronously, a sampling request gets
+        its output placeholders (its token and the drafts it verifies, all counted as accepted) and,
+        with drafts made on the device, k placeholder drafts (-1) for the next step.
+        """
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
@@ -766,52 +657,64 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled_token_ids: Mapping[str, list[int]],
     ) -> UpdateResult:
-        """Apply one step's sampled tokens (vLLM `Scheduler.update_from_output`).
-
-        For a request that verified drafts, `len(sampled) - 1` drafts were accepted; the
-        rejected ones are taken back from `num_computed_tokens` (their KV slots stay
-        allocated and are overwritten next step). Each sampled token is appended and the
-        stop rules checked after each one (`StopCriteria`, vLLM `check_stop`); tokens after
-        the stop are dropped. A finished request's blocks are freed at once. Under async
-        scheduling the step's output placeholders are consumed; a request preempted while
-        this step was in flight keeps its tokens (see the module docstring); requests that
-        finished since the step was planned are skipped.
+        """Apply one step's sampled tokens (vLLM `Scheduler.update_from_output`): take rejected
+        drafts back, append tokens up to a stop, free finished requests (docs/serving.md).
 
         Args:
             scheduler_output: the plan this output belongs to.
-            sampled_token_ids: request id -> tokens sampled this step: 1 + accepted drafts
-                for a request in ``scheduler_output.sampling_req_ids``, none (or absent) for a
-                request in the middle of a prefill.
+            sampled_token_ids: request id -> 1 + accepted drafts tokens (none mid-prefill).
 
         Raises:
-            ValueError: an id was not scheduled in `scheduler_output`, a request in the
-                middle of a prefill got tokens, more than 1 + drafts tokens came back, or a
-                token id is negative.
+            ValueError: tokens for an id not scheduled or mid-prefill, too many, or negative.
         """
-        scheduled = scheduler_output.num_scheduled_tokens
+        work = self._checked_outputs(scheduler_output, sampled_token_ids)
+        self._release_in_flight(scheduler_output)
+        applied = self._apply_tokens(work)
+        self._remove_finished(applied["finished"])
+        return UpdateResult(
+            **applied,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+        )
+
+    def _checked_outputs(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, list[int]]
+    ) -> list[tuple[Request, list[int], list[int]]]:
+        """(request, sampled, drafts) of every scheduled request still known, all validated
+        before any request is touched, so bad input changes nothing."""
+        scheduled = output.num_scheduled_tokens
         stray = [i for i in sampled_token_ids if i not in scheduled]
         if stray:
             raise ValueError(
                 f"sampled tokens for request ids not scheduled in this step: {stray!r}"
             )
-        # Validate everything before touching any request, so bad input changes nothing.
         work = []
         for request_id in scheduled:
             request = self.requests.get(request_id)
             if request is None:
                 continue  # finished (stopped or aborted) since it was scheduled
             sampled = list(sampled_token_ids.get(request_id, ()))
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, [])
-            self._check_sampled(scheduler_output, request, sampled, drafts)
+            drafts = output.scheduled_spec_decode_tokens.get(request_id, [])
+            self._check_sampled(output, request, sampled, drafts)
             work.append((request, sampled, drafts))
-        for request_id, num_tokens in scheduled.items():
+        return work
+
+    def _release_in_flight(self, output: SchedulerOutput) -> None:
+        """The step has landed: its tokens are no longer in flight, and (asynchronously) its
+        output and draft placeholders are consumed."""
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is not None:
                 request.num_in_flight_tokens -= num_tokens
-                if self.async_scheduling and request_id in scheduler_output.sampling_req_ids:
+                if self.async_scheduling and request_id in output.sampling_req_ids:
                     request.num_output_placeholders -= 1
-                    drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, ())
+                    drafts = output.scheduled_spec_decode_tokens.get(request_id, ())
                     request.num_draft_placeholders -= len(drafts)
+
+    def _apply_tokens(self, work: list[tuple[Request, list[int], list[int]]]) -> dict[str, Any]:
+        """Take each request's rejected drafts back and append its tokens up to a stop; returns
+        `UpdateResult`'s token fields (new tokens, finished, stop reasons, draft statistics)."""
         new_token_ids: dict[str, list[int]] = {}
         finished: dict[str, RequestStatus] = {}
         stop_reasons: dict[str, int] = {}
@@ -835,24 +738,26 @@ class Scheduler:
                 finished[request_id] = stop_status
                 if reason is not None:
                     stop_reasons[request_id] = reason
-        if finished:
-            self.running = [r for r in self.running if r.request_id not in finished]
-            self.waiting.remove_requests(
-                self.requests[i]
-                for i in finished
-                if self.requests[i].status is not RequestStatus.RUNNING  # preempted, step in flight
-            )
-            for request_id, stop_status in finished.items():
-                self._free_request(self.requests[request_id], stop_status)
-        return UpdateResult(
-            new_token_ids=new_token_ids,
-            finished=finished,
-            stop_reasons=stop_reasons,
-            spec_decoding_stats=spec_stats,
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
+        return {
+            "new_token_ids": new_token_ids,
+            "finished": finished,
+            "stop_reasons": stop_reasons,
+            "spec_decoding_stats": spec_stats,
+        }
+
+    def _remove_finished(self, finished: Mapping[str, RequestStatus]) -> None:
+        """Take the requests that stopped out of `running` (or `waiting`: preempted while their
+        step was in flight) and free them."""
+        if not finished:
+            return
+        self.running = [r for r in self.running if r.request_id not in finished]
+        self.waiting.remove_requests(
+            self.requests[i]
+            for i in finished
+            if self.requests[i].status is not RequestStatus.RUNNING  # preempted, step in flight
         )
+        for request_id, stop_status in finished.items():
+            self._free_request(self.requests[request_id], stop_status)
 
     def _check_sampled(
         self, output: SchedulerOutput, request: Request, sampled: list[int], drafts: list[int]

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import struct
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -79,7 +80,21 @@ class Entry:
 def _read_header(path: str) -> dict[str, Entry]:
     """Parse one safetensors file's header. File-level damage raises; per-tensor damage is
     recorded on the entry so that all such problems can be reported together."""
+    header, data_start, data_len = _header_json(path)
     fname = os.path.basename(path)
+    out: dict[str, Entry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, start, nbytes, problem = _parse_entry(info, data_start, data_len)
+        if problem is not None:
+            problem = f"{name} in {fname}: {problem}"
+        out[name] = Entry(name, path, str(dtype), shape, start, nbytes, problem)
+    return out
+
+
+def _header_json(path: str) -> tuple[dict[str, Any], int, int]:
+    """(the header object, where the data region starts, its length); damage raises."""
     size = os.path.getsize(path)
     if size < 8:
         raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header")
@@ -97,50 +112,49 @@ def _read_header(path: str) -> dict[str, Entry]:
         raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
-    data_start, data_len = 8 + n, size - 8 - n
-    out: dict[str, Entry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        problem = None
-        dtype, shape, start, nbytes = "?", None, 0, 0
-        if not isinstance(info, dict):
-            problem = f"header entry is a {type(info).__name__}, not an object"
-        else:
-            dtype = info.get("dtype")
-            raw_shape = info.get("shape")
-            offsets = info.get("data_offsets")
-            if isinstance(raw_shape, list) and all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw_shape
-            ):
-                shape = tuple(raw_shape)
-            else:
-                problem = f"malformed shape {raw_shape!r}"
-            if not (
-                isinstance(offsets, list)
-                and len(offsets) == 2
-                and all(isinstance(k, int) and not isinstance(k, bool) for k in offsets)
-            ):
-                problem = problem or f"malformed data_offsets {offsets!r}"
-            else:
-                begin, end = offsets
-                start, nbytes = data_start + begin, end - begin
-                if not 0 <= begin <= end <= data_len:
-                    problem = problem or (
-                        f"data_offsets {offsets} lie outside the file's {data_len}-byte data "
-                        "region (truncated file?)"
-                    )
-                elif not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-                    problem = problem or f"unknown dtype {dtype!r}"
-                elif shape is not None and nbytes != math.prod(shape) * DTYPE_BYTES[dtype]:
-                    problem = (
-                        f"holds {nbytes} bytes but {dtype} {list(shape)} needs "
-                        f"{math.prod(shape) * DTYPE_BYTES[dtype]}"
-                    )
-        if problem is not None:
-            problem = f"{name} in {fname}: {problem}"
-        out[name] = Entry(name, path, str(dtype), shape, start, nbytes, problem)
-    return out
+    return header, 8 + n, size - 8 - n
+
+
+def _parse_entry(
+    info: Any, data_start: int, data_len: int
+) -> tuple[Any, tuple[int, ...] | None, int, int, str | None]:
+    """One tensor's header entry: (dtype, shape, absolute start, bytes, its first problem)."""
+    problem = None
+    dtype, shape, start, nbytes = "?", None, 0, 0
+    if not isinstance(info, dict):
+        problem = f"header entry is a {type(info).__name__}, not an object"
+        return dtype, shape, start, nbytes, problem
+    dtype = info.get("dtype")
+    raw_shape = info.get("shape")
+    offsets = info.get("data_offsets")
+    if isinstance(raw_shape, list) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw_shape
+    ):
+        shape = tuple(raw_shape)
+    else:
+        problem = f"malformed shape {raw_shape!r}"
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(k, int) and not isinstance(k, bool) for k in offsets)
+    ):
+        problem = problem or f"malformed data_offsets {offsets!r}"
+    else:
+        begin, end = offsets
+        start, nbytes = data_start + begin, end - begin
+        if not 0 <= begin <= end <= data_len:
+            problem = problem or (
+                f"data_offsets {offsets} lie outside the file's {data_len}-byte data "
+                "region (truncated file?)"
+            )
+        elif not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            problem = problem or f"unknown dtype {dtype!r}"
+        elif shape is not None and nbytes != math.prod(shape) * DTYPE_BYTES[dtype]:
+            problem = (
+                f"holds {nbytes} bytes but {dtype} {list(shape)} needs "
+                f"{math.prod(shape) * DTYPE_BYTES[dtype]}"
+            )
+    return dtype, shape, start, nbytes, problem
 
 
 def _checkpoint_files(path: str) -> tuple[list[str], dict[str, str] | None]:
@@ -195,8 +209,42 @@ def index_checkpoint(
     `CheckpointError` that lists every problem. Returns the entries by name, the expected
     tensors and the per-label counts of skipped out-of-scope tensors."""
     files, wmap = _checkpoint_files(path)
+    entries, index_issues = _read_entries(files, wmap)
+    expected = list(checkpoint_tensors(cfg))
+    missing, wrong_dtype, wrong_shape, corrupt = _check_expected(entries, expected)
+    unexpected = []
+    skipped: collections.Counter = collections.Counter()
+    expected_names = {t.name for t in expected}
+    for name in entries:
+        if name in expected_names:
+            continue
+        label = _out_of_scope(name, cfg)
+        if label is None:
+            unexpected.append(f"{name} (in {os.path.basename(entries[name].file)})")
+        else:
+            skipped[label] += 1
+    groups = [
+        ("missing tensors", missing),
+        ("unexpected tensors", unexpected),
+        ("wrong dtype", wrong_dtype),
+        ("wrong shape", wrong_shape),
+        ("corrupt tensors", corrupt),
+        ("inconsistent index", index_issues),
+    ]
+    if any(items for _, items in groups):
+        raise CheckpointError(
+            format_problems(f"checkpoint {path} does not match its config", groups)
+        )
+    return entries, expected, skipped
+
+
+def _read_entries(
+    files: list[str], wmap: dict[str, str] | None
+) -> tuple[dict[str, Entry], list[str]]:
+    """Every file's header entries by name, and where they disagree with each other or with
+    the index's weight map."""
     entries: dict[str, Entry] = {}
-    corrupt, index_issues = [], []
+    index_issues = []
     for file in files:
         for name, entry in _read_header(file).items():
             if name in entries:
@@ -221,10 +269,14 @@ def index_checkpoint(
                 index_issues.append(
                     f"{name} is in {os.path.basename(entry.file)} but not in {INDEX_FILE}"
                 )
+    return entries, index_issues
 
-    expected = list(checkpoint_tensors(cfg))
-    expected_names = {t.name for t in expected}
-    missing, wrong_dtype, wrong_shape = [], [], []
+
+def _check_expected(
+    entries: dict[str, Entry], expected: list[CheckpointTensor]
+) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The expected tensors that are missing, of the wrong dtype, of the wrong shape, corrupt."""
+    missing, wrong_dtype, wrong_shape, corrupt = [], [], [], []
     for t in expected:
         e = entries.get(t.name)
         if e is None:
@@ -237,29 +289,7 @@ def index_checkpoint(
         if e.shape != tuple(t.shape):
             got = list(e.shape) if e.shape is not None else "malformed"
             wrong_shape.append(f"{t.name}: expected {list(t.shape)}, got {got}")
-    unexpected = []
-    skipped: collections.Counter = collections.Counter()
-    for name in entries:
-        if name in expected_names:
-            continue
-        label = _out_of_scope(name, cfg)
-        if label is None:
-            unexpected.append(f"{name} (in {os.path.basename(entries[name].file)})")
-        else:
-            skipped[label] += 1
-    groups = [
-        ("missing tensors", missing),
-        ("unexpected tensors", unexpected),
-        ("wrong dtype", wrong_dtype),
-        ("wrong shape", wrong_shape),
-        ("corrupt tensors", corrupt),
-        ("inconsistent index", index_issues),
-    ]
-    if any(items for _, items in groups):
-        raise CheckpointError(
-            format_problems(f"checkpoint {path} does not match its config", groups)
-        )
-    return entries, expected, skipped
+    return missing, wrong_dtype, wrong_shape, corrupt
 
 
 # numpy views of the stored dtypes for slicing a tensor in place (1-byte codes stay raw bytes)

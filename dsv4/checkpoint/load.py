@@ -257,7 +257,6 @@ def _load_sharded(
     return _from_callback(files, pname, spec.shape, sharding, target, read)
 
 
-# over 60 lines for its docstring alone: the public loader's every option documented in one place
 def load_pretrained(
     path: str | os.PathLike[str],
     dtype: Any = jnp.float32,
@@ -268,41 +267,11 @@ def load_pretrained(
     weights_on_device: str = "dequantised",
     mesh: Any = None,
 ) -> tuple[ModelConfig, dict[str, jax.Array]]:
-    """Load a released-format checkpoint directory (or a shipped model's name, `SHIPPED`)
-    into ``(config, params)``.
-
-    ``engram_tables``: where Engram's tables live: "device" (arrays like every other tensor),
-    "host" (`dsv4.formats.HostTable`: the checkpoint's fp8 bytes, memory-mapped, rows fetched
-    per step through the host), or "auto" (host for a table that would take more than 1 GiB on
-    device, such as the released ones: ~98 GB of fp8 each).
-
-    ``weights_on_device``: "dequantised" (float arrays in ``dtype``, the default) or
-    "released": every fp8 / FP4 tensor (and an Engram table on device) stays in the
-    checkpoint's bytes as a `dsv4.formats.QuantisedWeight` that the model dequantises where it
-    reads it, standing for a ``dtype`` weight; the values the model computes with are the same
-    bit for bit, the params take the checkpoint's bytes (in bf16) instead of about twice them.
-
-    ``config`` overrides the directory's ``config.json``. Quantised tensors are dequantised
-    exactly (fp8 · tile scale, fp4 · group scale) and, like every tensor not stored as F32, cast
-    to ``dtype``; F32 tensors (mHC, attention sinks, router bias) stay float32. Routed experts
-    are stacked into ``[E, out, in]``. Every structural problem (missing, unexpected, wrong dtype,
-    wrong shape, corrupt byte ranges, inconsistent index) is reported in one `CheckpointError`
-    (a ValueError) before any value is read; tensors of the vision tower and the image router
-    bias (and of Engram / DSpark when the config has none) are skipped with one log line.
-    Files are memory-mapped and read one tensor at a time.
-
-    ``mesh`` (a `jax.sharding.Mesh` with the axes of `dsv4.sharding.make_mesh`, or a mapping
-    of axis sizes for it such as ``{"expert": 8}``): every param becomes a global `jax.Array`
-    in its rule-table sharding (`dsv4.sharding.param_shardings`), built by
-    `jax.make_array_from_callback`: each process decodes only the slices its own devices hold,
-    straight from the memory maps (fp8: the tiles covering the slice and their scales; routed
-    experts: only the per-expert tensors in the slice's range; released weights: the slices of
-    codes and scales), each distinct slice once. The result equals
-    ``shard_params(load_pretrained(path, ...), cfg, mesh)`` bit for bit. Every process still
-    reads all headers and checks the whole structure first, so a shard file missing on one
-    process fails there, naming the file and its tensors, before any value is read. A mesh that
-    needs more devices than are present, an axis that does not divide a tensor, or a mesh
-    without the rule table's axes is a ValueError naming the sizes / the tensor."""
+    """Load a released-format checkpoint directory (or a name in `SHIPPED`) into ``(config,
+    params)``: every structural problem in one `CheckpointError` before any value is read, then
+    each tensor dequantised from memory maps and cast to ``dtype`` (F32-stored ones stay f32).
+    ``config`` overrides ``config.json``; ``engram_tables``, ``weights_on_device`` and ``mesh``
+    (params sharded as they are read): docs/model.md#loading-a-checkpoint."""
     path, cfg, mesh, released, np_dtype = _checked_arguments(
         path, dtype, config, engram_tables, weights_on_device, mesh
     )

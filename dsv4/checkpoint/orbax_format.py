@@ -12,8 +12,8 @@ from jax.experimental.layout import Format
 
 from dsv4.checkpoint.load import resolve_mesh
 from dsv4.config import ModelConfig
-from dsv4.formats import CheckpointError, QuantisedWeight, format_problems
-from dsv4.params import Storage, param_specs
+from dsv4.formats import CheckpointError, QuantisedWeight
+from dsv4.params import Storage, check_shapes, param_specs
 from dsv4.sharding import param_formats
 
 __all__ = ["restore_params", "save_params"]
@@ -22,15 +22,10 @@ __all__ = ["restore_params", "save_params"]
 def save_params(
     params: Mapping[str, Any], path: str | os.PathLike[str], *, overwrite: bool = False
 ) -> None:
-    """Save the params unchanged (names, shapes, dtypes, exact values, and their shardings)
-    with orbax's StandardCheckpointer. ``path`` must not exist unless ``overwrite``.
-
-    Sharded params (global `jax.Array`s, e.g. of ``load_pretrained(..., mesh=)``) are written
-    by the processes that hold their shards (every process must call this, as orbax requires).
-    A released weight (`dsv4.formats.QuantisedWeight`) is stored as its two arrays, codes
-    (float8_e4m3fn for fp8, uint8 for fp4) and uint8 scales, under ``<name>/values`` and
-    ``<name>/scales``; its format, logical shape, dtype and block go in the checkpoint's custom
-    metadata, from which `restore_params` rebuilds it."""
+    """Save the params unchanged (names, shapes, dtypes, values, shardings) with orbax's
+    StandardCheckpointer; ``path`` must not exist unless ``overwrite``. Every process must call
+    it (each writes the shards it holds). A `QuantisedWeight` is stored as ``<name>/values`` and
+    ``<name>/scales``, its format, shape, dtype and block in the checkpoint's custom metadata."""
     import orbax.checkpoint as ocp  # reason: ~0.8 s at import; only save/restore use it
 
     tree: dict[str, Any] = {}
@@ -60,14 +55,10 @@ def restore_params(
     mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, Any]:
     """Restore params written by `save_params`: onto the default device, or with ``mesh``
-    straight into their rule-table shardings (`dsv4.sharding.param_formats` on that mesh;
-    each process reads the shards its devices hold), `QuantisedWeight`s rebuilt as saved.
-
-    With ``cfg`` the saved names and (logical) shapes are first checked against
-    ``param_specs(cfg)`` and every difference is reported in one `CheckpointError`. ``dtype``
-    casts the restored float arrays and is what a restored `QuantisedWeight` stands for (its
-    codes and scales are kept); with ``cfg`` the tensors the released checkpoint stores as F32
-    stay float32, without ``cfg`` every float array is cast.
+    straight into their rule-table shardings (`dsv4.sharding.param_formats`), `QuantisedWeight`s
+    rebuilt as saved. With ``cfg`` the saved names and shapes are first checked against
+    ``param_specs(cfg)`` (one `CheckpointError`). ``dtype`` casts the float arrays (with ``cfg``,
+    not the ones the release stores as F32) and is what a `QuantisedWeight` stands for.
     """
     import orbax.checkpoint as ocp  # reason: ~0.8 s at import; only save/restore use it
 
@@ -80,24 +71,30 @@ def restore_params(
     if not isinstance(tree, Mapping):
         raise CheckpointError(f"{path}: expected a flat dict of arrays, found {type(tree)}")
     quantised = (meta.custom_metadata or {}).get("quantised", {})
-    shapes = {
-        n: tuple(quantised[n]["shape"]) if n in quantised else tuple(m.shape)
-        for n, m in tree.items()
-    }
     if cfg is not None:
-        specs = param_specs(cfg)
-        missing = [n for n in specs if n not in tree]
-        unexpected = [n for n in tree if n not in specs]
-        wrong = [
-            f"{n}: config expects {list(specs[n].shape)}, saved {list(shapes[n])}"
-            for n in specs
-            if n in tree and shapes[n] != specs[n].shape
-        ]
-        groups = [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
-        if missing or unexpected or wrong:
-            raise CheckpointError(
-                format_problems(f"orbax checkpoint {path} does not match the config", groups)
-            )
+        shapes = {
+            n: tuple(quantised[n]["shape"]) if n in quantised else tuple(m.shape)
+            for n, m in tree.items()
+        }
+        title = f"orbax checkpoint {path} does not match the config"
+        check_shapes(shapes, cfg, title, ("config expects", "saved"))
+    abstract = _abstract_params(tree, quantised, dtype)
+    formats, target = _restore_target(abstract, cfg, mesh)
+    as_saved = {
+        n: {"values": w.values, "scales": w.scales} if isinstance(w, QuantisedWeight) else w
+        for n, w in target.items()
+    }
+    params = _as_params(ckptr.restore(path, as_saved), target, cfg, dtype)
+    for n, f in formats.items():  # the routed experts' device layout
+        if isinstance(f, Format):
+            params[n] = jax.device_put(params[n], f)
+    return params
+
+
+def _abstract_params(
+    tree: Mapping[str, Any], quantised: Mapping[str, Any], dtype: Any
+) -> dict[str, Any]:
+    """The saved arrays' shapes and dtypes, with each saved `QuantisedWeight` rebuilt."""
     abstract: dict[str, Any] = {}
     for n, m in tree.items():
         if n in quantised:
@@ -112,6 +109,13 @@ def restore_params(
             )
         else:
             abstract[n] = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype)
+    return abstract
+
+
+def _restore_target(
+    abstract: dict[str, Any], cfg: ModelConfig | None, mesh: jax.sharding.Mesh | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the params' device formats with ``mesh``, else none; the sharded abstract params)."""
     formats: dict[str, Any] = {}
     if mesh is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -123,11 +127,14 @@ def restore_params(
     target = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings
     )
-    as_saved = {
-        n: {"values": w.values, "scales": w.scales} if isinstance(w, QuantisedWeight) else w
-        for n, w in target.items()
-    }
-    restored = ckptr.restore(path, as_saved)
+    return formats, target
+
+
+def _as_params(
+    restored: Mapping[str, Any], target: Mapping[str, Any], cfg: ModelConfig | None, dtype: Any
+) -> dict[str, Any]:
+    """The restored arrays as params: `QuantisedWeight`s reassembled, floats cast to ``dtype``
+    (except, with ``cfg``, the tensors the release stores as F32)."""
     params: dict[str, Any] = {}
     specs = param_specs(cfg) if cfg is not None else {}
     for n, w in target.items():
@@ -141,7 +148,4 @@ def restore_params(
         if dtype is not None and not keep and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(dtype)
         params[n] = x
-    for n, f in formats.items():  # the routed experts' device layout
-        if isinstance(f, Format):
-            params[n] = jax.device_put(params[n], f)
     return params

@@ -31,7 +31,7 @@ from dsv4.formats import (
     quant_fp8,
     quant_fp8_rows,
 )
-from dsv4.params import Storage, check_params, checkpoint_tensors, param_specs
+from dsv4.params import CheckpointTensor, Storage, check_params, checkpoint_tensors, param_specs
 
 __all__ = ["quantize_params_like_checkpoint", "save_pretrained"]
 
@@ -94,32 +94,18 @@ def save_pretrained(
     *,
     max_shard_bytes: int | None = None,
 ) -> None:
-    """Write ``params`` as a released-format checkpoint directory.
-
-    ``config.json`` is ``cfg.to_hf_dict()``; fp8 linears become e4m3 tiles with e8m0 tile scales,
-    routed experts packed fp4 with per-32 e8m0 scales (see `quant_fp8`, `quant_fp4`), the rest
-    BF16 (round to nearest even) or F32, following ``param_specs(cfg)``. With ``max_shard_bytes``
-    the tensors are split greedily, in checkpoint order, into ``model-0000K-of-0000N.safetensors``
-    shards of at most that many data bytes (a larger tensor gets a shard of its own) plus
-    ``model.safetensors.index.json``; otherwise one ``model.safetensors``. Files of an earlier
-    checkpoint in ``path`` with those names are removed first, so a stale index cannot shadow
-    the new files. One shard's tensors are held in memory at a time.
+    """Write ``params`` as a released-format checkpoint directory (``config.json`` from
+    ``cfg.to_hf_dict()``; each tensor stored as ``param_specs(cfg)`` says, see `quant_fp8`,
+    `quant_fp4`). With ``max_shard_bytes``, shards of at most that many data bytes plus an index
+    (docs/model.md#saving-a-checkpoint); otherwise one ``model.safetensors``. Files of an earlier
+    checkpoint in ``path`` with those names are removed first.
     """
     path = os.fspath(path)
     check_params(params, cfg, "save_pretrained")
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive or None")
     hf = hf_config(cfg)
-    tensors = list(checkpoint_tensors(cfg))
-    shards: list[list[str]] = [[]]
-    size = 0
-    for t in tensors:
-        nbytes = math.prod(t.shape) * DTYPE_BYTES[t.dtype]
-        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t.name)
-        size += nbytes
+    shards = _shard_names(list(checkpoint_tensors(cfg)), max_shard_bytes)
     if max_shard_bytes is None:
         names = [SINGLE_FILE]
     else:
@@ -131,9 +117,7 @@ def save_pretrained(
     for f in stale:
         if os.path.isfile(f):
             os.remove(f)
-    with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
-        json.dump(hf, f, indent=2)
-        f.write("\n")
+    _write_json(os.path.join(path, CONFIG_FILE), hf)
 
     encoded = _encode(params, cfg)
     weight_map: dict[str, str] = {}
@@ -149,9 +133,28 @@ def save_pretrained(
         save_file(arrays, os.path.join(path, fname), metadata={"format": "pt"})
     if max_shard_bytes is not None:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2)
-            f.write("\n")
+        _write_json(os.path.join(path, INDEX_FILE), index)
+
+
+def _shard_names(tensors: list[CheckpointTensor], max_shard_bytes: int | None) -> list[list[str]]:
+    """The tensors' names split greedily, in order, into shards of at most ``max_shard_bytes``
+    data bytes (a larger tensor gets a shard of its own); one shard without a limit."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = math.prod(t.shape) * DTYPE_BYTES[t.dtype]
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t.name)
+        size += nbytes
+    return shards
+
+
+def _write_json(file: str, obj: Any) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
 
 
 def quantize_params_like_checkpoint(

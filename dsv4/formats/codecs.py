@@ -8,6 +8,7 @@ decoders are exact; the encoders round to nearest even and saturate, as the refe
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -130,14 +131,24 @@ def dequant_fp8(
     block: int,
     name: str = "weight",
     scale_name: str | None = None,
+    *,
+    rows: bool = False,
 ) -> np.ndarray:
     """FP8 weight bytes ``[..., o, i]`` (e4m3) and e8m0 tile scales ``[..., ceil(o/B),
-    ceil(i/B)]`` -> float32 ``e4m3 · 2^(scale - 127)`` per ``block x block`` tile (exact).
-    ``name`` / ``scale_name`` only label errors."""
+    ceil(i/B)]`` -> float32 ``e4m3 · 2^(scale - 127)`` per ``block x block`` tile (exact). With
+    ``rows`` (`dequant_fp8_rows`), an Engram table ``[rows, width]`` with one scale per B values
+    of a row (``[rows, width / B]``). ``name`` / ``scale_name`` only label errors."""
     b = _as_bytes(values)
+    if rows:
+        n, width = b.shape
+        if width % block or tuple(scale.shape) != (n, width // block):
+            raise CheckpointError(
+                f"{name}: scale shape {tuple(scale.shape)} does not match table {b.shape} with "
+                f"one scale per {block} values of a row (expected {(n, width // block)})"
+            )
     o, i = b.shape[-2:]
     want = (*b.shape[:-2], -(-o // block), -(-i // block))
-    if tuple(scale.shape) != want:
+    if not rows and tuple(scale.shape) != want:
         raise CheckpointError(
             f"{name}: scale shape {tuple(scale.shape)} does not tile weight {b.shape} in "
             f"{block}x{block} blocks (expected {want})"
@@ -145,11 +156,17 @@ def dequant_fp8(
     check_e4m3(b, name)
     s = e8m0_to_float(scale, scale_name or f"scale of {name}")
     v = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    if rows:
+        return (v.reshape(o, i // block, block) * s[..., None]).reshape(o, i)
     if o % block == 0 and i % block == 0:
         lead = v.shape[:-2]
         tiles = v.reshape(*lead, o // block, block, i // block, block)
         return (tiles * s[..., :, None, :, None]).reshape(v.shape)
     return v * _expand_tiles(s, v.shape, block)
+
+
+# An Engram table: e4m3 ``[rows, width]``, one e8m0 scale per ``block`` values of a row.
+dequant_fp8_rows = functools.partial(dequant_fp8, rows=True)
 
 
 def dequant_fp4(
@@ -241,28 +258,6 @@ def quant_fp4(x: Any, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     code = (code | (np.signbit(v).astype(code.dtype) << 3)).astype(np.uint8)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed.view(np.int8), _scale_bytes(exp)
-
-
-def dequant_fp8_rows(
-    values: np.ndarray,
-    scale: np.ndarray,
-    block: int,
-    name: str = "weight",
-    scale_name: str | None = None,
-) -> np.ndarray:
-    """An Engram table: e4m3 bytes ``[rows, width]`` and e8m0 scales ``[rows, width / B]`` (one
-    per B consecutive values of a row) -> float32 ``[rows, width]`` (exact)."""
-    b = _as_bytes(values)
-    rows, width = b.shape
-    if width % block or tuple(scale.shape) != (rows, width // block):
-        raise CheckpointError(
-            f"{name}: scale shape {tuple(scale.shape)} does not match table {b.shape} with one "
-            f"scale per {block} values of a row (expected {(rows, width // block)})"
-        )
-    check_e4m3(b, name)
-    s = e8m0_to_float(scale, scale_name or f"scale of {name}")
-    v = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(rows, width // block, block)
-    return (v * s[..., None]).reshape(rows, width)
 
 
 def quant_fp8_rows(x: Any, block: int, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ dequantises only the rows a step asks for (`dsv4.engram.table_rows` fetches them
 from __future__ import annotations
 
 import jax
+import jax.experimental.pallas  # first, for stable compilation-cache keys (dsv4/__init__.py)
 import ml_dtypes
 import numpy as np
 
@@ -26,14 +27,9 @@ _E4M3, _E8M0 = _code_tables()  # byte -> float32 value / scale
 
 class HostTable:
     """An Engram table that stays in host memory: e4m3 rows and their e8m0 scales as stored in
-    the checkpoint (memory-mapped), dequantised row by row when a step asks for them.
-
-    A released table has ~384M rows of 256 values (98 GB as fp8, twice that as bf16): it fits
-    neither in one accelerator's memory nor, dequantised, in a host's. In the params it stands
-    where the float table would (``layers.L.engram.embed.weight``); it is a pytree node with no
-    leaves, so jit treats it as a static part of the params, and `table_rows` fetches the rows
-    of a step through `jax.pure_callback`: the row ids go to the host, the bf16 rows come back
-    (lossless: an e4m3 value times a power of two is a bf16 value)."""
+    the checkpoint (memory-mapped), dequantised row by row when a step asks for them. A pytree
+    node with no leaves standing where the float table would; `table_rows` fetches a step's rows
+    through `jax.pure_callback` as bf16 (lossless). Why: docs/model.md#dsv4formats."""
 
     def __init__(self, values: np.ndarray, scales: np.ndarray, block: int, name: str = "table"):
         values, scales = np.asarray(values), np.asarray(scales)

@@ -74,11 +74,10 @@ def stored_shapes(
 class QuantisedWeight:
     """A weight in its released storage format (see the module docstring).
 
-    Leaves: ``values`` (fp8 / fp8_rows: float8_e4m3fn ``[..., out, in]``; fp4: uint8 packed
-    ``[..., out, in/2]``) and ``scales`` (uint8 e8m0 bytes, one per tile / group). Static:
-    ``format`` ("fp8", "fp4", "fp8_rows"), the logical ``shape`` and ``dtype`` of the float
-    weight it stands for, and ``block`` (the fp8 tile side, or the values per scale of an
-    fp8_rows row; fp4 groups are always 32 inputs)."""
+    Leaves: ``values`` (e4m3 ``[..., out, in]``, or fp4 packed uint8 ``[..., out, in/2]``) and
+    ``scales`` (uint8 e8m0, one per tile / group). Static: ``format`` ("fp8", "fp4",
+    "fp8_rows"), the float weight's ``shape`` and ``dtype``, and ``block`` (the fp8 tile side or
+    the values per scale of an fp8_rows row; fp4 groups are always 32 inputs)."""
 
     __slots__ = ("block", "dtype", "format", "scales", "shape", "values")
 
@@ -139,12 +138,9 @@ class QuantisedWeight:
 
     def astype(self, dtype: Any) -> jax.Array:
         """The dequantised weight, ``shape`` in ``dtype``: exact ``code · 2^(scale - 127)``,
-        what the numpy decoders of `dsv4.formats.codecs` compute in float32, then cast.
-
-        For bfloat16 and float32 it is computed in ``dtype`` itself: a code has at most 4
-        significant bits and the scale is applied as two powers of two, so every product is
-        exact in a type with float32's exponent range and 8 bits of mantissa, and no float32
-        copy of a bfloat16 weight is ever made. Other types go through float32."""
+        what the numpy decoders of `dsv4.formats.codecs` compute in float32, then cast. bfloat16
+        and float32 are computed in ``dtype`` itself, exactly (no float32 copy of a bfloat16
+        weight); other types go through float32 (docs/model.md#dsv4formats)."""
         dtype = jnp.dtype(dtype)
         work = dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) else jnp.float32
         if self.format == "fp8":
@@ -201,13 +197,10 @@ def _pow2(e: jax.Array) -> jax.Array:
 
 
 def _e8m0(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint8 e8m0 bytes -> two float32 powers of two whose product is ``2^(byte - 127)``.
-
-    Two normal factors instead of one scale: byte 0 means 2^-127, a float32 subnormal, which
-    XLA flushes to zero, while ``value · 2^-127`` is a normal number for most values. Scaling
-    by both in turn is exact whenever the result is a normal float32: as the numpy decoders,
-    bit for bit. (A result below 2^-126 is flushed to zero where numpy keeps a subnormal; no
-    trained weight is that small.) Loading rejects byte 255 (e8m0's NaN)."""
+    """uint8 e8m0 bytes -> two float32 powers of two whose product is ``2^(byte - 127)``:
+    byte 0 (2^-127) is a subnormal XLA flushes to zero, the two normal factors are not, and
+    scaling by both in turn matches the numpy decoders bit for bit (docs/model.md#dsv4formats).
+    """
     e = scales.astype(jnp.int32) - E8M0_BIAS  # [-127, 127]
     half = jnp.floor_divide(e, 2)  # [-64, 63]
     return _pow2(half), _pow2(e - half)
@@ -246,11 +239,9 @@ def _dequant_groups(v: jax.Array, scales: jax.Array, group: int) -> jax.Array:
 def unpack_e2m1(packed: jax.Array) -> jax.Array:
     """uint8 [..., w/2] (two e2m1 codes a byte, the even index low) -> float32 [..., w].
 
-    Each code's float32 bits are built from its own bits (sign, 2 exponent bits, 1 mantissa
-    bit; `dsv4.quant.E2M1_VALUES` exactly, -0 included) rather than looked up in a table:
-    elementwise work that XLA can fuse into the scaling and the cast after it, where a table
-    gather needs int32 indices (XLA:TPU materialised them for a released MoE layer's 192 local
-    experts, s32[192, 5120, 1152, 2]).
+    Each code's float32 bits are built from its own bits (`dsv4.quant.E2M1_VALUES` exactly, -0
+    included), not looked up in a table: elementwise work XLA fuses into the scaling, where a
+    gather needs int32 indices (docs/model.md#dsv4formats).
     """
     codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1)
     c = codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1]).astype(jnp.uint32)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.experimental.pallas  # first, for stable compilation-cache keys (dsv4/__init__.py)
 import jax.numpy as jnp
 import numpy as np
 
@@ -171,20 +172,11 @@ def build_batch(
     groups: Sequence[GroupInfo] | None = None,
     engram_lookback: int = 0,
 ) -> StepBatch:
-    """The step's arrays for ``requests`` (see the module docstring).
-
-    ``engram_lookback``: m = ``engram_max_ngram_size - 1`` of a model with Engram (0 without):
-    ``engram_prev`` gets, per row, the last m of its request's ``prev_tokens``.
-
-    ``table_buckets``: None gives every block table the width ``max_model_len`` needs. With
-    sizes (in blocks, e.g. powers of two), a table is only as wide as the longest request of
-    this step needs (``ceil(seq_len / block_size)`` columns, rounded up to a bucket, at most the
-    full width): the step decodes and the kernels address only those columns, at the price of
-    one compilation per width bucket. Block ids a request holds beyond them (lookahead) are
-    not needed by this step: slots are computed from the ids themselves.
-
-    ``groups``: `group_infos(config)`, for callers that build many batches. The work is
-    vectorised over the step's tokens and block ids (no per-token Python)."""
+    """The step's arrays for ``requests`` (see the module docstring), vectorised over the
+    step's tokens and block ids (no per-token Python). ``table_buckets``: None gives every block
+    table its full width, sizes trim it to this step's need (docs/architecture.md#the-step-contract);
+    ``engram_lookback`` (``engram_max_ngram_size - 1``, else 0) fills ``engram_prev``;
+    ``groups``: `group_infos(config)`, for callers that build many batches."""
     groups = group_infos(config) if groups is None else groups
     n_req = len(requests)
     lens = np.fromiter((len(r.token_ids) for r in requests), np.int64, n_req)
@@ -213,39 +205,55 @@ def build_batch(
     batch.seq_lens[:n_req] = starts + lens
     batch.logits_indices[:n_req] = ends - 1
     batch.replay_start[:n_req] = [r.replay_start for r in requests]
-    write_from = np.fromiter((r.cache_write_from for r in requests), np.int64, n_req)
     if engram_lookback:
         _engram_prev(requests, starts, engram_lookback, batch.engram_prev)
     for g in groups:
-        counts = np.fromiter((len(r.block_ids[g.index]) for r in requests), np.int64, n_req)
-        table = batch.block_tables[g.index]
-        if g.kind == "ring":
-            _ring_slots(requests, g, counts, table, batch.ring_slots[g.index], req, pos, lens, ends)
-            continue
-        full = _cdiv(max_model_len, g.block_size)
-        if counts.max() > full:
-            i = int(np.argmax(counts > full))
-            raise ValueError(
-                f"request {i} ({requests[i].req_id!r}): group {g.index} holds {counts[i]} blocks, "
-                f"more than max_model_len {max_model_len} needs ({full})"
-            )
-        ids = _ragged_table(requests, g.index, counts)  # [n_req, max count]
-        kept = min(ids.shape[1], table.shape[1])  # a trimmed table keeps what the step reads
-        table[:n_req, :kept] = ids[:, :kept]
-        if g.kind == "window":
-            blk = pos // g.block_size
-            _need_blocks(requests, g, counts, req, blk, np.ones(n_tok, bool))
-            batch.window_slots[g.index][:n_tok] = window_slots_at(ids, req, pos, g.block_size)
-            continue
-        for r in g.ratios:
-            writes = pos >= write_from[req]
-            blk, closes = _state_blocks(pos, g.block_size, r)
-            _need_blocks(requests, g, counts, req, blk, closes & writes)
-            slots = state_slots_at(ids, req, pos, g.block_size, r, writes)
-            batch.state_slots[(g.index, r)][:n_tok] = slots
+        _fill_group(batch, g, requests, max_model_len, req, pos, lens, ends)
     if debug:
         check_batch(batch, config)
     return batch
+
+
+def _fill_group(
+    batch: StepBatch,
+    g: GroupInfo,
+    requests: Sequence[StepRequest],
+    max_model_len: int,
+    req: np.ndarray,
+    pos: np.ndarray,
+    lens: np.ndarray,
+    ends: np.ndarray,
+) -> None:
+    """One KV-cache group's block table and slots (``req`` / ``pos``: every token's request row
+    and position; ``lens`` / ``ends``: each request's token count and end in the step)."""
+    n_req, n_tok = len(requests), len(pos)
+    counts = np.fromiter((len(r.block_ids[g.index]) for r in requests), np.int64, n_req)
+    table = batch.block_tables[g.index]
+    if g.kind == "ring":
+        _ring_slots(requests, g, counts, table, batch.ring_slots[g.index], req, pos, lens, ends)
+        return
+    full = _cdiv(max_model_len, g.block_size)
+    if counts.max() > full:
+        i = int(np.argmax(counts > full))
+        raise ValueError(
+            f"request {i} ({requests[i].req_id!r}): group {g.index} holds {counts[i]} blocks, "
+            f"more than max_model_len {max_model_len} needs ({full})"
+        )
+    ids = _ragged_table(requests, g.index, counts)  # [n_req, max count]
+    kept = min(ids.shape[1], table.shape[1])  # a trimmed table keeps what the step reads
+    table[:n_req, :kept] = ids[:, :kept]
+    if g.kind == "window":
+        blk = pos // g.block_size
+        _need_blocks(requests, g, counts, req, blk, np.ones(n_tok, bool))
+        batch.window_slots[g.index][:n_tok] = window_slots_at(ids, req, pos, g.block_size)
+        return
+    write_from = np.fromiter((r.cache_write_from for r in requests), np.int64, n_req)
+    for r in g.ratios:
+        writes = pos >= write_from[req]
+        blk, closes = _state_blocks(pos, g.block_size, r)
+        _need_blocks(requests, g, counts, req, blk, closes & writes)
+        slots = state_slots_at(ids, req, pos, g.block_size, r, writes)
+        batch.state_slots[(g.index, r)][:n_tok] = slots
 
 
 # The slot formulas of each group kind, written once for numpy (`build_batch`) and jax (the

@@ -143,32 +143,20 @@ def config_pool_bytes(kv_cache_config: KVCacheConfig) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LayerPool:
-    """Where one cache layer's pages live and how they are encoded.
+    """Where one cache layer's pages live and how they are encoded (block ``b``'s page is
+    ``pools[buffer][b, offset : offset + page_bytes]``)."""
 
-    Attributes:
-        name: cache layer name (`cache.layout`'s ``*_name`` functions).
-        kind: ``"swa"`` | ``"compressed"`` | ``"index"`` | ``"ring"``; layer_id: model layer.
-        group: KV-cache group index (the block table that addresses this layer).
-        buffer: key of the buffer in the pools dict.
-        offset: byte offset of this layer's page inside a buffer row (block ``b``'s page is
-            ``pools[buffer][b, offset : offset + page_bytes]``).
-        page_bytes: bytes of one page, alignment padding included.
-        states: states (rows) per page (``block_size // tokens_per_state``; ring: capacity).
-        tokens_per_state: raw tokens per state (compress ratio; 1 for SWA and rings).
-        record: record format name; dim: values per state.
-    """
-
-    name: str
-    kind: str
-    layer_id: int
-    group: int
-    buffer: str
-    offset: int
-    page_bytes: int
-    states: int
-    tokens_per_state: int
-    record: str
-    dim: int
+    name: str  # cache layer name (`cache.layout`'s ``*_name`` functions)
+    kind: str  # "swa" | "compressed" | "index" | "ring"
+    layer_id: int  # model layer
+    group: int  # KV-cache group index (the block table that addresses this layer)
+    buffer: str  # key of the buffer in the pools dict
+    offset: int  # byte offset of this layer's page inside a buffer row
+    page_bytes: int  # bytes of one page, alignment padding included
+    states: int  # states (rows) per page (block_size // tokens_per_state; ring: capacity)
+    tokens_per_state: int  # raw tokens per state (compress ratio; 1 for SWA and rings)
+    record: str  # record format name
+    dim: int  # values per state
 
     @property
     def record_bytes(self) -> int:
@@ -205,26 +193,15 @@ class GroupPool:
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
-    """The device layout of every paged cache (see the module docstring).
+    """The device layout of every paged cache (see the module docstring). Build it with
+    `PoolLayout.build`; look layers up with `layer`. Hashable (a static jit argument)."""
 
-    Build it with `PoolLayout.build`; look layers up with `layer`. Hashable (pass it as a
-    static jit argument).
-
-    Attributes:
-        alias: ``"aliased"`` or ``"separate"``.
-        num_blocks: blocks in the shared id space (block 0 is the null block).
-        formats: the record formats.
-        buffers: ``(key, row bytes)`` per buffer; buffer ``key`` is ``uint8[num_blocks, row]``.
-        layers: one `LayerPool` per cache layer, in the config's group order.
-        groups: one `GroupPool` per KV-cache group.
-    """
-
-    alias: str
-    num_blocks: int
-    formats: CacheFormats
-    buffers: tuple[tuple[str, int], ...]
-    layers: tuple[LayerPool, ...]
-    groups: tuple[GroupPool, ...]
+    alias: str  # "aliased" or "separate"
+    num_blocks: int  # blocks in the shared id space (block 0 is the null block)
+    formats: CacheFormats  # the record formats
+    buffers: tuple[tuple[str, int], ...]  # (key, row bytes): buffer key is uint8[num_blocks, row]
+    layers: tuple[LayerPool, ...]  # one per cache layer, in the config's group order
+    groups: tuple[GroupPool, ...]  # one per KV-cache group
 
     @classmethod
     def build(
@@ -825,14 +802,9 @@ def read_for_table(
 ) -> tuple[Any, jax.Array]:
     """Decode only the pages of layer ``name`` that block table ``table i32[R, nb]`` lets a
     kernel read: ``(pages dtype[P', states, dim], table2 i32[R, nb])`` with ``pages[table2[r, j]]``
-    the decoded page ``table[r, j]``; hand them to the kernel in place of the pool and ``table``.
-    Window layers also need ``positions``, ``token_req`` and ``window``; the path is static (shapes
-    only), and bad ids read NaN. Each layer kind's rule: docs/cache.md#dsv4pagedpoolsread_for_table.
-
-    Raises:
-        ValueError: a ring layer; a table that is not 2-D integer; for a window layer, missing
-            ``positions`` / ``token_req`` / ``window``, a window below 1, or arrays of other
-            shapes than ``i32[T]``.
+    the decoded page ``table[r, j]``, for the kernel in place of the pool and ``table``. Window
+    layers also need ``positions``, ``token_req`` and ``window``; bad ids read NaN. Each kind's
+    rule, and the ValueErrors: docs/cache.md#dsv4pagedpoolsread_for_table.
     """
     lp = layout.layer(name)
     table = _int_array(f"read_for_table({name!r}): table", table, 2)
@@ -909,15 +881,9 @@ def read_selected(
     records, fewer than `read_for_table` decodes whenever `selected_is_smaller`.
 
     Returns:
-        ``(pages dtype[T, K', dim], table2 i32[T, 1], token_req2 i32[T], topk2 i32[T, K'])`` with
-        K' = K rounded up to even: token ``t``'s pick ``j`` is entry ``j`` of its own page ``t``, so
-        a sparse-attention kernel given these reads the same entries in the same order
-        (docs/cache.md#dsv4pagedpoolsread_selected).
-
-    Raises:
-        ValueError: a layer that is not a compressed-entry layer, or arrays of other shapes
-            than ``table i32[R, nb]``, ``token_req`` / ``positions`` ``i32[T]``, ``topk i32[T,
-            K]``.
+        ``(pages dtype[T, K', dim], table2 i32[T, 1], token_req2 i32[T], topk2 i32[T, K'])``,
+        K' = K rounded up to even: token ``t``'s pick ``j`` is entry ``j`` of its own page ``t``
+        (docs/cache.md#dsv4pagedpoolsread_selected, with the ValueErrors).
     """
     lp = layout.layer(name)
     if lp.kind != "compressed":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -194,45 +194,43 @@ class RecordFormat:
 
 
 @dataclasses.dataclass(frozen=True)
-class F32Record(RecordFormat):
-    name: ClassVar[str] = "f32"
-    summary: ClassVar[str] = "float32 values (exact)"
+class _FloatRecord(RecordFormat):
+    """Plain floats of one dtype, no scales (f32 exact, bf16 rounded to nearest even)."""
+
+    name: str
+    summary: str
+    dtype: Any
 
     def data_bytes(self, dim: int) -> int:
-        return 4 * dim
+        return jnp.dtype(self.dtype).itemsize * dim
 
     def _encode(self, x: jax.Array) -> jax.Array:
-        return _to_bytes(x)
+        return _to_bytes(x.astype(self.dtype))
 
     def _decode(self, b: jax.Array, dim: int) -> jax.Array:
-        return _from_bytes(b, jnp.float32)
+        return _from_bytes(b, self.dtype).astype(jnp.float32)
+
+
+_F32 = _FloatRecord("f32", "float32 values (exact)", jnp.float32)
+_BF16 = _FloatRecord("bf16", "bfloat16 values (round to nearest even)", jnp.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
-class BF16Record(RecordFormat):
-    name: ClassVar[str] = "bf16"
-    summary: ClassVar[str] = "bfloat16 values (round to nearest even)"
+class _TiledRecord(RecordFormat):
+    """A record of ``tile``-wide blocks: e4m3 or packed e2m1 values, then one scale per block.
+
+    The scale is a UE8M0 power of two from the block's floored amax; `_E4M3ScaledRecord`
+    overrides the three scale steps with an e4m3 scale.
+    """
+
+    name: str
+    summary: str
+    tile: int
+    fp4: bool  # e2m1 pairs (True) or e4m3 values (False)
+    amax_floor: float
 
     def data_bytes(self, dim: int) -> int:
-        return 2 * dim
-
-    def _encode(self, x: jax.Array) -> jax.Array:
-        return _to_bytes(x.astype(jnp.bfloat16))
-
-    def _decode(self, b: jax.Array, dim: int) -> jax.Array:
-        return _from_bytes(b, jnp.bfloat16).astype(jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class MXFP8Record(RecordFormat):
-    """V4.1's SM100 window / compressed record: e4m3 values, a UE8M0 scale per 32 dims."""
-
-    name: ClassVar[str] = "mxfp8"
-    summary: ClassVar[str] = "e4m3 values + UE8M0 scale per 32 (V4.1 528-B record)"
-    tile: ClassVar[int] = 32
-
-    def data_bytes(self, dim: int) -> int:
-        return dim
+        return dim // 2 if self.fp4 else dim
 
     def scale_bytes(self, dim: int) -> int:
         return dim // self.tile
@@ -240,49 +238,64 @@ class MXFP8Record(RecordFormat):
     def _dim_error(self, dim: int) -> str | None:
         return None if dim % self.tile == 0 else f"needs a multiple of {self.tile}"
 
+    def _scale(self, xb: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(the f32 scale each block divides by, what `_scale_bytes` stores of it)."""
+        s = pow2_scale(_amax(xb, self.amax_floor), FP4_MAX if self.fp4 else FP8_MAX)
+        return s, s
+
+    def _scale_bytes(self, stored: jax.Array) -> jax.Array:
+        return _ue8m0_byte(stored)[..., 0]
+
+    def _scale_values(self, b: jax.Array) -> jax.Array:
+        return _ue8m0_value(b)
+
     def _encode(self, x: jax.Array) -> jax.Array:
         xb = _tiles(x, self.tile)
-        s = pow2_scale(_amax(xb, _FP8_AMAX_FLOOR), FP8_MAX)
-        q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX)
-        return jnp.concatenate([_untile(_e4m3_bytes(q)), _ue8m0_byte(s)[..., 0]], axis=-1)
+        s, stored = self._scale(xb)
+        if self.fp4:
+            q = e2m1_round(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
+            data = _pack_nibbles(_untile(_e2m1_codes(q)))
+        else:
+            q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX)
+            data = _untile(_e4m3_bytes(q))
+        return jnp.concatenate([data, self._scale_bytes(stored)], axis=-1)
 
     def _decode(self, b: jax.Array, dim: int) -> jax.Array:
-        q = _tiles(_e4m3_values(b[..., :dim]), self.tile)
-        s = _ue8m0_value(b[..., dim:])[..., None]
+        n = self.data_bytes(dim)
+        values = _e2m1_values(_unpack_nibbles(b[..., :n])) if self.fp4 else _e4m3_values(b[..., :n])
+        q = _tiles(values, self.tile)
+        s = self._scale_values(b[..., n:])[..., None]
         return _untile(q * s)
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4Record(RecordFormat):
-    """V4.1's NVFP4 compressed record: e2m1 pairs, an e4m3 scale per 16 dims, no global scale."""
+class _E4M3ScaledRecord(_TiledRecord):
+    """A tiled record whose block scale is an e4m3 value (amax / FP4_MAX), not a power of two."""
 
-    name: ClassVar[str] = "nvfp4"
-    summary: ClassVar[str] = "e2m1 pairs + e4m3 scale per 16 (V4.1 288-B record)"
-    tile: ClassVar[int] = 16
-
-    def data_bytes(self, dim: int) -> int:
-        return dim // 2
-
-    def scale_bytes(self, dim: int) -> int:
-        return dim // self.tile
-
-    def _dim_error(self, dim: int) -> str | None:
-        return None if dim % self.tile == 0 else f"needs a multiple of {self.tile}"
-
-    def _encode(self, x: jax.Array) -> jax.Array:
-        xb = _tiles(x, self.tile)
-        amax = _amax(xb, _NVFP4_AMAX_FLOOR)
+    def _scale(self, xb: jax.Array) -> tuple[jax.Array, jax.Array]:
+        amax = _amax(xb, self.amax_floor)
         s8 = jnp.clip(amax / FP4_MAX, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-        s = s8.astype(jnp.float32)
-        q = e2m1_round(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
-        data = _pack_nibbles(_untile(_e2m1_codes(q)))
-        scales = jax.lax.bitcast_convert_type(s8[..., 0], jnp.uint8)
-        return jnp.concatenate([data, scales], axis=-1)
+        return s8.astype(jnp.float32), s8
 
-    def _decode(self, b: jax.Array, dim: int) -> jax.Array:
-        q = _tiles(_e2m1_values(_unpack_nibbles(b[..., : dim // 2])), self.tile)
-        s = _e4m3_values(b[..., dim // 2 :])[..., None]
-        return _untile(q * s)
+    def _scale_bytes(self, stored: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(stored[..., 0], jnp.uint8)
+
+    def _scale_values(self, b: jax.Array) -> jax.Array:
+        return _e4m3_values(b)
+
+
+# V4.1's SM100 window / compressed record.
+_MXFP8 = _TiledRecord(
+    "mxfp8", "e4m3 values + UE8M0 scale per 32 (V4.1 528-B record)", 32, False, _FP8_AMAX_FLOOR
+)
+# V4.1's NVFP4 compressed record (no global scale).
+_NVFP4 = _E4M3ScaledRecord(
+    "nvfp4", "e2m1 pairs + e4m3 scale per 16 (V4.1 288-B record)", 16, True, _NVFP4_AMAX_FLOOR
+)
+# V4.1's MXFP4 index-key record.
+_MXFP4 = _TiledRecord(
+    "mxfp4", "e2m1 pairs + UE8M0 scale per 32 (68-B index key)", 32, True, _MXFP4_AMAX_FLOOR
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,36 +318,6 @@ class FP8x132Record(RecordFormat):
 
     def _decode(self, b: jax.Array, dim: int) -> jax.Array:
         return _e4m3_values(b[..., :dim]) * _from_bytes(b[..., dim:], jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class MXFP4Record(RecordFormat):
-    """V4.1's MXFP4 index-key record: e2m1 pairs, a UE8M0 scale per 32 dims."""
-
-    name: ClassVar[str] = "mxfp4"
-    summary: ClassVar[str] = "e2m1 pairs + UE8M0 scale per 32 (68-B index key)"
-    tile: ClassVar[int] = 32
-
-    def data_bytes(self, dim: int) -> int:
-        return dim // 2
-
-    def scale_bytes(self, dim: int) -> int:
-        return dim // self.tile
-
-    def _dim_error(self, dim: int) -> str | None:
-        return None if dim % self.tile == 0 else f"needs a multiple of {self.tile}"
-
-    def _encode(self, x: jax.Array) -> jax.Array:
-        xb = _tiles(x, self.tile)
-        s = pow2_scale(_amax(xb, _MXFP4_AMAX_FLOOR), FP4_MAX)
-        q = e2m1_round(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
-        data = _pack_nibbles(_untile(_e2m1_codes(q)))
-        return jnp.concatenate([data, _ue8m0_byte(s)[..., 0]], axis=-1)
-
-    def _decode(self, b: jax.Array, dim: int) -> jax.Array:
-        q = _tiles(_e2m1_values(_unpack_nibbles(b[..., : dim // 2])), self.tile)
-        s = _ue8m0_value(b[..., dim // 2 :])[..., None]
-        return _untile(q * s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,10 +383,8 @@ def _decode_jit(name: str, b: jax.Array, dim: int) -> jax.Array:
 
 
 RECORDS: dict[str, RecordFormat] = {
-    cls.name: cls()
-    for cls in (F32Record, BF16Record, MXFP8Record, NVFP4Record, FP8x132Record, MXFP4Record)
+    r.name: r for r in (_F32, _BF16, _MXFP8, _NVFP4, FP8x132Record(), _MXFP4, V4Record())
 }
-RECORDS[V4Record.name] = V4Record()
 
 
 def get_record(name: str) -> RecordFormat:
@@ -448,16 +429,11 @@ class CacheFormats:
     The compressor rings always hold raw float32 ``[a | s]`` rows, as in vLLM. Presets:
     ``EXACT`` (f32), ``BF16`` (the serving default), ``RELEASED`` (the reference's quant_sim),
     ``RELEASED_FP8`` and ``SM90`` (H200): docs/cache.md#dsv4pagedrecordscacheformats.
-
-    Attributes:
-        window: record of the sliding-window latents (every layer's SWA cache).
-        compressed: record of the compressed KV entries (kv sources).
-        index: record of the index keys (kv sources that are index sources).
     """
 
-    window: str = "bf16"
-    compressed: str = "bf16"
-    index: str = "bf16"
+    window: str = "bf16"  # the sliding-window latents (every layer's SWA cache)
+    compressed: str = "bf16"  # the compressed KV entries (kv sources)
+    index: str = "bf16"  # the index keys (kv sources that are index sources)
 
     EXACT: ClassVar[CacheFormats]
     BF16: ClassVar[CacheFormats]

@@ -251,7 +251,7 @@ def _sparse(q, sink, state, layer: int, cfg: ModelConfig, layout, pools, batch, 
         comp_pages, comp_table = P.read_for_table(layout, pools, comp_name, table, dtype=q.dtype)
     # decoded before the pools move on: without this barrier XLA:TPU held more decoded pages
     # at once (the released-width 12-layer step at 16 x 65,536 tokens: 12.1 GiB of
-    # temporaries against 9.6, `dsv4.compiled_step`)
+    # temporaries against 9.6, `planner.compiled_step`)
     comp_pages, comp_table, pools = jax.lax.optimization_barrier((comp_pages, comp_table, pools))
     o = local_kernel(
         sparse_attention,

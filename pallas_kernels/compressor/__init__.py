@@ -41,18 +41,10 @@ def compressor(
     Under `jit`, donate ``comp_pages`` / ``ring_pages`` so the kernels update them in place.
 
     Args:
-      kv ... ring_pages: as in the README (shapes in the signature's comments).
-      comp_slot, comp_pages: both None to write no records (the caller stores them, e.g. the
-        paged step through its pools, in any record format); None comes back for the pages.
-      latent_dtype: the latents' dtype (default ``kv.dtype`` for ratio 1, the record dtype for
-        ratio 2, where the pooled row is rounded to it before the norm; required for ratio 2
-        without pages).
-      impl, interpret: see `pallas_kernels.backend`.
-      debug: check at run time that every written slot's block and every ring block is a block
-        id in range (raises otherwise; nothing is clamped).
+      kv ... ring_pages, latent_dtype: the README's kernel 4 contract and additions.
+      impl, interpret, debug: see `pallas_kernels.backend`; `debug` checks slot and ring blocks.
     Returns:
-      ``(latent [T, D], comp_pages, ring_pages)``: the pre-rope latent rows (zeros where no
-      group closes), the updated record pages, and the updated ring (None for ratio 1).
+      ``(latent [T, D], comp_pages, ring_pages)`` (pages None where not given; ring None, ratio 1).
     """
     if debug:
         if comp_pages is not None and comp_slot is not None:

@@ -57,11 +57,10 @@ def _fail(msg: str):
 def records_or_placeholder(kv, comp_slot, comp_pages, latent_dtype, ratio):
     """``(comp_slot, comp_pages, latent_dtype, records)`` for an implementation.
 
-    ``comp_pages=None`` (with ``comp_slot=None``) asks for the latents and ring only, no records
-    (the paged step writes records through its pools): the implementations then run on a
-    one-block f32 placeholder that no slot points at, and return ``None`` for the pages. The
-    latent dtype is ``latent_dtype`` when given, else ``kv.dtype`` (ratio 1) or the record
-    dtype (ratio 2: the pooled row is rounded to it before the norm)."""
+    ``comp_pages=None`` (with ``comp_slot=None``) asks for the latents and ring only: the
+    implementations then run on a one-block f32 placeholder no slot points at and return ``None``
+    for the pages; the latent dtype rule: pallas_kernels/README.md, "What the implementations add".
+    """
     records = comp_pages is not None
     if records != (comp_slot is not None):
         _fail(

@@ -152,29 +152,21 @@ def _kernel(
         row = jnp.maximum(dst_ref[base + j], 0)
         return pltpu.make_async_copy(raw_ref.at[j], ring_hbm.at[pl.ds(row, 1)], sems.at[2])
 
-    for j in range(TILE):
+    def for_stores(fn):  # fn: start or wait, on every record and ring row the tile stores
+        for j in range(TILE):
 
-        @pl.when(slot_ref[base + j] >= 0)
-        def _start_record(j=j):
-            record_copy(j).start()
+            @pl.when(slot_ref[base + j] >= 0)
+            def _record(j=j):
+                fn(record_copy(j))
 
-        if ratio == 2:
+            if ratio == 2:
 
-            @pl.when(dst_ref[base + j] >= 0)
-            def _start_ring(j=j):
-                ring_store(j).start()
+                @pl.when(dst_ref[base + j] >= 0)
+                def _ring(j=j):
+                    fn(ring_store(j))
 
-    for j in range(TILE):
-
-        @pl.when(slot_ref[base + j] >= 0)
-        def _wait_record(j=j):
-            record_copy(j).wait()
-
-        if ratio == 2:
-
-            @pl.when(dst_ref[base + j] >= 0)
-            def _wait_ring(j=j):
-                ring_store(j).wait()
+    for_stores(lambda cp: cp.start())
+    for_stores(lambda cp: cp.wait())
 
 
 def compressor(*arrays, ratio: int, eps: float, latent_dtype=None, interpret=False):

@@ -40,19 +40,10 @@ def indexer_topk(
     scores against the request's visible index keys, exact top-k, ties to the lower index.
 
     Args:
-      qi, weights, ikey_pages, comp_tables, token_req, positions, visible: as in the README.
-      entries_per_block, k, candidate_block_size, candidate_topk_blocks, candidates: the
-        README's contract (a candidate source or consumer of the two-level selection).
-      key_scales: f32[P, E] scale per index key (fp8 records): the key is row times scale; the
-        kernels stream the 8-bit rows (GPU scales each score, TPU decodes each chunk in VMEM).
-      tokens_per_tile: kernels only (None = default): a tile's tokens of one request read the
-        request's index keys from HBM once.
-      impl, interpret: see `pallas_kernels.backend`.
-      debug: check at run time that every block id of ``comp_tables`` is in ``[0, P)``.
+      qi ... candidates, key_scales, tokens_per_tile: the README's kernel 3 contract and additions.
+      impl, interpret, debug: see `pallas_kernels.backend`; `debug` checks ``comp_tables``' ids.
     Returns:
-      ``topk`` i32[T, k] (request-local entry ids, -1 = none, order free), or ``(topk,
-      blocks)`` for a candidate source, ``blocks`` i32[T, candidate_topk_blocks] (-1 = none).
-      A padding token (position -1) gets -1 everywhere.
+      ``topk`` i32[T, k] (-1 = none), or ``(topk, blocks)`` for a candidate source.
     """
     if debug:
         check_block_tables(comp_tables, ikey_pages.shape[0], "comp_tables")

@@ -109,13 +109,10 @@ def cost(
     key_scale_bytes: int = 0,
 ) -> dict[str, int]:
     """Bytes moved and FLOPs of one indexer call in which each of ``num_tokens`` tokens scores
-    ``entries`` visible index keys. FLOPs: the q.k products (2 * IH * Di per entry) and the
-    weighted ReLU sum (3 * IH); the selection's compare passes are not counted. Bytes: keys,
-    queries and weights, block-table rows, outputs.
+    ``entries`` visible index keys (what is counted: pallas_kernels/README.md, "pallas_kernels/indexer/__init__.py").
 
     Args:
-      key_reads: times the key stream is read from HBM (default ``num_tokens``; the TPU kernel
-        reads it once per run of a request's tokens in a tile).
+      key_reads: times the key stream is read from HBM (default ``num_tokens``).
       key_scale_bytes: bytes of each key's scale (4 for fp8 keys with an f32 scale).
     Returns:
       ``{"flops": ..., "bytes": ...}``.

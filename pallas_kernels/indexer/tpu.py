@@ -15,7 +15,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.backend import cdiv, cost_estimate, mxu_precision, tpu_interpret
+from pallas_kernels.backend import (
+    cdiv,
+    cost_estimate,
+    double_buffered,
+    mxu_precision,
+    tpu_interpret,
+)
 from pallas_kernels.indexer.common import check_indexer_args, cost, weighted_relu_sum
 
 __all__ = ["indexer_topk"]
@@ -298,13 +304,7 @@ def _score_segment(vis_ref, t0, s, end, tab_ref, keys_hbm, q_ref, w_ref, sc_ref,
     tile = (vis_ref, t0, q_ref, w_ref, sc_ref, lane)
 
     def chunk(c, carry):
-        slot = c % 2
-
-        @pl.when(c + 1 < nchunks)
-        def _next():
-            for_pages(c + 1, 1 - slot, lambda cp: cp.start())
-
-        for_pages(c, slot, lambda cp: cp.wait())
+        slot = double_buffered(c, nchunks, for_pages)
         keys_at = _chunk_keys(kbuf, slot, scaled, ce)
         per_token = functools.partial(
             _score_rows, tile, keys_at, c, s, end, tq=tq, ce=ce, bf16=bf16
@@ -457,13 +457,7 @@ def _consumer(
     for_blocks(0, 0, lambda cp: cp.start())
 
     def group(g, carry):
-        slot = g % 2
-
-        @pl.when(g + 1 < ngroups)
-        def _next():
-            for_blocks(g + 1, 1 - slot, lambda cp: cp.start())
-
-        for_blocks(g, slot, lambda cp: cp.wait())
+        slot = double_buffered(g, ngroups, for_blocks)
         ids = jnp.full((1, LANES), -1, jnp.int32)
         for i in range(per):
             b = cand_ref[0, g * per + i]

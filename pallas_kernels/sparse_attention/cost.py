@@ -6,7 +6,7 @@ benchmarks/kernels.py for the roofline.
 
 from __future__ import annotations
 
-from pallas_kernels.backend import Cost
+from pallas_kernels.backend import Cost, call_sizes
 
 
 def sparse_cost(
@@ -37,3 +37,8 @@ def sparse_cost(
         flops=4 * keys * dim,
         transcendentals=keys,
     )
+
+
+def sparse_call_cost(q, comp_pages, k: int, with_state: bool) -> Cost:
+    """`sparse_cost` of one kernel call on ``q`` [T, H, D] and ``comp_pages``, ``k`` picks each."""
+    return sparse_cost(**call_sizes(q, comp_pages), topk=k, with_state=with_state)

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.softmax import empty_state, sink_weight
-from pallas_kernels.sparse_attention.cost import sparse_cost
+from pallas_kernels.sparse_attention.cost import sparse_call_cost
 from pallas_kernels.triton_ops import attend_chunk
 
 BLOCK_HEADS = 16
@@ -106,15 +106,7 @@ def sparse_attention(
     in_specs, inputs = _operands(
         (q, comp_pages, comp_tables, token_req, positions, topk, sink), state, qspec, bh, kp
     )
-    cost = sparse_cost(
-        num_tokens=num_tokens,
-        heads=heads,
-        dim=dim,
-        topk=k,
-        q_bytes=q.dtype.itemsize,
-        kv_bytes=comp_pages.dtype.itemsize,
-        with_state=with_state,
-    )
+    cost = sparse_call_cost(q, comp_pages, k, with_state)
     kernel = functools.partial(
         _kernel,
         nbc=comp_tables.shape[1],

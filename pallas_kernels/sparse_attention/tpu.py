@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import backend
 from pallas_kernels.softmax import empty_state, online_step, sink_weight
-from pallas_kernels.sparse_attention.cost import sparse_cost
+from pallas_kernels.sparse_attention.cost import sparse_call_cost
 
 CHUNK = 128  # slab rows per softmax step (one lane tile of logits)
 TOKENS_PER_TILE = 1  # > 1 shares fetched rows between tokens of a request (sorts in XLA)
@@ -332,15 +332,7 @@ def _sparse_call(
     in_specs, inputs = _operands(q, sink, topk, state, addr, ids, pages, tq=tq, block=tok_block)
 
     isz = backend.itemsize
-    cost = sparse_cost(
-        num_tokens=num_tokens,
-        heads=heads,
-        dim=dim,
-        topk=k,
-        q_bytes=isz(q.dtype),
-        kv_bytes=isz(comp_pages.dtype),
-        with_state=with_state,
-    )
+    cost = sparse_call_cost(q, comp_pages, k, with_state)
     vmem = (
         2 * slots * dim * isz(comp_pages.dtype)
         + 2 * slots * 128 * 4  # the lane-padded id column

@@ -6,7 +6,7 @@ benchmarks/kernels.py for the roofline.
 
 from __future__ import annotations
 
-from pallas_kernels.backend import Cost, cdiv, window_pages
+from pallas_kernels.backend import Cost, call_sizes, cdiv, window_pages
 
 
 def window_cost(
@@ -41,3 +41,14 @@ def window_cost(
     meta = num_tokens * (3 + nw) * 4
     keys = num_tokens * heads * window
     return Cost(bytes_accessed=q + out + kv + meta, flops=4 * keys * dim, transcendentals=keys)
+
+
+def window_call_cost(q, swa_pages, window: int, num_requests: int, out_bytes_total: int) -> Cost:
+    """`window_cost` of one kernel call on ``q`` [T, H, D] and ``swa_pages`` [P, S, D]."""
+    return window_cost(
+        **call_sizes(q, swa_pages),
+        num_requests=num_requests,
+        window=window,
+        page_size=swa_pages.shape[1],
+        out_bytes_total=out_bytes_total,
+    )

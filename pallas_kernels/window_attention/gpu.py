@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.softmax import empty_state, sink_weight
 from pallas_kernels.triton_ops import attend_chunk
-from pallas_kernels.window_attention.cost import window_cost
+from pallas_kernels.window_attention.cost import window_call_cost
 
 BLOCK_HEADS = 16  # heads per program (tl.dot needs >= 16 rows)
 BLOCK_KEYS = 32  # key positions per loop step
@@ -95,17 +95,8 @@ def window_attention(
     grid = (num_tokens, heads // bh)
     qspec = pl.BlockSpec((None, bh, dim), lambda t, h: (t, h, 0))
     out_shape, out_specs, out_bytes = _outputs(q, bh, qspec, return_state)
-    cost = window_cost(
-        num_tokens=num_tokens,
-        num_requests=num_tokens,  # every token reads its whole window (shared via L2)
-        heads=heads,
-        dim=dim,
-        window=window,
-        page_size=page,
-        q_bytes=q.dtype.itemsize,
-        kv_bytes=swa_pages.dtype.itemsize,
-        out_bytes_total=out_bytes,
-    )
+    # num_requests = T: every token reads its whole window (shared via L2)
+    cost = window_call_cost(q, swa_pages, window, num_tokens, out_bytes)
     whole = pl.BlockSpec()  # the whole array: gathered from inside the kernel
     kernel = functools.partial(
         _kernel, nb=nb, page=page, block_keys=bk, scale=scale, return_state=return_state

@@ -16,7 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import backend
 from pallas_kernels.backend import MASK_VALUE
 from pallas_kernels.softmax import sink_weight
-from pallas_kernels.window_attention.cost import window_cost
+from pallas_kernels.window_attention.cost import window_call_cost
 
 TOKENS_PER_TILE = 8  # tokens per grid step (largest power of two <= this that divides T)
 MAX_TOKENS_PER_CALL = 8192  # bounds the scalar-prefetched metadata (SMEM is 1 MiB)
@@ -255,7 +255,7 @@ def _window_call(
     return_state, interpret, tq, cores, per_core,
 ):  # fmt: skip
     """One kernel call over whole tiles of ``tq`` tokens, ``per_core`` tiles per core."""
-    num_tokens, heads, dim = q.shape
+    _, heads, dim = q.shape
     _, page, _ = swa_pages.shape
     nb = swa_tables.shape[1]
     nw = backend.window_pages(window, page)
@@ -266,20 +266,9 @@ def _window_call(
     logical = lo[:, None] // page + jnp.arange(nw, dtype=jnp.int32)[None, :]
     tok_pages = swa_tables[token_req[:, None], jnp.clip(logical, 0, nb - 1)]  # [T, NW]
 
-    itemsize = backend.itemsize
     tile_block = lambda c, j, *_: (c * per_core + j, 0, 0)  # noqa: E731
     out_shape, out_specs, out_bytes = _outputs(q, tq, tile_block, return_state)
-    cost = window_cost(
-        num_tokens=num_tokens,
-        num_requests=swa_tables.shape[0],
-        heads=heads,
-        dim=dim,
-        window=window,
-        page_size=page,
-        q_bytes=itemsize(q.dtype),
-        kv_bytes=itemsize(swa_pages.dtype),
-        out_bytes_total=out_bytes,
-    )
+    cost = window_call_cost(q, swa_pages, window, swa_tables.shape[0], out_bytes)
     align, slab_rows, vmem = _slab(swa_pages, tq, nw, heads)
     kernel = functools.partial(
         _kernel, tq=tq, nw=nw, page=page, scale=scale, return_state=return_state, align=align

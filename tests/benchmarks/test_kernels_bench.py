@@ -131,7 +131,7 @@ def test_budget_skips_timing():
 
 def test_timing_order_puts_largest_decode_batch_first():
     shape_list = kernels.shapes(quick=False)
-    first = shape_list[kernels._timing_order(shape_list)[0]]
+    first = shape_list[kernels.timing_order(shape_list)[0]]
     assert first.phase == "decode" and first.batch == max(kernels.DECODE_BATCHES)
 
 
@@ -163,9 +163,9 @@ def test_indexer_cost_counts_shared_key_streams():
     vis = np.arange(1000, 1064)
     one_req = np.zeros(64, np.int32)
     kw = dict(k=512, per_block=64, cand_out=0, cap=None)
-    alone = kernels._indexer_cost(vis, **kw, token_req=one_req, tile=1).bytes_accessed
-    shared = kernels._indexer_cost(vis, **kw, token_req=one_req, tile=8).bytes_accessed
+    alone = kernels.summed_indexer_cost(vis, **kw, token_req=one_req, tile=1).bytes_accessed
+    shared = kernels.summed_indexer_cost(vis, **kw, token_req=one_req, tile=8).bytes_accessed
     key_row = kernels.INDEX_DIM * 2  # bf16 keys
     assert alone - shared == pytest.approx((vis.sum() - vis[7::8].sum()) * key_row, rel=0.01)
     decode = np.arange(64, dtype=np.int32)
-    assert kernels._indexer_cost(vis, **kw, token_req=decode, tile=8).bytes_accessed == alone
+    assert kernels.summed_indexer_cost(vis, **kw, token_req=decode, tile=8).bytes_accessed == alone

@@ -1,4 +1,4 @@
-"""serving.lab.quality and benchmarks.quality: the shipped model's bits per byte per cache layout (small sizes here).
+"""lab.quality and benchmarks.quality: the shipped model's bits per byte per cache layout (small sizes here).
 
 With exact records and no bounded replay a prefix hit must not change a single logprob (the
 cached records are what a recompute writes); bounded replay may, and its hit still serves the
@@ -12,7 +12,7 @@ import pytest
 from benchmarks import quality as bench
 from dsv4.checkpoint import load_pretrained, shipped_checkpoint
 from dsv4.tokenizer import load_tokenizer
-from serving.lab import quality as Q
+from lab import quality as Q
 
 
 @pytest.fixture(scope="module")

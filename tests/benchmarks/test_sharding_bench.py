@@ -13,7 +13,7 @@ import json
 import pytest
 
 from benchmarks import sharding
-from dsv4 import plan as P
+from planner import plan as P
 
 requires_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,

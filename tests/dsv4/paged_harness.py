@@ -25,6 +25,7 @@ from cache.layout import for_model
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepBatch, StepRequest, build_batch, empty_batch
 from dsv4.paged.step import paged_step_data_parallel_jit, paged_step_jit, stack_shards
+from serving.config import SchedulerConfig
 from serving.input_batch import InputBatch, ScheduledRow
 from serving.scheduler import Scheduler, SchedulerOutput, StopCriteria
 
@@ -136,8 +137,11 @@ class Harness:
         ``spec_k`` drafts per request and as many lookahead slots (an MTP-style drafter)."""
         return Scheduler(
             self.mgr,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=self.token_buckets[-1],
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=self.token_buckets[-1],
+                async_scheduling=False,
+            ),
             max_model_len=self.max_model_len,
             num_spec_tokens=spec_k,
             num_lookahead_tokens=spec_k,

@@ -505,8 +505,8 @@ def test_orbax_round_trip(cfg, params, tmp_path):
 def test_model_names_come_from_one_table():
     """`dsv4.config.MODEL_PRESETS` is the one table of model names: the planner's models and
     the shipped checkpoints are its entries, and `load_pretrained` takes a shipped one by name."""
-    from dsv4 import plan
     from dsv4.config import MODEL_PRESETS
+    from planner import plan
 
     assert {n: p.config for n, p in MODEL_PRESETS.items()} == plan.MODELS
     assert tuple(n for n, p in MODEL_PRESETS.items() if p.weights == "shipped") == ck.SHIPPED

@@ -84,8 +84,8 @@ def test_config_is_hashable_and_static():
         a.dim = 3  # type: ignore[misc]
 
 
-# V4.1-Flash's HF config.json: the text model under text_config, quantisation at the top
-HF_V41_FLASH = {
+# V4.1-Flash's config.json as the HF export writes it (the text model under text_config)
+_V41_FLASH_HF = {
     "architectures": ["DeepseekV41ForCausalLM"],
     "model_type": "deepseek_v41",
     "quantization_config": {
@@ -152,7 +152,7 @@ HF_V41_FLASH = {
 
 
 def test_config_from_hf_json_with_text_config():
-    hf = HF_V41_FLASH
+    hf = _V41_FLASH_HF
     cfg = ModelConfig.from_dict(hf)
     assert cfg == v41_flash()
     # inference names (the reference's inference/config.json) give the same config

@@ -397,7 +397,6 @@ _SHARDED = textwrap.dedent(
     assert q.values.sharding.spec == jax.sharding.PartitionSpec("model", None)
     shardings = sharding.param_shardings(released, cfg, mesh)
     assert jax.tree.structure(shardings) == jax.tree.structure(released)
-    # expert-parallel under the mesh: each device dequantises its own experts for the dispatch
     from tests.multidevice import check_sharded_forward
     check_sharded_forward(sharded, qweights.dequantise_params(released), cfg, mesh)
     """

@@ -49,8 +49,8 @@ def test_errors_name_the_tensor_and_the_axis():
 
 _SCRIPT = textwrap.dedent(
     """
-    import jax, numpy as np
-    from dsv4 import sharding
+    import jax, jax.numpy as jnp, numpy as np
+    from dsv4 import reference, sharding
     from dsv4.config import tiny_v41_full
     from dsv4.params import init_params
 
@@ -68,7 +68,6 @@ _SCRIPT = textwrap.dedent(
     assert sharded[name].format.layout.major_to_minor == (0, 2, 1), sharded[name].format
     assert np.array_equal(np.asarray(sharded[name]), np.asarray(params[name]))
     assert w.format.layout.major_to_minor == (0, 1), w.format
-    # under the mesh the routed experts also run expert-parallel (dsv4.expert_parallel)
     from tests.multidevice import check_sharded_forward
     check_sharded_forward(sharded, params, cfg, mesh)
     """

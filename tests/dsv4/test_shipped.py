@@ -1,5 +1,5 @@
 """The checkpoint shipped with the package (`dsv4.checkpoint.shipped_checkpoint`): the small
-V4.1 trained by ``scripts/train_tiny.py`` on the standard library (`dsv4.data`), in the released
+V4.1 trained by ``scripts/train_tiny.py`` on the standard library (`training.data`), in the released
 format with its BPE tokenizer.
 
 It must stay small enough for the repository, reload to the same params (saving the loaded params and loading them again gives them back

@@ -23,7 +23,7 @@ import jax
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from dsv4.compiled_step import h100_target_config  # one reader of the plugin's spec
+from planner.compiled_step import h100_target_config  # one reader of the plugin's spec
 
 TPU_TOPOLOGIES = ("v5e:1x1", "v6e:1x1")
 MEGACORE_TOPOLOGY = "v5p:1x1x1"  # one chip, two TensorCores driven as one device

@@ -1,6 +1,7 @@
 """Shared settings of the kernel tests: the CPU platform and the TPU-interpreter reset.
-Builders of NaN-poisoned paged caches live in `paged_cases.py`; deviceless compile helpers in
-`aot.py` (both importable by name from this folder)."""
+Builders of NaN-poisoned paged caches live in `paged_cases.py`, each kernel's shared cases in
+`window_cases.py`, `sparse_cases.py` and `indexer_cases.py`, deviceless compile helpers in
+`aot.py` (all importable by name from this folder)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -121,21 +122,6 @@ class Step:
             for t in range(len(self.positions))
         ]
         return tuple(np.stack(x) for x in zip(*parts))
-
-    def kernel_args(self, cache: PagedCache, dtype, *extra) -> tuple:
-        """The attention kernels' positional arguments over ``cache``: queries, pages, block
-        tables, token rows, positions, the kernel's ``extra`` arrays, then the sink."""
-        import jax.numpy as jnp
-
-        return (
-            jnp.asarray(self.q, dtype),
-            jnp.asarray(cache.pages, dtype),
-            jnp.asarray(cache.tables),
-            jnp.asarray(self.token_req),
-            jnp.asarray(self.positions),
-            *(jnp.asarray(x) for x in extra),
-            jnp.asarray(self.sink),
-        )
 
     def window_out(self) -> np.ndarray:
         m, denom, acc = self.window_state()
@@ -297,3 +283,17 @@ def cpu_only() -> None:
 
     if jax.default_backend() != "cpu":
         pytest.skip("interpreter-only check")
+
+
+def kernel_arrays(step: Step, cache, dtype, *between) -> tuple:
+    """A paged kernel's leading arrays: q, the cache's pages and tables, token_req, positions,
+    then ``between`` (e.g. the top-k ids), then the sink."""
+    return (
+        jnp.asarray(step.q, dtype),
+        jnp.asarray(cache.pages, dtype),
+        jnp.asarray(cache.tables),
+        jnp.asarray(step.token_req),
+        jnp.asarray(step.positions),
+        *between,
+        jnp.asarray(step.sink),
+    )

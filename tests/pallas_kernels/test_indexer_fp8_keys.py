@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from aot import compile_for_h100, compile_for_tpu, requires_cuda_plugin, requires_libtpu
+from indexer_cases import RELEASED_MODES, indexer_released_args
 from test_indexer import (
     KERNEL_BATCH,
-    RELEASED_MODES,
     K,
-    _released_args,
     args_of,
     check_exact,
     make_case,
@@ -111,7 +110,7 @@ def test_tpu_fp8_keys_checking_interpreter():
 def _released_fp8(mode):
     spec = RELEASED_MODES[mode]
     e = spec["e"]
-    args = list(_released_args(8, (128 * 1024) // (2 if e == 32 else 1), e))
+    args = list(indexer_released_args(8, (128 * 1024) // (2 if e == 32 else 1), e))
     args[2] = jax.ShapeDtypeStruct(args[2].shape, jnp.float8_e4m3fn)
     args.append(jax.ShapeDtypeStruct(args[2].shape[:2], jnp.float32))
     return spec, e, args

@@ -15,12 +15,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from aot import compile_for_h100, lower_for_gpu, requires_cuda_plugin
+from indexer_cases import RELEASED_MODES, indexer_released
 from test_indexer import (
     FLOAT_TOL,
     KERNEL_BATCH,
-    RELEASED_MODES,
     K,
-    _released,
     args_of,
     check_close,
     check_exact,
@@ -111,12 +110,14 @@ def _released_gpu_fn(mode, tq):
 @requires_cuda_plugin
 @pytest.mark.parametrize("mode, tq", [("plain-r2", 4), ("source-r1", 4), ("plain-r2", 3)])
 def test_gpu_tiles_h100_compiles_at_released_shapes(mode, tq):
-    compile_for_h100(_released_gpu_fn(mode, tq), *_released(mode, tokens=10))
+    compile_for_h100(_released_gpu_fn(mode, tq), *indexer_released(mode, tokens=10))
 
 
 @pytest.mark.parametrize("tq", [3, 4])
 def test_gpu_tiles_lower_at_released_shapes(tq):
-    assert "triton" in lower_for_gpu(_released_gpu_fn("plain-r2", tq), *_released("plain-r2"))
+    assert "triton" in lower_for_gpu(
+        _released_gpu_fn("plain-r2", tq), *indexer_released("plain-r2")
+    )
 
 
 def test_gpu_tiles_grid_is_one_program_per_tile():

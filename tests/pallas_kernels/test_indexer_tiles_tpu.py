@@ -11,12 +11,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 from aot import compile_for_tpu, requires_libtpu
+from indexer_cases import indexer_fn, indexer_released
 from test_indexer import (
     FLOAT_TOL,
     KERNEL_BATCH,
     K,
-    _released,
-    _released_fn,
     args_of,
     check_close,
     check_exact,
@@ -104,8 +103,8 @@ def test_rejects_bad_tile_size():
 def test_prefill_tile_compiles_at_released_shapes():
     """64 tokens (8 tiles of 8; the program does not depend on which requests they belong to)
     over 128K-entry tables, v6e."""
-    fn = _released_fn("source-r1", "tpu")
-    args = _released("source-r1", tokens=64)
+    fn = indexer_fn("source-r1", "tpu")
+    args = indexer_released("source-r1", tokens=64)
     compile_for_tpu(fn, *args, topology="v6e:1x1")
 
 

@@ -13,20 +13,12 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import window_cases
 from aot import MEGACORE_TOPOLOGY, compile_for_tpu, requires_libtpu, tpu_device
+from indexer_cases import indexer_fn, indexer_released
 from paged_cases import checking_tpu_interpreter, cpu_only
-from test_indexer import _released as indexer_released
-from test_indexer import _released_fn as indexer_fn
-from test_sparse_attention import _args as sparse_args
-from test_sparse_attention import _case as sparse_case
-from test_sparse_attention import _check as sparse_check
-from test_sparse_attention import _entry as sparse_entry
-from test_sparse_attention import _released as sparse_released
-from test_sparse_attention import _window_state
-from test_window_attention import _args as window_args
-from test_window_attention import _check_out, _check_state, _step
-from test_window_attention import _entry as window_entry
-from test_window_attention import _released as window_released
+from sparse_cases import check_sparse as sparse_check
+from sparse_cases import sparse_args, sparse_case, sparse_entry, sparse_released, window_state_of
 
 from pallas_kernels import backend
 from pallas_kernels.sparse_attention import tpu as sparse_tpu
@@ -52,24 +44,24 @@ def test_window_kernel_on_two_cores(tq):
     """27 tokens ("mixed", tiles of 1: 27 tiles, one padded) and 40 tokens ("prefill", tiles of
     8: 5 tiles, one padded), out and state, fast interpreter."""
     cpu_only()
-    step = _step("mixed" if tq == 1 else "prefill", padding=2, shuffle=True)
-    args, static = window_args(step, np.float32)
+    step = window_cases.window_step("mixed" if tq == 1 else "prefill", padding=2, shuffle=True)
+    args, static = window_cases.window_args(step, np.float32)
     run = functools.partial(
         window_tpu.window_attention, *args, **static, interpret=True, tokens_per_tile=tq,
         num_cores=2,
     )  # fmt: skip
-    _check_out(run(), step, np.float32)
-    _check_state(run(return_state=True), step, np.float32)
+    window_cases.check_window_out(run(), step, np.float32)
+    window_cases.check_window_state(run(return_state=True), step, np.float32)
 
 
 def test_window_kernel_on_two_cores_checking_interpreter():
     cpu_only()
-    step = _step("decode", padding=1, shuffle=True)
-    args, static = window_args(step, np.float32)
+    step = window_cases.window_step("decode", padding=1, shuffle=True)
+    args, static = window_cases.window_args(step, np.float32)
     out = window_tpu.window_attention(
         *args, **static, interpret=checking_tpu_interpreter(), tokens_per_tile=2, num_cores=2
     )
-    _check_out(out, step, np.float32)
+    window_cases.check_window_out(out, step, np.float32)
 
 
 @pytest.mark.parametrize("tq,interpret", [(1, "hlo"), (4, "hlo"), (4, "checking")])
@@ -79,7 +71,7 @@ def test_sparse_kernel_on_two_cores(tq, interpret):
     args, static = sparse_args(step, sel, np.float32)
     mode = checking_tpu_interpreter() if interpret == "checking" else True
     out = sparse_tpu.sparse_attention(
-        *args, **static, state=_window_state(step, np.float32), interpret=mode,
+        *args, **static, state=window_state_of(step, np.float32), interpret=mode,
         tokens_per_tile=tq, num_cores=2,
     )  # fmt: skip
     sparse_check(out, step, sel, np.float32, with_window=True)
@@ -95,7 +87,7 @@ def test_kernels_compile_for_megacore_at_released_shapes():
     """Decode batches at the released shapes for v5p: the window and sparse kernels take the
     device's two cores (their default), the indexer its parallel grid."""
     topo = MEGACORE_TOPOLOGY
-    compile_for_tpu(window_entry("tpu", False), *window_released(128, 128, jnp.bfloat16),
+    compile_for_tpu(window_cases.window_entry("tpu", False), *window_cases.window_released(128, 128, jnp.bfloat16),
                     topology=topo)  # fmt: skip
     compile_for_tpu(sparse_entry("tpu", 64), *sparse_released(128, 128, jnp.bfloat16, 64, True),
                     topology=topo)  # fmt: skip
@@ -109,7 +101,9 @@ def test_compile_sees_two_cores():
 
     def probe(*args):
         seen.append(backend.tpu_num_cores())
-        return window_entry("tpu", False)(*args)
+        return window_cases.window_entry("tpu", False)(*args)
 
-    compile_for_tpu(probe, *window_released(16, 16, jnp.bfloat16), topology=MEGACORE_TOPOLOGY)
+    compile_for_tpu(
+        probe, *window_cases.window_released(16, 16, jnp.bfloat16), topology=MEGACORE_TOPOLOGY
+    )
     assert seen == [2]

@@ -8,20 +8,34 @@ from __future__ import annotations
 
 import functools
 
-import aot
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from aot import (
+    TPU_TOPOLOGIES,
+    compile_for_h100,
+    compile_for_tpu,
+    lower_for_gpu,
+    lower_for_tpu,
+    requires_cuda_plugin,
+    requires_libtpu,
+)
 from paged_cases import (
-    Selection,
-    Step,
     checking_tpu_interpreter,
     cpu_only,
     kernel_mode,
-    make_selection,
-    make_step,
-    sparse_out,
+)
+from sparse_cases import (
+    SCENARIOS,
+    E,
+    W,
+    check_sparse,
+    sparse_args,
+    sparse_case,
+    sparse_entry,
+    sparse_released,
+    window_state_of,
 )
 
 from pallas_kernels import sparse_attention, window_attention
@@ -30,49 +44,6 @@ from pallas_kernels.sparse_attention import tpu
 # jax 0.12 deprecates (but ships) the Pallas Triton backend the GPU kernels use.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-H, D, S, W = 16, 128, 8, 16  # heads, latent, window page size, window
-E, K = 8, 16  # entries per compressed block, top-k width
-TOL = {np.float32: 2e-5, jnp.bfloat16: 1.5e-2}
-
-# (length after the step, new tokens) per request, and compressed entries per request
-SCENARIOS = {
-    "decode": ([(1, 1), (W + 1, 1), (3 * W, 1), (2 * W, 1)], [1, 9, 3 * E + 1, 2 * E]),
-    "prefill": ([(W + 3, W + 3)], [2 * E + 3]),
-    "mixed": ([(5, 1), (W + 2, 4), (3 * W, 1), (2 * W + 1, 3)], [E, 5, 3 * E, 2 * E + 1]),
-}
-
-
-def _case(scenario, dtype=np.float32, seed=0, *, padding=2, shuffle=True, **kw):
-    rng = np.random.default_rng(seed)
-    np_dtype = np.float32 if dtype == np.float32 else jnp.bfloat16
-    requests, entries = SCENARIOS[scenario]
-    step = make_step(
-        rng, requests, heads=H, dim=D, page_size=S, window=W, dtype=np_dtype,
-        padding=padding, shuffle=shuffle,
-    )  # fmt: skip
-    sel = make_selection(rng, step, entries, k=K, entries_per_block=E, dtype=np_dtype, **kw)
-    return step, sel
-
-
-def _args(step: Step, sel: Selection, dtype):
-    return step.kernel_args(sel.comp, dtype, sel.topk), dict(entries_per_block=E, scale=step.scale)
-
-
-def _window_state(step: Step, dtype):
-    return window_attention(
-        jnp.asarray(step.q, dtype), jnp.asarray(step.swa.pages, dtype),
-        jnp.asarray(step.swa.tables), jnp.asarray(step.token_req), jnp.asarray(step.positions),
-        jnp.asarray(step.sink), window=step.window, scale=step.scale, return_state=True,
-        impl="reference",
-    )  # fmt: skip
-
-
-def _check(out, step: Step, sel: Selection, dtype, *, with_window: bool):
-    assert out.dtype == dtype and out.shape == step.q.shape
-    tol = TOL[dtype]
-    want = sparse_out(step, sel, with_window=with_window)
-    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=tol, rtol=tol)
-
 
 # --------------------------------------------------------------------------- reference
 
@@ -80,20 +51,20 @@ def _check(out, step: Step, sel: Selection, dtype, *, with_window: bool):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_reference_matches_oracle(scenario, dtype):
-    step, sel = _case(scenario, dtype, empty_rows=(0,))
-    args, static = _args(step, sel, dtype)
-    state = _window_state(step, dtype)
+    step, sel = sparse_case(scenario, dtype, empty_rows=(0,))
+    args, static = sparse_args(step, sel, dtype)
+    state = window_state_of(step, dtype)
     out = sparse_attention(*args, **static, state=state, impl="reference")
-    _check(out, step, sel, dtype, with_window=True)
+    check_sparse(out, step, sel, dtype, with_window=True)
     out = sparse_attention(*args, **static, impl="reference")
-    _check(out, step, sel, dtype, with_window=False)
+    check_sparse(out, step, sel, dtype, with_window=False)
 
 
 def test_reference_all_rows_empty_gives_window_only():
-    step, sel = _case("mixed", empty_rows=tuple(range(20)))
+    step, sel = sparse_case("mixed", empty_rows=tuple(range(20)))
     assert np.all(sel.topk == -1)
-    args, static = _args(step, sel, np.float32)
-    out = sparse_attention(*args, **static, state=_window_state(step, np.float32))
+    args, static = sparse_args(step, sel, np.float32)
+    out = sparse_attention(*args, **static, state=window_state_of(step, np.float32))
     np.testing.assert_allclose(np.asarray(out), step.window_out(), atol=2e-5, rtol=2e-5)
     # nothing at all to attend to: zeros, not NaN
     out = sparse_attention(*args, **static)
@@ -101,9 +72,9 @@ def test_reference_all_rows_empty_gives_window_only():
 
 
 def test_debug_check_names_the_bad_block():
-    step, sel = _case("decode")
+    step, sel = sparse_case("decode")
     sel.comp.tables[1, 0] = -4
-    args, static = _args(step, sel, np.float32)
+    args, static = sparse_args(step, sel, np.float32)
     with pytest.raises(ValueError, match=r"comp_tables\[1, 0\] = -4 is not a block id"):
         sparse_attention(*args, **static, debug=True)
     fn = jax.jit(functools.partial(sparse_attention, **static, debug=True))
@@ -112,16 +83,16 @@ def test_debug_check_names_the_bad_block():
 
 
 def test_debug_check_names_entries_past_the_table():
-    step, sel = _case("decode")
+    step, sel = sparse_case("decode")
     sel.topk[2, 5] = sel.comp.tables.shape[1] * E
-    args, static = _args(step, sel, np.float32)
+    args, static = sparse_args(step, sel, np.float32)
     with pytest.raises(ValueError, match=r"topk\[2, 5\] = .* not an entry id the table covers"):
         sparse_attention(*args, **static, debug=True)
 
 
 def test_bad_arguments_are_named():
-    step, sel = _case("decode")
-    args, static = _args(step, sel, np.float32)
+    step, sel = sparse_case("decode")
+    args, static = sparse_args(step, sel, np.float32)
     with pytest.raises(ValueError, match=r"comp_pages has shape .* expected \('P', 7, 'D'\)"):
         sparse_attention(*args, entries_per_block=7, scale=1.0)
     with pytest.raises(ValueError, match="state must be"):
@@ -140,18 +111,20 @@ KERNELS = ("tpu", "gpu")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_matches_oracle(kernel, scenario, dtype):
-    step, sel = _case(scenario, dtype, empty_rows=(0,))
-    args, static = _args(step, sel, dtype)
-    out = sparse_attention(*args, **static, state=_window_state(step, dtype), **kernel_mode(kernel))
-    _check(out, step, sel, dtype, with_window=True)
+    step, sel = sparse_case(scenario, dtype, empty_rows=(0,))
+    args, static = sparse_args(step, sel, dtype)
+    out = sparse_attention(
+        *args, **static, state=window_state_of(step, dtype), **kernel_mode(kernel)
+    )
+    check_sparse(out, step, sel, dtype, with_window=True)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_without_window_state(kernel):
-    step, sel = _case("mixed", empty_rows=(1,))
-    args, static = _args(step, sel, np.float32)
+    step, sel = sparse_case("mixed", empty_rows=(1,))
+    args, static = sparse_args(step, sel, np.float32)
     out = sparse_attention(*args, **static, **kernel_mode(kernel))
-    _check(out, step, sel, np.float32, with_window=False)
+    check_sparse(out, step, sel, np.float32, with_window=False)
 
 
 @pytest.mark.parametrize(
@@ -161,49 +134,49 @@ def test_kernel_without_window_state(kernel):
 def test_tpu_kernel_shares_rows_between_tokens_of_a_request(dtype, interpret):
     """Tiles of 4 tokens fetch the union of their picks once (mixed requests, shuffled)."""
     cpu_only()
-    step, sel = _case("mixed", dtype, padding=3, empty_rows=(2,), shared_fraction=0.6)
+    step, sel = sparse_case("mixed", dtype, padding=3, empty_rows=(2,), shared_fraction=0.6)
     assert len(step.positions) % 4 == 0
-    args, static = _args(step, sel, dtype)
+    args, static = sparse_args(step, sel, dtype)
     mode = checking_tpu_interpreter() if interpret == "checking" else True
     out = tpu.sparse_attention(
-        *args, **static, state=_window_state(step, dtype), interpret=mode, tokens_per_tile=4
+        *args, **static, state=window_state_of(step, dtype), interpret=mode, tokens_per_tile=4
     )
-    _check(out, step, sel, dtype, with_window=True)
+    check_sparse(out, step, sel, dtype, with_window=True)
 
 
 def test_tpu_kernels_chain_window_state_into_sparse():
     """The window kernel's state feeds the sparse kernel: one softmax over both."""
     cpu_only()
-    step, sel = _case("prefill", empty_rows=(3,))
-    args, static = _args(step, sel, np.float32)
+    step, sel = sparse_case("prefill", empty_rows=(3,))
+    args, static = sparse_args(step, sel, np.float32)
     state = window_attention(
         *args[:1], jnp.asarray(step.swa.pages), jnp.asarray(step.swa.tables), *args[3:5],
         args[6], window=W, scale=step.scale, return_state=True, impl="tpu", interpret=True,
     )  # fmt: skip
     out = sparse_attention(*args, **static, state=state, impl="tpu", interpret=True)
-    _check(out, step, sel, np.float32, with_window=True)
+    check_sparse(out, step, sel, np.float32, with_window=True)
 
 
 def test_tpu_kernel_splits_long_batches():
     """Batches past the SMEM budget run as several kernel calls (here: 8 + 4 tokens)."""
     cpu_only()
-    step, sel = _case("mixed", padding=3)
-    args, static = _args(step, sel, np.float32)
+    step, sel = sparse_case("mixed", padding=3)
+    args, static = sparse_args(step, sel, np.float32)
     out = sparse_attention(
-        *args, **static, state=_window_state(step, np.float32), impl="tpu", interpret=True,
+        *args, **static, state=window_state_of(step, np.float32), impl="tpu", interpret=True,
         max_tokens_per_call=8,
     )  # fmt: skip
-    _check(out, step, sel, np.float32, with_window=True)
+    check_sparse(out, step, sel, np.float32, with_window=True)
 
 
 def test_tpu_checking_interpreter_raises_on_a_bad_block():
     cpu_only()
-    step, sel = _case("decode", padding=0, shuffle=False)
+    step, sel = sparse_case("decode", padding=0, shuffle=False)
     r = 2
     t = int(np.flatnonzero(step.token_req == r)[0])
     picked = sel.topk[t][sel.topk[t] >= 0]
     sel.comp.tables[r, picked[0] // E] = sel.comp.pages.shape[0] + 7
-    args, static = _args(step, sel, np.float32)
+    args, static = sparse_args(step, sel, np.float32)
     with pytest.raises(Exception, match="Out-of-bounds"):
         jax.block_until_ready(
             sparse_attention(*args, **static, impl="tpu", interpret=checking_tpu_interpreter())
@@ -231,36 +204,6 @@ def test_tpu_row_lists_fetch_a_requests_union_once():
 # shapes: 64 heads, latent 512, top-k 512, compressed pages of 64 raw tokens (E = 64 entries at
 # ratio 1, 32 at ratio 2), 1M-token block tables.
 
-REL = dict(heads=64, dim=512, topk=512, pages=8192, tokens=1 << 20)
-
-
-def _released(num_tokens, num_requests, dtype, per_block, with_state):
-    sds = jax.ShapeDtypeStruct
-    i32, f32 = jnp.int32, jnp.float32
-    h, d = REL["heads"], REL["dim"]
-    args = (
-        sds((num_tokens, h, d), dtype),
-        sds((REL["pages"], per_block, d), dtype),
-        sds((num_requests, REL["tokens"] // 64), i32),
-        sds((num_tokens,), i32),
-        sds((num_tokens,), i32),
-        sds((num_tokens, REL["topk"]), i32),
-        sds((h,), f32),
-    )
-    state = (sds((num_tokens, h), f32), sds((num_tokens, h), f32), sds((num_tokens, h, d), f32))
-    return args + (state,) if with_state else args
-
-
-def _entry(impl, per_block, **kw):
-    def run(*args):
-        state = args[7] if len(args) > 7 else None
-        return sparse_attention(
-            *args[:7], entries_per_block=per_block, scale=REL["dim"] ** -0.5, state=state,
-            impl=impl, **kw,
-        )  # fmt: skip
-
-    return run
-
 
 # (tokens, requests, dtype, entries per block, with window state)
 RELEASED_CASES = {
@@ -272,39 +215,45 @@ RELEASED_CASES = {
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
 def test_tpu_kernel_lowers(kind):
     t, r, dtype, e, state = RELEASED_CASES["decode-ratio1"]
-    text = aot.lower_for_tpu(_entry("tpu", e), *_released(t, r, dtype, e, state), device_kind=kind)
+    text = lower_for_tpu(
+        sparse_entry("tpu", e), *sparse_released(t, r, dtype, e, state), device_kind=kind
+    )
     assert "tpu_custom_call" in text
 
 
 def test_gpu_kernel_lowers_for_h100():
     t, r, dtype, e, state = RELEASED_CASES["decode-ratio1"]
-    assert "triton" in aot.lower_for_gpu(_entry("gpu", e), *_released(t, r, dtype, e, state))
+    assert "triton" in lower_for_gpu(
+        sparse_entry("gpu", e), *sparse_released(t, r, dtype, e, state)
+    )
 
 
-@aot.requires_libtpu
+@requires_libtpu
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
-@pytest.mark.parametrize("topology", aot.TPU_TOPOLOGIES)
+@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
 def test_tpu_kernel_compiles(topology, case):
     t, r, dtype, e, state = RELEASED_CASES[case]
-    aot.compile_for_tpu(_entry("tpu", e), *_released(t, r, dtype, e, state), topology=topology)
+    compile_for_tpu(
+        sparse_entry("tpu", e), *sparse_released(t, r, dtype, e, state), topology=topology
+    )
 
 
-@aot.requires_libtpu
+@requires_libtpu
 def test_tpu_kernel_with_row_sharing_compiles():
     """Speculative decode: 32 requests x 4 tokens, tiles of 4 sharing their union."""
-    args = _released(128, 32, jnp.bfloat16, 64, True)
-    aot.compile_for_tpu(_entry("tpu", 64, tokens_per_tile=4), *args, topology="v5e:1x1")
+    args = sparse_released(128, 32, jnp.bfloat16, 64, True)
+    compile_for_tpu(sparse_entry("tpu", 64, tokens_per_tile=4), *args, topology="v5e:1x1")
 
 
-@aot.requires_cuda_plugin
+@requires_cuda_plugin
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
 def test_gpu_kernel_compiles_for_h100(case):
     t, r, dtype, e, state = RELEASED_CASES[case]
-    aot.compile_for_h100(_entry("gpu", e), *_released(t, r, dtype, e, state))
+    compile_for_h100(sparse_entry("gpu", e), *sparse_released(t, r, dtype, e, state))
 
 
-@aot.requires_libtpu
-@aot.requires_cuda_plugin
+@requires_libtpu
+@requires_cuda_plugin
 def test_kernels_compile_for_awkward_sizes():
     """Nothing needs powers of two or aligned counts: 100 tokens, top-300, 999 pages, 77-wide
     tables (Triton shapes are padded inside the kernel entry)."""
@@ -314,5 +263,5 @@ def test_kernels_compile_for_awkward_sizes():
         sds((100, 64, 512), bf16), sds((999, 64, 512), bf16), sds((3, 77), i32),
         sds((100,), i32), sds((100,), i32), sds((100, 300), i32), sds((64,), jnp.float32),
     )  # fmt: skip
-    aot.compile_for_h100(_entry("gpu", 64), *args)
-    aot.compile_for_tpu(_entry("tpu", 64), *args, topology="v6e:1x1")
+    compile_for_h100(sparse_entry("gpu", 64), *args)
+    compile_for_tpu(sparse_entry("tpu", 64), *args, topology="v6e:1x1")

@@ -9,66 +9,43 @@ from __future__ import annotations
 
 import functools
 
-import aot
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_cases import Step, checking_tpu_interpreter, cpu_only, kernel_mode, make_step
+from aot import (
+    TPU_TOPOLOGIES,
+    compile_for_h100,
+    compile_for_tpu,
+    lower_for_gpu,
+    lower_for_tpu,
+    requires_cuda_plugin,
+    requires_libtpu,
+)
+from paged_cases import Step, checking_tpu_interpreter, cpu_only, kernel_mode
+from window_cases import (
+    PADDING,
+    SCENARIOS,
+    H,
+    S,
+    W,
+    check_window_out,
+    check_window_state,
+    window_args,
+    window_entry,
+    window_released,
+    window_step,
+)
 
 from pallas_kernels import window_attention
 
 # jax 0.12 deprecates (but ships) the Pallas Triton backend the GPU kernels use.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-H, D, S, W = 16, 128, 8, 16  # heads, latent, page size, window (kernel tests: tiny on purpose)
-TOL = {np.float32: 2e-5, jnp.bfloat16: 1.5e-2}
-
-# (length after the step, new tokens) per request: lengths 1, window +- 1, page boundaries.
-SCENARIOS = {
-    "decode": [(1, 1), (W, 1), (W + 1, 1), (W - 1, 1), (S, 1), (S + 1, 1), (3 * W + 5, 1)],
-    "prefill": [(W + 3, W + 3), (2 * W + S, W), (S - 1, S - 1)],
-    "mixed": [(5, 1), (W + 2, W + 2), (3 * W, 1), (2 * W + 1, 3), (S, 1)],
-}
-# padding tokens per scenario: T = 8, 40 (tiles of 8 tokens on the TPU kernel) and 27 (odd)
-PADDING = {"decode": 1, "prefill": 2, "mixed": 2}
-
-
-def _args(step: Step, dtype):
-    """The positional arguments and the static keywords of a step."""
-    args = step.kernel_args(step.swa, dtype)
-    rs = None if step.replay_start is None else jnp.asarray(step.replay_start)
-    return args, dict(window=step.window, scale=step.scale, replay_start=rs)
-
 
 def _run(step: Step, dtype, **kw):
-    args, static = _args(step, dtype)
+    args, static = window_args(step, dtype)
     return window_attention(*args, **static, **kw)
-
-
-def _check_out(out, step: Step, dtype):
-    assert out.dtype == dtype and out.shape == step.q.shape
-    tol = TOL[dtype]
-    np.testing.assert_allclose(np.asarray(out, np.float64), step.window_out(), atol=tol, rtol=tol)
-
-
-def _check_state(state, step: Step, dtype):
-    m, denom, acc = (np.asarray(x, np.float64) for x in state)
-    want_m, want_l, want_acc = step.window_state()
-    tol = TOL[dtype]
-    np.testing.assert_allclose(m, want_m, atol=tol, rtol=tol)
-    np.testing.assert_allclose(denom, want_l, atol=tol, rtol=tol)
-    np.testing.assert_allclose(acc, want_acc, atol=tol * 4, rtol=tol)
-    pad = step.positions < 0
-    assert np.all(m[pad] == np.float32(-1e30)) and np.all(denom[pad] == 0) and np.all(acc[pad] == 0)
-
-
-def _step(scenario, dtype=np.float32, seed=0, **kw):
-    rng = np.random.default_rng(seed)
-    np_dtype = np.float32 if dtype == np.float32 else jnp.bfloat16
-    return make_step(
-        rng, SCENARIOS[scenario], heads=H, dim=D, page_size=S, window=W, dtype=np_dtype, **kw
-    )
 
 
 # --------------------------------------------------------------------------- reference
@@ -77,44 +54,44 @@ def _step(scenario, dtype=np.float32, seed=0, **kw):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_reference_matches_oracle(scenario, dtype):
-    step = _step(scenario, dtype, padding=2, shuffle=True)
-    _check_out(_run(step, dtype, impl="reference"), step, dtype)
-    _check_state(_run(step, dtype, impl="reference", return_state=True), step, dtype)
+    step = window_step(scenario, dtype, padding=2, shuffle=True)
+    check_window_out(_run(step, dtype, impl="reference"), step, dtype)
+    check_window_state(_run(step, dtype, impl="reference", return_state=True), step, dtype)
 
 
 def test_reference_replay_start():
-    step = _step("mixed", replay_start=[0, 3, 2 * W + 1, 2 * W - 2, 4])
-    _check_out(_run(step, np.float32, impl="reference"), step, np.float32)
+    step = window_step("mixed", replay_start=[0, 3, 2 * W + 1, 2 * W - 2, 4])
+    check_window_out(_run(step, np.float32, impl="reference"), step, np.float32)
 
 
 def test_default_impl_under_jit():
     """impl=None: the reference on CPU, the chip's own kernel (compiled) on a chip."""
-    step = _step("decode")
-    args, static = _args(step, np.float32)
+    step = window_step("decode")
+    args, static = window_args(step, np.float32)
     fn = jax.jit(functools.partial(window_attention, **static))
-    _check_out(fn(*args), step, np.float32)
+    check_window_out(fn(*args), step, np.float32)
 
 
 def test_debug_check_names_the_bad_block():
-    step = _step("decode")
+    step = window_step("decode")
     step.swa.tables[2, 0] = step.swa.pages.shape[0] + 3
     with pytest.raises(ValueError, match=r"swa_tables\[2, 0\] = .* not a block id"):
         _run(step, np.float32, impl="reference", debug=True)
-    args, static = _args(step, np.float32)
+    args, static = window_args(step, np.float32)
     fn = jax.jit(functools.partial(window_attention, **static, impl="reference", debug=True))
     with pytest.raises(Exception, match=r"swa_tables\[2, 0\]"):
         jax.block_until_ready(fn(*args))
 
 
 def test_debug_check_names_positions_past_the_table():
-    step = _step("decode")
+    step = window_step("decode")
     step.positions[3] = step.swa.tables.shape[1] * S  # one past the last covered position
     with pytest.raises(ValueError, match=r"positions\[3\] = .* not a position the table covers"):
         _run(step, np.float32, impl="reference", debug=True)
 
 
 def test_bad_arguments_are_named():
-    step = _step("decode")
+    step = window_step("decode")
     with pytest.raises(ValueError, match="sink has shape"):
         window_attention(
             jnp.asarray(step.q), jnp.asarray(step.swa.pages), jnp.asarray(step.swa.tables),
@@ -141,36 +118,40 @@ KERNELS = ("tpu", "gpu")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_matches_oracle(kernel, scenario, dtype):
-    step = _step(scenario, dtype, padding=PADDING[scenario], shuffle=scenario == "mixed")
-    _check_out(_run(step, dtype, **kernel_mode(kernel)), step, dtype)
+    step = window_step(scenario, dtype, padding=PADDING[scenario], shuffle=scenario == "mixed")
+    check_window_out(_run(step, dtype, **kernel_mode(kernel)), step, dtype)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_state_and_replay_start(kernel):
-    step = _step("mixed", padding=3, shuffle=True, replay_start=[0, 3, 2 * W + 1, 2 * W - 2, 4])
-    _check_out(_run(step, np.float32, **kernel_mode(kernel)), step, np.float32)
-    _check_state(_run(step, np.float32, return_state=True, **kernel_mode(kernel)), step, np.float32)
+    step = window_step(
+        "mixed", padding=3, shuffle=True, replay_start=[0, 3, 2 * W + 1, 2 * W - 2, 4]
+    )
+    check_window_out(_run(step, np.float32, **kernel_mode(kernel)), step, np.float32)
+    check_window_state(
+        _run(step, np.float32, return_state=True, **kernel_mode(kernel)), step, np.float32
+    )
 
 
 def test_tpu_kernel_in_the_fast_interpreter_and_unordered_tiles():
     """interpret=True (HLO), tiles of 8 mixing requests and positions in random order."""
     cpu_only()
-    step = _step("prefill", padding=2, shuffle=True)
-    _check_out(_run(step, np.float32, impl="tpu", interpret=True), step, np.float32)
+    step = window_step("prefill", padding=2, shuffle=True)
+    check_window_out(_run(step, np.float32, impl="tpu", interpret=True), step, np.float32)
 
 
 def test_tpu_kernel_splits_long_batches():
     """Batches past the SMEM budget run as several kernel calls (here: 16 + 16 + 8 tokens)."""
     cpu_only()
     kw = dict(impl="tpu", interpret=True, max_tokens_per_call=16)
-    step = _step("prefill", padding=2)
-    _check_out(_run(step, np.float32, **kw), step, np.float32)
-    _check_state(_run(step, np.float32, **kw, return_state=True), step, np.float32)
+    step = window_step("prefill", padding=2)
+    check_window_out(_run(step, np.float32, **kw), step, np.float32)
+    check_window_state(_run(step, np.float32, **kw, return_state=True), step, np.float32)
 
 
 def test_tpu_checking_interpreter_raises_on_a_bad_block():
     cpu_only()
-    step = _step("decode", padding=1)
+    step = window_step("decode", padding=1)
     step.swa.tables[6, -1] = step.swa.pages.shape[0] + 5  # inside request 6's window
     with pytest.raises(Exception, match="Out-of-bounds"):
         jax.block_until_ready(
@@ -184,31 +165,6 @@ def test_tpu_checking_interpreter_raises_on_a_bad_block():
 # Lowering (plain jax) and deviceless compilation (the `aot` extra: libtpu, CUDA plugin) at the
 # released model's shapes, so a kernel that only works in interpret mode cannot pass.
 
-REL = dict(heads=64, dim=512, page=32, window=128, pages=4096, table=32768)  # 1M tokens / 32
-
-
-def _released(num_tokens, num_requests, dtype):
-    sds = jax.ShapeDtypeStruct
-    i32 = jnp.int32
-    return (
-        sds((num_tokens, REL["heads"], REL["dim"]), dtype),
-        sds((REL["pages"], REL["page"], REL["dim"]), dtype),
-        sds((num_requests, REL["table"]), i32),
-        sds((num_tokens,), i32),
-        sds((num_tokens,), i32),
-        sds((REL["heads"],), jnp.float32),
-    )
-
-
-def _entry(impl, return_state):
-    return functools.partial(
-        window_attention,
-        window=REL["window"],
-        scale=REL["dim"] ** -0.5,
-        return_state=return_state,
-        impl=impl,
-    )
-
 
 # (tokens, requests, dtype, return_state): a decode batch and a prefill chunk
 RELEASED_CASES = {"decode": (128, 128, jnp.bfloat16, False), "prefill": (512, 2, jnp.float32, True)}
@@ -217,28 +173,28 @@ RELEASED_CASES = {"decode": (128, 128, jnp.bfloat16, False), "prefill": (512, 2,
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
 def test_tpu_kernel_lowers(kind):
     t, r, dtype, state = RELEASED_CASES["decode"]
-    assert "tpu_custom_call" in aot.lower_for_tpu(_entry("tpu", state), *_released(t, r, dtype),
-                                                  device_kind=kind)  # fmt: skip
+    assert "tpu_custom_call" in lower_for_tpu(window_entry("tpu", state), *window_released(t, r, dtype),
+                                              device_kind=kind)  # fmt: skip
 
 
 def test_gpu_kernel_lowers_for_h100():
     t, r, dtype, state = RELEASED_CASES["decode"]
-    assert "triton" in aot.lower_for_gpu(_entry("gpu", state), *_released(t, r, dtype))
+    assert "triton" in lower_for_gpu(window_entry("gpu", state), *window_released(t, r, dtype))
 
 
-@aot.requires_libtpu
+@requires_libtpu
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
-@pytest.mark.parametrize("topology", aot.TPU_TOPOLOGIES)
+@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
 def test_tpu_kernel_compiles(topology, case):
     t, r, dtype, state = RELEASED_CASES[case]
-    aot.compile_for_tpu(_entry("tpu", state), *_released(t, r, dtype), topology=topology)
+    compile_for_tpu(window_entry("tpu", state), *window_released(t, r, dtype), topology=topology)
 
 
-@aot.requires_cuda_plugin
+@requires_cuda_plugin
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
 def test_gpu_kernel_compiles_for_h100(case):
     t, r, dtype, state = RELEASED_CASES[case]
-    aot.compile_for_h100(_entry("gpu", state), *_released(t, r, dtype))
+    compile_for_h100(window_entry("gpu", state), *window_released(t, r, dtype))
 
 
 # --------------------------------------------------------------------------- benchmark

@@ -4,13 +4,14 @@ message naming the value."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 
 import pytest
 
-from dsv4 import plan as P
 from dsv4.config import v41_flash
+from planner import plan as P
 from serving.cli import main
 
 
@@ -76,6 +77,8 @@ def test_bad_plan_arguments_exit_2_naming_the_value(usage_error, argv, message):
 
 
 def test_plan_models_are_the_planners():
-    from serving.cli import _PLAN_MODELS
+    from serving.cli import build_parser
 
-    assert set(_PLAN_MODELS) == set(P.MODELS)
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    (model,) = [a for a in sub.choices["plan"]._actions if a.dest == "model"]
+    assert set(model.choices) == set(P.MODELS)

@@ -192,3 +192,43 @@ def test_the_config_and_the_cli_flags_import_no_jax():
         "serving.cli.build_parser(); assert 'jax' not in sys.modules, 'jax imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"]])
+def test_the_preset_table_and_the_cli_help_import_no_jax(argv):
+    """One preset table: serving and the CLI read `dsv4.config.MODEL_PRESETS`, which starts no
+    JAX (the lazy `dsv4` package), and ``dsv4 --help`` prints without JAX."""
+    code = (
+        "import sys, serving.config, dsv4.config, serving.cli\n"
+        "assert 'jax' not in sys.modules, 'jax imported'\n"
+        "assert serving.config.MODEL_NAMES == tuple(dsv4.config.MODEL_PRESETS)\n"
+        f"try:\n    serving.cli.main({argv!r})\n"
+        "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "usage: dsv4" in run.stdout
+
+
+def test_each_default_has_one_source():
+    """`Scheduler` takes no default for a config field (they come in its `SchedulerConfig`); the
+    `CacheConfig` fields `cache.KVCacheManager` takes have its defaults (the allocator, used
+    without serving, keeps them) and reach it under its keyword names."""
+    import inspect
+
+    from cache import KVCacheManager
+    from serving.scheduler import Scheduler
+
+    fields = {f.name for cls in C.SECTIONS.values() for f in dataclasses.fields(cls)}
+    scheduler = inspect.signature(Scheduler).parameters
+    defaulted = {n for n, p in scheduler.items() if p.default is not inspect.Parameter.empty}
+    assert not defaulted & fields, defaulted & fields
+    manager = inspect.signature(KVCacheManager).parameters
+    kwargs = C.CacheConfig().manager_kwargs()
+    assert kwargs == {"enable_caching": True, "swa_bounded_replay": False,
+                      "enable_kv_cache_events": False}  # fmt: skip
+    assert all(manager[k].default == v for k, v in kwargs.items())
+    flipped = C.CacheConfig(enable_prefix_caching=False, swa_bounded_replay=True)
+    assert flipped.manager_kwargs()["enable_caching"] is False
+    assert flipped.manager_kwargs()["swa_bounded_replay"] is True

@@ -8,6 +8,7 @@ hit it did not ask for.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from serving.config import SchedulerConfig
 from serving.request import Request
 from serving.request_queue import SchedulingPolicy
 from serving.scheduler import RequestStatus, Scheduler, SchedulerOutput
@@ -38,6 +40,20 @@ def make_kv_cache_manager(num_blocks: int, *, max_model_len: int):
     return KVCacheManager(config, max_model_len, max_num_batched_tokens=None)
 
 
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+
+
+def scheduler_over(
+    manager, *, policy: SchedulingPolicy = SchedulingPolicy.FCFS, **kwargs
+) -> Scheduler:
+    """A scheduler over ``manager``: the `SchedulerConfig` fields among ``kwargs`` go to its
+    config (synchronous unless they say otherwise), the rest to `Scheduler` itself."""
+    config = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
+    config.setdefault("async_scheduling", False)
+    config = SchedulerConfig(scheduling_policy=policy.value, **config)
+    return Scheduler(manager, config, **kwargs)
+
+
 def make_scheduler(
     num_blocks: int = 64,
     *,
@@ -47,7 +63,7 @@ def make_scheduler(
     **kwargs,
 ) -> Scheduler:
     manager = make_kv_cache_manager(num_blocks, max_model_len=max_model_len)
-    return Scheduler(
+    return scheduler_over(
         manager,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -407,7 +423,9 @@ def test_bounded_replay_recomputes_the_hits_last_window():
         ],
     )
     manager = KVCacheManager(config, 256)
-    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256)
+    scheduler = scheduler_over(
+        manager, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256
+    )
     prompt = list(range(100, 164))
     first = manager.new_request("first", prompt, max_tokens=1)
     scheduler.add_request(first)
@@ -543,3 +561,24 @@ def test_random_workloads_finish_within_limits(
     assert not scheduler.has_unfinished_requests()
     assert all(r.num_output_tokens == max_tokens for r in reqs)
     assert num_free_blocks(scheduler) == total_blocks
+
+
+def test_the_scheduler_reads_its_rules_from_its_config():
+    manager = make_kv_cache_manager(16, max_model_len=64)
+    config = SchedulerConfig(
+        max_num_seqs=3,
+        max_num_batched_tokens=48,
+        async_scheduling=False,
+        scheduling_policy="priority",
+        long_prefill_token_threshold=7,
+        enable_chunked_prefill=False,
+        scheduler_reserve_full_isl=False,
+    )
+    scheduler = Scheduler(manager, config, max_model_len=64)
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (3, 48)
+    assert scheduler.policy is SchedulingPolicy.PRIORITY
+    assert scheduler.long_prefill_token_threshold == 7
+    assert not scheduler.enable_chunked_prefill and not scheduler.reserve_full_isl
+    assert not scheduler.async_scheduling
+    with pytest.raises(ValueError, match="SchedulerConfig"):
+        Scheduler(manager, {"max_num_seqs": 3}, max_model_len=64)

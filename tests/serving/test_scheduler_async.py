@@ -15,7 +15,7 @@ from collections import deque
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_scheduler import BLOCK_SIZE, make_kv_cache_manager, num_free_blocks
+from test_scheduler import BLOCK_SIZE, make_kv_cache_manager, num_free_blocks, scheduler_over
 
 from serving.request import Request
 from serving.scheduler import RequestStatus, Scheduler, StopCriteria
@@ -31,7 +31,7 @@ def token_at(request_id: str, position: int) -> int:
 
 def make(async_scheduling: bool, num_blocks: int, **kwargs) -> Scheduler:
     max_model_len = kwargs.pop("max_model_len", 256)
-    return Scheduler(
+    return scheduler_over(
         make_kv_cache_manager(num_blocks, max_model_len=max_model_len),
         max_model_len=max_model_len,
         eos_token_id=EOS,

@@ -240,10 +240,10 @@ def test_optimistic_reservation_and_correction_in_the_scheduler():
     per step in flight, never the drafts: a request 2 tokens short of max_tokens with one step
     in flight is still planned."""
     from cache import Request
-    from serving.scheduler import Scheduler, StopCriteria
-    from tests.serving.test_scheduler import make_kv_cache_manager
+    from serving.scheduler import StopCriteria
+    from tests.serving.test_scheduler import make_kv_cache_manager, scheduler_over
 
-    scheduler = Scheduler(
+    scheduler = scheduler_over(
         make_kv_cache_manager(64, max_model_len=256), max_model_len=256, max_num_seqs=4,
         max_num_batched_tokens=64, async_scheduling=True, num_spec_tokens=K,
         drafts_on_device=True,

@@ -158,12 +158,12 @@ def test_sampled_outputs_equal_plain_decoding(engram_params, engram_cfg):
 def test_trained_drafter_acceptance_equals_the_offline_figure():
     """`LLM("tiny_v41_trained", speculative_config=dspark k=5)`: the drafts the first
     verification after each of 32 held-out prefixes accepts (EngineStats.spec_*), against
-    `dsv4.train_dspark.acceptance` on the same prefixes (reference forward, drafting from
+    `training.dspark.acceptance` on the same prefixes (reference forward, drafting from
     scratch). Same prefixes, same greedy picks, same drafts: the means agree (up to a rare
     near-tie the paged and reference numerics break differently)."""
     from benchmarks.speculative import first_block_acceptance, heldout_prefixes
-    from dsv4 import train_dspark
     from serving import LLM
+    from training import dspark as train_dspark
 
     llm = LLM(
         "tiny_v41_trained",

@@ -1,5 +1,5 @@
 """The small config the training tests share: `tiny_v41` cut to two ratio-2 layers, so that the
-jitted training steps compile quickly (see tests/dsv4/test_train.py's docstring)."""
+jitted training steps compile quickly (see tests/training/test_train.py's docstring)."""
 
 from __future__ import annotations
 

@@ -2,13 +2,15 @@
 workload -> one row of results; sweeps over any knob.
 
 `LabConfig` holds and validates every knob, `build_layout` makes the allocator's `KVCacheConfig`,
-`run` replays and meters a workload, `sweep` runs a grid. Details: docs/lab.md#servinglabexperiment.
+`run` replays and meters a workload, `sweep` runs a grid. Details: docs/lab.md#labexperiment.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import multiprocessing
 import operator
 import random
 import statistics
@@ -17,6 +19,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tqdm import tqdm
 
 from cache import KVCacheManager
 from cache.layout import (
@@ -28,9 +32,10 @@ from cache.layout import (
     v41_flash_desc,
 )
 from cache.spec import KVCacheConfig
-from serving.lab.cost import CHIPS, MODELS, step_cost
-from serving.lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
-from serving.lab.workloads import Turn, Workload
+from lab.cost import CHIPS, MODELS, step_cost
+from lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
+from lab.workloads import Turn, Workload
+from serving.config import SchedulerConfig
 from serving.scheduler import Scheduler, SchedulerOutput
 
 __all__ = [
@@ -41,6 +46,8 @@ __all__ = [
     "LabError",
     "build_layout",
     "check_fits",
+    "make_manager",
+    "make_scheduler",
     "min_pool_blocks",
     "parse_sweep",
     "parse_value",
@@ -142,7 +149,7 @@ class LabConfig:
     """Every knob of a lab run (`KNOBS` lists them with their allowed values).
 
     Layout, pool, allocator, scheduler and cost-model knobs; ``layout`` (a `LAYOUTS` name) sets the
-    defaults of the layout knobs. Each knob: docs/lab.md#servinglabexperimentlabconfig.
+    defaults of the layout knobs. Each knob: docs/lab.md#labexperimentlabconfig.
     """
 
     layout: str = "v41"
@@ -465,7 +472,8 @@ def check_fits(workload: Workload, cfg: LabConfig, config: KVCacheConfig | None 
         )
 
 
-def _manager(config: KVCacheConfig, cfg: LabConfig) -> KVCacheManager:
+def make_manager(config: KVCacheConfig, cfg: LabConfig) -> KVCacheManager:
+    """The allocator a run of ``cfg`` uses over the layout ``config`` (`build_layout`)."""
     return KVCacheManager(
         config,
         cfg.max_model_len,
@@ -476,14 +484,17 @@ def _manager(config: KVCacheConfig, cfg: LabConfig) -> KVCacheManager:
     )
 
 
-def _scheduler(manager: KVCacheManager, cfg: LabConfig) -> Scheduler:
+def make_scheduler(manager: KVCacheManager, cfg: LabConfig) -> Scheduler:
+    """The scheduler a run of ``cfg`` uses over ``manager`` (`make_manager`)."""
     return Scheduler(
         manager,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            async_scheduling=cfg.async_scheduling,
+        ),
         max_model_len=cfg.max_model_len,
         num_lookahead_tokens=cfg.lookahead,
-        async_scheduling=cfg.async_scheduling,
     )
 
 
@@ -502,7 +513,7 @@ def shortest_hit_prompt(cfg: LabConfig, limit: int = 8192) -> int | None:
     probe = cfg.replace(
         pool_blocks=4096, max_model_len=max(cfg.max_model_len, limit + 2), async_scheduling=False
     )
-    backend = ModelFreeBackend(_scheduler(_manager(build_layout(probe), probe), probe))
+    backend = ModelFreeBackend(make_scheduler(make_manager(build_layout(probe), probe), probe))
     rng = random.Random(0)
     found = None
     for length in range(2, limit + 1):
@@ -670,13 +681,13 @@ def run(workload: Workload, cfg: LabConfig, *, max_steps: int | None = None) -> 
     Returns:
         A flat dict: the knobs, pool sizes, hit rates, recomputed tokens, preemptions, KV bytes per
         group, concurrency, the cost model's times and the lab's own speed; each field:
-        docs/lab.md#servinglabexperimentrun.
+        docs/lab.md#labexperimentrun.
     """
     config = build_layout(cfg)
     check_fits(workload, cfg, config)
     desc = model_desc(cfg)
-    manager = _manager(config, cfg)
-    scheduler = _scheduler(manager, cfg)
+    manager = make_manager(config, cfg)
+    scheduler = make_scheduler(manager, cfg)
     meter = _Meter(cfg, manager, desc)
     backend = ModelFreeBackend(scheduler, hooks=meter)
     t0 = time.perf_counter()
@@ -731,30 +742,36 @@ def _row(
     meter: _Meter,
     wall: float,
 ) -> dict[str, Any]:
+    """A run's row: its knobs, then its pool, decisions, memory and modelled times."""
     per_block = bytes_per_block(config, cfg)
     report = memory_report(
         config, cfg.max_model_len, cfg.max_num_batched_tokens, packed_layout=True
     )
-    steps = max(meter.steps, 1)
-    peak = [b * c for b, c in zip(meter.peak_blocks, per_block)]
-    mean = [s / steps * c for s, c in zip(meter.sum_blocks, per_block)]
-    ttft = [
-        meter.first_token[r] - meter.arrival[r] for r in meter.first_token if r in meter.arrival
-    ]
-    summary = workload.summary()
     sched = result.scheduler
     pool_bytes = (
         config.num_blocks * per_block[0]
         if cfg.pools == "aliased"
         else config.num_blocks * sum(per_block)
     )
-    row: dict[str, Any] = {"workload": workload.kind, **cfg.as_dict()}
-    row.update(
-        num_blocks=config.num_blocks,
-        num_groups=len(config.kv_cache_groups),
-        group_kinds=[g.kind for g in report.groups],
-        bytes_per_block=per_block,
-        pool_bytes=pool_bytes,
+    return {
+        "workload": workload.kind,
+        **cfg.as_dict(),
+        "num_blocks": config.num_blocks,
+        "num_groups": len(config.kv_cache_groups),
+        "group_kinds": [g.kind for g in report.groups],
+        "bytes_per_block": per_block,
+        "pool_bytes": pool_bytes,
+        **_decision_columns(workload, result),
+        **_memory_columns(meter, report, per_block, sched),
+        "shortest_hit_prompt": shortest_hit_prompt(cfg) if cfg.enable_prefix_caching else None,
+        **_time_columns(meter, sched, wall),
+    }
+
+
+def _decision_columns(workload: Workload, result: DriveResult) -> dict[str, Any]:
+    """The workload's size and the scheduler's decisions: hits, recomputation, preemptions."""
+    summary, sched = workload.summary(), result.scheduler
+    return dict(
         turns=summary["turns"],
         finished_turns=result.finished_turns,
         prompt_tokens=summary["prompt_tokens"],
@@ -769,14 +786,29 @@ def _row(
         preemptions=sched["preemptions"],
         steps=sched["steps"],
         scheduled_tokens=sched["scheduled_tokens"],
-        peak_kv_bytes=peak,
-        mean_kv_bytes=mean,
+    )
+
+
+def _memory_columns(meter: _Meter, report, per_block: list[int], sched: dict) -> dict[str, Any]:
+    """KV bytes held (peak and mean per group), per token and per request; concurrency."""
+    steps = max(meter.steps, 1)
+    return dict(
+        peak_kv_bytes=[b * c for b, c in zip(meter.peak_blocks, per_block)],
+        mean_kv_bytes=[s / steps * c for s, c in zip(meter.sum_blocks, per_block)],
         peak_kv_bytes_total=meter.peak_total_bytes,
         bytes_per_token=report.bytes_per_token,
         fixed_bytes_per_request=report.fixed_bytes_per_request,
         max_running=sched["max_scheduled_requests"],
         max_concurrency=report.max_concurrency if math.isfinite(report.max_concurrency) else None,
-        shortest_hit_prompt=shortest_hit_prompt(cfg) if cfg.enable_prefix_caching else None,
+    )
+
+
+def _time_columns(meter: _Meter, sched: dict, wall: float) -> dict[str, Any]:
+    """The cost model's time, throughput and TTFT, and the simulation's own speed."""
+    ttft = [
+        meter.first_token[r] - meter.arrival[r] for r in meter.first_token if r in meter.arrival
+    ]
+    return dict(
         modelled_time_s=meter.clock,
         modelled_output_tokens_per_s=meter.output_tokens / meter.clock if meter.clock else 0.0,
         ttft_mean_s=statistics.fmean(ttft) if ttft else 0.0,
@@ -785,7 +817,6 @@ def _row(
         sim_wall_s=wall,
         sim_steps_per_s=sched["steps"] / wall if wall else 0.0,
     )
-    return row
 
 
 def sweep(
@@ -807,7 +838,19 @@ def sweep(
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise LabError(f"workers={workers!r}: allowed an int >= 1")
-    layouts, values = list(layouts), list(values)
+    points = _points(workload, base, list(layouts), knob, list(values))
+    if workers > 1 and len(points) > 1:
+        return _run_in_processes(workload, points, workers, progress)
+    iterator: Iterable[LabConfig] = points
+    if progress:
+        iterator = tqdm(points, desc=f"lab {workload.kind}", unit="run")
+    return [run(workload, cfg) for cfg in iterator]
+
+
+def _points(
+    workload: Workload, base: LabConfig, layouts: list[str], knob: str | None, values: list
+) -> list[LabConfig]:
+    """The sweep's configs, layout-major, each checked to fit ``workload``."""
     for name in layouts:
         if name not in LAYOUTS:
             raise LabError(f"layout {name!r}: unknown; known: {sorted(LAYOUTS)}")
@@ -820,32 +863,27 @@ def sweep(
             cfg = base.replace(**knobs)
             check_fits(workload, cfg)  # a layout that cannot be grouped fails here too
             points.append(cfg)
-    if workers > 1 and len(points) > 1:
-        import concurrent.futures
-        import multiprocessing
+    return points
 
-        # fork where the platform has it (the workload reaches the workers without pickling),
-        # unless JAX is loaded: its threads make forking unsafe, so spawn then
-        fork = "fork" in multiprocessing.get_all_start_methods() and "jax" not in sys.modules
-        context = multiprocessing.get_context("fork" if fork else "spawn")
-        with concurrent.futures.ProcessPoolExecutor(
-            min(workers, len(points)), mp_context=context
-        ) as pool:
-            futures = [pool.submit(run, workload, cfg) for cfg in points]
-            if progress:
-                from tqdm import tqdm
 
-                for _ in tqdm(
-                    concurrent.futures.as_completed(futures),
-                    total=len(futures),
-                    desc=f"lab {workload.kind}",
-                    unit="run",
-                ):
-                    pass
-            return [f.result() for f in futures]
-    iterator: Iterable[LabConfig] = points
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(points, desc=f"lab {workload.kind}", unit="run")
-    return [run(workload, cfg) for cfg in iterator]
+def _run_in_processes(
+    workload: Workload, points: list[LabConfig], workers: int, progress: bool
+) -> list[dict[str, Any]]:
+    """`run` of every point in a pool of processes; the rows in the points' order."""
+    # fork where the platform has it (the workload reaches the workers without pickling),
+    # unless JAX is loaded: its threads make forking unsafe, so spawn then
+    fork = "fork" in multiprocessing.get_all_start_methods() and "jax" not in sys.modules
+    context = multiprocessing.get_context("fork" if fork else "spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        min(workers, len(points)), mp_context=context
+    ) as pool:
+        futures = [pool.submit(run, workload, cfg) for cfg in points]
+        if progress:
+            for _ in tqdm(
+                concurrent.futures.as_completed(futures),
+                total=len(futures),
+                desc=f"lab {workload.kind}",
+                unit="run",
+            ):
+                pass
+        return [f.result() for f in futures]

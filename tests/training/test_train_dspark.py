@@ -1,4 +1,4 @@
-"""Training the DSpark drafter over a frozen backbone (`dsv4.train_dspark`).
+"""Training the DSpark drafter over a frozen backbone (`training.dspark`).
 
 A two-layer `tiny_v41` (the config of test_train.py, which compiles quickly) with a one-stage
 drafter reading both layers: teacher forcing computes what the drafter computes whenever the
@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import data as D
 from dsv4 import dspark, reference
-from dsv4 import train_dspark as TD
 from dsv4.config import tiny_v41
 from dsv4.params import init_params
-from tests.dsv4.train_configs import two_layer_config
+from tests.training.train_configs import two_layer_config
+from training import data as D
+from training import dspark as TD
 
 SEQ = 32
 

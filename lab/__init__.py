@@ -6,9 +6,9 @@ Model-free runs import no JAX. Modules: `workloads` (generators, JSONL), `drive`
 Guide and example: docs/lab.md.
 """
 
-from serving.lab.cost import CHIPS, MODELS
-from serving.lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
-from serving.lab.experiment import (
+from lab.cost import CHIPS, MODELS
+from lab.drive import DriveResult, EngineBackend, ModelFreeBackend, drive
+from lab.experiment import (
     KNOBS,
     LAYOUTS,
     RECORDS,
@@ -24,8 +24,8 @@ from serving.lab.experiment import (
     shortest_hit_prompt,
     sweep,
 )
-from serving.lab.plots import plot_memory, plot_sweep, write_table
-from serving.lab.workloads import (
+from lab.plots import plot_memory, plot_sweep, write_table
+from lab.workloads import (
     WORKLOADS,
     Session,
     Turn,

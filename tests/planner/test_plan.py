@@ -1,4 +1,4 @@
-"""dsv4.plan: per-chip weights are the checkpoint's stored bytes split by the rule table (exact on
+"""planner.plan: per-chip weights are the checkpoint's stored bytes split by the rule table (exact on
 one chip, never fewer than the whole over the slice), KV bytes are cache.layout's, the largest
 batch is the edge of what fits, collectives follow their formulas, and bad slices and meshes
 are errors naming the value. The compiled (deviceless, libtpu) comparison is in
@@ -12,9 +12,9 @@ import pytest
 
 from benchmarks import cache_memory
 from cache.layout import memory_report
-from dsv4 import plan as P
 from dsv4.config import tiny_v41_full, v41_flash
 from dsv4.params import checkpoint_tensors
+from planner import plan as P
 
 _ITEM = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
 

@@ -54,15 +54,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
-from dsv4 import data as D
 from dsv4 import layers as L
 from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role
 from dsv4.params import init_params
 from dsv4.reference import Shared, engram_rows, sequence_entries
+from training import data as D
 
 __all__ = [
+    "OptimizerConfig",
     "TrainConfig",
     "TrainState",
     "cross_entropy",
@@ -90,7 +92,22 @@ _sg = jax.lax.stop_gradient
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class OptimizerConfig:
+    """AdamW over a warm-up + cosine schedule with global-norm clipping (`optimizer`): the
+    fields `TrainConfig` and `training.dspark.DraftTrainConfig` share."""
+
+    learning_rate: float = 3e-3  # peak of warm-up + cosine
+    warmup_steps: int = 100  # linear warm-up of each schedule (capped at its length - 1)
+    min_lr_ratio: float = 0.1  # the cosine ends at this fraction of the peak
+    weight_decay: float = 0.1  # AdamW decay of matrices (ndim >= 2); none on norms, sinks, biases
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_norm: float = 1.0  # global-norm clipping, per parameter group; 0 = off
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig(OptimizerConfig):
     """One training run. Hashable (a static argument of the jitted step); validated on
     construction, each error naming the value.
 
@@ -102,15 +119,8 @@ class TrainConfig:
     seq_len: int  # input tokens per sequence
     seed: int = 0  # params init and data order
     dense_steps: int = 0  # steps of the dense warm-up (indexer only, main model frozen)
-    learning_rate: float = 3e-3  # main weights: peak of warm-up + cosine over the sparse stage
+    # (`OptimizerConfig`'s learning_rate is the main weights' peak, over the sparse stage)
     indexer_learning_rate: float = 1e-3  # indexer: peak of warm-up + cosine over all steps
-    warmup_steps: int = 100  # linear warm-up of both schedules (capped at their length - 1)
-    min_lr_ratio: float = 0.1  # the cosine ends at this fraction of the peak
-    weight_decay: float = 0.1  # AdamW decay of matrices (ndim >= 2); none on norms, sinks, biases
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_norm: float = 1.0  # global-norm clipping, per group (main, indexer); 0 = off
     lm_weight: float = 1.0  # weight of the next-token loss (trains the main weights)
     indexer_weight: float = 1.0  # weight of the indexer KL loss (trains the indexer weights)
     # DeepSeek-V3's auxiliary-loss-free balancing: after each sparse step every router bias
@@ -233,12 +243,10 @@ def _split(params: Mapping[str, jax.Array]) -> tuple[Params, Params, Params]:
 
 def _union_attention(q, win_keys, win_mask, comp_keys, comp_mask, sink, scale):
     """`dsv4.layers.sink_attention` over window keys, compressed keys and the sink, with the
-    two key sets kept apart so that neither is broadcast over the queries.
-
-    q [B, T, H, d]; win_keys [B, T, w, d] (each query's window), win_mask [B, T, w];
-    comp_keys [B, T, k, d] (each query's selected entries) or [B, N, d] (every entry),
-    comp_mask [B, T, k] or [B, T, N], or both None (a window-only layer).
-    Returns (out f32 [B, T, H, d], probabilities f32 [B, T, H, k or N] of the compressed keys)."""
+    two key sets kept apart so that neither is broadcast over the queries. q [B, T, H, d];
+    win_keys [B, T, w, d], win_mask [B, T, w]; comp_keys [B, T, k, d] or [B, N, d], comp_mask
+    [B, T, k] or [B, T, N], or both None (window-only). Returns (out f32 [B, T, H, d], the
+    compressed keys' probabilities f32 [B, T, H, k or N])."""
     f32 = jnp.float32
     logits = [jnp.einsum("bthd,btwd->bthw", q, win_keys, preferred_element_type=f32)]
     masks = [win_mask]
@@ -331,13 +339,10 @@ def train_forward(
     params, cfg: ModelConfig, tokens: jax.Array, *, dense: bool = False, moe_tile: int = 128
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(logits f32[B, T, vocab], indexer loss f32[], expert load int32[n_layers, experts]) of
-    tokens int32[B, T] at positions 0..T-1.
-
-    Sparse (``dense=False``): the logits are `reference.forward`'s. Dense: those of
-    `reference.forward` under `dense_config`. The indexer loss is the mean, over the rows
-    (query tokens with a non-empty set) of every index source, of ``KL(p_t || softmax(I_t))``
-    (module docstring); its gradient reaches only ``attn.indexer.*`` weights. ``moe_tile``:
-    rows per expert tile (`dsv4.layers.moe`), a speed knob."""
+    tokens int32[B, T] at positions 0..T-1: `reference.forward`'s logits (under `dense_config`
+    with ``dense``) and the indexer's mean KL loss (module docstring), whose gradient reaches
+    only ``attn.indexer.*``. ``moe_tile``: rows per expert tile (`dsv4.layers.moe`), for speed.
+    """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
@@ -659,30 +664,17 @@ def _batches(tokens: np.ndarray, tcfg: TrainConfig, start: int) -> Iterator[tupl
         position += 1
 
 
-def train(
+def _starting_state(
     cfg: ModelConfig,
     tcfg: TrainConfig,
     tokens: np.ndarray,
-    *,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    checkpoint_every: int = 0,
-    keep_checkpoints: int = 2,
-    state: TrainState | None = None,
-    stop_after: int | None = None,
-    progress: bool = True,
-    log: Callable[[dict[str, float]], None] | None = None,
-) -> tuple[TrainState, list[dict[str, float]]]:
-    """Run ``tcfg`` on ``tokens`` (uint16/int32[N], `dsv4.data`) and return the final state and
-    one metrics row per step.
-
-    Starts from ``state``, else from the newest checkpoint in ``checkpoint_dir``, else from
-    `init_state` (a given ``state`` is donated to the first step). With ``checkpoint_dir`` a
-    checkpoint is written every ``checkpoint_every`` steps (0 = only at the end of the call) and
-    the newest ``keep_checkpoints`` are kept. ``stop_after`` ends the call after that many steps of this call
-    (to interrupt a run; the schedule still spans ``tcfg.steps``). A tqdm bar shows the LM loss,
-    the indexer loss and tokens per second."""
-    from tqdm.auto import tqdm
-
+    checkpoint_dir: str | os.PathLike[str] | None,
+    checkpoint_every: int,
+    keep_checkpoints: int,
+    state: TrainState | None,
+    stop_after: int | None,
+) -> TrainState:
+    """`train`'s arguments checked, and the state it starts from (see `train`)."""
     if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 0")
     if keep_checkpoints < 1:
@@ -697,6 +689,30 @@ def train(
             state = restore_state(last, cfg, tcfg)
     if state is None:
         state = init_state(cfg, tcfg)
+    return state
+
+
+def train(
+    cfg: ModelConfig,
+    tcfg: TrainConfig,
+    tokens: np.ndarray,
+    *,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 0,
+    keep_checkpoints: int = 2,
+    state: TrainState | None = None,
+    stop_after: int | None = None,
+    progress: bool = True,
+    log: Callable[[dict[str, float]], None] | None = None,
+) -> tuple[TrainState, list[dict[str, float]]]:
+    """Run ``tcfg`` on ``tokens`` (uint16/int32[N], `training.data`): the final state and one
+    metrics row per step. Starts from ``state`` (donated), else the newest checkpoint in
+    ``checkpoint_dir``, else `init_state`; writes a checkpoint every ``checkpoint_every`` steps
+    (0 = at the end) keeping the newest ``keep_checkpoints``. ``stop_after`` ends the call after
+    that many steps (the schedule still spans ``tcfg.steps``); a tqdm bar shows the losses."""
+    state = _starting_state(
+        cfg, tcfg, tokens, checkpoint_dir, checkpoint_every, keep_checkpoints, state, stop_after
+    )
     first = int(state.step)
     end = tcfg.steps if stop_after is None else min(tcfg.steps, first + stop_after)
     history: list[dict[str, float]] = []

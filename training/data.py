@@ -2,7 +2,7 @@
 
 The running interpreter's standard-library ``*.py`` files (PSF License), split by file, framed
 ``BOS ids.. EOS`` and concatenated; `batch_at` is a pure function of its position, so a restarted
-run draws the same batches. Details: docs/trained_model.md#dsv4data.
+run draws the same batches. Details: docs/trained_model.md#trainingdata.
 """
 
 from __future__ import annotations

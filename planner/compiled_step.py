@@ -1,5 +1,5 @@
 """XLA's per-device memory of the sharded paged step, compiled without devices, beside the
-memory planner (`dsv4.plan`).
+memory planner (`planner.plan`).
 
 `compiled_step_memory(cfg, mesh, target=...)` lowers and compiles `dsv4.paged.step.paged_step`
 (the serving step: chunked prefills and decodes in one ragged batch, real kernels) for an
@@ -23,7 +23,7 @@ What is compiled, per device of a ``data x expert x model`` mesh (`dsv4.sharding
   device (`dsv4.qweights.abstract_released_params`; codes and scales placed by
   `dsv4.sharding.leaf_spec`);
 * the KV pools of `cache.layout.for_model` for the chip's record formats and geometry
-  (`dsv4.plan.kv_layout`'s preset), sized for the requests of one data shard (``max_num_seqs``
+  (`planner.plan.kv_layout`'s preset), sized for the requests of one data shard (``max_num_seqs``
   / ``data``, rounded up) of ``max_model_len`` tokens plus the null block (the planner's own
   block count). With ``data = 1`` they are replicated over the mesh (the engine's one
   allocator: every device holds every page) and the step is `paged_step`; with ``data > 1``
@@ -42,7 +42,7 @@ over ``model`` (each head's softmax is its own, the pages are replicated), the i
 compressor replicated (the indexer sums its heads' scores before the top-k).
 
 The returned dict puts XLA's `memory_analysis` (arguments, outputs, aliased outputs,
-temporaries, generated code) beside `dsv4.plan.plan` of the same model, mesh and sizes; the
+temporaries, generated code) beside `planner.plan.plan` of the same model, mesh and sizes; the
 arguments are also split by kind from the compiled program's input shardings (bytes of each
 argument's per-device shard): weights, KV pools, batch. See `describe` for one line of it.
 """
@@ -65,15 +65,15 @@ from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cache.layout import for_model
-from dsv4 import plan as P
 from dsv4 import sharding
-from dsv4.config import ModelConfig, v41_flash
+from dsv4.config import ModelConfig
 from dsv4.paged.batch import empty_batch
 from dsv4.paged.pools import PoolLayout, cache_desc
 from dsv4.paged.records import PRESETS
 from dsv4.paged.step import paged_step, paged_step_data_parallel
 from dsv4.params import abstract_params
 from dsv4.qweights import abstract_released_params
+from planner import plan as P
 
 __all__ = [
     "H100X8",
@@ -93,18 +93,14 @@ def reduced_flash_roles(**overrides) -> ModelConfig:
     role: window-only (0, 1), full ratio 2 (2, 4), reuse ratio 2 (3, 5), full ratio 1 (6: the
     candidate source, 9), reuse ratio 1 (7, 10), reindex (8, 11: candidate consumers); no Engram
     (its tables stay on the host, `dsv4.formats.HostTable`), no DSpark drafter."""
-    fields: dict = dict(
+    layers = dict(
         n_layers=12,
         compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
         kv_source_layers=(2, 4, 6, 9),
         index_source_layers=(2, 4, 6, 8, 9, 11),
         candidate_source_layer=6,
-        n_mtp_layers=0,
-        dspark_block_size=0,
-        engram_layer_ids=(),
     )
-    fields.update(overrides)
-    return v41_flash(**fields)
+    return P.flash_layers(layers, overrides)
 
 
 def h100_target_config() -> str:
@@ -197,7 +193,7 @@ def compiled_step_memory(
     records: str | None = None,
 ) -> dict[str, Any]:
     """Deviceless compile of the sharded paged step of ``cfg`` on ``target`` over ``mesh``
-    (module docstring) and its per-device memory beside `dsv4.plan.plan`'s per-chip figures
+    (module docstring) and its per-device memory beside `planner.plan.plan`'s per-chip figures
     for the same model, mesh, ``max_num_seqs``, ``max_model_len`` and
     ``max_num_batched_tokens = num_tokens``; ``records``: the KV record preset
     (`dsv4.paged.records.PRESETS`, default the chip's: TPUs ``RELEASED``, H100 ``SM90``).

@@ -2,7 +2,7 @@
 
 A step's time is ``max(bytes / bandwidth, flops / peak)`` over ``num_chips`` chips (a bound, not a
 prediction); the attention terms restate the kernels' cost models without JAX (tests check both
-agree). The terms, one by one: docs/lab.md#servinglabcost.
+agree). The terms, one by one: docs/lab.md#labcost.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["CHIPS", "MODELS", "Chip", "ModelCost", "StepCost", "step_cost", "step_cost_by_layer"]
 
@@ -124,84 +125,6 @@ class StepCost:
 _TILE = 8  # tokens of one request per kernel tile (the kernels' default)
 
 
-def step_cost(
-    model: ModelCost,
-    requests: Iterable[tuple[int, int]],
-    *,
-    ratios: tuple[int, ...],
-    index_layers: tuple[int, ...],
-    swa_record_bytes: int,
-    compressed_record_bytes: int,
-    indexer_key_bytes: int,
-) -> StepCost:
-    """Cost of one step that computes, per request, ``n`` tokens ending at context ``end``
-    (``requests`` yields ``(n, end)``). ``ratios`` are the backbone layers' compress ratios,
-    ``index_layers`` the layers that run an indexer (kv and index sources).
-
-    `step_cost_by_layer`'s terms summed once per distinct ratio, in integers, so both give the same
-    floats (checked here; beyond 2**53 or with non-integer sizes the per-layer loop runs).
-    """
-    if not isinstance(requests, list | tuple):
-        requests = list(requests)  # (read twice when the per-layer loop takes over)
-    plan = _layer_plan(model, tuple(ratios), tuple(index_layers))
-    records = (swa_record_bytes, compressed_record_bytes, indexer_key_bytes)
-    if plan is None or any(type(b) is not int for b in records):
-        return step_cost_by_layer(
-            model,
-            requests,
-            ratios=ratios,
-            index_layers=index_layers,
-            swa_record_bytes=swa_record_bytes,
-            compressed_record_bytes=compressed_record_bytes,
-            indexer_key_bytes=indexer_key_bytes,
-        )
-    num_layers, per_ratio = plan
-    window, topk = model.window, model.topk
-    index_flops = 2 * model.index_heads * model.index_head_dim
-    total_tokens = kv = flops = attn_keys = 0
-    for n, end in requests:
-        if n <= 0:
-            continue
-        total_tokens += n
-        if n == 1:
-            tiles = 1
-            window_rows = window if window < end else end
-        else:
-            tiles = -(-n // _TILE)
-            window_rows = tiles * (_TILE + window)
-        if window_rows > n * window:
-            window_rows = n * window
-        kv += num_layers * (window_rows + n) * swa_record_bytes
-        attn_keys += num_layers * n * (window if window < end else end)
-        for r, count, indexed in per_ratio:
-            entries = end // r
-            selected = topk if topk < entries else entries
-            kv += count * n * selected * compressed_record_bytes
-            attn_keys += count * n * selected
-            if indexed:
-                kv += indexed * tiles * entries * indexer_key_bytes
-                flops += indexed * n * entries * index_flops
-    if total_tokens == 0:
-        return StepCost(0.0, 0.0, 0.0)
-    flops += 4 * model.heads * model.head_dim * attn_keys
-    if kv >= _EXACT or flops >= _EXACT:  # a float sum would have rounded
-        return step_cost_by_layer(
-            model,
-            requests,
-            ratios=ratios,
-            index_layers=index_layers,
-            swa_record_bytes=swa_record_bytes,
-            compressed_record_bytes=compressed_record_bytes,
-            indexer_key_bytes=indexer_key_bytes,
-        )
-    experts = model.num_routed_experts
-    touched = experts * (1 - (1 - model.experts_per_token / experts) ** total_tokens)
-    weights = model.dense_weight_bytes + model.num_layers * touched * model.expert_weight_bytes
-    return StepCost(
-        weights, float(kv), float(flops) + 2 * model.active_params_per_token * total_tokens
-    )
-
-
 _EXACT = 2**53  # integers below it add exactly in floats
 _PLANS: dict[tuple, tuple[int, tuple[tuple[int, int, int], ...]] | None] = {}
 
@@ -231,7 +154,17 @@ def _layer_plan(
     return plan
 
 
-def step_cost_by_layer(
+class _Layout(NamedTuple):
+    """The layer plan and record sizes `step_cost` and `step_cost_by_layer` take as keywords."""
+
+    ratios: tuple[int, ...]
+    index_layers: tuple[int, ...]
+    swa_record_bytes: int
+    compressed_record_bytes: int
+    indexer_key_bytes: int
+
+
+def step_cost(
     model: ModelCost,
     requests: Iterable[tuple[int, int]],
     *,
@@ -241,7 +174,73 @@ def step_cost_by_layer(
     compressed_record_bytes: int,
     indexer_key_bytes: int,
 ) -> StepCost:
-    """`step_cost` written layer by layer (its definition; tests compare both)."""
+    """Cost of one step that computes, per request, ``n`` tokens ending at context ``end``
+    (``requests`` yields ``(n, end)``). ``ratios`` are the backbone layers' compress ratios,
+    ``index_layers`` the layers that run an indexer (kv and index sources).
+
+    `step_cost_by_layer`'s terms summed once per distinct ratio, in integers, so both give the same
+    floats (checked here; beyond 2**53 or with non-integer sizes the per-layer loop runs).
+    """
+    if not isinstance(requests, list | tuple):
+        requests = list(requests)  # (read twice when the per-layer loop takes over)
+    layout = _Layout(
+        tuple(ratios),
+        tuple(index_layers),
+        swa_record_bytes,
+        compressed_record_bytes,
+        indexer_key_bytes,
+    )
+    cost = _by_ratio(model, requests, layout)
+    return cost if cost is not None else _by_layer(model, requests, layout)
+
+
+def step_cost_by_layer(model: ModelCost, requests: Iterable[tuple[int, int]], **layout) -> StepCost:
+    """`step_cost` written layer by layer (its definition; tests compare both); same keywords."""
+    return _by_layer(model, requests, _Layout(**layout))
+
+
+def _by_ratio(model: ModelCost, requests, layout: _Layout) -> StepCost | None:
+    """`step_cost` in integers, once per distinct ratio; None where floats could round."""
+    plan = _layer_plan(model, layout.ratios, layout.index_layers)
+    swa_bytes, compressed_bytes, index_key_bytes = layout[2:]
+    if plan is None or any(type(b) is not int for b in layout[2:]):
+        return None
+    num_layers, per_ratio = plan
+    window, topk = model.window, model.topk
+    index_flops = 2 * model.index_heads * model.index_head_dim
+    total_tokens = kv = flops = attn_keys = 0
+    for n, end in requests:
+        if n <= 0:
+            continue
+        total_tokens += n
+        if n == 1:
+            tiles = 1
+            window_rows = window if window < end else end
+        else:
+            tiles = -(-n // _TILE)
+            window_rows = tiles * (_TILE + window)
+        if window_rows > n * window:
+            window_rows = n * window
+        kv += num_layers * (window_rows + n) * swa_bytes
+        attn_keys += num_layers * n * (window if window < end else end)
+        for r, count, indexed in per_ratio:
+            entries = end // r
+            selected = topk if topk < entries else entries
+            kv += count * n * selected * compressed_bytes
+            attn_keys += count * n * selected
+            if indexed:
+                kv += indexed * tiles * entries * index_key_bytes
+                flops += indexed * n * entries * index_flops
+    if total_tokens == 0:
+        return StepCost(0.0, 0.0, 0.0)
+    flops += 4 * model.heads * model.head_dim * attn_keys
+    if kv >= _EXACT or flops >= _EXACT:  # a float sum would have rounded
+        return None
+    return _with_weights(model, total_tokens, float(kv), float(flops))
+
+
+def _by_layer(model: ModelCost, requests, layout: _Layout) -> StepCost:
+    ratios, index_layers, swa_record_bytes, compressed_record_bytes, indexer_key_bytes = layout
     total_tokens, kv, flops = 0, 0.0, 0.0
     layer_ratios = [ratios[i] if i < len(ratios) else 0 for i in range(model.num_layers)]
     for n, end in requests:
@@ -267,8 +266,13 @@ def step_cost_by_layer(
         flops += 4 * model.heads * model.head_dim * attn_keys
     if total_tokens == 0:
         return StepCost(0.0, 0.0, 0.0)
+    return _with_weights(model, total_tokens, kv, flops)
+
+
+def _with_weights(model: ModelCost, total_tokens: int, kv: float, flops: float) -> StepCost:
+    """The step's cost with the weights it reads (dense and the routed experts its tokens touch)
+    and the FLOPs of its tokens' active parameters added."""
     experts = model.num_routed_experts
     touched = experts * (1 - (1 - model.experts_per_token / experts) ** total_tokens)
     weights = model.dense_weight_bytes + model.num_layers * touched * model.expert_weight_bytes
-    flops += 2 * model.active_params_per_token * total_tokens
-    return StepCost(weights, kv, flops)
+    return StepCost(weights, kv, flops + 2 * model.active_params_per_token * total_tokens)

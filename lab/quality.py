@@ -3,7 +3,7 @@
 engine, for a record preset, bounded replay on or off, and an index top-k.
 
 Tails are scored cold and after a prefix hit; JAX is imported only by the functions that run the
-model. Details: docs/lab.md#servinglabquality.
+model. Details: docs/lab.md#labquality.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from dsv4 import data as D
-from dsv4 import train as T
 from dsv4.paged import records as R
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.sampling_params import SamplingParams
+from training import data as D
+from training import train as T
 
 __all__ = [
     "RECORD_PRESETS",
@@ -66,7 +66,7 @@ def token_bytes(tokenizer) -> list[int]:
 
 def heldout_pieces(tokenizer, n: int, length: int) -> list[list[int]]:
     """``n`` non-overlapping pieces of ``length`` tokens spread evenly over the held-out stream
-    of `dsv4.data` (files the shipped model never saw)."""
+    of `training.data` (files the shipped model never saw)."""
 
     if n < 1 or length < 2:
         raise ValueError(f"n={n} must be >= 1 and length={length} >= 2")
@@ -82,10 +82,10 @@ def heldout_score(
     params, cfg, tokenizer, *, seq_lens: Sequence[int] = (256, 1024), root: str | None = None
 ) -> dict[str, Any]:
     """Bits per byte over every held-out file, scored in consecutive windows of each of
-    ``seq_lens`` tokens (`dsv4.train.evaluate`; the shipped model was trained on windows of
+    ``seq_lens`` tokens (`training.train.evaluate`; the shipped model was trained on windows of
     1024, its longest), next to ``xz -9e`` on the same bytes (as one stream, and file by file).
     ``root``: the source tree (default: the running interpreter's standard library,
-    `dsv4.data.stdlib_root`)."""
+    `training.data.stdlib_root`)."""
 
     split = D.source_split(root)
     tokens = D.load_split(split, "heldout", tokenizer)
@@ -145,36 +145,13 @@ def score_layout(
     )
     engine = Engine.build(params, row_cfg, config, tokenizer=tokenizer)
     engine.warm_up(progress=False)
-
-    def run(prompts, sp, tag):
-        for i, p in enumerate(prompts):
-            engine.add_request(f"{tag}{i}", p, sp)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[f"{tag}{i}"] for i in range(len(prompts))]
-
-    def bits(outs):
-        total_bits, total_bytes, scored = 0.0, 0, 0
-        for doc, out in zip(docs, outs):
-            for pos in range(prefix, len(doc)):
-                entry = out.prompt_logprobs[pos]
-                if entry is None:  # served from the cache, not computed by this request
-                    continue
-                total_bits -= entry[doc[pos]].logprob / math.log(2)
-                total_bytes += nbytes[doc[pos]]
-                scored += 1
-        return total_bits / max(total_bytes, 1), scored
-
     one = SamplingParams(max_tokens=1, temperature=0.0)
     score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    run([d[:prefix] for d in docs], one, "prefix")  # caches each prefix
-    hit_outs = run(docs, score, "hit")
-    hit_bpb, hit_scored = bits(hit_outs)
+    _run(engine, [d[:prefix] for d in docs], one, "prefix")  # caches each prefix
+    hit_outs = _run(engine, docs, score, "hit")
+    hit_bpb, hit_scored = _bits(docs, hit_outs, prefix, nbytes)
     engine.prompt_logprobs_on_hits = False  # vLLM's rule: no cache read, every position computed
-    cold_bpb, cold_scored = bits(run(docs, score, "cold"))
+    cold_bpb, cold_scored = _bits(docs, _run(engine, docs, score, "cold"), prefix, nbytes)
     return {
         "records": records,
         "bounded_replay": bounded_replay,
@@ -184,3 +161,29 @@ def score_layout(
         "mean_hit_tokens": sum(o.num_cached_tokens for o in hit_outs) / len(hit_outs),
         "scored_tokens": {"cold": cold_scored, "hit": hit_scored},
     }
+
+
+def _run(engine: Engine, prompts, sp: SamplingParams, tag: str) -> list:
+    """Run ``prompts`` through ``engine`` to the end; their finished outputs in order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def _bits(docs, outs, prefix: int, nbytes: Sequence[int]) -> tuple[float, int]:
+    """(bits per byte, positions scored) of the tails the requests computed themselves."""
+    total_bits, total_bytes, scored = 0.0, 0, 0
+    for doc, out in zip(docs, outs):
+        for pos in range(prefix, len(doc)):
+            entry = out.prompt_logprobs[pos]
+            if entry is None:  # served from the cache, not computed by this request
+                continue
+            total_bits -= entry[doc[pos]].logprob / math.log(2)
+            total_bytes += nbytes[doc[pos]]
+            scored += 1
+    return total_bits / max(total_bytes, 1), scored

@@ -2,7 +2,7 @@
 topology, Pallas TPU kernels) and for 8 H100s (the CUDA plugin's compile-only ``1x1x8``
 topology, Pallas GPU kernels), on a ``data=1, expert=4, model=2`` mesh under ``jax.set_mesh``
 (expert dispatch by all-to-all), params sharded by the rule table, pools replicated; XLA's
-per-device memory is set beside the planner's (`dsv4.compiled_step`).
+per-device memory is set beside the planner's (`planner.compiled_step`).
 
 Default run: the tiny V4.1 (every layer role) on a v5e 2x4 topology (about 30 s). Slow: the
 sharded step's logits equal one device's on 8 host devices; the
@@ -15,7 +15,6 @@ small machine may want TEST_WORKERS=1."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -25,18 +24,11 @@ import textwrap
 
 import pytest
 
-from dsv4 import compiled_step as C
-from dsv4 import plan as P
 from dsv4.config import tiny_v41
+from planner import compiled_step as C
+from planner import plan as P
+from tests.pallas_kernels.aot import requires_cuda_plugin, requires_libtpu
 
-requires_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="libtpu not installed (pip install -e '.[aot]')",
-)
-requires_cuda_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason="jax-cuda12-plugin not installed (pip install -e '.[aot]')",
-)
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 MESH = P.MeshAxes(data=1, expert=4, model=2)
@@ -149,7 +141,7 @@ _SAME_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
-    from paged_harness import Harness, plan_step
+    from tests.dsv4.paged_harness import Harness, plan_step
     from dsv4 import sharding
     from dsv4.config import tiny_v41
     from dsv4.paged import records as R
@@ -194,8 +186,7 @@ def test_sharded_step_equals_one_device():
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
-    here = pathlib.Path(__file__).resolve().parent
-    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1])])
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])  # tests.dsv4
     run = subprocess.run(
         [sys.executable, "-c", _SAME_SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )

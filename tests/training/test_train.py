@@ -1,4 +1,4 @@
-"""Training (`dsv4.train`) and its data (`dsv4.data`).
+"""Training (`training.train`) and its data (`training.data`).
 
 The model here is `tiny_v41` cut to two layers at ratio 2 so that the jitted steps compile
 quickly (XLA:CPU compile time grows with the layers; the sparse step of these two compiles in
@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import data as D
 from dsv4 import reference
-from dsv4 import train as T
 from dsv4.config import Role, tiny_v41_trained
 from dsv4.params import count_params, init_params
 from dsv4.tokenizer import ByteTokenizer
-from tests.dsv4.train_configs import two_layer_config
+from tests.training.train_configs import two_layer_config
+from training import data as D
+from training import train as T
 
 SEQ = 32
 

@@ -2,7 +2,7 @@
 
 `drive` feeds a `Workload` to a backend step by step: `ModelFreeBackend` (the Scheduler over a
 `cache.KVCacheManager`, outputs predetermined, steps shaped as `Engine.step`'s so both make the
-same decisions) or `EngineBackend` (the model). Details: docs/lab.md#servinglabdrive.
+same decisions) or `EngineBackend` (the model). Details: docs/lab.md#labdrive.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from serving.lab.workloads import Session, Turn, Workload
+from lab.workloads import Session, Turn, Workload
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler, SchedulerOutput, SchedulerStats, UpdateResult
 
@@ -224,18 +224,10 @@ def _drive(
     next_arrival, step, finished_turns, calls = 0, 0, 0, 0
 
     def add(state: _Live) -> None:
-        session, k = state.session, state.turn
-        request_id = workload.request_id(session, k)
-        if k == 0:
-            state.history = (
-                [] if session.prefix is None else list(workload.prefixes[session.prefix])
-            )
-        turn = session.turns[k]
-        state.history += turn.user
+        request_id, prompt_len = _add_turn(workload, backend, state)
         live[request_id] = state
-        backend.add(request_id, list(state.history), turn)
         if on_add is not None:
-            on_add(request_id, len(state.history))
+            on_add(request_id, prompt_len)
 
     while next_arrival < len(pending) or backend.has_unfinished():
         if max_steps is not None and step >= max_steps:
@@ -257,7 +249,31 @@ def _drive(
             state.history += output
             if state.turn + 1 < len(state.session.turns):
                 add(_Live(state.session, state.turn + 1, state.history))
-    trace = Workload(
+    return DriveResult(
+        scheduler=backend.stats.as_dict(),
+        lookup_queries=backend.lookup_queries,
+        lookup_hits=backend.lookup_hits,
+        finished_turns=finished_turns,
+        trace=_trace(workload, traces),
+        steps=backend.stats.steps,
+    )
+
+
+def _add_turn(workload: Workload, backend, state: _Live) -> tuple[str, int]:
+    """Add ``state``'s turn to ``backend``; returns its request id and prompt length."""
+    session, k = state.session, state.turn
+    request_id = workload.request_id(session, k)
+    if k == 0:
+        state.history = [] if session.prefix is None else list(workload.prefixes[session.prefix])
+    turn = session.turns[k]
+    state.history += turn.user
+    backend.add(request_id, list(state.history), turn)
+    return request_id, len(state.history)
+
+
+def _trace(workload: Workload, traces: dict[int, list[tuple[int, ...]]]) -> Workload:
+    """``workload`` with each turn's output replaced by what the run produced."""
+    return Workload(
         kind=workload.kind,
         seed=workload.seed,
         prefixes=workload.prefixes,
@@ -272,12 +288,4 @@ def _drive(
             )
             for s in workload.sessions
         ),
-    )
-    return DriveResult(
-        scheduler=backend.stats.as_dict(),
-        lookup_queries=backend.lookup_queries,
-        lookup_hits=backend.lookup_hits,
-        finished_turns=finished_turns,
-        trace=trace,
-        steps=backend.stats.steps,
     )

@@ -31,9 +31,7 @@ def _pyplot():
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError(
-            "serving.lab plots need matplotlib: pip install 'dsv4-jax[lab]'"
-        ) from None
+        raise ImportError("lab plots need matplotlib: pip install 'dsv4-jax[lab]'") from None
     return plt
 
 

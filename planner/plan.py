@@ -70,7 +70,7 @@ error naming the value.
 `compiled_memory` (``dsv4 plan --compiled``, `benchmarks.sharding`) compiles ``reference.forward``
 with params sharded over a mesh for a TPU topology without a device (libtpu's compile-only
 topologies) and sets XLA's per-device memory beside the planner's weight bytes;
-`dsv4.compiled_step` does the same for the sharded paged step (real kernels, KV pools, the step
+`planner.compiled_step` does the same for the sharded paged step (real kernels, KV pools, the step
 batch) on 8 TPU chips or 8 H100s.
 """
 
@@ -83,7 +83,8 @@ import importlib.util
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,7 @@ __all__ = [
     "default_mesh",
     "describe",
     "describe_compiled",
+    "flash_layers",
     "kv_group_bytes_per_request",
     "kv_layout",
     "markdown_table",
@@ -141,10 +143,8 @@ class ChipKind:
     """One accelerator: its HBM, how slice names count it, and its default KV records.
 
     Fields:
-        name: the slice prefix (``v5e``, ``h200``...); device: a readable name.
-        hbm_bytes: HBM per chip.
-        cores_per_chip: units of the slice name's count per chip (v5p names count its two
-            TensorCores).
+        name / device: the slice prefix (``v5e``, ``h200``...) and a readable name.
+        hbm_bytes / cores_per_chip: HBM per chip; slice-name units per chip (v5p: 2 cores).
         records: the `dsv4.paged.records.PRESETS` name of its KV records.
         block_size / swa_block_size / page_alignment: the cache geometry for those records.
         platform: ``"tpu"`` or ``"gpu"`` (XLA's lowering of the expert dispatch differs).
@@ -415,11 +415,9 @@ def _block_bytes(config: KVCacheConfig) -> int:
 @dataclasses.dataclass(frozen=True)
 class KVReads:
     """What one data shard's step decodes from its pools for the attention kernels, per layer
-    at most (`dsv4.paged.step`): the indexer's keys (every page its table references,
-    `dsv4.paged.pools.read_for_table`; none when it reads the records as they are, ``fp8_132``)
-    and the sparse attention's entries (`dsv4.paged.pools.read_selected`: ``T·K`` picks, or
-    the referenced pages when those are fewer). Entry counts for ``seqs`` requests:
-    ``per_request * seqs + fixed`` (the null block's copy), the largest layer's."""
+    at most (`dsv4.paged.step`): the indexer's keys (`dsv4.paged.pools.read_for_table`) and the
+    sparse attention's entries (`dsv4.paged.pools.read_selected`). Entry counts for ``seqs``
+    requests: ``per_request * seqs + fixed`` (the null block's copy), the largest layer's."""
 
     index_per_request: int = 0
     index_fixed: int = 0
@@ -478,11 +476,8 @@ def activation_bytes(
     """The step's peak activation estimate per chip, by term (formulas in the module
     docstring); ``peak = residual + max(attention + index_keys + selected_entries, moe +
     dequantised_experts) + logits``. ``released_weights``: the weights stay in their released
-    formats on the device (what the plan's weight bytes assume), so a MoE layer dequantises
-    the routed experts it reads. ``reads`` (`kv_reads`) and ``seqs`` (requests per data
-    shard): the pages and entries the attention decodes (none by default). ``platform``
-    ``"gpu"``: XLA:GPU lowers the expert dispatch's grouped matmul (`jax.lax.ragged_dot`) to a
-    dense product over every local expert, ``dense_dispatch`` below."""
+    formats on the device; ``reads`` (`kv_reads`) and ``seqs`` (requests per data shard): what
+    the attention decodes; ``platform``: docs/planner.md#activation-terms."""
     t, b, m, e = num_tokens, ACT_BYTES, mesh.model, mesh.expert
     index_keys = reads.index_entries(seqs) * cfg.index_head_dim * b
     selected = reads.selected_entries(seqs) * cfg.head_dim * b
@@ -593,6 +588,7 @@ def _seqs_per_shard(num_seqs: int, mesh: MeshAxes) -> int:
     return -(-num_seqs // mesh.data)
 
 
+# over 60 lines: its checks and searches are named steps; the rest fills ChipPlan's 16 fields
 def plan(
     cfg: ModelConfig,
     slice_: SliceSpec,
@@ -611,19 +607,7 @@ def plan(
         ValueError: a mesh of another chip count than the slice, or one that does not divide
             a tensor, an unknown record preset, or a bad size; the message names the value.
     """
-    for flag, value in (
-        ("max_num_seqs", max_num_seqs),
-        ("max_model_len", max_model_len),
-        ("max_num_batched_tokens", max_num_batched_tokens),
-    ):
-        if value < 1:
-            raise ValueError(f"{flag}={value} must be >= 1")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom={headroom} must be in [0, 1)")
-    if max_model_len > cfg.max_seq_len:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}"
-        )
+    _check_plan_sizes(cfg, max_num_seqs, max_model_len, max_num_batched_tokens, headroom)
     contexts = tuple(c for c in contexts if c <= cfg.max_seq_len)
     if mesh is None:
         mesh = default_mesh(
@@ -634,11 +618,7 @@ def plan(
             records=records,
             headroom=headroom,
         )
-    elif mesh.num_chips != slice_.num_chips:
-        raise ValueError(
-            f"--mesh {mesh} needs {mesh.num_chips} chips; the slice {slice_.name} has "
-            f"{slice_.num_chips}"
-        )
+    _check_plan_mesh(mesh, slice_)
     config = kv_layout(cfg, slice_.chip, records)
     weights = weight_bytes_per_chip(cfg, mesh)
     weights_bf16 = weight_bytes_per_chip(cfg, mesh, stored=False)["device"]
@@ -650,21 +630,10 @@ def plan(
     reads = kv_reads(cfg, config, records, max_model_len, max_num_batched_tokens)
     acts = _shard_activations(cfg, mesh, reads, seqs, max_num_batched_tokens, slice_.chip.platform)
     budget = int(slice_.chip.hbm_bytes * (1 - headroom))
+    tokens = max_num_batched_tokens
+    platform, device = slice_.chip.platform, weights["device"]
     largest = tuple(
-        (
-            c,
-            _largest_seqs(
-                cfg,
-                mesh,
-                config,
-                records,
-                slice_.chip.platform,
-                weights["device"],
-                c,
-                max_num_batched_tokens,
-                budget,
-            ),
-        )
+        (c, _largest_seqs(cfg, mesh, config, records, platform, device, c, tokens, budget))
         for c in contexts
     )
     return ChipPlan(
@@ -685,6 +654,37 @@ def plan(
         budget=budget,
         largest=largest,
     )
+
+
+def _check_plan_mesh(mesh: MeshAxes, slice_: SliceSpec) -> None:
+    if mesh.num_chips != slice_.num_chips:
+        raise ValueError(
+            f"--mesh {mesh} needs {mesh.num_chips} chips; the slice {slice_.name} has "
+            f"{slice_.num_chips}"
+        )
+
+
+def _check_plan_sizes(
+    cfg: ModelConfig,
+    max_num_seqs: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    headroom: float,
+) -> None:
+    """`plan`'s sizes: each at least 1, the headroom in [0, 1), the length within the model's."""
+    for flag, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_model_len", max_model_len),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag}={value} must be >= 1")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom} must be in [0, 1)")
+    if max_model_len > cfg.max_seq_len:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}"
+        )
 
 
 def _shard_activations(
@@ -785,26 +785,10 @@ def default_mesh(
 def collective_bytes_per_decode_step(
     cfg: ModelConfig, mesh: MeshAxes, *, num_seqs: int, context: int
 ) -> dict[str, int]:
-    """Bytes one chip sends in one decode step (one token per request), by collective.
-
-    With ``T = ceil(num_seqs / data)`` tokens per data shard, ``D = dim``, ``b`` = 2 (bf16), f32
-    scores and logits, ring collectives (an all-reduce of ``S`` bytes over ``a`` chips sends
-    ``2 (a - 1) / a S`` per chip, an all-gather of a full ``S`` sends ``(a - 1) / a S``):
-
-    * ``attention_allreduce``: per backbone layer, the row-parallel output projection
-      (``wo_b`` split over ``model``): all-reduce of ``T D b`` over ``model``;
-    * ``shared_expert_allreduce``: per layer, ``shared_experts.w2`` row-parallel: the same;
-    * ``indexer_allreduce``: per index-source layer (index heads split over ``model``), the
-      head-summed scores ``T (context / ratio) 4`` all-reduced over ``model``;
-    * ``embed_allreduce``: the vocabulary-split embedding, ``T D b`` over ``model``, once;
-    * ``logits_allgather``: the vocabulary-split head, ``T vocab 4`` gathered over ``model``;
-    * ``expert_all_to_all``: per layer, the shard's tokens split over ``expert``, each sends its
-      ``T / expert`` tokens' ``k`` rows to the experts' owners and gets them back (dispatch +
-      combine): ``2 (T / expert) k D b (expert - 1) / expert``;
-    * ``expert_allgather``: per layer, the combined ``T D b`` gathered back over ``expert``.
-
-    The data axis exchanges nothing in decode (each shard owns its requests). The DSpark
-    drafter's stages are not counted.
+    """Bytes one chip sends in one decode step (one token per request), by collective: the
+    attention, shared-expert, indexer and embedding all-reduces over ``model``, the logits
+    all-gather, and the experts' all-to-all and all-gather over ``expert`` (formulas in
+    docs/planner.md#collectives-per-decode-step). The DSpark drafter's stages are not counted.
     """
     t, d, b, m, e = _seqs_per_shard(num_seqs, mesh), cfg.dim, ACT_BYTES, mesh.model, mesh.expert
 
@@ -864,18 +848,22 @@ def reduced_flash(**overrides) -> ModelConfig:
     two window-only layers, a full and a reuse layer of ratio 2, a full and a reindex layer of
     ratio 1; no Engram, no DSpark drafter. What `compiled_memory` compiles in place of the
     40-layer model (whose compile takes far longer on a CPU)."""
-    fields: dict = dict(
+    layers = dict(
         n_layers=6,
         compress_ratios=(0, 0, 2, 2, 1, 1),
         kv_source_layers=(2, 4),
         index_source_layers=(2, 4, 5),
         candidate_source_layer=4,
-        n_mtp_layers=0,
-        dspark_block_size=0,
-        engram_layer_ids=(),
     )
-    fields.update(overrides)
-    return v41_flash(**fields)
+    return flash_layers(layers, overrides)
+
+
+def flash_layers(layers: Mapping[str, Any], overrides: Mapping[str, Any]) -> ModelConfig:
+    """V4.1-Flash at its released widths with ``layers`` (its layer-plan fields) in place of its
+    40, no Engram, no DSpark drafter; ``overrides`` win. The reduced models compiled in place of
+    the whole one (`reduced_flash`, `planner.compiled_step.reduced_flash_roles`) are made by it."""
+    fields = dict(n_mtp_layers=0, dspark_block_size=0, engram_layer_ids=())
+    return v41_flash(**{**fields, **layers, **overrides})
 
 
 def compiled_memory(

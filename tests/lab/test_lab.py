@@ -1,4 +1,4 @@
-"""serving.lab: workloads and their JSONL, knobs and their errors, the model-free runs' tables
+"""lab: workloads and their JSONL, knobs and their errors, the model-free runs' tables
 and plots, and the lab against the engine on the same workload."""
 
 from __future__ import annotations
@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import lab
 from cache.layout import memory_report
-from serving import lab
-from serving.lab import experiment as X
-from serving.lab.drive import ModelFreeBackend, drive
+from lab import experiment as X
+from lab.drive import ModelFreeBackend, drive
 
 SMALL_CHAT = dict(
     num_system_prompts=2,
@@ -207,9 +208,9 @@ def test_record_bytes_match_the_device_formats():
 
 
 def test_cost_model_matches_the_kernels_cost_models():
+    from lab.cost import MODELS, step_cost
     from pallas_kernels.indexer.common import cost as indexer_cost
     from pallas_kernels.sparse_attention.cost import sparse_cost
-    from serving.lab.cost import MODELS, step_cost
 
     m = MODELS["v41_flash"]
     # one decode token at context 8192 on one r=1 index layer: window, top-k and index keys
@@ -247,7 +248,7 @@ def test_step_cost_is_the_per_layer_sum():
     import random
 
     from cache.layout import tiny_v41_desc, v41_flash_desc
-    from serving.lab.cost import MODELS, step_cost, step_cost_by_layer
+    from lab.cost import MODELS, step_cost, step_cost_by_layer
 
     rng = random.Random(0)
     for name, desc in (("v41_flash", v41_flash_desc()), ("tiny_v41", tiny_v41_desc())):
@@ -284,10 +285,10 @@ def test_meter_counts_held_blocks_as_sets_do(chat, knobs):
     """The meter's block counts (window families counted once, the shared group by
     difference from the pool) equal the sets of each group's blocks at every step."""
     cfg = lab.LabConfig(pool_blocks=300, **knobs)
-    manager = X._manager(lab.build_layout(cfg), cfg)
+    manager = X.make_manager(lab.build_layout(cfg), cfg)
     meter = X._Meter(cfg, manager, X.model_desc(cfg))
     meter.check_counts = True
-    result = drive(chat, ModelFreeBackend(X._scheduler(manager, cfg), hooks=meter))
+    result = drive(chat, ModelFreeBackend(X.make_scheduler(manager, cfg), hooks=meter))
     assert result.finished_turns == chat.num_turns and meter.steps == result.steps
     assert max(meter.peak_blocks) > 0
 
@@ -387,12 +388,14 @@ def test_table_and_plots_are_written(pool_sweep, tmp_path):
 def test_model_free_runs_import_no_jax(tmp_path):
     code = (
         "import sys\n"
-        "from serving import lab\n"
+        "import lab\n"
         "wl = lab.make_workload('rag', 0, num_documents=1, num_sessions=3, document_len=(300, 400))\n"
         "lab.run(wl, lab.LabConfig(pool_blocks=500))\n"
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path.parent, env=None)
+    # from the repository root: its packages, not an installed copy, are the ones imported
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=None)
 
 
 def test_cli_sweep_and_bad_input(tmp_path):
@@ -460,17 +463,9 @@ def test_lab_reports_what_the_engine_reports(
 
     from tests.serving import engine_testing as E
 
-    wl = lab.make_workload(
-        "chat",
-        1,
-        num_system_prompts=2,
-        num_conversations=8,
-        system_len=(30, 50),
-        turns=(1, 3),
-        user_len=(4, 12),
-        output_len=(4, 8),
-        vocab_size=tiny_cfg.vocab_size,
-    )
+    # SMALL_CHAT's shape at the tiny model's scale
+    short = dict(num_conversations=8, system_len=(30, 50), user_len=(4, 12), output_len=(4, 8))
+    wl = lab.make_workload("chat", 1, **{**SMALL_CHAT, **short}, vocab_size=tiny_cfg.vocab_size)
     with jax.default_matmul_precision("highest"):
         engine = E.make_engine(
             tiny_params,
@@ -491,9 +486,9 @@ def test_lab_reports_what_the_engine_reports(
         max_model_len=E.MAX_MODEL_LEN,
         async_scheduling=async_scheduling,
     )
-    manager = X._manager(lab.build_layout(cfg), cfg)
+    manager = X.make_manager(lab.build_layout(cfg), cfg)
     assert manager.kv_cache_config == engine.kv_cache_manager.kv_cache_config
-    model_free = drive(on_engine["trace"], ModelFreeBackend(X._scheduler(manager, cfg)))
+    model_free = drive(on_engine["trace"], ModelFreeBackend(X.make_scheduler(manager, cfg)))
     assert model_free.trace == on_engine["trace"]
     assert model_free.scheduler == engine.scheduler_stats.as_dict()
     assert model_free.finished_turns == on_engine["finished_turns"] == wl.num_turns

@@ -2,7 +2,7 @@
 
 A workload is a set of sessions, each an optional shared prefix and turns whose prompts resend
 the whole conversation; generators for chat, agentic, RAG and long-context workloads (same
-arguments, same workload). The model and the JSONL format: docs/lab.md#servinglabworkloads.
+arguments, same workload). The model and the JSONL format: docs/lab.md#labworkloads.
 """
 
 from __future__ import annotations
@@ -124,11 +124,81 @@ def _check_int(name: str, value: int, minimum: int) -> None:
         raise WorkloadError(f"{name}={value!r}: needs an int >= {minimum}")
 
 
+# The least value of every generator argument: counts, and (lo, hi) ranges (both ends).
+_COUNTS = {
+    "num_system_prompts": 1,
+    "num_preambles": 1,
+    "num_documents": 1,
+    "num_conversations": 0,
+    "num_sessions": 0,
+    "vocab_size": 1,
+}
+_RANGES = {
+    "system_len": 1,
+    "preamble_len": 1,
+    "document_len": 1,
+    "prompt_len": 1,
+    "turns": 1,
+    "user_len": 1,
+    "tool_output_len": 1,
+    "question_len": 1,
+    "output_len": 1,
+    "arrival_gap": 0,
+}
+
+
+def _check_args(args: dict) -> None:
+    """Check a generator's arguments against `_COUNTS` and `_RANGES`, the counts first.
+
+    Args:
+        args: the generator's ``locals()`` on entry (its parameters; ``seed`` is not checked).
+    """
+    for name, value in args.items():
+        if name in _COUNTS:
+            _check_int(name, value, _COUNTS[name])
+    for name, value in args.items():
+        if name in _RANGES:
+            _check_range(name, value, _RANGES[name])
+
+
 def _tokens(rng: random.Random, vocab_size: int):
     def toks(n: int) -> tuple[int, ...]:
         return tuple(rng.randrange(vocab_size) for _ in range(n))
 
     return toks
+
+
+def _over_shared_prefixes(
+    kind: str,
+    seed: int,
+    vocab_size: int,
+    prefix_len: tuple[int, int],
+    num_prefixes: int,
+    num_sessions: int,
+    turns: tuple[int, int],
+    turn_len: tuple[tuple[int, int], tuple[int, int]],
+    arrival_gap: tuple[int, int] | None,
+) -> Workload:
+    """Sessions that each open with one of ``num_prefixes`` shared prefixes, then ``turns``
+    turns of ``turn_len`` (new tokens, output) tokens, arriving ``arrival_gap`` steps apart (all
+    at step 0 when None). The random draws, in order: the prefixes, then per session its prefix,
+    its number of turns, each turn's two lengths, its arrival gap."""
+    rng = random.Random(seed)
+    toks = _tokens(rng, vocab_size)
+    prefixes = tuple(toks(rng.randint(*prefix_len)) for _ in range(num_prefixes))
+    user_len, output_len = turn_len
+    sessions, arrival = [], 0
+    for sid in range(num_sessions):
+        prefix = rng.randrange(num_prefixes)
+        n_turns = rng.randint(*turns)
+        session_turns = tuple(
+            Turn(user=toks(rng.randint(*user_len)), output=toks(rng.randint(*output_len)))
+            for _ in range(n_turns)
+        )
+        sessions.append(Session(sid, prefix, session_turns, arrival))
+        if arrival_gap is not None:
+            arrival += rng.randint(*arrival_gap)
+    return Workload(kind=kind, seed=seed, prefixes=prefixes, sessions=tuple(sessions))
 
 
 def make_chat_workload(
@@ -145,34 +215,11 @@ def make_chat_workload(
     """Multi-turn chat: conversations over ``num_system_prompts`` shared system prompts; every
     range is inclusive. The allocator benchmark's workload (its random draws are fixed: the
     recorded vLLM decisions depend on them)."""
-    _check_int("num_system_prompts", num_system_prompts, 1)
-    _check_int("num_conversations", num_conversations, 0)
-    _check_int("vocab_size", vocab_size, 1)
-    for name, value, lo in (
-        ("system_len", system_len, 1),
-        ("turns", turns, 1),
-        ("user_len", user_len, 1),
-        ("output_len", output_len, 1),
-    ):
-        _check_range(name, value, lo)
-    rng = random.Random(seed)
-    toks = _tokens(rng, vocab_size)
-    systems = tuple(toks(rng.randint(*system_len)) for _ in range(num_system_prompts))
-    sessions = []
-    for cid in range(num_conversations):
-        sys_idx = rng.randrange(num_system_prompts)
-        n_turns = rng.randint(*turns)
-        sessions.append(
-            Session(
-                session_id=cid,
-                prefix=sys_idx,
-                turns=tuple(
-                    Turn(user=toks(rng.randint(*user_len)), output=toks(rng.randint(*output_len)))
-                    for _ in range(n_turns)
-                ),
-            )
-        )
-    return Workload(kind="chat", seed=seed, prefixes=systems, sessions=tuple(sessions))
+    _check_args(locals())
+    return _over_shared_prefixes(
+        "chat", seed, vocab_size, system_len, num_system_prompts, num_conversations, turns,
+        (user_len, output_len), None,
+    )  # fmt: skip
 
 
 def make_agentic_workload(
@@ -190,40 +237,11 @@ def make_agentic_workload(
     """Agentic sessions: a long shared preamble (system prompt and tool schemas), then many
     short turns in which the new tokens are tool outputs and the answers are short tool calls.
     Sessions arrive ``arrival_gap`` steps apart."""
-    _check_int("num_preambles", num_preambles, 1)
-    _check_int("num_sessions", num_sessions, 0)
-    _check_int("vocab_size", vocab_size, 1)
-    for name, value, lo in (
-        ("preamble_len", preamble_len, 1),
-        ("turns", turns, 1),
-        ("tool_output_len", tool_output_len, 1),
-        ("output_len", output_len, 1),
-        ("arrival_gap", arrival_gap, 0),
-    ):
-        _check_range(name, value, lo)
-    rng = random.Random(seed)
-    toks = _tokens(rng, vocab_size)
-    preambles = tuple(toks(rng.randint(*preamble_len)) for _ in range(num_preambles))
-    sessions, arrival = [], 0
-    for sid in range(num_sessions):
-        prefix = rng.randrange(num_preambles)
-        n_turns = rng.randint(*turns)
-        sessions.append(
-            Session(
-                session_id=sid,
-                prefix=prefix,
-                turns=tuple(
-                    Turn(
-                        user=toks(rng.randint(*tool_output_len)),
-                        output=toks(rng.randint(*output_len)),
-                    )
-                    for _ in range(n_turns)
-                ),
-                arrival=arrival,
-            )
-        )
-        arrival += rng.randint(*arrival_gap)
-    return Workload(kind="agentic", seed=seed, prefixes=preambles, sessions=tuple(sessions))
+    _check_args(locals())
+    return _over_shared_prefixes(
+        "agentic", seed, vocab_size, preamble_len, num_preambles, num_sessions, turns,
+        (tool_output_len, output_len), arrival_gap,
+    )  # fmt: skip
 
 
 def make_rag_workload(
@@ -240,39 +258,11 @@ def make_rag_workload(
 ) -> Workload:
     """Retrieval-augmented questions: a few long documents, each shared by many sessions of
     one or two short questions."""
-    _check_int("num_documents", num_documents, 1)
-    _check_int("num_sessions", num_sessions, 0)
-    _check_int("vocab_size", vocab_size, 1)
-    for name, value, lo in (
-        ("document_len", document_len, 1),
-        ("turns", turns, 1),
-        ("question_len", question_len, 1),
-        ("output_len", output_len, 1),
-        ("arrival_gap", arrival_gap, 0),
-    ):
-        _check_range(name, value, lo)
-    rng = random.Random(seed)
-    toks = _tokens(rng, vocab_size)
-    documents = tuple(toks(rng.randint(*document_len)) for _ in range(num_documents))
-    sessions, arrival = [], 0
-    for sid in range(num_sessions):
-        prefix = rng.randrange(num_documents)
-        n_turns = rng.randint(*turns)
-        sessions.append(
-            Session(
-                session_id=sid,
-                prefix=prefix,
-                turns=tuple(
-                    Turn(
-                        user=toks(rng.randint(*question_len)), output=toks(rng.randint(*output_len))
-                    )
-                    for _ in range(n_turns)
-                ),
-                arrival=arrival,
-            )
-        )
-        arrival += rng.randint(*arrival_gap)
-    return Workload(kind="rag", seed=seed, prefixes=documents, sessions=tuple(sessions))
+    _check_args(locals())
+    return _over_shared_prefixes(
+        "rag", seed, vocab_size, document_len, num_documents, num_sessions, turns,
+        (question_len, output_len), arrival_gap,
+    )  # fmt: skip
 
 
 def make_long_context_workload(
@@ -285,14 +275,7 @@ def make_long_context_workload(
     vocab_size: int = 100_000,
 ) -> Workload:
     """Long single requests (whole documents or code bases), nothing shared."""
-    _check_int("num_sessions", num_sessions, 0)
-    _check_int("vocab_size", vocab_size, 1)
-    for name, value, lo in (
-        ("prompt_len", prompt_len, 1),
-        ("output_len", output_len, 1),
-        ("arrival_gap", arrival_gap, 0),
-    ):
-        _check_range(name, value, lo)
+    _check_args(locals())
     rng = random.Random(seed)
     toks = _tokens(rng, vocab_size)
     sessions, arrival = [], 0
@@ -390,7 +373,7 @@ def _read_lines(path: str | os.PathLike) -> Iterable[tuple[int, str]]:
 
 
 def _parse(name: str, lines: Iterable[tuple[int, str]]) -> Workload:
-    kind, seed = None, 0
+    header = None
     prefixes: dict[int, tuple[int, ...]] = {}
     sessions: dict[int, dict] = {}
     for number, line in lines:
@@ -401,58 +384,15 @@ def _parse(name: str, lines: Iterable[tuple[int, str]]) -> Workload:
             raise WorkloadError(f"{where}: not JSON ({e.msg})") from None
         if not isinstance(obj, dict):
             raise WorkloadError(f"{where}: expected a JSON object")
-        if kind is None:
-            if set(obj) != {"workload", "seed", "version"}:
-                raise WorkloadError(
-                    f"{where}: the first line must be the header "
-                    '{"workload": ..., "seed": ..., "version": 1}'
-                )
-            if obj["version"] != JSONL_VERSION:
-                raise WorkloadError(f"{where}: version {obj['version']!r}; allowed: 1")
-            if not isinstance(obj["workload"], str):
-                raise WorkloadError(f"{where}: 'workload' must be a string")
-            kind = obj["workload"]
-            seed = _int_field(where, obj, "seed", -(2**63))
-            continue
-        if "prefix" in obj and "tokens" in obj:
-            if set(obj) != {"prefix", "tokens"}:
-                raise WorkloadError(f"{where}: a prefix line has keys 'prefix' and 'tokens' only")
-            index = _int_field(where, obj, "prefix", 0)
-            if index != len(prefixes):
-                raise WorkloadError(
-                    f"{where}: prefix {index} out of order (next is {len(prefixes)})"
-                )
-            prefixes[index] = _token_list(where, "tokens", obj["tokens"], allow_empty=False)
-            continue
-        keys = {"session", "turn", "prefix", "arrival", "user", "output"}
-        if set(obj) != keys:
-            extra, missing = sorted(set(obj) - keys), sorted(keys - set(obj))
-            raise WorkloadError(
-                f"{where}: a turn line has keys {sorted(keys)}"
-                + (f"; unknown {extra}" if extra else "")
-                + (f"; missing {missing}" if missing else "")
-            )
-        sid = _int_field(where, obj, "session", 0)
-        k = _int_field(where, obj, "turn", 0)
-        prefix = _int_field(where, obj, "prefix", 0, optional=True)
-        arrival = _int_field(where, obj, "arrival", 0)
-        if prefix is not None and prefix not in prefixes:
-            raise WorkloadError(f"{where}: prefix {prefix} is not defined above this line")
-        user = _token_list(where, "user", obj["user"], allow_empty=prefix is not None or k > 0)
-        output = _token_list(where, "output", obj["output"], allow_empty=False)
-        s = sessions.setdefault(sid, {"prefix": prefix, "arrival": arrival, "turns": []})
-        if (s["prefix"], s["arrival"]) != (prefix, arrival):
-            raise WorkloadError(
-                f"{where}: session {sid} has prefix={s['prefix']!r}, arrival={s['arrival']!r} "
-                f"on its first turn but prefix={prefix!r}, arrival={arrival!r} here"
-            )
-        if k != len(s["turns"]):
-            raise WorkloadError(
-                f"{where}: session {sid} turn {k} out of order (next is {len(s['turns'])})"
-            )
-        s["turns"].append(Turn(user=user, output=output))
-    if kind is None:
+        if header is None:
+            header = _parse_header(where, obj)
+        elif "prefix" in obj and "tokens" in obj:
+            _parse_prefix(where, obj, prefixes)
+        else:
+            _parse_turn(where, obj, prefixes, sessions)
+    if header is None:
         raise WorkloadError(f"{name}: empty workload file (no header line)")
+    kind, seed = header
     return Workload(
         kind=kind,
         seed=seed,
@@ -464,3 +404,58 @@ def _parse(name: str, lines: Iterable[tuple[int, str]]) -> Workload:
             for sid, s in sessions.items()
         ),
     )
+
+
+def _parse_header(where: str, obj: dict) -> tuple[str, int]:
+    """The first line's (workload kind, seed)."""
+    if set(obj) != {"workload", "seed", "version"}:
+        raise WorkloadError(
+            f"{where}: the first line must be the header "
+            '{"workload": ..., "seed": ..., "version": 1}'
+        )
+    if obj["version"] != JSONL_VERSION:
+        raise WorkloadError(f"{where}: version {obj['version']!r}; allowed: 1")
+    if not isinstance(obj["workload"], str):
+        raise WorkloadError(f"{where}: 'workload' must be a string")
+    return obj["workload"], _int_field(where, obj, "seed", -(2**63))
+
+
+def _parse_prefix(where: str, obj: dict, prefixes: dict[int, tuple[int, ...]]) -> None:
+    """Add a prefix line's tokens to ``prefixes`` (they come in order)."""
+    if set(obj) != {"prefix", "tokens"}:
+        raise WorkloadError(f"{where}: a prefix line has keys 'prefix' and 'tokens' only")
+    index = _int_field(where, obj, "prefix", 0)
+    if index != len(prefixes):
+        raise WorkloadError(f"{where}: prefix {index} out of order (next is {len(prefixes)})")
+    prefixes[index] = _token_list(where, "tokens", obj["tokens"], allow_empty=False)
+
+
+def _parse_turn(where: str, obj: dict, prefixes: dict, sessions: dict[int, dict]) -> None:
+    """Add a turn line to its session in ``sessions`` (opened by its first turn)."""
+    keys = {"session", "turn", "prefix", "arrival", "user", "output"}
+    if set(obj) != keys:
+        extra, missing = sorted(set(obj) - keys), sorted(keys - set(obj))
+        raise WorkloadError(
+            f"{where}: a turn line has keys {sorted(keys)}"
+            + (f"; unknown {extra}" if extra else "")
+            + (f"; missing {missing}" if missing else "")
+        )
+    sid = _int_field(where, obj, "session", 0)
+    k = _int_field(where, obj, "turn", 0)
+    prefix = _int_field(where, obj, "prefix", 0, optional=True)
+    arrival = _int_field(where, obj, "arrival", 0)
+    if prefix is not None and prefix not in prefixes:
+        raise WorkloadError(f"{where}: prefix {prefix} is not defined above this line")
+    user = _token_list(where, "user", obj["user"], allow_empty=prefix is not None or k > 0)
+    output = _token_list(where, "output", obj["output"], allow_empty=False)
+    s = sessions.setdefault(sid, {"prefix": prefix, "arrival": arrival, "turns": []})
+    if (s["prefix"], s["arrival"]) != (prefix, arrival):
+        raise WorkloadError(
+            f"{where}: session {sid} has prefix={s['prefix']!r}, arrival={s['arrival']!r} "
+            f"on its first turn but prefix={prefix!r}, arrival={arrival!r} here"
+        )
+    if k != len(s["turns"]):
+        raise WorkloadError(
+            f"{where}: session {sid} turn {k} out of order (next is {len(s['turns'])})"
+        )
+    s["turns"].append(Turn(user=user, output=output))

@@ -23,8 +23,8 @@ prefix the backbone picks the next token, the drafter drafts K tokens from scrat
 teacher forcing), one backbone pass over prefix + next + drafts verifies them, and the
 accepted length is the number of leading drafts equal to the backbone's greedy tokens.
 
-AdamW with warm-up and cosine decay, clipping, and the data order of `dsv4.data.batch_at`, as
-`dsv4.train` does for the backbone.
+AdamW with warm-up and cosine decay, clipping, and the data order of `training.data.batch_at`, as
+`training.train` does for the backbone.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from dsv4 import data as D
 from dsv4 import dspark, reference
-from dsv4 import train as T
 from dsv4.config import ModelConfig
 from dsv4.params import init_params
+from training import data as D
+from training import train as T
 
 __all__ = [
     "DraftState",
@@ -61,22 +61,16 @@ Params = dict[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftTrainConfig:
-    """Hyper-parameters of a drafter run (the optimizer fields mean what `dsv4.train`'s do)."""
+class DraftTrainConfig(T.OptimizerConfig):
+    """Hyper-parameters of a drafter run (the optimizer's: `training.train.OptimizerConfig`)."""
 
     steps: int  # optimizer steps
     batch_size: int = 8  # windows per step
     seq_len: int = 256  # backbone positions per window (the window holds seq_len + 1 tokens)
     cuts_per_row: int = 16  # draft blocks trained per window
     seed: int = 0  # drafter init, data order and cut points
-    learning_rate: float = 2e-3
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_norm: float = 1.0
+    learning_rate: float = dataclasses.field(default=2e-3, kw_only=True)
+    warmup_steps: int = dataclasses.field(default=50, kw_only=True)
     confidence_weight: float = 0.1
 
     def __post_init__(self):
@@ -223,7 +217,7 @@ def train_drafter(
     progress: bool = True,
     log: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[DraftState, list[dict[str, Any]]]:
-    """Train the drafter of ``cfg`` on ``tokens`` (`dsv4.data`) over the frozen ``backbone``
+    """Train the drafter of ``cfg`` on ``tokens`` (`training.data`) over the frozen ``backbone``
     for ``dcfg.steps`` steps (from ``state`` when given); returns the state and a metrics row
     per step."""
     _check(cfg, dcfg)
@@ -276,10 +270,9 @@ def acceptance(
     batch_size: int = 8,
 ) -> dict[str, Any]:
     """Greedy acceptance of the drafter of ``params`` after ``num_prefixes`` prefixes of
-    ``prefix_len`` tokens cut from ``tokens`` (consecutive windows, evenly spread over the
-    stream; module docstring):
-    ``mean_acceptance_length`` (accepted drafts per verification, 0..K), the per-position
-    acceptance rate (position i accepted only with every draft before it), and the tokens a
+    ``prefix_len`` tokens cut from ``tokens`` (consecutive windows, evenly spread; module
+    docstring): ``mean_acceptance_length`` (accepted drafts per verification, 0..K), the
+    per-position acceptance rate (position i only with every draft before it), and the tokens a
     verification step yields on average (1 + accepted)."""
     _check(cfg, DraftTrainConfig(steps=1, seq_len=prefix_len + cfg.dspark_block_size + 2))
     windows = D.consecutive_windows(tokens, prefix_len)
