@@ -17,38 +17,32 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-@pytest.fixture(scope="session")
-def tiny_cfg():
-    from dsv4.config import tiny_v41
+def _preset_fixtures(preset: str, name: str):
+    """Session fixtures ``{name}_cfg`` (the `dsv4.config` preset) and ``{name}_params`` (its
+    params from seed 0, what `LLM(model=..., seed=0, dtype="float32")` builds)."""
 
-    return tiny_v41()
+    def cfg():
+        from dsv4 import config
+
+        return getattr(config, preset)()
+
+    def params(request):
+        import jax
+
+        from dsv4.params import init_params
+
+        return init_params(request.getfixturevalue(f"{name}_cfg"), jax.random.PRNGKey(0))
+
+    return (
+        pytest.fixture(cfg, scope="session", name=f"{name}_cfg"),
+        pytest.fixture(params, scope="session", name=f"{name}_params"),
+    )
 
 
-@pytest.fixture(scope="session")
-def tiny_params(tiny_cfg):
-    import jax
-
-    from dsv4.params import init_params
-
-    return init_params(tiny_cfg, jax.random.PRNGKey(0))
-
-
+tiny_cfg, tiny_params = _preset_fixtures("tiny_v41", "tiny")
 # The tiny model with the rest of V4.1 (`dsv4.config.tiny_v41_full`): Engram on layers 1 and 4
 # (a kv source and a reuse layer), a 3-stage DSpark drafter reading layers 5-7.
-@pytest.fixture(scope="session")
-def engram_cfg():
-    from dsv4.config import tiny_v41_full
-
-    return tiny_v41_full()
-
-
-@pytest.fixture(scope="session")
-def engram_params(engram_cfg):
-    import jax
-
-    from dsv4.params import init_params
-
-    return init_params(engram_cfg, jax.random.PRNGKey(0))
+engram_cfg, engram_params = _preset_fixtures("tiny_v41_full", "engram")
 
 
 def _num_mappings() -> int | None:

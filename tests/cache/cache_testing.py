@@ -19,6 +19,13 @@ from cache.spec import (
 BASELINE = {"unhashed_blocks_to_front": False, "prefix_cache_retention_interval": None}
 
 
+def v4_rows(spec_type: type, block_size: int, row_bytes: int, **kw) -> KVCacheSpec:
+    """A one-head DeepSeek-V4 cache spec of ``row_bytes``-wide rows (uint8, aligned to 576
+    bytes, V4's model version unless ``kw`` names others)."""
+    kw = {"dtype": "uint8", "alignment": 576, "model_version": "deepseek_v4"} | kw
+    return spec_type(block_size=block_size, num_kv_heads=1, head_size=row_bytes, **kw)
+
+
 def full(block_size: int = 16) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype="bfloat16")
 

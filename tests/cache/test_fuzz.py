@@ -369,6 +369,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert 0.0 <= self.mgr.usage <= 1.0
 
     def check_tables(self) -> None:
+        """Every running request's tables are well formed (`check_group_table`), each block is
+        held in one group only with a valid hash (`check_block_hash`), and its ref count is the
+        number of table entries holding it."""
         coord = self.mgr.coordinator
         holders: dict[int, int] = {}
         group_of: dict[int, int] = {}
@@ -379,67 +382,75 @@ class AllocatorMachine(RuleBasedStateMachine):
             if not t.running:
                 assert not coord.has_request(rid), f"waiting request {rid} holds blocks"
                 continue
-            tab = self.table(rid)
-            req = t.req
-            for g, ids in enumerate(tab):
-                kind = self.kinds[g]
-                nonnull = [i for i in ids if i != NULL]
-                assert len(nonnull) == len(set(nonnull)), (
-                    f"{rid} group {g}: block twice in one table {ids}"
-                )
-                if kind == "ring":
-                    assert len(ids) == 1 and ids[0] != NULL, f"{rid}: ring table {ids}"
-                elif kind == "full":
-                    assert NULL not in ids, f"{rid}: null block in full group {g}: {ids}"
-                bs = self.managers[g].block_size
-                if kind != "ring":
-                    assert len(ids) * bs >= req.num_computed_tokens, (
-                        f"{rid} group {g}: {len(ids)} blocks of {bs} < "
-                        f"{req.num_computed_tokens} computed tokens"
-                    )
+            for g, ids in enumerate(self.table(rid)):
+                self.check_group_table(rid, t, g, ids)
                 for j, bid in enumerate(ids):
                     if bid == NULL:
                         continue
                     holders[bid] = holders.get(bid, 0) + 1
                     prev = group_of.setdefault(bid, g)
                     assert prev == g, f"block {bid} held in groups {prev} and {g}"
-                    blk = self.pool.blocks[bid]
-                    if blk.block_hash is not None:
-                        assert kind != "ring", f"ring block {bid} is hashed"
-                        valid = self.valid_keys(req, g, j)
-                        assert blk.block_hash in valid, (
-                            f"{rid} group {g} pos {j}: block {bid} hash {blk.block_hash!r} "
-                            f"is none of the request's keys there {list(valid)}"
-                        )
-                        assert blk.block_hash_num_tokens == valid[blk.block_hash], (
-                            f"block {bid}: block_hash_num_tokens {blk.block_hash_num_tokens}, "
-                            f"its key covers {valid[blk.block_hash]} tokens"
-                        )
-                        for extra in self.pool.cached_block_hashes_by_block.get(bid, ()):
-                            assert extra in valid, (
-                                f"{rid} group {g} pos {j}: block {bid} extra key {extra!r} "
-                                "is none of the request's keys there"
-                            )
-                if self.caching and kind == "full":
-                    # Final tokens were registered at the last allocation (hybrid layouts: up
-                    # to a scheduler-block boundary); a held block cannot be evicted, so every
-                    # such full block still carries its hash.
-                    sbs = self.mgr.scheduler_block_size
-                    for j in range(min(t.cached_upto // sbs * sbs // bs, len(ids))):
-                        blk = self.pool.blocks[ids[j]]
-                        assert blk.block_hash is not None, (
-                            f"{rid} group {g}: block {ids[j]} at pos {j} is not hashed though "
-                            f"{t.cached_upto} tokens were cached"
-                        )
-                ncached = self.managers[g].num_cached_block.get(rid, 0)
-                if kind != "ring":
-                    assert ncached * bs <= req.num_tokens, (
-                        f"{rid} group {g}: num_cached_block {ncached} beyond {req.num_tokens} tokens"
-                    )
+                    self.check_block_hash(rid, t.req, g, j, bid)
         for b in self.pool.blocks[1:]:
             assert b.ref_cnt == holders.get(b.block_id, 0), (
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
                 f"{holders.get(b.block_id, 0)} (request, group) table entries"
+            )
+
+    def check_group_table(self, rid: str, t, g: int, ids: list[int]) -> None:
+        """Request ``rid``'s table ``ids`` in group ``g``: no block twice, the group kind's shape,
+        enough blocks for the computed tokens, its cached prefix hashed, and no cached block
+        past its tokens."""
+        req, kind = t.req, self.kinds[g]
+        nonnull = [i for i in ids if i != NULL]
+        assert len(nonnull) == len(set(nonnull)), f"{rid} group {g}: block twice in one table {ids}"
+        if kind == "ring":
+            assert len(ids) == 1 and ids[0] != NULL, f"{rid}: ring table {ids}"
+        elif kind == "full":
+            assert NULL not in ids, f"{rid}: null block in full group {g}: {ids}"
+        bs = self.managers[g].block_size
+        if kind != "ring":
+            assert len(ids) * bs >= req.num_computed_tokens, (
+                f"{rid} group {g}: {len(ids)} blocks of {bs} < "
+                f"{req.num_computed_tokens} computed tokens"
+            )
+        if self.caching and kind == "full":
+            # Final tokens were registered at the last allocation (hybrid layouts: up
+            # to a scheduler-block boundary); a held block cannot be evicted, so every
+            # such full block still carries its hash.
+            sbs = self.mgr.scheduler_block_size
+            for j in range(min(t.cached_upto // sbs * sbs // bs, len(ids))):
+                blk = self.pool.blocks[ids[j]]
+                assert blk.block_hash is not None, (
+                    f"{rid} group {g}: block {ids[j]} at pos {j} is not hashed though "
+                    f"{t.cached_upto} tokens were cached"
+                )
+        ncached = self.managers[g].num_cached_block.get(rid, 0)
+        if kind != "ring":
+            assert ncached * bs <= req.num_tokens, (
+                f"{rid} group {g}: num_cached_block {ncached} beyond {req.num_tokens} tokens"
+            )
+
+    def check_block_hash(self, rid: str, req, g: int, j: int, bid: int) -> None:
+        """Block ``bid`` at position ``j`` of ``rid``'s group ``g``: if hashed (never a ring
+        block), its key and every extra key are ones the request has there."""
+        blk = self.pool.blocks[bid]
+        if blk.block_hash is None:
+            return
+        assert self.kinds[g] != "ring", f"ring block {bid} is hashed"
+        valid = self.valid_keys(req, g, j)
+        assert blk.block_hash in valid, (
+            f"{rid} group {g} pos {j}: block {bid} hash {blk.block_hash!r} "
+            f"is none of the request's keys there {list(valid)}"
+        )
+        assert blk.block_hash_num_tokens == valid[blk.block_hash], (
+            f"block {bid}: block_hash_num_tokens {blk.block_hash_num_tokens}, "
+            f"its key covers {valid[blk.block_hash]} tokens"
+        )
+        for extra in self.pool.cached_block_hashes_by_block.get(bid, ()):
+            assert extra in valid, (
+                f"{rid} group {g} pos {j}: block {bid} extra key {extra!r} "
+                "is none of the request's keys there"
             )
 
     def check_append_only(self) -> None:

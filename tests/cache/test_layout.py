@@ -3,6 +3,7 @@
 import types
 
 import pytest
+from cache_testing import v4_rows
 
 from cache.layout import (
     ModelCacheDesc,
@@ -178,29 +179,13 @@ def test_scenario_33_max_concurrency_hybrid():
 
 
 def _v40_mla(head, ratio, *, dtype="uint8", record=None):
-    return MLAAttentionSpec(
-        block_size=256,
-        num_kv_heads=1,
-        head_size=head,
-        dtype=dtype,
-        state_content_bytes=record,
-        tokens_per_state=ratio,
-        alignment=576,
-        model_version="deepseek_v4",
-    )
+    kw = {"dtype": dtype, "state_content_bytes": record, "tokens_per_state": ratio}
+    return v4_rows(MLAAttentionSpec, 256, head, **kw)
 
 
 def _v40_window(block, window, head, *, dtype="float32", record=None):
-    return SlidingWindowMLASpec(
-        block_size=block,
-        num_kv_heads=1,
-        head_size=head,
-        dtype=dtype,
-        state_content_bytes=record,
-        sliding_window=window,
-        alignment=576,
-        model_version="deepseek_v4",
-    )
+    kw = {"dtype": dtype, "state_content_bytes": record, "sliding_window": window}
+    return v4_rows(SlidingWindowMLASpec, block, head, **kw)
 
 
 def dsv4_flash_specs(*, with_mtp=True):
@@ -413,74 +398,27 @@ def test_desc_from_config_object_and_mapping():
     assert ModelCacheDesc.from_config(vars(cfg)) == ModelCacheDesc.from_config(cfg)
 
 
+def _plan(ratios, kv_sources, index_sources, layers, **more) -> dict:
+    """A layer plan's ModelCacheDesc fields: compress ratios, sources, layer count, the rest."""
+    return {
+        "compress_ratios": ratios,
+        "kv_source_layer_ids": kv_sources,
+        "index_source_layer_ids": index_sources,
+        "num_hidden_layers": layers,
+        **more,
+    }
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        (
-            {
-                "compress_ratios": (2, 2),
-                "kv_source_layer_ids": (1,),
-                "index_source_layer_ids": (1,),
-                "num_hidden_layers": 2,
-            },
-            "no kv source <= 0",
-        ),
-        (
-            {
-                "compress_ratios": (0, 2, 1),
-                "kv_source_layer_ids": (1,),
-                "index_source_layer_ids": (1,),
-                "num_hidden_layers": 3,
-            },
-            "ratios inside a sharing",
-        ),
-        (
-            {
-                "compress_ratios": (0, 2, 2, 1),
-                "kv_source_layer_ids": (1, 3),
-                "index_source_layer_ids": (1,),
-                "num_hidden_layers": 4,
-            },
-            "not index sources",
-        ),
-        (
-            {
-                "compress_ratios": (0, 3),
-                "kv_source_layer_ids": (1,),
-                "index_source_layer_ids": (1,),
-                "num_hidden_layers": 2,
-            },
-            "not in",
-        ),
-        (
-            {
-                "compress_ratios": (0, 2, 2),
-                "kv_source_layer_ids": (1,),
-                "index_source_layer_ids": (1,),
-                "num_hidden_layers": 2,
-                "num_draft_layers": 1,
-            },
-            "drafts must be 0",
-        ),
-        (
-            {
-                "compress_ratios": (0, 2),
-                "kv_source_layer_ids": (0,),
-                "index_source_layer_ids": (0, 1),
-                "num_hidden_layers": 2,
-            },
-            "compress ratio is 0",
-        ),
-        (
-            {
-                "compress_ratios": (0, 2),
-                "kv_source_layer_ids": (1,),
-                "index_source_layer_ids": (1,),
-                "num_hidden_layers": 2,
-                "block_size": 0,
-            },
-            "block_size=0",
-        ),
+        (_plan((2, 2), (1,), (1,), 2), "no kv source <= 0"),
+        (_plan((0, 2, 1), (1,), (1,), 3), "ratios inside a sharing"),
+        (_plan((0, 2, 2, 1), (1, 3), (1,), 4), "not index sources"),
+        (_plan((0, 3), (1,), (1,), 2), "not in"),
+        (_plan((0, 2, 2), (1,), (1,), 2, num_draft_layers=1), "drafts must be 0"),
+        (_plan((0, 2), (0,), (0, 1), 2), "compress ratio is 0"),
+        (_plan((0, 2), (1,), (1,), 2, block_size=0), "block_size=0"),
     ],
 )
 def test_desc_rejects_ungroupable_layer_plans(changes, message):

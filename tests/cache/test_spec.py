@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+from cache_testing import v4_rows
 
 from cache.spec import (
     ChunkedLocalAttentionSpec,
@@ -44,30 +45,13 @@ def indexer(r, *, block_size, key=132, alignment=576):
 
 def _v4_rows(r, block_size, row_bytes, alignment, **kw):
     """A V4 MLA-format cache of uint8 rows, one per ``r`` tokens."""
-    return MLAAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=row_bytes,
-        dtype="uint8",
-        tokens_per_state=r,
-        alignment=alignment,
-        model_version="deepseek_v4",
-        **kw,
-    )
+    kw |= {"tokens_per_state": r, "alignment": alignment}
+    return v4_rows(MLAAttentionSpec, block_size, row_bytes, **kw)
 
 
 def swa_mla(*, block_size=32, record=584, alignment=576, window=128, **kw):
-    kw = {"model_version": "deepseek_v4"} | kw
-    return SlidingWindowMLASpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=record,
-        dtype="uint8",
-        state_content_bytes=record,
-        sliding_window=window,
-        alignment=alignment,
-        **kw,
-    )
+    kw |= {"state_content_bytes": record, "sliding_window": window, "alignment": alignment}
+    return v4_rows(SlidingWindowMLASpec, block_size, record, **kw)
 
 
 # --- page sizes ------------------------------------------------------------------------------

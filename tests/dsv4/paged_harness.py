@@ -50,6 +50,20 @@ class Seq:
         return int(self.tokens[position]) if position < len(self.tokens) else END_TOKEN
 
 
+def shared_prefix_seqs(rng: np.random.Generator, n: int, prefix_len: int, lengths: tuple[int, int]):
+    """``n`` sequences of lengths drawn from ``[lengths[0], lengths[1])`` behind one shared
+    prefix of ``prefix_len`` tokens (prefix hits); odd ones prompt part-way past the prefix,
+    even ones are all prompt."""
+    prefix = rng.integers(3, 300, prefix_len)
+    seqs = []
+    for i in range(n):
+        length = int(rng.integers(*lengths))
+        tokens = np.concatenate([prefix, rng.integers(3, 300, length - prefix_len)])
+        prompt = int(rng.integers(prefix_len + 1, length)) if i % 2 else length
+        seqs.append(Seq(i, tokens.astype(np.int32), prompt))
+    return seqs
+
+
 @dataclasses.dataclass
 class ScheduleStats:
     """What the schedules of one harness exercised (summed over its `random_schedule` calls)."""

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from released_tensors import BF16, E8M0, F8, block, experts
 
 from dsv4 import dspark, reference
 from dsv4.config import tiny_v41, v41_flash
@@ -105,49 +106,10 @@ def scratch(params, h, next_token, lengths):
 
 
 # -- parameters and checkpoint names ----------------------------------------------------------------
+# V4.1-Flash's 3 drafter stages: the released block with 128 experts of width 2304
+# (`released_tensors.py`); the first stage adds the main projection, the last the heads
+# (markov rank 256)
 
-F8, E8M0, I8, BF16, F32 = "F8_E4M3", "F8_E8M0", "I8", "BF16", "F32"
-# V4.1-Flash: dim 5120, 64 heads x 512, q rank 1280, 8 x 1024 output groups, 128 drafter
-# experts of width 2304, 3 target layers, markov rank 256; fp8 scales per 32 x 32 tile
-STAGE = {
-    "attn_norm.weight": (BF16, (5120,)),
-    "ffn_norm.weight": (BF16, (5120,)),
-    "hc_attn_fn": (F32, (24, 20480)),
-    "hc_attn_base": (F32, (24,)),
-    "hc_attn_scale": (F32, (3,)),
-    "hc_ffn_fn": (F32, (24, 20480)),
-    "hc_ffn_base": (F32, (24,)),
-    "hc_ffn_scale": (F32, (3,)),
-    "attn.wq_a.weight": (F8, (1280, 5120)),
-    "attn.wq_a.scale": (E8M0, (40, 160)),
-    "attn.q_norm.weight": (BF16, (1280,)),
-    "attn.wq_b.weight": (F8, (32768, 1280)),
-    "attn.wq_b.scale": (E8M0, (1024, 40)),
-    "attn.wkv.weight": (F8, (512, 5120)),
-    "attn.wkv.scale": (E8M0, (16, 160)),
-    "attn.kv_norm.weight": (BF16, (512,)),
-    "attn.wo_a.weight": (F8, (8192, 4096)),
-    "attn.wo_a.scale": (E8M0, (256, 128)),
-    "attn.wo_b.weight": (F8, (5120, 8192)),
-    "attn.wo_b.scale": (E8M0, (160, 256)),
-    "attn.attn_sink": (F32, (64,)),
-    "ffn.gate.weight": (BF16, (128, 5120)),
-    "ffn.gate.bias": (F32, (128,)),
-    "ffn.shared_experts.w1.weight": (F8, (2304, 5120)),
-    "ffn.shared_experts.w1.scale": (E8M0, (72, 160)),
-    "ffn.shared_experts.w3.weight": (F8, (2304, 5120)),
-    "ffn.shared_experts.w3.scale": (E8M0, (72, 160)),
-    "ffn.shared_experts.w2.weight": (F8, (5120, 2304)),
-    "ffn.shared_experts.w2.scale": (E8M0, (160, 72)),
-}
-EXPERT = {
-    "w1.weight": (I8, (2304, 2560)),
-    "w1.scale": (E8M0, (2304, 160)),
-    "w3.weight": (I8, (2304, 2560)),
-    "w3.scale": (E8M0, (2304, 160)),
-    "w2.weight": (I8, (5120, 1152)),
-    "w2.scale": (E8M0, (5120, 72)),
-}
 FIRST_STAGE = {
     "main_proj.weight": (F8, (5120, 15360)),
     "main_proj.scale": (E8M0, (160, 480)),
@@ -164,9 +126,7 @@ LAST_STAGE = {
 def released_mtp() -> dict[str, tuple[str, tuple[int, ...]]]:
     out = {}
     for i in range(3):
-        extra = dict(STAGE)
-        for e in range(128):
-            extra |= {f"ffn.experts.{e}.{k}": v for k, v in EXPERT.items()}
+        extra = block(128) | experts(128)  # 128 drafter experts, 3 target layers
         if i == 0:
             extra |= FIRST_STAGE
         if i == 2:

@@ -342,17 +342,12 @@ def test_paged_step_with_engram_matches_reference(engram_params, engram_cfg):
     """Random schedules through the real scheduler in a pool small enough to preempt: chunks
     cut anywhere, prefix hits of a shared 40-token prefix (the n-gram history before a hit comes
     from the prompt tokens), drafts accepted and rejected; DEAD tokens inside the sequences."""
-    from paged_harness import Harness, Seq, random_schedule
+    from paged_harness import Harness, random_schedule, shared_prefix_seqs
 
     from dsv4.paged import records as R
 
     rng = np.random.default_rng(11)
-    prefix = rng.integers(3, 300, 40)
-    seqs = []
-    for i in range(4):
-        length = int(rng.integers(48, 65))
-        tokens = np.concatenate([prefix, rng.integers(3, 300, length - 40)]).astype(np.int32)
-        seqs.append(Seq(i, tokens, int(rng.integers(41, length)) if i % 2 else length))
+    seqs = shared_prefix_seqs(rng, 4, 40, (48, 65))
     width = 64
     toks = np.zeros((len(seqs), width), np.int32)
     for i, s in enumerate(seqs):

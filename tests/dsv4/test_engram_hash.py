@@ -50,14 +50,8 @@ def test_primes_offsets_multipliers():
 def test_released_table_sizes():
     """V4.1-Flash's config: engram_num_embeddings [384006168, 384016682] for layers 1 and 14
     (8 heads, n-grams up to 4, engram_vocab_size 16M): the sums of the primes drawn here."""
-    h = EngramHashing.build(
-        layer_ids=(1, 14),
-        max_ngram_size=4,
-        n_heads=8,
-        engram_vocab_size=16_000_000,
-        compressed_vocab_size=99092,
-        pad_id=2,
-    )
+    released = dict(n_heads=8, engram_vocab_size=16_000_000, compressed_vocab_size=99092)
+    h = EngramHashing.build(**(SMALL | released))
     assert h.table_rows() == (384006168, 384016682)
     assert h.num_columns == 24
 

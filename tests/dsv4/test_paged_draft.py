@@ -26,7 +26,6 @@ from dsv4 import dspark
 from dsv4 import layers as L
 from dsv4.paged import pools as P
 from dsv4.paged import records as R
-from dsv4.paged.batch import build_batch
 from dsv4.paged.draft import draft_cache_names, draft_paged, seed_drafter
 from dsv4.paged.step import paged_forward_streams
 from tests.dspark_scratch import reference_streams, scratch_blocks
@@ -68,15 +67,7 @@ class DraftHarness(Harness):
 
     def run(self, step_requests):
         cfg, layout = self.cfg, self.layout
-        batch = build_batch(
-            step_requests,
-            self.config,
-            max_model_len=self.max_model_len,
-            token_buckets=self.token_buckets,
-            request_buckets=self.request_buckets,
-            debug=True,
-            engram_lookback=cfg.engram_lookback,
-        )
+        batch = self.batch(step_requests)
         rows = batch.seq_lens.shape[0]
         start = np.zeros(rows, np.int32)
         nxt = np.zeros(rows, np.int32)

@@ -162,7 +162,14 @@ def test_prefix_hits_and_preemption_are_exercised(tiny_params, tiny_cfg):
     assert max(h.stats.prefix_hits) >= 32, h.stats
 
 
-def _diffs(h: Harness, ref) -> np.ndarray:
+def _diffs(params, cfg, formats) -> np.ndarray:
+    """Max-abs logit differences from the reference of every position of one seeded schedule
+    (3 sequences, 149 positions) run in ``formats``; all finite."""
+    rng = np.random.default_rng(2)
+    seqs = make_seqs(cfg, rng, 3)
+    ref = reference_logits(params, cfg, seqs)
+    h = Harness(cfg, params, formats)
+    random_schedule(h, seqs, rng)
     d = np.array([np.abs(v - ref[sid, p]).max() for (sid, p), v in h.logits.items()])
     assert np.isfinite(d).all()
     return d
@@ -173,12 +180,7 @@ def test_bf16_records(tiny_params, tiny_cfg):
     activations stay fp32. Measured on this schedule (149 positions): median max-abs logit
     difference 0.014, mean 0.087, max 1.86 where rounding flips a top-k selection; bounded here
     at median 0.05 and mean 0.25."""
-    rng = np.random.default_rng(2)
-    seqs = make_seqs(tiny_cfg, rng, 3)
-    ref = reference_logits(tiny_params, tiny_cfg, seqs)
-    h = Harness(tiny_cfg, tiny_params, R.CacheFormats.BF16)
-    random_schedule(h, seqs, rng)
-    d = _diffs(h, ref)
+    d = _diffs(tiny_params, tiny_cfg, R.CacheFormats.BF16)
     assert np.median(d) < 0.05 and d.mean() < 0.25, (np.median(d), d.mean())
 
 
@@ -264,13 +266,7 @@ def test_released_records_match_quant_sim(tiny_params, tiny_cfg):
     earlier measurement saw 5% of positions up to 0.83 off, where a rounding-order difference
     between chunk shapes flips one quantisation step (see test_model_math), hence the bounds:
     median 1e-5, at most 20% of positions above 1e-3, max 2."""
-    cfg = tiny_cfg.replace(quant_sim=True)
-    rng = np.random.default_rng(2)
-    seqs = make_seqs(cfg, rng, 3)
-    ref = reference_logits(tiny_params, cfg, seqs)
-    h = Harness(cfg, tiny_params, R.CacheFormats.RELEASED)
-    random_schedule(h, seqs, rng)
-    d = _diffs(h, ref)
+    d = _diffs(tiny_params, tiny_cfg.replace(quant_sim=True), R.CacheFormats.RELEASED)
     assert np.median(d) < 1e-5 and (d > 1e-3).mean() < 0.2 and d.max() < 2.0, (
         np.median(d),
         (d > 1e-3).mean(),

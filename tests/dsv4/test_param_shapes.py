@@ -1,12 +1,11 @@
 """The V4.1-Flash params have exactly the released checkpoint's backbone and Engram tensors.
 
-The expected table below is written out by hand from the released V4.1-Flash checkpoint
+The expected tables are written out by hand from the released V4.1-Flash checkpoint
 (`docs/model.md#checkpoint-format`; names, dtypes, stored shapes; scale shapes for 32 x 32
-blocks, Engram table scales
-per 32 values of a row), not derived from ``dsv4.params``. The DSpark drafter's ``mtp.*`` have
-their own hand-written table in ``test_dspark.py``; the vision tower and ``ffn.gate.bias_vl`` are
-not modelled. Shapes come from ``jax.eval_shape``, so nothing of the 763B parameters is
-allocated.
+blocks, Engram table scales per 32 values of a row), not derived from ``dsv4.params``; the
+per-block table, shared with the DSpark drafter's test (``test_dspark.py``), is in
+``released_tensors.py``. The vision tower and ``ffn.gate.bias_vl`` are not modelled. Shapes come
+from ``jax.eval_shape``, so nothing of the 763B parameters is allocated.
 """
 
 from __future__ import annotations
@@ -17,12 +16,12 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
+from released_tensors import BF16, E8M0, F8, F32, I8, block, experts
 
 from benchmarks import param_count
 from dsv4.config import tiny_v41, v41_flash
 from dsv4.params import abstract_params, checkpoint_tensors, count_params
 
-F8, E8M0, I8, BF16, F32 = "F8_E4M3", "F8_E8M0", "I8", "BF16", "F32"
 N_LAYERS, N_EXPERTS = 40, 384
 KV_SOURCES_RATIO2 = (2, 8, 14)  # compressor with wgate
 KV_SOURCES_RATIO1 = (20,)  # compressor without wgate
@@ -32,45 +31,6 @@ GLOBAL = {
     "embed.weight": (BF16, (129280, 5120)),
     "head.weight": (BF16, (129280, 5120)),
     "norm.weight": (BF16, (5120,)),
-}
-EVERY_LAYER = {
-    "attn_norm.weight": (BF16, (5120,)),
-    "ffn_norm.weight": (BF16, (5120,)),
-    "hc_attn_fn": (F32, (24, 20480)),
-    "hc_attn_base": (F32, (24,)),
-    "hc_attn_scale": (F32, (3,)),
-    "hc_ffn_fn": (F32, (24, 20480)),
-    "hc_ffn_base": (F32, (24,)),
-    "hc_ffn_scale": (F32, (3,)),
-    "attn.wq_a.weight": (F8, (1280, 5120)),
-    "attn.wq_a.scale": (E8M0, (40, 160)),
-    "attn.q_norm.weight": (BF16, (1280,)),
-    "attn.wq_b.weight": (F8, (32768, 1280)),
-    "attn.wq_b.scale": (E8M0, (1024, 40)),
-    "attn.wkv.weight": (F8, (512, 5120)),
-    "attn.wkv.scale": (E8M0, (16, 160)),
-    "attn.kv_norm.weight": (BF16, (512,)),
-    "attn.wo_a.weight": (F8, (8192, 4096)),
-    "attn.wo_a.scale": (E8M0, (256, 128)),
-    "attn.wo_b.weight": (F8, (5120, 8192)),
-    "attn.wo_b.scale": (E8M0, (160, 256)),
-    "attn.attn_sink": (F32, (64,)),
-    "ffn.gate.weight": (BF16, (384, 5120)),
-    "ffn.gate.bias": (F32, (384,)),
-    "ffn.shared_experts.w1.weight": (F8, (2304, 5120)),
-    "ffn.shared_experts.w1.scale": (E8M0, (72, 160)),
-    "ffn.shared_experts.w3.weight": (F8, (2304, 5120)),
-    "ffn.shared_experts.w3.scale": (E8M0, (72, 160)),
-    "ffn.shared_experts.w2.weight": (F8, (5120, 2304)),
-    "ffn.shared_experts.w2.scale": (E8M0, (160, 72)),
-}
-EVERY_EXPERT = {
-    "w1.weight": (I8, (2304, 2560)),
-    "w1.scale": (E8M0, (2304, 160)),
-    "w3.weight": (I8, (2304, 2560)),
-    "w3.scale": (E8M0, (2304, 160)),
-    "w2.weight": (I8, (5120, 1152)),
-    "w2.scale": (E8M0, (5120, 72)),
 }
 KV_SOURCE = {
     "attn.compressor.wkv.weight": (BF16, (512, 5120)),
@@ -109,15 +69,14 @@ def released_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
     stored shape)."""
     out = dict(GLOBAL) | engram_tensors()
     for layer in range(N_LAYERS):
-        extra = dict(EVERY_LAYER)
+        extra = block(N_EXPERTS)
         if layer in KV_SOURCES_RATIO2 + KV_SOURCES_RATIO1:
             extra |= KV_SOURCE
         if layer in KV_SOURCES_RATIO2:
             extra |= RATIO2_GATE
         if layer in KV_SOURCES_RATIO2 + KV_SOURCES_RATIO1 + REINDEX:
             extra |= INDEX_SOURCE
-        for e in range(N_EXPERTS):
-            extra |= {f"ffn.experts.{e}.{k}": v for k, v in EVERY_EXPERT.items()}
+        extra |= experts(N_EXPERTS)
         out |= {f"layers.{layer}.{k}": v for k, v in extra.items()}
     return out
 

@@ -335,19 +335,14 @@ def test_paged_step_identical(engram_cfg, both):
     """The paged step (Engram on device, the real scheduler's chunked prefill, prefix hits,
     preemption and drafts, `tests/dsv4/paged_harness.py`) on the same seeded schedule: every
     token's logits bit-identical."""
-    from paged_harness import Harness, Seq, random_schedule
+    from paged_harness import Harness, random_schedule, shared_prefix_seqs
 
     from dsv4.paged import records as R
 
     logits = []
     for params in both:
         rng = np.random.default_rng(11)
-        prefix = rng.integers(3, 300, 24)
-        seqs = []
-        for i in range(3):
-            length = int(rng.integers(32, 49))
-            tokens = np.concatenate([prefix, rng.integers(3, 300, length - 24)]).astype(np.int32)
-            seqs.append(Seq(i, tokens, int(rng.integers(25, length)) if i % 2 else length))
+        seqs = shared_prefix_seqs(rng, 3, 24, (32, 49))
         h = Harness(engram_cfg, params, R.CacheFormats.EXACT, num_blocks=32,
                     request_buckets=(8,), num_speculative_tokens=2)  # fmt: skip
         random_schedule(h, seqs, rng, spec_k=2, max_running=4)
@@ -386,8 +381,8 @@ def test_llm_from_a_checkpoint_generates_the_same_tokens(saved):
 
 _SHARDED = textwrap.dedent(
     """
-    import jax, jax.numpy as jnp, numpy as np
-    from dsv4 import qweights, reference, sharding
+    import jax
+    from dsv4 import qweights, sharding
     from dsv4.config import tiny_v41_full
     from dsv4.params import init_params
 

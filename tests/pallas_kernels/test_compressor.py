@@ -10,17 +10,10 @@ rows that the step must not touch are NaN, so a stray read or write shows.
 
 from __future__ import annotations
 
+import aot
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import (
-    compile_for_h100,
-    compile_for_tpu,
-    lower_for_gpu,
-    lower_for_tpu,
-    requires_cuda_plugin,
-    requires_libtpu,
-)
 
 from pallas_kernels.compressor import compressor
 
@@ -42,52 +35,19 @@ def make_step(
 ):
     """One ragged step plus each request's raw history (for the oracle)."""
     rng = np.random.default_rng(seed)
-    r = len(chunks)
     width = 2 * d if ratio == 2 else d
     hist = [rng.standard_normal((p0 + n, width)).astype(np.float32) for p0, n, _ in chunks]
     if ratio == 2:
         for h in hist:
             h[:, d:] *= 2.0  # gate logits with some spread
-    rows, token_req, positions, qsl = [], [], [], [0]
-    for i, (p0, n, _) in enumerate(chunks):
-        rows.append(hist[i][p0 : p0 + n])
-        token_req += [i] * n
-        positions += list(range(p0, p0 + n))
-        qsl.append(qsl[-1] + n)
-    rows.append(np.full((pad_tokens, width), np.nan, np.float32))
-    token_req += [0] * pad_tokens
-    positions += [-1] * pad_tokens
-    t = len(positions)
-
-    max_entries = max((p0 + n) // ratio for p0, n, _ in chunks) + 1
-    nb = -(-max_entries // e)
-    num_pages = 1 + r * nb + 2
-    perm = rng.permutation(np.arange(1, num_pages))
-    tables = perm[: r * nb].reshape(r, nb).astype(np.int32)
-    comp_pages = np.full((num_pages, e, d), np.nan, np.float32)
-    comp_slot = np.full(t, -1, np.int32)
-    for i in range(t):
-        p = positions[i]
-        if p >= 0 and (p + 1) % ratio == 0:
-            j = p // ratio
-            comp_slot[i] = tables[token_req[i], j // e] * e + j % e
-
-    ring_block = ring_pages = None
-    if ratio == 2:
-        ring_pages = np.full((r + 3, cap, 2 * d), np.nan, np.float32)
-        ring_block = np.zeros(r, np.int32)
-        ring_ids = rng.permutation(np.arange(1, r + 3))
-        for i, (p0, _n, has_ring) in enumerate(chunks):
-            if not has_ring:
-                continue
-            ring_block[i] = ring_ids[i]
-            for p in range(max(0, p0 - cap), p0):  # what earlier steps left in the ring
-                ring_pages[ring_block[i], p % cap] = hist[i][p]
+    rows, token_req, positions, qsl = _ragged_rows(hist, chunks, pad_tokens)
+    comp_pages, comp_slot = _compressed_slots(rng, chunks, token_req, positions, ratio, e, d)
+    ring_block, ring_pages = _ring(rng, hist, chunks, cap, d) if ratio == 2 else (None, None)
     half = rope // 2
     inv_freq = (1.0 / (10000.0 ** (np.arange(half) / half))).astype(np.float32)
     norm_weight = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     args = dict(
-        kv=jnp.asarray(np.concatenate(rows), dtype if ratio == 1 else jnp.float32),
+        kv=jnp.asarray(rows, dtype if ratio == 1 else jnp.float32),
         token_req=jnp.asarray(token_req, jnp.int32),
         positions=jnp.asarray(positions, jnp.int32),
         query_start_loc=jnp.asarray(qsl, jnp.int32),
@@ -99,6 +59,55 @@ def make_step(
         ring_pages=None if ring_pages is None else jnp.asarray(ring_pages),
     )
     return args, hist
+
+
+def _ragged_rows(hist, chunks, pad_tokens):
+    """The step's raw rows (each chunk's, then ``pad_tokens`` NaN padding rows), their
+    requests, positions (-1: padding) and ``query_start_loc``."""
+    rows, token_req, positions, qsl = [], [], [], [0]
+    for i, (p0, n, _) in enumerate(chunks):
+        rows.append(hist[i][p0 : p0 + n])
+        token_req += [i] * n
+        positions += list(range(p0, p0 + n))
+        qsl.append(qsl[-1] + n)
+    rows.append(np.full((pad_tokens, hist[0].shape[1]), np.nan, np.float32))
+    token_req += [0] * pad_tokens
+    positions += [-1] * pad_tokens
+    return np.concatenate(rows), token_req, positions, qsl
+
+
+def _compressed_slots(rng, chunks, token_req, positions, ratio, e, d):
+    """NaN compressed pages of ``e`` entries behind shuffled block tables, and the slot each
+    token closing a group of ``ratio`` writes (-1: none)."""
+    r = len(chunks)
+    max_entries = max((p0 + n) // ratio for p0, n, _ in chunks) + 1
+    nb = -(-max_entries // e)
+    num_pages = 1 + r * nb + 2
+    perm = rng.permutation(np.arange(1, num_pages))
+    tables = perm[: r * nb].reshape(r, nb).astype(np.int32)
+    comp_pages = np.full((num_pages, e, d), np.nan, np.float32)
+    comp_slot = np.full(len(positions), -1, np.int32)
+    for i, p in enumerate(positions):
+        if p >= 0 and (p + 1) % ratio == 0:
+            j = p // ratio
+            comp_slot[i] = tables[token_req[i], j // e] * e + j % e
+    return comp_pages, comp_slot
+
+
+def _ring(rng, hist, chunks, cap, d):
+    """Ratio 2's ring of ``cap`` raw rows per request (NaN but for what earlier steps left in
+    the rings of the requests that have one) and each request's ring block."""
+    r = len(chunks)
+    ring_pages = np.full((r + 3, cap, 2 * d), np.nan, np.float32)
+    ring_block = np.zeros(r, np.int32)
+    ring_ids = rng.permutation(np.arange(1, r + 3))
+    for i, (p0, _n, has_ring) in enumerate(chunks):
+        if not has_ring:
+            continue
+        ring_block[i] = ring_ids[i]
+        for p in range(max(0, p0 - cap), p0):  # what earlier steps left in the ring
+            ring_pages[ring_block[i], p % cap] = hist[i][p]
+    return ring_block, ring_pages
 
 
 def oracle(args, hist, chunks, *, ratio):
@@ -235,14 +244,22 @@ def test_tpu_kernel_long_chunk_rereads_ring_before_overwriting_it():
     run_and_check([(9, 11, True), (3, 1, True)], ratio=2, impl="gpu", interpret=True)
 
 
-@pytest.mark.parametrize("what", ["slot", "ring"])
-def test_tpu_checking_interpreter_raises_on_bad_block(what):
+def _bad_block(what: str, ring_past: int) -> dict:
+    """A ratio-2 step whose compressed slots (``what="slot"``) point past the pages, or whose
+    ring blocks (``"ring"``) point ``ring_past`` rows past the ring's last block."""
     args, _ = make_step([(3, 4, True)], ratio=2)
     if what == "slot":
         p, e, _ = args["comp_pages"].shape
         args["comp_slot"] = jnp.where(args["comp_slot"] >= 0, p * e + 1, -1)
     else:
-        args["ring_block"] = jnp.full_like(args["ring_block"], args["ring_pages"].shape[0] + 2)
+        ring_block = args["ring_pages"].shape[0] + ring_past
+        args["ring_block"] = jnp.full_like(args["ring_block"], ring_block)
+    return args
+
+
+@pytest.mark.parametrize("what", ["slot", "ring"])
+def test_tpu_checking_interpreter_raises_on_bad_block(what):
+    args = _bad_block(what, ring_past=2)
     with pytest.raises(Exception, match=r"[Oo]ut.of.bounds"):
         latent, pages, ring = compressor(
             **args, ratio=2, eps=EPS, impl="tpu", interpret=checking_interpreter()
@@ -287,37 +304,30 @@ def _released_fn(ratio, impl):
     return lambda a: compressor(**a, ratio=ratio, eps=EPS, impl=impl)
 
 
-@requires_libtpu
+@aot.requires_libtpu
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_tpu_compiles_at_released_shapes(ratio, topology):
-    compile_for_tpu(_released_fn(ratio, "tpu"), _released(ratio), topology=topology)
+    aot.compile_for_tpu(_released_fn(ratio, "tpu"), _released(ratio), topology=topology)
 
 
-@requires_cuda_plugin
+@aot.requires_cuda_plugin
 @pytest.mark.parametrize("record", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_h100_compiles_at_released_shapes(ratio, record):
-    compile_for_h100(_released_fn(ratio, "gpu"), _released(ratio, record))
+    aot.compile_for_h100(_released_fn(ratio, "gpu"), _released(ratio, record))
 
 
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_lowers_at_released_shapes(ratio):
-    assert "tpu_custom_call" in lower_for_tpu(_released_fn(ratio, "tpu"), _released(ratio))
-    assert "triton" in lower_for_gpu(_released_fn(ratio, "gpu"), _released(ratio, jnp.bfloat16))
+    assert "tpu_custom_call" in aot.lower_for_tpu(_released_fn(ratio, "tpu"), _released(ratio))
+    assert "triton" in aot.lower_for_gpu(_released_fn(ratio, "gpu"), _released(ratio, jnp.bfloat16))
 
 
 @pytest.mark.parametrize("what", ["slot", "ring"])
 def test_debug_check_raises_on_bad_block(what):
-    args, _ = make_step([(3, 4, True)], ratio=2)
-    if what == "slot":
-        p, e, _ = args["comp_pages"].shape
-        args["comp_slot"] = jnp.where(args["comp_slot"] >= 0, p * e + 1, -1)
-        match = "comp_slot"
-    else:
-        args["ring_block"] = jnp.full_like(args["ring_block"], args["ring_pages"].shape[0])
-        match = "ring_block"
-    with pytest.raises(Exception, match=match):
+    args = _bad_block(what, ring_past=0)
+    with pytest.raises(Exception, match="comp_slot" if what == "slot" else "ring_block"):
         compressor(**args, ratio=2, eps=EPS, impl="reference", debug=True)
 
 

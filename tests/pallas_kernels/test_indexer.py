@@ -10,17 +10,10 @@ picks (tolerance stated at the checker).
 
 from __future__ import annotations
 
+import aot
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import (
-    compile_for_h100,
-    compile_for_tpu,
-    lower_for_gpu,
-    lower_for_tpu,
-    requires_cuda_plugin,
-    requires_libtpu,
-)
 from indexer_cases import (
     RELEASED_MODES,
     indexer_fn,
@@ -165,11 +158,16 @@ SCENARIOS = {
 }
 
 
+def _reference(case, **kw):
+    """The reference top-k of a case at its own page size."""
+    return indexer_topk(*args_of(case), entries_per_block=case["e"], k=K, impl="reference", **kw)
+
+
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_reference_topk_matches_dense_model(name):
     entries, vis = SCENARIOS[name]
     case = make_case(entries, vis, seed=1)
-    got = indexer_topk(*args_of(case), entries_per_block=case["e"], k=K, impl="reference")
+    got = _reference(case)
     scores, v = oracle_scores(case)
     want = dense.topk_indices(scores, v, K)
     check_exact(got, want, K)
@@ -177,7 +175,7 @@ def test_reference_topk_matches_dense_model(name):
 
 def test_reference_float_scores_match_dense_model():
     case = make_case([40, 17], [[40, 39], [5, 17]], integer=False, seed=2)
-    got = indexer_topk(*args_of(case), entries_per_block=case["e"], k=K, impl="reference")
+    got = _reference(case)
     scores, v = oracle_scores(case)
     check_close(got, dense.topk_indices(scores, v, K), scores, 1e-5)
 
@@ -187,14 +185,7 @@ def test_reference_candidate_source_and_consumer(name):
     entries, vis = SCENARIOS[name]
     bs, cb = 4, 3
     src = make_case(entries, vis, seed=3)
-    topk, blocks = indexer_topk(
-        *args_of(src),
-        entries_per_block=src["e"],
-        k=K,
-        candidate_block_size=bs,
-        candidate_topk_blocks=cb,
-        impl="reference",
-    )
+    topk, blocks = _reference(src, candidate_block_size=bs, candidate_topk_blocks=cb)
     scores, v = oracle_scores(src)
     n = scores.shape[1]
     check_exact(topk, dense.topk_indices(scores, v, K), K)  # the source's own top-k is unmasked
@@ -211,14 +202,7 @@ def test_reference_candidate_source_and_consumer(name):
             if key in ("qi", "weights")
         }
     )
-    got = indexer_topk(
-        *args_of(con),
-        entries_per_block=con["e"],
-        k=K,
-        candidate_block_size=bs,
-        candidates=blocks,
-        impl="reference",
-    )
+    got = _reference(con, candidate_block_size=bs, candidates=blocks)
     cscores, _ = oracle_scores(con)
     masked = jnp.where(jnp.asarray(want_mask), cscores, -jnp.inf)
     check_exact(got, dense.topk_indices(masked, v, K), K)
@@ -226,14 +210,7 @@ def test_reference_candidate_source_and_consumer(name):
 
 def test_reference_all_invalid_rows_are_minus_one():
     case = make_case([6, 0], [[0, -1], [0]], seed=5)
-    topk, blocks = indexer_topk(
-        *args_of(case),
-        entries_per_block=case["e"],
-        k=K,
-        candidate_block_size=4,
-        candidate_topk_blocks=2,
-        impl="reference",
-    )
+    topk, blocks = _reference(case, candidate_block_size=4, candidate_topk_blocks=2)
     assert np.all(np.asarray(topk) == -1) and np.all(np.asarray(blocks) == -1)
 
 
@@ -242,13 +219,7 @@ def test_reference_rejects_bad_arguments():
     with pytest.raises(ValueError, match="entries_per_block=3"):
         indexer_topk(*args_of(case), entries_per_block=3, k=K, impl="reference")
     with pytest.raises(ValueError, match="candidate_block_size"):
-        indexer_topk(
-            *args_of(case),
-            entries_per_block=case["e"],
-            k=K,
-            candidate_topk_blocks=2,
-            impl="reference",
-        )
+        _reference(case, candidate_topk_blocks=2)
     with pytest.raises(ValueError, match="impl="):
         indexer_topk(*args_of(case), entries_per_block=case["e"], k=K, impl="cuda")
 
@@ -346,19 +317,19 @@ def test_tpu_checking_interpreter_raises_on_bad_block():
 # (ratio 1) or 32 (ratio 2) entries; 8 decode tokens over a 128K-token context, and one at 1M.
 
 
-@requires_libtpu
+@aot.requires_libtpu
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_tpu_compiles_at_released_shapes(mode, topology):
-    compile_for_tpu(indexer_fn(mode, "tpu"), *indexer_released(mode), topology=topology)
+    aot.compile_for_tpu(indexer_fn(mode, "tpu"), *indexer_released(mode), topology=topology)
 
 
-@requires_libtpu
+@aot.requires_libtpu
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
 def test_tpu_compiles_at_1m_context(topology):
     """16 decode tokens of 16 requests over 1M-entry contexts (4 GiB of keys; v5e has 16): 4 MiB
     of scores per token in VMEM, one 16384-page table row in SMEM."""
-    compile_for_tpu(
+    aot.compile_for_tpu(
         indexer_fn("source-r1", "tpu"),
         *indexer_released("source-r1", 16, 1024 * 1024),
         topology=topology,
@@ -367,20 +338,20 @@ def test_tpu_compiles_at_1m_context(topology):
 
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_tpu_lowers_at_released_shapes(mode):
-    assert "tpu_custom_call" in lower_for_tpu(
+    assert "tpu_custom_call" in aot.lower_for_tpu(
         indexer_fn(mode, "tpu"), *indexer_released(mode), device_kind="TPU v5 lite"
     )
 
 
-@requires_cuda_plugin
+@aot.requires_cuda_plugin
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_h100_compiles_at_released_shapes(mode):
-    compile_for_h100(indexer_fn(mode, "gpu"), *indexer_released(mode))
+    aot.compile_for_h100(indexer_fn(mode, "gpu"), *indexer_released(mode))
 
 
 @pytest.mark.parametrize("mode", sorted(RELEASED_MODES))
 def test_gpu_lowers_at_released_shapes(mode):
-    assert "triton" in lower_for_gpu(indexer_fn(mode, "gpu"), *indexer_released(mode))
+    assert "triton" in aot.lower_for_gpu(indexer_fn(mode, "gpu"), *indexer_released(mode))
 
 
 def test_debug_check_raises_on_bad_block():

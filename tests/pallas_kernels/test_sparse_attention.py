@@ -8,19 +8,11 @@ from __future__ import annotations
 
 import functools
 
+import aot
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import (
-    TPU_TOPOLOGIES,
-    compile_for_h100,
-    compile_for_tpu,
-    lower_for_gpu,
-    lower_for_tpu,
-    requires_cuda_plugin,
-    requires_libtpu,
-)
 from paged_cases import (
     checking_tpu_interpreter,
     cpu_only,
@@ -215,7 +207,7 @@ RELEASED_CASES = {
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
 def test_tpu_kernel_lowers(kind):
     t, r, dtype, e, state = RELEASED_CASES["decode-ratio1"]
-    text = lower_for_tpu(
+    text = aot.lower_for_tpu(
         sparse_entry("tpu", e), *sparse_released(t, r, dtype, e, state), device_kind=kind
     )
     assert "tpu_custom_call" in text
@@ -223,37 +215,37 @@ def test_tpu_kernel_lowers(kind):
 
 def test_gpu_kernel_lowers_for_h100():
     t, r, dtype, e, state = RELEASED_CASES["decode-ratio1"]
-    assert "triton" in lower_for_gpu(
+    assert "triton" in aot.lower_for_gpu(
         sparse_entry("gpu", e), *sparse_released(t, r, dtype, e, state)
     )
 
 
-@requires_libtpu
+@aot.requires_libtpu
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
-@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
+@pytest.mark.parametrize("topology", aot.TPU_TOPOLOGIES)
 def test_tpu_kernel_compiles(topology, case):
     t, r, dtype, e, state = RELEASED_CASES[case]
-    compile_for_tpu(
+    aot.compile_for_tpu(
         sparse_entry("tpu", e), *sparse_released(t, r, dtype, e, state), topology=topology
     )
 
 
-@requires_libtpu
+@aot.requires_libtpu
 def test_tpu_kernel_with_row_sharing_compiles():
     """Speculative decode: 32 requests x 4 tokens, tiles of 4 sharing their union."""
     args = sparse_released(128, 32, jnp.bfloat16, 64, True)
-    compile_for_tpu(sparse_entry("tpu", 64, tokens_per_tile=4), *args, topology="v5e:1x1")
+    aot.compile_for_tpu(sparse_entry("tpu", 64, tokens_per_tile=4), *args, topology="v5e:1x1")
 
 
-@requires_cuda_plugin
+@aot.requires_cuda_plugin
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
 def test_gpu_kernel_compiles_for_h100(case):
     t, r, dtype, e, state = RELEASED_CASES[case]
-    compile_for_h100(sparse_entry("gpu", e), *sparse_released(t, r, dtype, e, state))
+    aot.compile_for_h100(sparse_entry("gpu", e), *sparse_released(t, r, dtype, e, state))
 
 
-@requires_libtpu
-@requires_cuda_plugin
+@aot.requires_libtpu
+@aot.requires_cuda_plugin
 def test_kernels_compile_for_awkward_sizes():
     """Nothing needs powers of two or aligned counts: 100 tokens, top-300, 999 pages, 77-wide
     tables (Triton shapes are padded inside the kernel entry)."""
@@ -263,5 +255,5 @@ def test_kernels_compile_for_awkward_sizes():
         sds((100, 64, 512), bf16), sds((999, 64, 512), bf16), sds((3, 77), i32),
         sds((100,), i32), sds((100,), i32), sds((100, 300), i32), sds((64,), jnp.float32),
     )  # fmt: skip
-    compile_for_h100(sparse_entry("gpu", 64), *args)
-    compile_for_tpu(sparse_entry("tpu", 64), *args, topology="v6e:1x1")
+    aot.compile_for_h100(sparse_entry("gpu", 64), *args)
+    aot.compile_for_tpu(sparse_entry("tpu", 64), *args, topology="v6e:1x1")

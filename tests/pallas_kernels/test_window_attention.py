@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import functools
 
+import aot
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import (
-    TPU_TOPOLOGIES,
-    compile_for_h100,
-    compile_for_tpu,
-    lower_for_gpu,
-    lower_for_tpu,
-    requires_cuda_plugin,
-    requires_libtpu,
-)
 from paged_cases import Step, checking_tpu_interpreter, cpu_only, kernel_mode
 from window_cases import (
     PADDING,
@@ -173,28 +165,32 @@ RELEASED_CASES = {"decode": (128, 128, jnp.bfloat16, False), "prefill": (512, 2,
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
 def test_tpu_kernel_lowers(kind):
     t, r, dtype, state = RELEASED_CASES["decode"]
-    assert "tpu_custom_call" in lower_for_tpu(window_entry("tpu", state), *window_released(t, r, dtype),
-                                              device_kind=kind)  # fmt: skip
+    args = window_released(t, r, dtype)
+    assert "tpu_custom_call" in aot.lower_for_tpu(
+        window_entry("tpu", state), *args, device_kind=kind
+    )
 
 
 def test_gpu_kernel_lowers_for_h100():
     t, r, dtype, state = RELEASED_CASES["decode"]
-    assert "triton" in lower_for_gpu(window_entry("gpu", state), *window_released(t, r, dtype))
+    assert "triton" in aot.lower_for_gpu(window_entry("gpu", state), *window_released(t, r, dtype))
 
 
-@requires_libtpu
+@aot.requires_libtpu
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
-@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
+@pytest.mark.parametrize("topology", aot.TPU_TOPOLOGIES)
 def test_tpu_kernel_compiles(topology, case):
     t, r, dtype, state = RELEASED_CASES[case]
-    compile_for_tpu(window_entry("tpu", state), *window_released(t, r, dtype), topology=topology)
+    aot.compile_for_tpu(
+        window_entry("tpu", state), *window_released(t, r, dtype), topology=topology
+    )
 
 
-@requires_cuda_plugin
+@aot.requires_cuda_plugin
 @pytest.mark.parametrize("case", list(RELEASED_CASES))
 def test_gpu_kernel_compiles_for_h100(case):
     t, r, dtype, state = RELEASED_CASES[case]
-    compile_for_h100(window_entry("gpu", state), *window_released(t, r, dtype))
+    aot.compile_for_h100(window_entry("gpu", state), *window_released(t, r, dtype))
 
 
 # --------------------------------------------------------------------------- benchmark

@@ -11,3 +11,19 @@ import pytest
 def _highest_precision():
     with jax.default_matmul_precision("highest"):
         yield
+
+
+@pytest.fixture
+def usage_error(capsys):
+    """``usage_error(argv)`` runs ``dsv4 argv``, which must exit with argparse's usage error
+    (status 2), and returns what it printed as (stdout, stderr)."""
+    from serving.cli import main
+
+    def run(argv: list[str]) -> tuple[str, str]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        captured = capsys.readouterr()
+        return captured.out, captured.err
+
+    return run

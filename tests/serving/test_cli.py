@@ -161,12 +161,9 @@ def test_generate_from_a_checkpoint_with_its_tokenizer(capsys, tiny_checkpoint):
         (["--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
     ],
 )
-def test_model_commands_reject_bad_arguments(capsys, command, argv, message):
+def test_model_commands_reject_bad_arguments(usage_error, command, argv, message):
     extra = ["--prompt", "x"] if command == "generate" else []
-    with pytest.raises(SystemExit) as exc:
-        main([command, *extra, *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    _, err = usage_error([command, *extra, *argv])
     assert f"usage: dsv4 {command}" in err
     assert re.search(f"dsv4 {command}: error: " + message, err), err
 
@@ -185,11 +182,9 @@ def test_model_commands_reject_bad_arguments(capsys, command, argv, message):
         ("bench", ["--user-tokens", "-2"], "--user-tokens -2: must be >= 1"),
     ],
 )
-def test_command_specific_arguments_are_checked(capsys, command, argv, message):
-    with pytest.raises(SystemExit) as exc:
-        main([command, *argv])
-    assert exc.value.code == 2
-    assert re.search(f"dsv4 {command}: error: " + message, capsys.readouterr().err)
+def test_command_specific_arguments_are_checked(usage_error, command, argv, message):
+    _, err = usage_error([command, *argv])
+    assert re.search(f"dsv4 {command}: error: " + message, err)
 
 
 def test_model_commands_reject_checkpoints_they_cannot_use(capsys, tmp_path):
@@ -309,14 +304,11 @@ def test_cache_demo_chunked_prefill_keeps_the_hits(capsys):
         (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
     ],
 )
-def test_cache_demo_rejects_bad_arguments(capsys, argv, message):
-    with pytest.raises(SystemExit) as exc:
-        main(["cache-demo", *argv])
-    assert exc.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""  # rejected before any conversation ran
-    assert "usage: dsv4 cache-demo" in captured.err
-    assert re.search("dsv4 cache-demo: error: " + message, captured.err), captured.err
+def test_cache_demo_rejects_bad_arguments(usage_error, argv, message):
+    out, err = usage_error(["cache-demo", *argv])
+    assert out == ""  # rejected before any conversation ran
+    assert "usage: dsv4 cache-demo" in err
+    assert re.search("dsv4 cache-demo: error: " + message, err), err
 
 
 def test_cache_demo_accepts_the_smallest_pool_it_asks_for(capsys):
@@ -353,11 +345,8 @@ def test_layout_report(capsys):
         (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be >= 0, got -1"),
     ],
 )
-def test_layout_rejects_bad_arguments(capsys, argv, message):
-    with pytest.raises(SystemExit) as exc:
-        main(["layout", *argv])
-    assert exc.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "usage: dsv4 layout" in captured.err
-    assert re.search("dsv4 layout: error: " + message, captured.err), captured.err
+def test_layout_rejects_bad_arguments(usage_error, argv, message):
+    out, err = usage_error(["layout", *argv])
+    assert out == ""
+    assert "usage: dsv4 layout" in err
+    assert re.search("dsv4 layout: error: " + message, err), err

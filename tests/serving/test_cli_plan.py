@@ -71,11 +71,8 @@ def test_plan_compiled_on_a_tpu_slice_matches_the_planner(capsys):
         (["--compiled", "--markdown"], "--compiled adds to the text or --json output"),
     ],
 )
-def test_bad_plan_arguments_exit_2_naming_the_value(capsys, argv, message):
-    with pytest.raises(SystemExit) as exc:
-        main(["plan", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+def test_bad_plan_arguments_exit_2_naming_the_value(usage_error, argv, message):
+    _, err = usage_error(["plan", *argv])
     assert "dsv4 plan: error:" in err and message in err, err
 
 

@@ -12,14 +12,7 @@ import numpy as np
 import pytest
 
 from serving.sampling_params import SamplingParams
-from tests.serving.engine_testing import (
-    Arrival,
-    assert_pool_is_whole,
-    drive,
-    make_engine,
-    reference_tokens,
-    workload,
-)
+from tests.serving import engine_testing as E
 
 K = 3
 # every (parity of the first rejected position, draft index of the rejection); index K = none
@@ -47,18 +40,18 @@ def test_dspark_async_greedy_equals_the_reference(engram_params, engram_cfg, k, 
     with chunked prefill, prefix hits, preemption and an abort: the asynchronous engine with
     DSpark gives `dsv4.generate`'s greedy tokens. The random drafter's drafts are all
     rejected, so every decode step after a verification is moved back by k on the device."""
-    arrivals = workload(engram_cfg, seed, num_requests=10)  # seeds chosen to preempt
+    arrivals = E.workload(engram_cfg, seed, num_requests=10)  # seeds chosen to preempt
     victim = max(arrivals[:4], key=lambda a: a.params.max_tokens)
     aborts = {victim.step + 2: victim.request_id}
     # 28 blocks, as tests/serving/test_spec_dspark.py: the same compiled step
-    engine = make_engine(
+    engine = E.make_engine(
         engram_params, engram_cfg, async_scheduling=True, num_gpu_blocks_override=28,
         speculative_config={"method": "dspark", "num_speculative_tokens": k},
         pool_layout=pool_layout, max_num_batched_tokens=budget,
     )  # fmt: skip
-    finals, _ = drive(engine, arrivals, aborts=aborts)
-    assert_pool_is_whole(engine)
-    want = reference_tokens(engram_params, engram_cfg, arrivals)
+    finals, _ = E.drive(engine, arrivals, aborts=aborts)
+    E.assert_pool_is_whole(engine)
+    want = E.reference_tokens(engram_params, engram_cfg, arrivals)
     got = _tokens(finals)
     cut = got.pop(victim.request_id)
     assert want.pop(victim.request_id)[: len(cut)] == cut
@@ -118,14 +111,14 @@ def test_host_drafts_rejected_at_every_offset_from_a_pair_boundary(engram_params
     for i, (n_prompt, n_out) in enumerate([(13, 40), (20, 36), (7, 44)]):
         prompt = tuple(int(t) for t in rng.integers(3, engram_cfg.vocab_size, n_prompt))
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, logprobs=2)
-        arrivals.append(Arrival(i, f"r{i}", prompt, params))
+        arrivals.append(E.Arrival(i, f"r{i}", prompt, params))
     blocks = 28
-    plain_engine = make_engine(engram_params, engram_cfg, async_scheduling=False,
-                               num_gpu_blocks_override=blocks)  # fmt: skip
-    plain, _ = drive(plain_engine, arrivals)
+    plain_engine = E.make_engine(engram_params, engram_cfg, async_scheduling=False,
+                                 num_gpu_blocks_override=blocks)  # fmt: skip
+    plain, _ = E.drive(plain_engine, arrivals)
     spec = {"method": "ngram", "num_speculative_tokens": K}
-    engine = make_engine(engram_params, engram_cfg, async_scheduling=True,
-                         num_gpu_blocks_override=blocks, speculative_config=spec)  # fmt: skip
+    engine = E.make_engine(engram_params, engram_cfg, async_scheduling=True,
+                           num_gpu_blocks_override=blocks, speculative_config=spec)  # fmt: skip
     oracle = engine.proposer = _PairOracle(arrivals, plain, K, engram_cfg.vocab_size)
     update = engine.scheduler.update_from_output
 
@@ -139,8 +132,8 @@ def test_host_drafts_rejected_at_every_offset_from_a_pair_boundary(engram_params
         return update(output, sampled)
 
     engine.scheduler.update_from_output = recording_update
-    fast, _ = drive(engine, arrivals)
-    assert_pool_is_whole(engine)
+    fast, _ = E.drive(engine, arrivals)
+    E.assert_pool_is_whole(engine)
     assert oracle.seen == COMBOS, sorted(COMBOS - oracle.seen)
     assert _tokens(fast) == _tokens(plain)
     for rid, out in fast.items():
@@ -173,13 +166,13 @@ def test_a_runner_that_does_not_plan_ahead_refuses_rows_planned_past_drafts(
     prompt = tuple(range(3, 16))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": K}
-    engine = make_engine(engram_params, engram_cfg, async_scheduling=True,
-                         num_gpu_blocks_override=28, speculative_config=spec)  # fmt: skip
+    engine = E.make_engine(engram_params, engram_cfg, async_scheduling=True,
+                           num_gpu_blocks_override=28, speculative_config=spec)  # fmt: skip
     engine.proposer = _Always()
     engine.runner.plans_ahead = False
     with pytest.raises(RuntimeError, match=r"'r0' was planned past \d drafts in flight.*"
                        r"plans_ahead=False"):  # fmt: skip
-        drive(engine, [Arrival(0, "r0", prompt, params)])
+        E.drive(engine, [E.Arrival(0, "r0", prompt, params)])
 
 
 # -- the trained drafter: partial acceptance, batches that drain ---------------------------------
@@ -213,13 +206,13 @@ def test_trained_dspark_async_drains_and_equals_plain_decoding():
             else:
                 kw.update(temperature=0.0)
             prompt = tuple(prefixes[4 * w + i])
-            arrivals.append(Arrival(step, f"w{w}r{i}", prompt, SamplingParams(**kw)))
-    plain, _ = drive(plain_llm.llm_engine, arrivals)
+            arrivals.append(E.Arrival(step, f"w{w}r{i}", prompt, SamplingParams(**kw)))
+    plain, _ = E.drive(plain_llm.llm_engine, arrivals)
     llm = build(speculative_config={"method": "dspark", "num_speculative_tokens": 5})
     engine = llm.llm_engine
     assert engine.async_scheduling
-    fast, running = drive(engine, arrivals, max_steps=300)
-    assert_pool_is_whole(engine)
+    fast, running = E.drive(engine, arrivals, max_steps=300)
+    E.assert_pool_is_whole(engine)
     for rid, out in plain.items():
         got, want = fast[rid].outputs[0], out.outputs[0]
         assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), rid

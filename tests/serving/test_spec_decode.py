@@ -5,6 +5,7 @@ errors, and the engine's outputs, which must equal those without speculation tok
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import numpy as np
@@ -219,49 +220,36 @@ def test_greedy_outputs_equal_plain_decoding(tiny_params, tiny_cfg, k, pool_layo
     arrivals = _repetitive_workload(tiny_cfg, seed=k)
     victim = max(arrivals[:4], key=lambda a: a.params.max_tokens)  # still running then
     aborts = {victim.step + 2: victim.request_id}
-    plain, base = _run(
-        tiny_params,
-        tiny_cfg,
-        arrivals,
-        aborts=aborts,
-        pool_layout=pool_layout,
+    run = functools.partial(
+        _run, tiny_params, tiny_cfg, arrivals, aborts=aborts, pool_layout=pool_layout,
         max_num_batched_tokens=budget,
-    )
+    )  # fmt: skip
+    plain, base = run()
     spec = {
         "method": "ngram",
         "num_speculative_tokens": k,
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
     }
-    fast, engine = _run(
-        tiny_params,
-        tiny_cfg,
-        arrivals,
-        spec=spec,
-        aborts=aborts,
-        pool_layout=pool_layout,
-        max_num_batched_tokens=budget,
-        async_=async_,
-    )
+    fast, engine = run(spec=spec, async_=async_)
     _assert_same(fast, plain, victim.request_id)
     assert engine.stats.spec_num_draft_tokens > 0, "the repetitive prompts should give drafts"
     # The random model rarely continues a phrase, so drafts are mostly rejected. An oracle
     # drafter that knows the plain outputs, wrong at a random position of every draft,
     # exercises acceptance up to every position (and rejection right after it).
     oracle = _Oracle(arrivals, plain, k, tiny_cfg.vocab_size)
-    fast, engine = _run(
-        tiny_params,
-        tiny_cfg,
-        arrivals,
-        spec=spec,
-        aborts=aborts,
-        proposer=oracle,
-        pool_layout=pool_layout,
-        max_num_batched_tokens=budget,
-        async_=async_,
-    )
+    fast, engine = run(spec=spec, proposer=oracle, async_=async_)
     _assert_same(fast, plain, victim.request_id)
-    st = engine.stats
+    _assert_oracle_stats(engine.stats, fast, k)
+    assert engine.stats.num_preemptions > 0 or base.stats.num_preemptions == 0
+    if async_:  # fewer steps than the asynchronous engine without speculation
+        _, base = run(async_=True)
+    assert engine.stats.num_steps < base.stats.num_steps
+
+
+def _assert_oracle_stats(st, outputs, k: int) -> None:
+    """The oracle drafter's drafts were accepted, at every position when ``k > 1``, and the
+    per-position and per-request counts add up to the totals."""
     assert st.spec_num_accepted_tokens > 0, "the oracle's drafts should be accepted"
     assert 0 < st.spec_acceptance_rate < 1 and st.spec_mean_acceptance_length > 1
     if k > 1:  # accepted at every position, and rejected at every position
@@ -271,15 +259,8 @@ def test_greedy_outputs_equal_plain_decoding(tiny_params, tiny_cfg, k, pool_layo
         )
     assert sum(st.spec_draft_tokens_per_pos) == st.spec_num_draft_tokens
     assert sum(st.spec_accepted_tokens_per_pos) == st.spec_num_accepted_tokens
-    per_request = sum(o.metrics.spec_num_accepted_tokens for o in fast.values())
+    per_request = sum(o.metrics.spec_num_accepted_tokens for o in outputs.values())
     assert per_request == st.spec_num_accepted_tokens
-    assert st.num_preemptions > 0 or base.stats.num_preemptions == 0
-    if async_:  # fewer steps than the asynchronous engine without speculation
-        _, base = _run(
-            tiny_params, tiny_cfg, arrivals, aborts=aborts, pool_layout=pool_layout,
-            max_num_batched_tokens=budget, async_=True,
-        )  # fmt: skip
-    assert st.num_steps < base.stats.num_steps
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
