@@ -1,7 +1,7 @@
 """The released V4.1-Flash checkpoint's per-block tensors, written out by hand.
 
-Names, stored dtypes and shapes as the released checkpoint holds them (`docs/model.md#checkpoint-
-format`), not derived from ``dsv4.params``: fp8 scales per 32 x 32 tile, the routed experts' fp4
+Names, stored dtypes and shapes as the released checkpoint holds them (docs/model.md,
+"Checkpoint format"), not derived from ``dsv4.params``: fp8 scales per 32 x 32 tile, the routed experts' fp4
 values packed two to an int8 with a scale per 32 values of a row. A backbone layer and a DSpark
 drafter stage share this block; they differ in their number of routed experts.
 """
