@@ -88,12 +88,18 @@ def mxu_precision(dtype: Any) -> Any:
     return jax.lax.Precision.DEFAULT if np.dtype(dtype).itemsize < 4 else None
 
 
-def tpu_num_cores() -> int:
-    """TensorCores one TPU device drives (2 on megacore chips: v4, v5p; 1 on v5e / v6e): the
-    device of the abstract mesh when lowering deviceless, else the default device. 1 when the
-    device does not say (CPU, interpret mode)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = getattr(mesh, "abstract_device", None) or jax.devices()[0]
+def tpu_num_cores(mesh: Any = None) -> int:
+    """TensorCores one TPU device drives (2 on megacore chips: v4, v5p; 1 on v5e / v6e), read
+    from ``mesh``'s device (a `Mesh` or `AbstractMesh`, what the model's steps pass); without a
+    mesh, from the abstract mesh's device when lowering deviceless, else the default device. 1
+    when the device does not say (CPU, interpret mode)."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        device = getattr(mesh, "abstract_device", None) or jax.devices()[0]
+    elif isinstance(mesh, jax.sharding.Mesh):
+        device = mesh.devices.flat[0]
+    else:
+        device = mesh.abstract_device or jax.devices()[0]
     if getattr(device, "platform", "tpu") != "tpu":
         return 1
     return max(1, int(getattr(device, "num_cores", 1) or 1))

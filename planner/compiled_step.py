@@ -324,8 +324,8 @@ def _lower_and_compile(
     # the serving precision: under jax.default_matmul_precision("highest") (the model tests'
     # setting) XLA:TPU's ragged-dot kernel (the expert-parallel MoE) fails to compile: Mosaic
     # "Bad lhs type" for a bf16 matmul at fp32 contract precision. The step takes the mesh as
-    # data; set_mesh stays only for `pallas_kernels.backend.tpu_num_cores` (the target's cores)
-    with jax.set_mesh(jmesh), jax.default_matmul_precision("default"):
+    # data (the kernels' TensorCores too: `dsv4.paged.step.core_options`)
+    with jax.default_matmul_precision("default"):
         lowered = jax.jit(step, donate_argnums=1).trace(*args).lower()
         t_lower = time.perf_counter() - t0
         text = lowered.as_text()

@@ -43,7 +43,13 @@ from dsv4 import dspark
 from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepBatch
-from dsv4.paged.step import ATTENTION_HEADS, data_shards, local_kernel, records_quantise
+from dsv4.paged.step import (
+    ATTENTION_HEADS,
+    core_options,
+    data_shards,
+    local_kernel,
+    records_quantise,
+)
 from pallas_kernels.window_attention import window_attention
 from pallas_kernels.window_attention.reference import finish, merge_states, softmax_state
 
@@ -144,7 +150,7 @@ def _attend_rows(cfg: ModelConfig, layout, kern, mesh, i, q, kv, sink, pools, ba
         window_attention,
         (qf, pages, table, query_req, ctx_pos, sink),
         dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start,
-             return_state=True, **kern),
+             return_state=True, **kern, **core_options(mesh)),
         ATTENTION_HEADS,
         mesh=mesh,
     )  # fmt: skip

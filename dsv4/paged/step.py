@@ -53,6 +53,7 @@ from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role, rope_inv_freq
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepBatch
+from pallas_kernels.backend import tpu_num_cores
 from pallas_kernels.compressor import compressor
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_attention
@@ -115,6 +116,13 @@ def local_kernel(kernel, args: tuple, kwargs: dict, heads: dict | None = None, *
     )(operands)
 
 
+def core_options(mesh) -> dict[str, int]:
+    """The attention kernels' ``num_cores`` read from ``mesh``'s device (nothing without a mesh:
+    the kernels then ask the default device), so a step lowered for another chip splits its
+    tiles over that chip's TensorCores with no ambient mesh."""
+    return {} if mesh is None else {"num_cores": tpu_num_cores(mesh)}
+
+
 # the head axis of window / sparse attention's operands (q [T, H, D], sink [H]): `local_kernel`
 ATTENTION_HEADS = {0: 1, 5: 0}
 
@@ -140,7 +148,8 @@ def _attention(
     swa_pages, swa_table, pools = _window_pages(layer, cfg, layout, pools, batch, kv, q.dtype)
     scale = cfg.head_dim**-0.5
     sink = params[a + "attn_sink"]
-    win_kwargs = dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start, **kern)
+    win_kwargs = dict(window=cfg.window_size, scale=scale, replay_start=batch.replay_start, **kern,
+                      **core_options(mesh))  # fmt: skip
     if not r:
         o = local_kernel(
             window_attention,
@@ -258,7 +267,13 @@ def _sparse(q, sink, state, layer: int, cfg: ModelConfig, layout, pools, batch, 
     o = local_kernel(
         sparse_attention,
         (q, comp_pages, comp_table, sel_req, pos, topk, sink),
-        dict(entries_per_block=e_comp, scale=cfg.head_dim**-0.5, state=state, **kern),
+        dict(
+            entries_per_block=e_comp,
+            scale=cfg.head_dim**-0.5,
+            state=state,
+            **kern,
+            **core_options(mesh),
+        ),
         {0: 1, 6: 0, "state": 1},
         mesh=mesh,
     )

@@ -33,6 +33,7 @@ def sparse_attention(
     interpret: Any = None,
     debug: bool = False,
     tokens_per_tile: int | None = None,
+    num_cores: int | None = None,
     max_tokens_per_call: int | None = None,
 ) -> jax.Array:
     """Adds the selected compressed entries to the window state (or to an empty state), adds the
@@ -42,6 +43,7 @@ def sparse_attention(
       q ... state: the README's kernel 2 contract (shapes in the signature's comments).
       impl, interpret, debug: see `pallas_kernels.backend`; `debug` checks every index at run time.
       tokens_per_tile, max_tokens_per_call: TPU tiling (README, "What the implementations add").
+      num_cores: TensorCores to split the TPU tiles over (None: `backend.tpu_num_cores()`).
     Returns:
       out [T, H, D] in q's dtype.
     """
@@ -63,7 +65,11 @@ def sparse_attention(
         interpret,
         args,
         dict(entries_per_block=entries_per_block, scale=scale, state=state),
-        tpu_options=dict(tokens_per_tile=tokens_per_tile, max_tokens_per_call=max_tokens_per_call),
+        tpu_options=dict(
+            tokens_per_tile=tokens_per_tile,
+            max_tokens_per_call=max_tokens_per_call,
+            num_cores=num_cores,
+        ),
     )
 
 

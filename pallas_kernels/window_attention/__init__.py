@@ -32,6 +32,7 @@ def window_attention(
     interpret: Any = None,
     debug: bool = False,
     tokens_per_tile: int | None = None,
+    num_cores: int | None = None,
     max_tokens_per_call: int | None = None,
 ) -> jax.Array | State:
     """Sliding-window MLA attention over the paged window cache, the per-head `sink` logit only in
@@ -41,6 +42,7 @@ def window_attention(
       q ... return_state: the README's kernel 1 contract (shapes in the signature's comments).
       impl, interpret, debug: see `pallas_kernels.backend`; `debug` checks every index at run time.
       tokens_per_tile, max_tokens_per_call: TPU tiling (README, "What the implementations add").
+      num_cores: TensorCores to split the TPU tiles over (None: `backend.tpu_num_cores()`).
     Returns:
       out [T, H, D] in q's dtype, or the f32 state `(m, l, acc)` when `return_state`.
     """
@@ -67,5 +69,9 @@ def window_attention(
         interpret,
         (q, swa_pages, swa_tables, token_req, positions, sink),
         dict(window=window, scale=scale, replay_start=replay_start, return_state=return_state),
-        tpu_options=dict(tokens_per_tile=tokens_per_tile, max_tokens_per_call=max_tokens_per_call),
+        tpu_options=dict(
+            tokens_per_tile=tokens_per_tile,
+            max_tokens_per_call=max_tokens_per_call,
+            num_cores=num_cores,
+        ),
     )

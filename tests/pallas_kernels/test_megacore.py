@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,3 +108,18 @@ def test_compile_sees_two_cores():
         probe, *window_cases.window_released(16, 16, jnp.bfloat16), topology=MEGACORE_TOPOLOGY
     )
     assert seen == [2]
+
+
+@requires_libtpu
+def test_the_step_reads_the_cores_from_its_mesh():
+    """The paged step passes the kernels the TensorCores of the mesh it is given (the v5p chip's
+    two), with no ambient mesh set; a CPU mesh gives one, no mesh leaves the kernels' default."""
+    from jax.sharding import Mesh
+
+    from dsv4.paged.step import core_options
+
+    v5p = Mesh(np.array([tpu_device(MEGACORE_TOPOLOGY)]), ("data",))
+    assert core_options(v5p) == {"num_cores": 2}
+    assert core_options(v5p.abstract_mesh) == {"num_cores": 2}
+    assert core_options(Mesh(np.array(jax.devices()[:1]), ("data",))) == {"num_cores": 1}
+    assert core_options(None) == {}
