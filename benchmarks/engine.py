@@ -184,6 +184,7 @@ def measure(
     repeats: int,
     max_num_batched_tokens: int,
     num_scheduler_steps: int = 16,
+    token_buckets: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     import jax
     import numpy as np
@@ -192,14 +193,12 @@ def measure(
     from serving.sampling_params import SamplingParams
 
     max_seqs = max(batches)
-    buckets = tuple(sorted({8, 32, max_num_batched_tokens} | {b for b in batches if b > 8}))
-    buckets = tuple(b for b in buckets if b <= max_num_batched_tokens)
     common = dict(
         dtype="float32",
         max_model_len=prompt_len + new_tokens + 8,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        token_buckets=buckets,
+        token_buckets=token_buckets,  # None: the engine's own (what LLM and the CLI use)
         num_gpu_blocks_override=64 * max_seqs,
         compilation_cache_dir=None,
     )
@@ -224,7 +223,7 @@ def measure(
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
         "cpu_count": os.cpu_count(),
-        "token_buckets": list(buckets),
+        "token_buckets": list(llms["async"].engine.runner.token_buckets),
         "num_scheduler_steps": num_scheduler_steps,
         # both engines built (the second reuses the first one's compiled buckets)
         "start_up_s": start_up,
@@ -266,8 +265,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--num-scheduler-steps", type=int, default=16)
+    parser.add_argument(
+        "--token-buckets",
+        default=None,
+        help="step sizes to compile, comma-separated (default: the engine's, as LLM uses)",
+    )
     args = parser.parse_args(argv)
     batches = batch_sizes(parser, args.batches)
+    buckets = (
+        None
+        if args.token_buckets is None
+        else batch_sizes(parser, args.token_buckets, "--token-buckets")
+    )
     at_least_one(
         parser,
         args,
@@ -297,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.repeats,
             args.max_num_batched_tokens,
             args.num_scheduler_steps,
+            buckets,
         )
     )
     out["wall_s"] = round(time.perf_counter() - t0, 1)

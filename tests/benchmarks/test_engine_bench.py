@@ -33,7 +33,7 @@ def test_json_line(monkeypatch, capsys):
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(
         perf_counter=lambda: time.perf_counter() + virtual[0]))  # fmt: skip
     argv = ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
-            "--max-num-batched-tokens", "8", "--num-scheduler-steps", "2"]  # fmt: skip
+            "--max-num-batched-tokens", "8", "--num-scheduler-steps", "2", "--token-buckets", "8"]  # fmt: skip
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["benchmark"] == "engine" and out["token_buckets"] == [8]
