@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import platform
 import time
 from collections.abc import Sequence
@@ -62,11 +64,31 @@ async def _http_round(url: str, model: str, prompts, max_tokens: int):
         return await asyncio.gather(*(_client(client, model, p, max_tokens) for p in prompts))
 
 
+def _clients(url: str, model: str, prompts, max_tokens: int, repeats: int):
+    """A warm-up round, then the fastest of ``repeats`` timed ones: (results, seconds). It runs
+    in its own process, as load generators do, so that parsing the streams does not take the
+    server's interpreter."""
+    asyncio.run(_http_round(url, model, prompts, max_tokens))
+    best = (None, float("inf"))
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        results = asyncio.run(_http_round(url, model, prompts, max_tokens))
+        best = min(best, (results, time.perf_counter() - t0), key=lambda r: r[1])
+    return best
+
+
+# why: one engine for both sides, the offline rounds, the server and its client process
 def run(
-    model: str, clients: int, prompt_tokens: int, max_tokens: int, max_model_len: int, **engine
+    model: str,
+    clients: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    repeats: int = 3,
+    **engine,
 ) -> dict:
-    """Offline then HTTP (each after one warm-up round), same prompts, same engine; ``engine``:
-    more `LLM` keywords."""
+    """Offline then HTTP (each after one warm-up round, the fastest of ``repeats`` rounds),
+    same prompts, same engine; ``engine``: more `LLM` keywords."""
     from benchmarks.speculative import heldout_prefixes
     from serving import LLM, SamplingParams
     from serving.engine_driver import EngineDriver
@@ -76,17 +98,19 @@ def run(
     prompts = heldout_prefixes(llm.get_tokenizer(), prompt_tokens, clients)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)  # the same warm-up the HTTP round gets
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    offline_s = time.perf_counter() - t0
+    offline_s = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        offline_s = min(offline_s, time.perf_counter() - t0)
     offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     driver = EngineDriver(llm.llm_engine).start()
     server = ServerThread(build_app(llm, driver, ServerOptions(model))).start()
     try:
-        asyncio.run(_http_round(server.url, model, prompts, max_tokens))
-        t0 = time.perf_counter()
-        results = asyncio.run(_http_round(server.url, model, prompts, max_tokens))
-        http_s = time.perf_counter() - t0
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            job = pool.submit(_clients, server.url, model, prompts, max_tokens, repeats)
+            results, http_s = job.result()
     finally:
         server.stop()
         driver.stop(timeout=60)
@@ -98,6 +122,7 @@ def run(
         "clients": clients,
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
+        "repeats": repeats,
         "offline_output_tokens_per_s": round(offline_rate, 2),
         "http_output_tokens_per_s": round(http_rate, 2),
         "http_over_offline": round(http_rate / offline_rate, 3),
@@ -128,12 +153,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (the fastest)")
     parser.add_argument("--table", action="store_true", help="the README's line")
     args = parser.parse_args(argv)
-    at_least_one(parser, args, "clients", "prompt_tokens", "max_tokens")
+    at_least_one(parser, args, "clients", "prompt_tokens", "max_tokens", "repeats")
     if args.prompt_tokens + args.max_tokens > args.max_model_len:
         parser.error("--prompt-tokens + --max-tokens must be at most --max-model-len")
-    result = run(args.model, args.clients, args.prompt_tokens, args.max_tokens, args.max_model_len)
+    sizes = (args.clients, args.prompt_tokens, args.max_tokens, args.max_model_len, args.repeats)
+    result = run(args.model, *sizes)
     print(table_row(result) if args.table else json.dumps(result, sort_keys=True))
     return 0
 
