@@ -401,7 +401,9 @@ def test_stop_drains_running_requests_then_refuses_new_ones(served):
     text = next(iter(stream)).choices[0].text
     stopper = threading.Thread(target=server.stop)
     stopper.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while not app.state.serving.draining and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert app.state.serving.draining
     text += "".join(c.choices[0].text for c in stream)
     stopper.join(60)
