@@ -18,11 +18,11 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed-main: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -e '.[serve]'
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,aot,lab]'
+	$(BIN)/python -m pip install -q -e '.[test,aot,lab,serve]'
 	@touch $@
 
 venv: $(VENV)/.installed-test
