@@ -396,7 +396,7 @@ def draft(
     ``mesh``: the device mesh the experts dispatch over (`dsv4.reference.forward`'s)."""
     require_drafter(cfg)
     check_token_ids("dspark.draft", "tokens", tokens, cfg.vocab_size, ndim=2)
-    check_model_params("dspark.draft", params, cfg)
+    check_model_params("dspark.draft", params, cfg, drafter=True)
     tokens = jnp.asarray(tokens, jnp.int32)
     b, t = tokens.shape
     if t + cfg.dspark_block_size > cfg.max_seq_len:

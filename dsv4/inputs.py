@@ -82,21 +82,23 @@ def check_positions(where: str, last: int, cfg: ModelConfig, what: str) -> None:
 
 
 @functools.lru_cache(maxsize=32)
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return {name: spec.shape for name, spec in param_specs(cfg).items()}
+def _expected_shapes(cfg: ModelConfig, drafter: bool) -> dict[str, tuple[int, ...]]:
+    specs = param_specs(cfg).items()
+    return {n: spec.shape for n, spec in specs if drafter or not n.startswith("mtp.")}
 
 
-def check_model_params(where: str, params: Any, cfg: ModelConfig) -> None:
+def check_model_params(where: str, params: Any, cfg: ModelConfig, drafter: bool = False) -> None:
     """``params`` must be a mapping with every tensor ``param_specs(cfg)`` names, at its shape
-    (parameters built for another config are refused, naming the first differences). Tensors
-    it does not name are allowed (e.g. a drafter's params beside a backbone-only config)."""
+    (parameters built for another config are refused, naming the first differences); the
+    DSpark drafter's ``mtp.*`` tensors only with ``drafter`` (the backbone's paths never read
+    them). Tensors it does not name are allowed."""
     if not isinstance(params, Mapping):
         raise TypeError(
             f"{where}: params must be a dict of tensors (dsv4.init_params / load_pretrained), "
             f"got {type(params).__name__}"
         )
     missing, wrong = [], []
-    for name, shape in _expected_shapes(cfg).items():
+    for name, shape in _expected_shapes(cfg, drafter).items():
         if name not in params:
             missing.append(name)
         elif tuple(np.shape(params[name])) != shape:

@@ -113,8 +113,9 @@ class Engine:
         `EngineConfig()`; `LLM` builds it from its keywords): the cache layout, one allocator
         and scheduler per data shard (`serving.data_parallel` steps them in lockstep), the
         model runner and the drafts' proposer."""
-        check_model_params("Engine.build", params, cfg)  # params built for another config
         config = (config or EngineConfig()).resolved(cfg)
+        # params built for another config (the drafter's too where DSpark drafts)
+        check_model_params("Engine.build", params, cfg, drafter=config.drafter)
         sched = config.scheduler_config
         max_model_len = config.model_config.max_model_len
         # the proposer first: DSpark's checks k before the cache layout uses it

@@ -52,7 +52,9 @@ def test_reference_forward_refuses_bad_tokens(tiny_params, tiny_cfg):
         fwd(jnp.zeros((1, 513), jnp.int32))
 
 
-def test_params_built_for_another_config_are_refused(tiny_params, tiny_cfg, engram_cfg):
+def test_params_built_for_another_config_are_refused(
+    tiny_params, tiny_cfg, engram_cfg, engram_params
+):
     toks = _tokens(3, 4)
     other_vocab = tiny_cfg.replace(vocab_size=1024)
     with pytest.raises(ValueError, match=r"not built for this config.*embed\.weight \[512, 64\] "
@@ -62,6 +64,12 @@ def test_params_built_for_another_config_are_refused(tiny_params, tiny_cfg, engr
         reference.forward(tiny_params, engram_cfg, toks)
     with pytest.raises(TypeError, match="params must be a dict of tensors"):
         reference.forward([1, 2], tiny_cfg, toks)
+    # the backbone's paths never read the drafter: its params are the drafting entry's business
+    backbone = {k: v for k, v in engram_params.items() if not k.startswith("mtp.")}
+    fwd = lambda t: reference.forward(backbone, engram_cfg, t)  # noqa: E731
+    assert jax.eval_shape(fwd, jax.ShapeDtypeStruct((1, 4), jnp.int32)).shape == (1, 4, V)
+    with pytest.raises(ValueError, match=r"dspark.draft: .*missing \['mtp\.0\."):
+        dspark.draft(backbone, engram_cfg, toks)
     cache = model.init_cache(tiny_cfg, 1, 16)
     with pytest.raises(ValueError, match=r"model.forward_step: params were not built"):
         model.forward_step(tiny_params, other_vocab, cache, toks, 0, 2)
