@@ -129,9 +129,11 @@ class _Serving:
         if self.draining or not self.driver.alive:
             raise HTTPError(503, "the server is shutting down", headers={"Retry-After": "5"})
         ids = [f"{kind}-{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
-        for request_id, (_, token_ids) in zip(ids, prompts, strict=True):
+        field = "messages" if kind == "chatcmpl" else "prompt"
+        for i, (request_id, (_, token_ids)) in enumerate(zip(ids, prompts, strict=True)):
+            where = field if len(prompts) == 1 else f"{field}[{i}]"  # as the client sent it
             try:
-                self.engine.check_request(request_id, token_ids, params)
+                self.engine.check_request(request_id, token_ids, params, where=where)
             except (ValueError, TypeError) as exc:
                 raise _bad_request(exc) from None
         num = params.n * len(prompts)
