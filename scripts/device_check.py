@@ -106,6 +106,21 @@ def _engine_summary(rec: dict[str, Any]) -> str:
     )
 
 
+def _bench_summary(path: str) -> str:
+    with open(path) as f:
+        lines = f.read().strip().splitlines()
+    if not lines:
+        return f"{path}: no output"
+    out = json.loads(lines[-1])
+    rows = [r for rows in out["results"].values() for r in rows]
+    pct = [r["hbm_roofline_pct"] for r in rows if r.get("hbm_roofline_pct") is not None]
+    span = f"; %HBM {min(pct):.1f}-{max(pct):.1f}" if pct else ""
+    return (
+        f"{len(rows)} rows, {sum(bool(r.get('skipped')) for r in rows)} skipped, "
+        f"{sum(bool(r.get('error')) for r in rows)} errors, timed: {out['timed']}{span}"
+    )
+
+
 def record_step(steps_file: str, step: str, code: int, seconds: float, note: str) -> dict:
     """Append one step's outcome to ``steps_file`` (the results/<device>.json format)."""
     import jax
@@ -119,6 +134,8 @@ def record_step(steps_file: str, step: str, code: int, seconds: float, note: str
     if step == "engine" and os.path.isfile(note):
         with open(note) as f:
             summary = _engine_summary(json.load(f))
+    if step == "kernels_benchmark" and os.path.isfile(note):
+        summary = _bench_summary(note)
     if note.startswith("skipped"):
         status = "SKIPPED"
     res["steps"].append({"step": step, "status": status, "seconds": seconds, "summary": summary})

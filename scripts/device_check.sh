@@ -158,7 +158,7 @@ for name, rows in out["results"].items() if out["timed"] else ():
 sys.exit(1 if bad else 0)
 EOF
 
-record kernels_benchmark "${RESULT[benchmark]}" "$OUT_DIR/kernels_bench.json (full rows there)"
+record kernels_benchmark "${RESULT[benchmark]}" "$OUT_DIR/kernels_bench.json"
 
 section "4/5 the engine end to end with the shipped trained model"
 ENGINE_ARGS=()

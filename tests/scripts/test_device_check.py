@@ -48,6 +48,10 @@ def test_dry_run_benchmark_has_every_kernel(dry_run):
     bench = json.loads((out / "kernels_bench.json").read_text().splitlines()[-1])
     assert bench["timed"] is False
     assert bench["results"] and all(bench["results"].values())
+    rows = sum(len(r) for r in bench["results"].values())
+    res = json.loads((out / "steps.json").read_text())
+    summary = next(s["summary"] for s in res["steps"] if s["step"] == "kernels_benchmark")
+    assert summary.startswith(f"{rows} rows, 0 skipped, 0 errors, timed: False")
 
 
 def test_table_from_results(dry_run, tmp_path):
@@ -79,3 +83,18 @@ def test_engine_step_on_cpu_gives_the_recorded_tokens(tmp_path):
 def test_readme_shows_the_generated_table():
     readme = pathlib.Path(ROOT, "README.md").read_text()
     assert device_check.table(device_check.RESULTS_DIR) in readme
+
+
+@pytest.mark.slow
+def test_recorded_tokens_are_generates_greedy_tokens():
+    """The reference the GPU run is held to, against ``dsv4.generate`` (no engine)."""
+    import numpy as np
+
+    from dsv4.checkpoint import load_pretrained, shipped_checkpoint
+    from dsv4.generation import generate
+
+    want = json.loads(pathlib.Path(device_check.TOKENS_FILE).read_text())
+    cfg, params = load_pretrained(shipped_checkpoint(want["model"]), progress=False)
+    for prompt, tokens in zip(want["prompts"], want["tokens"], strict=True):
+        got = generate(params, cfg, np.asarray([prompt], np.int32), want["new_tokens"])
+        assert np.asarray(got)[0].tolist() == tokens
