@@ -60,6 +60,11 @@ elif [ "$DRY" = 1 ]; then
     PY=python3
 elif [ -x .venv/bin/python ] && on_gpu .venv/bin/python; then
     PY=.venv/bin/python
+elif [ -z "${WHEELHOUSE:-}" ] && on_gpu python3 && python3 -c 'import pytest, numpy' >/dev/null 2>&1; then
+    # the device image's own Python (offline: pip would only spend the budget failing)
+    PY=python3
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "!!! using the image's $PY with its own jax, NOT the pinned jax==0.12.0.1 !!!"
 else
     P312=""
     for p in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12 python3; do
@@ -92,6 +97,7 @@ if [ -z "$PY" ]; then
 fi
 "$PY" -c 'import jax, sys; print("python", sys.version.split()[0], "| jax", jax.__version__, "|", jax.devices())'
 export JAX_PLATFORMS=${PLATFORM:-cuda}
+record environment 0 "$("$PY" -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__)')"
 COLLECT=()
 [ "$DRY" = 1 ] && COLLECT=(--collect-only)
 STEP_T0=$(date +%s)

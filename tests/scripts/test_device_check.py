@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import device_check  # noqa: E402
 
-STEPS = ["kernel_tests", "kernels_benchmark", "engine", "layer", "other_tests"]
+STEPS = ["environment", "kernel_tests", "kernels_benchmark", "engine", "layer", "other_tests"]
 
 
 @pytest.fixture(scope="module")
