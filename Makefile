@@ -17,8 +17,9 @@ $(BIN)/python:
 	$(PYTHON312) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# the demo's install has the lab extra too, so that `dsv4 lab` (its plots) works right after it
 $(VENV)/.installed-main: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -e '.[lab]'
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
