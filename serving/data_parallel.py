@@ -421,7 +421,7 @@ class DataParallelRunner:
         """Compile every (token bucket, table widths) pair of the lockstep step and the
         sampler's slot writer, with padding that reads and writes nothing; returns the
         programs run (the progress bar's count)."""
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         v = self.cfg.vocab_size
         rows = (np.zeros(v, np.int32), np.zeros(v, bool), np.zeros(v, bool))

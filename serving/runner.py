@@ -620,7 +620,7 @@ class ModelRunner:
         """Compile every token bucket (and the sampler's slot writer) now, with batches of
         padding that read and write nothing; returns the programs run (the progress bar's
         count: one compilation each in a fresh process)."""
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         v = self.cfg.vocab_size
         slot = np.int32(self.padding_slot)
