@@ -17,13 +17,14 @@ $(BIN)/python:
 	$(PYTHON312) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# the demo's install has the lab extra too, so that `dsv4 lab` (its plots) works right after it
+# the demo's install has the lab extra too, so that `dsv4 lab` (its plots) works right after it,
+# and the serve extra, so that `dsv4 serve` does
 $(VENV)/.installed-main: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[lab]'
+	$(BIN)/python -m pip install -q -e '.[lab,serve]'
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,aot,lab]'
+	$(BIN)/python -m pip install -q -e '.[test,aot,lab,serve]'
 	@touch $@
 
 venv: $(VENV)/.installed-test

@@ -11,14 +11,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def batch_sizes(parser: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
-    """``--batches`` as ints >= 1 (``"1,8,32"``); a bad value ends in ``parser.error``."""
+def batch_sizes(
+    parser: argparse.ArgumentParser, text: str, flag: str = "--batches"
+) -> tuple[int, ...]:
+    """``flag``'s sizes as ints >= 1 (``"1,8,32"``); a bad value ends in ``parser.error``."""
     try:
         batches = tuple(int(b) for b in text.split(",") if b)
     except ValueError:
-        parser.error(f"--batches must be a comma list of ints, got {text!r}")
+        parser.error(f"{flag} must be a comma list of ints, got {text!r}")
     if not batches or min(batches) < 1:
-        parser.error(f"--batches must name batch sizes >= 1, got {text!r}")
+        parser.error(f"{flag} must name batch sizes >= 1, got {text!r}")
     return batches
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks import at_least_one, batch_sizes
 
-DEFAULT_BATCHES = (1, 8, 32)
+DEFAULT_BATCHES = (1, 2, 8, 32)
 
 
 def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
@@ -184,6 +184,8 @@ def measure(
     repeats: int,
     max_num_batched_tokens: int,
     num_scheduler_steps: int = 16,
+    token_buckets: tuple[int, ...] | None = None,
+    runs: int = 1,
 ) -> dict[str, Any]:
     import jax
     import numpy as np
@@ -192,14 +194,12 @@ def measure(
     from serving.sampling_params import SamplingParams
 
     max_seqs = max(batches)
-    buckets = tuple(sorted({8, 32, max_num_batched_tokens} | {b for b in batches if b > 8}))
-    buckets = tuple(b for b in buckets if b <= max_num_batched_tokens)
     common = dict(
         dtype="float32",
         max_model_len=prompt_len + new_tokens + 8,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        token_buckets=buckets,
+        token_buckets=token_buckets,  # None: the engine's own (what LLM and the CLI use)
         num_gpu_blocks_override=64 * max_seqs,
         compilation_cache_dir=None,
     )
@@ -214,17 +214,14 @@ def measure(
     results = {}
     for b in batches:
         prompts = rng.integers(3, cfg.vocab_size, (b, prompt_len)).tolist()
-        gen = _generate_rate(params, cfg, prompts, new_tokens, repeats)
-        sync = _engine_run(llms["sync"], prompts, sp, repeats)
-        asyn = _engine_run(llms["async"], prompts, sp, repeats)
-        burst = _engine_run(llms["burst"], prompts, sp, repeats)
-        device, loop = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
-        results[f"batch_{b}"] = _batch_row(b, gen, sync, asyn, burst, device, loop)
+        rows = [_one_run(llms, params, cfg, b, prompts, sp, prompt_len, repeats)
+                for _ in range(runs)]  # fmt: skip
+        results[f"batch_{b}"] = _median_run(rows)
     return {
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
         "cpu_count": os.cpu_count(),
-        "token_buckets": list(buckets),
+        "token_buckets": list(llms["async"].engine.runner.token_buckets),
         "num_scheduler_steps": num_scheduler_steps,
         # both engines built (the second reuses the first one's compiled buckets)
         "start_up_s": start_up,
@@ -232,6 +229,50 @@ def measure(
         "warm_up_compilations": llms["sync"].engine.stats.warm_up_compilations,
         "results": results,
     }
+
+
+def _one_run(llms, params, cfg, b: int, prompts, sp, prompt_len: int, repeats: int) -> dict:
+    """One run of batch ``b``: `dsv4.generate` and each engine mode side by side."""
+    gen = _generate_rate(params, cfg, prompts, sp.max_tokens, repeats)
+    sync = _engine_run(llms["sync"], prompts, sp, repeats)
+    asyn = _engine_run(llms["async"], prompts, sp, repeats)
+    burst = _engine_run(llms["burst"], prompts, sp, repeats)
+    device, loop = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
+    return _batch_row(b, gen, sync, asyn, burst, device, loop)
+
+
+def _median_run(rows: list[dict]) -> dict:
+    """The run with the median engine-over-generate ratio, and every run's ratios (the spread
+    from run to run, which a noisy machine makes wide)."""
+    ordered = sorted(rows, key=lambda r: r["engine_over_generate"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    for key in ("engine_over_generate", "burst_over_generate", "async_speedup"):
+        out[f"{key}_runs"] = [r[key] for r in rows]
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """README.md's engine table: per batch, the time per token of the engine (asynchronous, and
+    in bursts) over `dsv4.generate`'s, with the spread over the runs."""
+    lines = [
+        f"`python -m benchmarks.engine --runs {result['runs']}` ({result['model']}, "
+        f"{result['dtype']}, {result['backend']}, {result['cpu_count']} cores; time per token "
+        "over `dsv4.generate`'s, median run [lowest, highest]):",
+        "",
+        "| batch | generate tokens/s | engine tokens/s | engine / generate | bursts / generate "
+        "| host ms/step | device ms/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["results"].values():
+        ratios, bursts = r["engine_over_generate_runs"], r["burst_over_generate_runs"]
+        lines.append(
+            f"| {r['batch']} | {r['generate_tokens_per_s']:.0f} | "
+            f"{r['engine_async_tokens_per_s']:.0f} | {r['engine_over_generate']:.2f} "
+            f"[{min(ratios):.2f}, {max(ratios):.2f}] | {r['burst_over_generate']:.2f} "
+            f"[{min(bursts):.2f}, {max(bursts):.2f}] | {r['host_ms_per_step']:.2f} | "
+            f"{r['device_ms_per_step']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def _batch_row(b: int, gen: float, sync: dict, asyn: dict, burst: dict, device, loop) -> dict:
@@ -266,8 +307,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--num-scheduler-steps", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=1, help="runs per batch (the spread)")
+    parser.add_argument("--table", action="store_true", help="print the README's markdown table")
+    parser.add_argument(
+        "--token-buckets",
+        default=None,
+        help="step sizes to compile, comma-separated (default: the engine's, as LLM uses)",
+    )
     args = parser.parse_args(argv)
     batches = batch_sizes(parser, args.batches)
+    buckets = (
+        None
+        if args.token_buckets is None
+        else batch_sizes(parser, args.token_buckets, "--token-buckets")
+    )
     at_least_one(
         parser,
         args,
@@ -276,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeats",
         "max_num_batched_tokens",
         "num_scheduler_steps",
+        "runs",
     )
     if args.prompt_len + args.new_tokens + 8 > 512:
         parser.error("--prompt-len + --new-tokens must stay under tiny_v41's 504 tokens")
@@ -287,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "runs": args.runs,
         "python": platform.python_version(),
     }
     out.update(
@@ -297,10 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.repeats,
             args.max_num_batched_tokens,
             args.num_scheduler_steps,
+            buckets,
+            args.runs,
         )
     )
     out["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(out, sort_keys=True))
+    print(table(out) if args.table else json.dumps(out, sort_keys=True))
     return 0
 
 

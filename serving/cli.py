@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ from cache.layout import (
 from cache.spec import KVCacheConfig, iter_layer_specs
 from dsv4.config import MODEL_PRESETS
 from lab.cli import add_lab_command
-from serving.cli_llm import UsageError, add_commands
+from serving.cli_llm import UsageError, add_commands, add_engine_arguments, engine_config
 from serving.config import SchedulerConfig
 from serving.scheduler import Scheduler
 
@@ -347,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     layout.set_defaults(func=_layout, subparser=layout)
 
     _add_plan_command(sub)
+    _add_serve_command(sub)
     add_lab_command(sub, UsageError)
     return parser
 
@@ -399,6 +401,87 @@ def _add_plan_command(sub) -> None:
     out.add_argument("--json", action="store_true", help="one JSON line per slice")
     out.add_argument("--markdown", action="store_true", help="the table of docs/planner.md")
     plan.set_defaults(func=_plan, subparser=plan)
+
+
+# -- dsv4 serve --------------------------------------------------------------------------------
+
+
+def _add_serve_command(sub) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (docs/server.md)",
+        description="Serve the model over HTTP with OpenAI's API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics); one "
+        "engine batches every client's requests. Needs the serve extra (fastapi, uvicorn).",
+    )
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="as --model (a preset or a checkpoint dir)"
+    )
+    s = serve.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (8000; 0: a free one)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("DSV4_API_KEY"),
+        help="clients must send Authorization: Bearer KEY (default: $DSV4_API_KEY; none)",
+    )
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    s.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="no tokenizer: prompts are token ids, responses carry token ids",
+    )
+    s.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="sequences that may wait beyond --max-num-seqs; more get 503 (default: no limit)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for running requests to finish (30)",
+    )
+    add_engine_arguments(serve.add_argument_group("model and engine"))
+    serve.set_defaults(func=_serve, subparser=serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Check the flags, build and warm up the engine, serve until SIGTERM."""
+    if args.model_tag is not None:
+        typed = getattr(args, "engine_flags", {}).get("model")
+        if typed is not None and args.model != args.model_tag:
+            raise UsageError(f"MODEL {args.model_tag!r} and {typed} {args.model!r} disagree")
+        args.model = args.model_tag
+    config = engine_config(args)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be in 0..65535")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise UsageError(f"--max-waiting-requests {args.max_waiting_requests}: must be >= 0")
+    if not args.shutdown_timeout >= 0:
+        raise UsageError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
+    try:
+        from serving import server  # reason: FastAPI, uvicorn and JAX load only to serve
+    except ImportError as exc:
+        raise UsageError(
+            f"dsv4 serve needs the serve extra ({exc}): pip install 'dsv4-jax[serve]'"
+        ) from exc
+    from serving.llm import LLM  # reason: imports JAX; the flags are checked first
+
+    try:
+        llm = LLM(**config.to_kwargs())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    options = server.ServerOptions(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key or None,
+        max_waiting_requests=args.max_waiting_requests,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
+    return server.run_server(
+        llm, options, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -269,7 +269,7 @@ class SchedulerConfig:
     )
     token_buckets: tuple[int, ...] | None = _field(
         None,
-        "step sizes to compile, comma-separated (None: powers of two from 8 to the budget)",
+        "step sizes to compile, comma-separated (None: powers of two from 1 to the budget)",
         parse=_ints,
     )
     table_buckets: tuple[int, ...] | str | None = _field(

@@ -90,7 +90,10 @@ class LLM:
         enable_compilation_cache(cache_dir)
         model_config = config.model_config
         self.cfg, params, self.tokenizer = _load_model(model_config)
-        self._template = None if model_config.is_preset else _read_chat_template(model_config.model)
+        model = model_config.model
+        if model in SHIPPED:  # a shipped checkpoint has its tokenizer_config.json too
+            model = shipped_checkpoint(model)
+        self._template = None if model in _PRESETS else _read_chat_template(model)
         self.llm_engine = Engine.build(params, self.cfg, config, tokenizer=self.tokenizer)
         self.config = self.llm_engine.config  # its automatic values filled in
         self.kv_cache_dtype = self.config.cache_config.kv_cache_dtype

@@ -111,8 +111,9 @@ __all__ = [
 ]
 
 
-def default_token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to (and always including) the token budget."""
+def default_token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to (and always including) the token budget: a step
+    of n tokens runs at most 2n (a single stream's decode step runs one row, not eight)."""
     out, t = [], smallest
     while t < max_num_batched_tokens:
         out.append(t)

@@ -33,7 +33,7 @@ def test_json_line(monkeypatch, capsys):
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(
         perf_counter=lambda: time.perf_counter() + virtual[0]))  # fmt: skip
     argv = ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
-            "--max-num-batched-tokens", "8", "--num-scheduler-steps", "2"]  # fmt: skip
+            "--max-num-batched-tokens", "8", "--num-scheduler-steps", "2", "--token-buckets", "8", "--runs", "2"]  # fmt: skip
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["benchmark"] == "engine" and out["token_buckets"] == [8]
@@ -55,6 +55,15 @@ def test_json_line(monkeypatch, capsys):
         )
         assert set(r["ttft_ms"]) == {"p50", "p90", "p99"}
         assert r["engine_compilations"] == 0
+        assert len(r["engine_over_generate_runs"]) == 2
+        assert r["engine_over_generate"] in r["engine_over_generate_runs"]
+    # the README's table: one row per batch, the median ratio with the runs' range
+    lines = bench.table(out).splitlines()
+    assert len(lines) == 4 + 2 and lines[3].startswith("|---")
+    r = out["results"]["batch_2"]
+    low, high = min(r["engine_over_generate_runs"]), max(r["engine_over_generate_runs"])
+    assert f"| 2 | {r['generate_tokens_per_s']:.0f} |" in lines[5]
+    assert f"{r['engine_over_generate']:.2f} [{low:.2f}, {high:.2f}]" in lines[5]
 
 
 @pytest.mark.parametrize(

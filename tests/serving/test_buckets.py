@@ -1,0 +1,54 @@
+"""Step sizes that fit the batch: the engine's default token buckets run a step of n tokens as
+at most 2n (a single stream decodes one row, not eight), with few programs, all compiled at
+warm-up."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4.generation import generate
+from dsv4.paged.batch import bucket
+from serving import LLM, SamplingParams
+from serving.runner import default_token_buckets, rows_for
+
+
+@pytest.mark.parametrize("budget,max_num_seqs", [(64, 16), (256, 256), (48, 5), (1, 1)])
+def test_default_buckets_pad_at_most_twice(budget, max_num_seqs):
+    buckets = default_token_buckets(budget)
+    assert buckets[0] == 1 and buckets[-1] == budget
+    assert len(buckets) <= budget.bit_length() + 1  # one program per power of two
+    for n in range(1, budget + 1):
+        t = bucket(n, buckets)
+        assert n <= t <= 2 * n
+        if n <= max_num_seqs:  # a decode step of n requests: n rows of one token
+            assert n <= rows_for(t, max_num_seqs) <= 2 * n
+
+
+def test_one_stream_decodes_one_row_and_equals_generate():
+    """With the default buckets (1, 2, 4 under a budget of 4), one request's decode steps run
+    T = R = 1; its greedy tokens equal `dsv4.generate`'s; nothing compiles after warm-up."""
+    with jax.default_matmul_precision("highest"):
+        llm = LLM("tiny_v41", dtype="float32", max_model_len=64, max_num_seqs=2,
+                  max_num_batched_tokens=4, num_gpu_blocks_override=32,
+                  compilation_cache_dir=None)  # fmt: skip
+        runner = llm.engine.runner
+        assert runner.token_buckets == (1, 2, 4)
+        shapes = []
+        dispatch = runner.dispatch
+
+        def spy(batch, *rest):
+            shapes.append((batch.token_ids.shape[0], batch.seq_lens.shape[0]))
+            return dispatch(batch, *rest)
+
+        runner.dispatch = spy
+        prompt = [5, 17, 42, 9, 77, 3]  # two prefill chunks (4 + 2 tokens), then decode
+        sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        (out,) = llm.generate([prompt], sp, use_tqdm=False)
+        want = generate(runner.params, llm.cfg, jnp.asarray([prompt], jnp.int32), 5)
+    assert list(out.outputs[0].token_ids) == np.asarray(want)[0].tolist()
+    assert shapes[:2] == [(4, 4), (2, 2)]  # the rows: one per request, one for padding
+    assert shapes[2:] and set(shapes[2:]) == {(1, 1)}
+    assert llm.engine.stats.compilations_after_warm_up == 0

@@ -1,0 +1,431 @@
+"""`dsv4 serve`'s app (`serving.server`) through the real `openai` client over HTTP on
+127.0.0.1: one server over `LLM("tiny_v41_trained")` for the module. Every answer is checked
+against `LLM.generate` / `LLM.chat` on the same engine (run on the driver thread while no HTTP
+request runs): text and token prompts, streamed and not, chat, n > 1, stop strings, echo with
+prompt logprobs, 32 concurrent streams, disconnects (then nothing runs and the pool is empty),
+errors in OpenAI's shape, the API key, the waiting-queue limit, /metrics and an in-process drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from serving import LLM, SamplingParams
+from serving.engine_driver import EngineDriver
+from serving.server import ServerOptions, ServerThread, build_app
+
+KEY = "test-key"
+NAME = "tiny"
+LLM_ARGS = dict(
+    dtype="float32",
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    token_buckets=(64,),
+    num_gpu_blocks_override=400,
+    max_logprobs=5,
+    compilation_cache_dir=None,
+)
+PROMPTS = [
+    'def read_lines(path):\n    """Return the lines of the file at *path*',
+    "class ConfigError(Exception):\n    ",
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    parser = argparse.",
+]
+
+
+class Served:
+    def __init__(self) -> None:
+        self.llm = LLM("tiny_v41_trained", **LLM_ARGS)
+        self.driver = EngineDriver(self.llm.llm_engine).start()
+        self.app = build_app(self.llm, self.driver, ServerOptions(NAME, api_key=KEY))
+        self.server = ServerThread(self.app).start()
+        self.url = self.server.url
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+    def offline(self, prompts, **params):
+        """`LLM.generate` on the served engine, on the driver thread once it is idle."""
+        sp = SamplingParams(**params)
+        run = lambda: self.llm.generate(prompts, sp, use_tqdm=False)  # noqa: E731
+        return self.driver.call_when_idle(run).result(timeout=300)
+
+    def offline_chat(self, messages, **params):
+        sp = SamplingParams(**params)
+        run = lambda: self.llm.chat(messages, sp, use_tqdm=False)  # noqa: E731
+        return self.driver.call_when_idle(run).result(timeout=300)
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served()
+    yield s
+    s.server.stop()
+    s.driver.stop(timeout=30)
+
+
+def request(url, path, body=None, *, key=KEY, raw: bytes | None = None):
+    """(status, headers, parsed JSON or text) of a GET (no body) or POST."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            status, hdrs, text = resp.status, resp.headers, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, hdrs, text = exc.code, exc.headers, exc.read().decode()
+    try:
+        return status, hdrs, json.loads(text)
+    except json.JSONDecodeError:
+        return status, hdrs, text
+
+
+def metric(url: str, name: str) -> float:
+    _, _, text = request(url, "/metrics", key=None)
+    values = re.findall(rf"^dsv4:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert values, f"dsv4:{name} missing"
+    return sum(float(v) for v in values)
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(url, "num_requests_running") or metric(url, "kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+
+
+def extra(obj, name):
+    return (obj.model_extra or {}).get(name)
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+def test_completions_text_and_token_prompts_equal_llm_generate(served):
+    """Greedy: each prompt (text, then its token ids) answered as `LLM.generate` answers it,
+    token for token; the stream's pieces concatenate to the same text and tokens."""
+    want = served.offline(PROMPTS, temperature=0, max_tokens=12)
+    token_prompts = [o.prompt_token_ids for o in want]
+    for prompt, ref in zip(PROMPTS + token_prompts, want + want):
+        kw = dict(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+        kw["extra_body"] = {"return_token_ids": True}
+        got = served.client.completions.create(**kw)
+        choice = got.choices[0]
+        assert extra(choice, "token_ids") == ref.outputs[0].token_ids
+        assert extra(choice, "prompt_token_ids") == ref.prompt_token_ids
+        assert choice.text == ref.outputs[0].text and choice.finish_reason == "length"
+        assert got.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert got.usage.completion_tokens == 12
+        text, tokens, reasons = "", [], []
+        for chunk in served.client.completions.create(**kw, stream=True):
+            text += chunk.choices[0].text
+            tokens += extra(chunk.choices[0], "token_ids")
+            reasons.append(chunk.choices[0].finish_reason)
+        assert (text, tokens) == (ref.outputs[0].text, ref.outputs[0].token_ids)
+        assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
+    # a list of prompts: one choice per prompt, in order
+    got = served.client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in got.choices] == [o.outputs[0].text for o in want]
+    assert [c.index for c in got.choices] == [0, 1, 2]
+
+
+def test_sampled_n_stop_strings_and_usage_equal_llm_generate(served):
+    """n = 3 seeded samples with penalties and vLLM's extra fields, streamed with each choice's
+    index (and usage last) and not; a stop string cuts the text as `LLM.generate` cuts it."""
+    params = dict(n=3, temperature=0.9, top_p=0.95, seed=7, max_tokens=10, presence_penalty=0.5)
+    params.update(top_k=50, min_tokens=2, repetition_penalty=1.1)
+    (ref,) = served.offline(PROMPTS[0], **params)
+    body = {k: params[k] for k in ("top_k", "min_tokens", "repetition_penalty")}
+    kw = dict(model=NAME, prompt=PROMPTS[0], n=3, temperature=0.9, top_p=0.95, seed=7)
+    kw.update(max_tokens=10, presence_penalty=0.5, extra_body=body)
+    got = served.client.completions.create(**kw)
+    assert [c.text for c in got.choices] == [c.text for c in ref.outputs]
+    assert len({c.text for c in got.choices}) > 1  # sampled: the choices differ
+    texts = ["", "", ""]
+    chunks = list(
+        served.client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in ref.outputs]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    # stop strings: greedy, cut before the first stop string found
+    (plain,) = served.offline(PROMPTS[2], temperature=0, max_tokens=24)
+    stop = plain.outputs[0].text[5:7]
+    (ref,) = served.offline(PROMPTS[2], temperature=0, max_tokens=24, stop=[stop])
+    assert ref.outputs[0].finish_reason == "stop"
+    kw = dict(model=NAME, prompt=PROMPTS[2], temperature=0, max_tokens=24, stop=[stop])
+    got = served.client.completions.create(**kw)
+    assert got.choices[0].text == ref.outputs[0].text and got.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text for c in served.client.completions.create(**kw, stream=True)
+    )
+    assert streamed == ref.outputs[0].text
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs_of_llm_generate(served):
+    """echo + logprobs: the prompt's tokens with `LLM.generate`'s prompt logprobs (the first
+    None), then the output's, as log-likelihood evaluation reads them over HTTP."""
+    (ref,) = served.offline(PROMPTS[1], temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2)
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True, logprobs=2)
+    got = served.client.completions.create(**kw).choices[0]
+    assert got.text == PROMPTS[1] + ref.outputs[0].text
+    ids = ref.prompt_token_ids + ref.outputs[0].token_ids
+    entries = ref.prompt_logprobs + ref.outputs[0].logprobs
+    want = [None] + [e[t].logprob for t, e in zip(ids[1:], entries[1:])]
+    lp = got.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-5)
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens[1:]) == got.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    for top, e in zip(lp.top_logprobs[1:], entries[1:]):
+        assert sorted(top.values()) == pytest.approx(sorted(x.logprob for x in e.values()))
+
+
+# -- chat --------------------------------------------------------------------------------------
+
+
+def test_chat_equals_llm_chat_streamed_and_not(served):
+    """The shipped chat template renders the messages as `LLM.chat` does; greedy replies,
+    their logprobs and the stream's deltas equal its output."""
+    messages = [
+        {"role": "system", "content": "Helpers for reading configuration files."},
+        {"role": "user", "content": "def read_config(path):"},
+    ]
+    (ref,) = served.offline_chat(messages, temperature=0, max_tokens=10, logprobs=2)
+    kw = dict(model=NAME, messages=messages, temperature=0, max_completion_tokens=10)
+    got = served.client.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    c = got.choices[0]
+    assert c.message.role == "assistant" and c.message.content == ref.outputs[0].text
+    assert got.usage.prompt_tokens == len(ref.prompt_token_ids)
+    want = [e[t].logprob for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+    assert [x.logprob for x in c.logprobs.content] == pytest.approx(want, abs=1e-5)
+    assert all(len(x.top_logprobs) == 2 for x in c.logprobs.content)
+    deltas = list(served.client.chat.completions.create(**kw, stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == ref.outputs[0].text
+    assert deltas[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
+
+
+# -- concurrency and disconnects ---------------------------------------------------------------
+
+
+def test_32_concurrent_streaming_clients_each_equal_their_offline_result(served):
+    """32 async clients at once (8 run, the rest wait): each stream equals `LLM.generate` of
+    its prompt; afterwards nothing runs and the pool is empty."""
+    prompts = [f"{PROMPTS[i % 3]}{' ' * (i // 3)}" for i in range(32)]
+    want = served.offline(prompts, temperature=0, max_tokens=8)
+
+    async def one(client, prompt):
+        kw = dict(model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        stream = await client.completions.create(**kw, extra_body={"return_token_ids": True})
+        tokens = []
+        async for chunk in stream:
+            tokens += extra(chunk.choices[0], "token_ids")
+        return tokens
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
+        async with client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(main())
+    assert got == [o.outputs[0].token_ids for o in want]
+    wait_idle(served.url)
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(served):
+    """Close the connection mid-stream (and a non-streamed request while it runs): both
+    requests are aborted, the request beside them finishes as `LLM.generate` says, and then
+    /metrics shows nothing running and KV usage 0."""
+    host, port = served.url.removeprefix("http://").split(":")
+    body = dict(model=NAME, prompt=PROMPTS[0], max_tokens=100, temperature=0, ignore_eos=True)
+    aborted = metric(served.url, "request_success_total")
+    (ref,) = served.offline(PROMPTS[1], temperature=0, max_tokens=40)
+    beside = threading.Thread(target=lambda: out.append(served.client.completions.create(
+        model=NAME, prompt=PROMPTS[1], max_tokens=40, temperature=0)))  # fmt: skip
+    out: list = []
+    beside.start()
+    for stream in (True, False):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": stream}), headers)
+        if stream:
+            resp = conn.getresponse()
+            assert resp.readline().startswith(b"data: ")
+        else:
+            time.sleep(1.0)
+        conn.close()
+    beside.join(60)
+    assert out[0].choices[0].text == ref.outputs[0].text
+    wait_idle(served.url)
+    assert metric(served.url, "generation_tokens_total") > 0
+    reasons = request(served.url, "/metrics", key=None)[2]
+    assert 'finished_reason="abort"' in reasons
+    assert metric(served.url, "request_success_total") >= aborted + 3
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_bad_requests_get_400_in_openai_shape_naming_the_value(served):
+    """Each bad value is a 400 whose message names it (malformed JSON too, not 422); a wrong
+    model is 404; the key is checked except on /health and /metrics; unknown fields are
+    ignored; a stream beside the bad requests is undisturbed."""
+    url = served.url
+    (ref,) = served.offline(PROMPTS[0], temperature=0, max_tokens=30)
+    out: list = []
+    beside = threading.Thread(target=lambda: out.append("".join(
+        c.choices[0].text for c in served.client.completions.create(
+            model=NAME, prompt=PROMPTS[0], max_tokens=30, temperature=0, stream=True))))  # fmt: skip
+    beside.start()
+    vocab = served.llm.cfg.vocab_size
+    cases = [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens=-1"),
+        ({"prompt": [5, vocab + 3]}, f"[{vocab + 3}]"),
+        ({"prompt": [5] * 200}, "200 tokens"),
+        ({"prompt": "x", "logprobs": 9}, "logprobs=9"),
+        ({"prompt": "x", "temperature": -1}, "temperature=-1"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "x", "stop_token_ids": [vocab]}, "stop_token_ids"),
+        ({"prompt": ""}, "prompt=''"),
+        ({}, "prompt"),
+    ]
+    for body, named in cases:
+        status, _, got = request(url, "/v1/completions", {"model": NAME, **body})
+        assert status == 400, (body, got)
+        assert set(got["error"]) == {"message", "type", "param", "code"}
+        assert named in got["error"]["message"] and got["error"]["code"] == 400, got
+    status, _, got = request(url, "/v1/completions", raw=b'{"prompt": "x", ')
+    assert status == 400 and got["error"]["type"] == "invalid_request_error"
+    status, _, got = request(url, "/v1/chat/completions", {"messages": "hi"})
+    assert status == 400 and "messages" in got["error"]["message"]
+    status, _, got = request(url, "/v1/completions", {"model": "gpt-4", "prompt": "x"})
+    assert status == 404 and "gpt-4" in got["error"]["message"]
+    for key in (None, "wrong"):
+        status, _, got = request(url, "/v1/models", key=key)
+        assert status == 401 and got["error"]["code"] == 401
+        assert request(url, "/health", key=key)[0] == 200
+        assert request(url, "/metrics", key=key)[0] == 200
+    body = {"model": NAME, "prompt": "x", "max_tokens": 2, "logit_bias": {}, "whatever": 1}
+    assert request(url, "/v1/completions", body)[0] == 200
+    beside.join(60)
+    assert out == [ref.outputs[0].text]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        served.client.completions.create(model=NAME, prompt="x", max_tokens=0)
+
+
+def test_over_max_waiting_requests_is_503_with_retry_after(served):
+    """A second app on the same driver with --max-waiting-requests 0: with max_num_seqs (8)
+    sequences running, the next request gets 503 and Retry-After; then it is served again."""
+    app = build_app(served.llm, served.driver, ServerOptions(NAME, max_waiting_requests=0))
+    server = ServerThread(app).start()
+    try:
+        busy = served.client.with_options(base_url=server.url + "/v1")
+        kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=100, extra_body={"ignore_eos": True})
+        streams = [busy.completions.create(**kw, stream=True, temperature=0) for _ in range(4)]
+        streams.append(busy.completions.create(**kw, stream=True, n=4, temperature=1.0))
+        status, headers, got = request(server.url, "/v1/completions", {"prompt": "x"})
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert "--max-waiting-requests 0" in got["error"]["message"]
+        for s in streams:
+            s.close()
+        wait_idle(server.url)
+        assert request(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    finally:
+        server.stop()
+
+
+# -- the rest of the API -----------------------------------------------------------------------
+
+
+def test_models_tokenize_detokenize_and_metrics(served):
+    url = served.url
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert extra(models.data[0], "max_model_len") == 128
+    tok = served.llm.get_tokenizer()
+    status, _, got = request(url, "/tokenize", {"prompt": PROMPTS[0]})
+    assert status == 200 and got["tokens"] == tok.encode(PROMPTS[0], add_bos=True)
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 128
+    status, _, got = request(url, "/detokenize", {"tokens": got["tokens"]})
+    assert status == 200 and got["prompt"] == PROMPTS[0]
+    status, _, got = request(url, "/detokenize", {"tokens": [1, 99999]})
+    assert status == 400 and "99999" in got["error"]["message"]
+    served.client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4)
+    _, _, text = request(url, "/metrics", key=None)
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+    ):
+        assert re.search(rf"^dsv4:{name}\{{", text, re.M), name
+    st = served.llm.llm_engine.stats
+    assert metric(url, "generation_tokens_total") == st.num_generation_tokens
+    assert metric(url, "prompt_tokens_total") == st.num_prompt_tokens
+    assert metric(url, "prefix_cache_hits_total") == st.prefix_cache_hits
+    assert metric(url, "e2e_request_latency_seconds_count") >= 1
+    assert st.compilations_after_warm_up == 0
+
+
+def test_stop_drains_running_requests_then_refuses_new_ones(served):
+    """`ServerThread.stop` (SIGTERM's path): the stream that runs finishes whole, /health
+    turns 503 meanwhile, the listener closes, and the driver keeps serving other apps."""
+    (ref,) = served.offline(PROMPTS[2], temperature=0, max_tokens=40, ignore_eos=True)
+    app = build_app(served.llm, served.driver, ServerOptions(NAME))
+    server = ServerThread(app, shutdown_timeout=60).start()
+    client = served.client.with_options(base_url=server.url + "/v1")
+    kw = dict(model=NAME, prompt=PROMPTS[2], max_tokens=40, temperature=0)
+    kw["extra_body"] = {"ignore_eos": True}
+    stream = client.completions.create(**kw, stream=True)
+    text = next(iter(stream)).choices[0].text
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    deadline = time.monotonic() + 10
+    while not app.state.serving.draining and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert app.state.serving.draining
+    text += "".join(c.choices[0].text for c in stream)
+    stopper.join(60)
+    assert text == ref.outputs[0].text and not server.thread.is_alive()
+    with pytest.raises(openai.APIConnectionError):
+        client.completions.create(**kw)
+    assert served.client.completions.create(**kw).choices[0].text == ref.outputs[0].text
+
+
+def test_skip_tokenizer_init_takes_and_returns_token_ids(served):
+    """--skip-tokenizer-init (a second app on the same engine): token-id prompts, token ids
+    and no text in the answer, equal to `LLM.generate`'s tokens; a text prompt is a 400."""
+    (ref,) = served.offline([5, 6, 7, 8], temperature=0, max_tokens=6)
+    options = ServerOptions(NAME, skip_tokenizer_init=True)
+    server = ServerThread(build_app(served.llm, served.driver, options)).start()
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
+        status, _, got = request(server.url, "/v1/completions", body)
+        assert status == 200 and got["choices"][0]["text"] == ""
+        assert got["choices"][0]["token_ids"] == ref.outputs[0].token_ids
+        assert got["choices"][0]["prompt_token_ids"] == [5, 6, 7, 8]
+        status, _, got = request(server.url, "/v1/completions", {"prompt": "text"})
+        assert status == 400 and "token ids" in got["error"]["message"]
+    finally:
+        server.stop()

@@ -1,0 +1,19 @@
+"""benchmarks/serve.py on a small engine: HTTP and offline produce the same tokens, and every
+figure it prints is there and positive."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import serve
+
+
+@pytest.mark.slow
+def test_serve_benchmark_runs_small():
+    engine = dict(dtype="float32", max_num_batched_tokens=64, token_buckets=(64,))
+    result = serve.run("tiny_v41_trained", 4, 16, 6, 64, compilation_cache_dir=None, **engine)
+    assert result["same_tokens"] is True
+    assert result["offline_output_tokens_per_s"] > 0 and result["http_output_tokens_per_s"] > 0
+    assert result["http_over_offline"] > 0
+    assert result["http_ttft_ms"]["p50"] > 0 and result["http_itl_ms"]["p99"] > 0
+    assert "streaming clients" in serve.table_row(result)
