@@ -3,16 +3,22 @@
 Each block runs alone in a fresh interpreter (what a reader pasting it gets: nothing defined
 before it, no XLA flags but those it sets, a fresh persistent compilation cache), in an empty
 directory. A block whose fence says ``python slow`` runs in the slow tier only (`make
-test-slow`); the others run by default. A block that appears in several files runs once.
+test-slow`); the others run by default. One that says ``server`` talks to ``dsv4 serve`` on
+port 8000, as the README starts it: the test starts one first (small engine sizes; the block
+sees only its HTTP API). A block that appears in several files runs once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +26,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
-TAGS = {"slow"}  # what a fence may say after ``python``
+TAGS = {"slow", "server"}  # what a fence may say after ``python``
 TIMEOUT_S = 900
 
 
@@ -71,9 +77,45 @@ def run_block(block: Block, workdir: Path) -> subprocess.CompletedProcess:
     )
 
 
+# the server a ``server`` block talks to: the README's `dsv4 serve` on its port, small sizes
+SERVER = [sys.executable, "-m", "serving.cli", "serve", "tiny_v41_trained", "--port", "8000",
+          "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+          "--token-buckets", "64", "--num-gpu-blocks", "200", "--no-compilation-cache"]  # fmt: skip
+
+
+def _read_lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+    out.put(None)
+
+
+@contextlib.contextmanager
+def serving(block: Block) -> Iterator[None]:
+    """`SERVER` running (until ready) while the block runs, if the block needs it."""
+    if "server" not in block.tags:
+        yield
+        return
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        SERVER, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        seen = []
+        while not seen or "ready, listening on http://" not in seen[-1]:
+            seen.append(lines.get(timeout=TIMEOUT_S))
+            assert seen[-1] is not None, "dsv4 serve exited:\n" + "".join(seen[:-1])
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("block", [_param(b) for b in find_blocks()])
 def test_block_runs_as_written(block: Block, tmp_path: Path):
-    done = run_block(block, tmp_path)
+    with serving(block):
+        done = run_block(block, tmp_path)
     where = ", ".join(block.places)
     assert done.returncode == 0, f"{where} failed:\n{done.stdout}\n{done.stderr}"
     warnings = [line for line in done.stderr.splitlines() if "warning" in line.lower()]
