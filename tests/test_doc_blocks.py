@@ -4,8 +4,8 @@ Each block runs alone in a fresh interpreter (what a reader pasting it gets: not
 before it, no XLA flags but those it sets, a fresh persistent compilation cache), in an empty
 directory. A block whose fence says ``python slow`` runs in the slow tier only (`make
 test-slow`); the others run by default. One that says ``server`` talks to ``dsv4 serve`` on
-port 8000, as the README starts it: the test starts one first (small engine sizes; the block
-sees only its HTTP API). A block that appears in several files runs once.
+port 8000, as the README starts it: the test starts one first (small engine sizes, the API key
+the block's client sends; the block sees only the HTTP API). A block in several files runs once.
 """
 
 from __future__ import annotations
@@ -96,8 +96,10 @@ def serving(block: Block) -> Iterator[None]:
         yield
         return
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    key = re.search(r'api_key="([^"]*)"', block.source)
+    cmd = [*SERVER, "--api-key", key.group(1)] if key else SERVER
     proc = subprocess.Popen(
-        SERVER, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
