@@ -25,11 +25,13 @@ from dsv4.engram_hash import next_prime
 
 __all__ = [
     "MODEL_PRESETS",
+    "SHIPPED_DIR",
     "LayerInfo",
     "LayerPlan",
     "ModelConfig",
     "Preset",
     "Role",
+    "model_source",
     "tiny_v41",
     "tiny_v41_full",
     "tiny_v41_trained",
@@ -66,6 +68,9 @@ _HF_NAMES = {
     "dspark_num_experts_per_tok": "dspark_n_activated_experts",
     "engram_pad_token_id": "engram_pad_id",
 }
+# Keys (inference names) a config must set: they fix the architecture's shapes, and a config
+# without them would silently become a default model.
+REQUIRED_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "compress_ratios")
 # Keys of a checkpoint config that describe things this package deliberately does not model
 # (vision tower, token ids of special spans, HF bookkeeping) or that it reads through other
 # paths. They are accepted and ignored; any other unknown key is an error.
@@ -455,6 +460,14 @@ class ModelConfig:
             # still apply where the nested block does not set them.
             merged.update(text)
         values, storage = _config_values(merged, {f.name for f in dataclasses.fields(cls)})
+        missing = [name for name in REQUIRED_KEYS if name not in values and name not in overrides]
+        if missing:
+            hf = {v: k for k, v in _HF_NAMES.items()}
+            named = [f"{n} ({hf[n]})" if n in hf else n for n in missing]
+            raise ValueError(
+                f"config lacks the keys {named} that define the architecture (no defaults are "
+                "assumed for them)"
+            )
         _rope_values(merged, values)
         _storage_values(merged, values, text is not None or storage is not None, storage)
         _layout_values(raw, merged, values, cls.n_layers)
@@ -470,8 +483,22 @@ class ModelConfig:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file (a checkpoint's config.json)")
         with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f), **overrides)
+            text = f.read()
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from None
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{path}: holds a JSON {type(raw).__name__}, not an object")
+        try:
+            return cls.from_dict(raw, **overrides)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """Inference names; `from_dict(to_dict())` round-trips."""
@@ -993,6 +1020,46 @@ MODEL_PRESETS: dict[str, Preset] = {
     "tiny_v41_full": Preset(tiny_v41_full, "random"),
     "tiny_v41_trained": Preset(tiny_v41_trained, "shipped"),
 }
+
+
+# Where the "shipped" presets' checkpoints live (inside the package, `dsv4/weights/<name>`).
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
+
+
+def model_source(model: Any) -> tuple[str, str | None]:
+    """The one resolver of model names every entry point uses (`load_pretrained`, `LLM`, the
+    CLI): ``("random", None)`` for a random-weight preset of `MODEL_PRESETS`, ``("checkpoint",
+    directory)`` for a shipped preset or a checkpoint directory (one with a config.json).
+
+    Raises:
+        ValueError: ``model`` is neither, naming it, the accepted names, and what is wrong
+            (a released preset without weights, no such folder, a folder without config.json).
+    """
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model={model!r} must be a model name or a checkpoint directory")
+    name = os.fspath(model)
+    preset = MODEL_PRESETS.get(name)
+    if preset is not None and preset.weights == "random":
+        return "random", None
+    if preset is not None and preset.weights == "shipped":
+        return "checkpoint", os.path.join(SHIPPED_DIR, name)
+    names = ", ".join(n for n, p in MODEL_PRESETS.items() if p.weights is not None)
+    if preset is not None:
+        raise ValueError(
+            f"model={name!r} is a config without weights here: give its checkpoint directory "
+            f"(released format), or one of {names}"
+        )
+    if not os.path.isdir(name):
+        raise ValueError(
+            f"model={name!r} is not allowed: no such directory; give a checkpoint directory or "
+            f"one of {names}"
+        )
+    if not os.path.isfile(os.path.join(name, "config.json")):
+        raise ValueError(
+            f"model={name!r} is not allowed: the directory has no config.json (not a "
+            f"checkpoint); give a checkpoint directory or one of {names}"
+        )
+    return "checkpoint", name
 
 
 def _ceil_div(a: int, b: int) -> int:

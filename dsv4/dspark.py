@@ -67,6 +67,7 @@ from dsv4 import layers as L
 from dsv4 import reference
 from dsv4.block import decoder_block
 from dsv4.config import ModelConfig
+from dsv4.inputs import check_model_params, check_token_ids
 from dsv4.params import dspark_specs as param_specs
 from dsv4.params import require_drafter
 from dsv4.quant import fp8_qdq
@@ -128,27 +129,14 @@ def _stage_cfg(cfg: ModelConfig) -> ModelConfig:
 # -- input checks ---------------------------------------------------------------------------------
 
 
-def _concrete(x) -> np.ndarray | None:
-    """x as a numpy array when its values are known (not traced), else None."""
-    if isinstance(x, jax.core.Tracer):
-        return None
-    return np.asarray(x)
-
-
 def _check_ids(name: str, x, vocab: int) -> None:
-    values = _concrete(x)
-    if values is None or values.size == 0:
-        return
-    lo, hi = int(values.min()), int(values.max())
-    if lo < 0 or hi >= vocab:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
+    check_token_ids("dspark", name, x, vocab, ndim=np.ndim(x))
 
 
 def _int_array(name: str, x, shape: tuple[int, ...] | None = None) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {x.dtype}")
+        raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
     if shape is not None and x.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
     return x.astype(jnp.int32)
@@ -407,11 +395,9 @@ def draft(
     the backbone's greedy pick after the prefix). ``logits[:, i]`` is for position T+1+i.
     ``mesh``: the device mesh the experts dispatch over (`dsv4.reference.forward`'s)."""
     require_drafter(cfg)
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-        raise ValueError(f"tokens must be int32[B, T] with T >= 1, got shape {tokens.shape}")
-    tokens = _int_array("tokens", tokens)
-    _check_ids("tokens", tokens, cfg.vocab_size)
+    check_token_ids("dspark.draft", "tokens", tokens, cfg.vocab_size, ndim=2)
+    check_model_params("dspark.draft", params, cfg, drafter=True)
+    tokens = jnp.asarray(tokens, jnp.int32)
     b, t = tokens.shape
     if t + cfg.dspark_block_size > cfg.max_seq_len:
         raise ValueError(

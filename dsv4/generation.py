@@ -8,11 +8,14 @@ iteration with the dense caches of `dsv4.model`. No host code runs inside the lo
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv4.config import ModelConfig
+from dsv4.inputs import check_model_params, check_token_ids
 from dsv4.model import forward_step, init_cache
 
 __all__ = ["generate", "sample_logits"]
@@ -105,6 +108,30 @@ def _prompt_lengths(prompt_lengths, b: int, t: int) -> jax.Array:
     return lengths
 
 
+def _check_options(cfg: ModelConfig, t: int, max_new_tokens, temperature, top_p, key, eos) -> None:
+    """`generate`'s scalar arguments, for a prompt width ``t``."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"generate: max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if t + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"generate: prompt width {t} + max_new_tokens {max_new_tokens} exceeds max_seq_len "
+            f"{cfg.max_seq_len}"
+        )
+    if not 0 <= temperature < math.inf or not 0 < top_p <= 1:
+        raise ValueError(
+            f"generate: temperature={temperature} must be finite and >= 0 and top_p={top_p} "
+            "must be in (0, 1]"
+        )
+    if eos is not None and not 0 <= eos < cfg.vocab_size:
+        raise ValueError(
+            f"generate: eos_token_id={eos!r} is outside the vocabulary [0, {cfg.vocab_size})"
+        )
+    if temperature > 0 and key is None:
+        raise ValueError("generate: sampling (temperature > 0) needs a PRNG key: pass key=")
+
+
 def generate(
     params,
     cfg: ModelConfig,
@@ -125,24 +152,16 @@ def generate(
     ``eos_token_id`` a row stops at its first EOS (the rest of its row is EOS). ``mesh``: the
     experts dispatch over its ``expert`` axis. Compiles once per config, shape and static arg.
     """
+    shape = np.shape(prompt_tokens)
+    lengths = _prompt_lengths(prompt_lengths, *shape) if len(shape) == 2 else None
+    # the padding after a row's prompt is never read: only the prompts' ids are checked
+    check_token_ids(
+        "generate", "prompt_tokens", prompt_tokens, cfg.vocab_size, ndim=2, lengths=lengths
+    )
+    check_model_params("generate", params, cfg)
     prompt = jnp.asarray(prompt_tokens, jnp.int32)
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt_tokens must be int32[B, T] with T >= 1, got {prompt.shape}")
-    b, t = prompt.shape
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-    lengths = _prompt_lengths(prompt_lengths, b, t)
-    if t + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(
-            f"prompt width {t} + max_new_tokens {max_new_tokens} exceeds max_seq_len "
-            f"{cfg.max_seq_len}"
-        )
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(
-            f"temperature={temperature} must be >= 0 and top_p={top_p} must be in (0, 1]"
-        )
-    if temperature > 0 and key is None:
-        raise ValueError("sampling (temperature > 0) needs a PRNG key: pass key=")
+    t = prompt.shape[1]
+    _check_options(cfg, t, max_new_tokens, temperature, top_p, key, eos_token_id)
     if key is None:
         key = jax.random.PRNGKey(0)
     return _generate(

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv4 import engram
 from dsv4 import layers as L
 from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role
+from dsv4.inputs import check_model_params, check_positions, check_token_ids, concrete
 from dsv4.layers import index_scores, sink_attention
 
 Cache = dict[str, jax.Array]
@@ -250,7 +252,9 @@ def forward_step_streams(
 ) -> tuple[jax.Array, Cache, dict[int, jax.Array]]:
     """`forward_step`, plus the residual stream [B, T, hc, dim] of the chunk entering each layer
     of ``layers`` (after its Engram update): what the DSpark drafter's `seed` reads."""
-    b, t = tokens.shape
+    _check_step(params, cfg, cache, tokens, start, lengths, write_from)
+    b, t = np.shape(tokens)
+    tokens = jnp.asarray(tokens)
     start = jnp.asarray(start, jnp.int32).reshape(b)
     lengths = jnp.asarray(lengths, jnp.int32).reshape(b)
     st = _Step(cfg, cache, start, lengths, t)
@@ -272,3 +276,47 @@ def forward_step_streams(
         params, cfg, tokens, attention, (new, {}), engram_rows=rows, capture=layers, mesh=mesh
     )
     return L.lm_head(params, h), new, streams
+
+
+def _check_step(params, cfg: ModelConfig, cache: Cache, tokens, start, lengths, write_from) -> None:
+    """`forward_step`'s arguments: token ids, the cache's batch, and (where concrete) start >= 0
+    where the row's cache ends (unless a ``write_from`` replay), lengths in 0..T and every
+    position inside ``max_seq_len`` and the cache's rows."""
+    where = "model.forward_step"
+    check_token_ids(where, "tokens", tokens, cfg.vocab_size, ndim=2, lengths=lengths)
+    check_model_params(where, params, cfg)
+    b, t = np.shape(tokens)
+    if np.shape(cache.get("win_pos", ()))[:1] != (b,):
+        raise ValueError(
+            f"{where}: the cache holds {np.shape(cache.get('win_pos', ()))[:1]} sequences, tokens "
+            f"{b} (init_cache(cfg, batch={b}, max_len))"
+        )
+    first, real = concrete(start), concrete(lengths)
+    if first is None or real is None:
+        return
+    first = np.broadcast_to(np.reshape(first, -1), (b,))
+    real = np.broadcast_to(np.reshape(real, -1), (b,))
+    if (first < 0).any() or (real < 0).any() or (real > t).any():
+        raise ValueError(
+            f"{where}: start={first.tolist()} must be >= 0 and lengths={real.tolist()} in 0..{t}"
+        )
+    held = concrete(cache["win_pos"]) if write_from is None else None  # a replay rewinds
+    if held is not None:  # the ring holds each row's latest positions (-1: none yet)
+        latest = held.max(axis=1)
+        for row in np.flatnonzero((real > 0) & (latest != first - 1)):
+            raise ValueError(
+                f"{where}: row {row} starts at position {first[row]}, but its cache ends at "
+                f"position {latest[row]}: start must be {latest[row] + 1} (rows continue "
+                "exactly where their cache ends)"
+            )
+    end = first + real  # [B] the first position after each row's chunk
+    check_positions(where, int(end.max()) - 1, cfg, "the chunk")
+    for info in cfg.plan:
+        rows = cache.get(f"comp.{info.layer}")
+        if info.role is Role.FULL and rows is not None:
+            held = rows.shape[1] * info.ratio
+            if (end // info.ratio > rows.shape[1]).any():
+                raise ValueError(
+                    f"{where}: the chunk ends at position {int(end.max())}, past the cache's "
+                    f"{held} positions (init_cache's max_len)"
+                )

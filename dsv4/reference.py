@@ -21,11 +21,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv4 import engram
 from dsv4 import layers as L
 from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role
+from dsv4.inputs import check_model_params, check_positions, check_token_ids
 from dsv4.layers import (
     NEG_INF,
     index_scores,
@@ -148,9 +150,10 @@ def forward_streams(
     """`forward`'s logits, and the residual stream [B, T, hc, dim] entering each layer of
     ``layers`` (after its Engram update, before its attention's mix): what the DSpark drafter
     reads from its target layers. ``mesh``: as `forward`'s."""
+    check_token_ids("reference.forward", "tokens", tokens, cfg.vocab_size, ndim=2)
+    check_positions("reference.forward", np.shape(tokens)[1] - 1, cfg, "a sequence of that length")
+    check_model_params("reference.forward", params, cfg)
     tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
     rows = engram_rows(params, cfg, tokens) if cfg.engram_layer_ids else None
 
     def attention(layer, h, shared):

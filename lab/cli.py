@@ -58,6 +58,8 @@ def _workload_args(items: list[str], usage_error) -> dict:
 
 
 def _lab(args: argparse.Namespace, usage_error) -> int:
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise usage_error(f"--out {args.out!r}: an existing file; give a directory to write into")
     try:
         base, layouts, knob, values = _plan(args)
         workload = _workload(args, usage_error)

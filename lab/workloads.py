@@ -7,6 +7,7 @@ arguments, same workload). The model and the JSONL format: docs/lab.md#labworklo
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -298,9 +299,16 @@ def make_workload(kind: str, seed: int = 0, **kwargs) -> Workload:
     """The generator ``kind`` (`WORKLOADS`) with its keyword arguments."""
     if kind not in WORKLOADS:
         raise WorkloadError(f"unknown workload {kind!r}; known: {sorted(WORKLOADS)}")
+    names = list(inspect.signature(WORKLOADS[kind]).parameters)[1:]  # after the seed
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise WorkloadError(
+            f"workload {kind!r} has no argument {', '.join(map(repr, unknown))}; its arguments: "
+            f"{', '.join(names)}"
+        )
     try:
         return WORKLOADS[kind](seed, **kwargs)
-    except TypeError as e:  # an argument this generator does not have
+    except TypeError as e:  # a value of the wrong kind
         raise WorkloadError(f"workload {kind!r}: {e}") from None
 
 

@@ -15,13 +15,13 @@ JAX is imported only by the model commands, so ``cache-demo`` and ``layout`` sta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import random
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from cache import KVCacheManager, Request
 from cache.layout import (
@@ -36,11 +36,20 @@ from cache.layout import (
 from cache.spec import KVCacheConfig, iter_layer_specs
 from dsv4.config import MODEL_PRESETS
 from lab.cli import add_lab_command
-from serving.cli_llm import UsageError, add_commands, add_engine_arguments, engine_config
+from serving.cli_llm import (
+    HELP_FORMAT,
+    UsageError,
+    add_commands,
+    add_engine_arguments,
+    engine_config,
+)
 from serving.config import SchedulerConfig
 from serving.scheduler import Scheduler
 
-_DESCS = {"flash": v41_flash_desc, "tiny": tiny_v41_desc}
+# `dsv4 layout` / `cache-demo --model`: the model names of the one preset table, and the short
+# names these commands took before (flash, tiny)
+_ALIASES = {"flash": "v41_flash", "tiny": "tiny_v41"}
+_LAYOUT_MODELS = (*MODEL_PRESETS, *_ALIASES)
 
 # What `dsv4 cache-demo` makes up: tokens of each user message and of each answer (inclusive
 # ranges), and the fake token ids (half-open).
@@ -50,7 +59,16 @@ _TOKEN_IDS = (1000, 50_000)
 
 
 def _desc(args: argparse.Namespace) -> ModelCacheDesc:
-    return _DESCS[args.model](num_speculative_tokens=args.num_speculative_tokens)
+    """The named model's cache layout: V4.1-Flash with SM90 records; a tiny preset's layer plan
+    (read from its config, no JAX) with `tiny_v41_desc`'s bf16 records and block sizes."""
+    name = _ALIASES.get(args.model, args.model)
+    k = args.num_speculative_tokens
+    if name == "v41_flash":
+        return v41_flash_desc(num_speculative_tokens=k)
+    records = dataclasses.asdict(tiny_v41_desc(num_speculative_tokens=k))
+    del records["num_draft_layers"]  # from the config's ratios past its backbone
+    plan = MODEL_PRESETS[name].config().to_hf_dict()["text_config"]
+    return ModelCacheDesc.from_config({**records, **plan})
 
 
 def _group_names(config: KVCacheConfig) -> list[str]:
@@ -209,7 +227,7 @@ def _check_cache_demo_args(args: argparse.Namespace) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _TurnReport:
     num_hit_tokens: int  # prefix-cache hit at admission (replayed tokens included)
     blocks_held: list[int]  # per KV-cache group, at the turn's last step
@@ -304,14 +322,38 @@ def _cache_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with every user error on one line of stderr (exit status 2, no usage dump):
+    ``dsv4 generate: error: --max-tokens 0: must be >= 1 (dsv4 generate --help)``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dsv4-jax")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="dsv4", description=__doc__.splitlines()[0], formatter_class=HELP_FORMAT)
+    parser.add_argument("--version", action="version", version=f"dsv4 {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_commands(sub)
 
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", choices=sorted(_DESCS), default="flash")
+    common = argparse.ArgumentParser(add_help=False, formatter_class=HELP_FORMAT)
+    common.add_argument(
+        "--model",
+        choices=_LAYOUT_MODELS,
+        default="v41_flash",
+        help="a model name (as LLM and dsv4 plan take them; flash and tiny are short for "
+        "v41_flash and tiny_v41)",
+    )
     _add_sizes(common, max_model_len=65_536)
     common.add_argument(
         "--num-speculative-tokens",
@@ -350,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_command(sub)
     _add_serve_command(sub)
     add_lab_command(sub, UsageError)
+    for command in sub.choices.values():  # every flag's help shows its default
+        command.formatter_class = HELP_FORMAT
     return parser
 
 
@@ -490,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except UsageError as exc:
-        # argparse's format: "usage: ...", then "dsv4 demo: error: ...", exit status 2
+        # one line, "dsv4 demo: error: ...", exit status 2
         args.subparser.error(str(exc))
     return 2  # pragma: no cover - error() exits
 

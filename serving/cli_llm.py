@@ -39,7 +39,14 @@ from serving.config import (
 )
 from serving.sampling_params import SamplingParams
 
-__all__ = ["UsageError", "add_commands", "add_engine_arguments", "engine_config"]
+__all__ = [
+    "HELP_FORMAT",
+    "UsageError",
+    "add_commands",
+    "add_engine_arguments",
+    "engine_config",
+    "flag_error",
+]
 
 _RANDOM = RANDOM_PRESETS  # seeded random weights
 _SHIPPED = SHIPPED_MODELS
@@ -62,6 +69,10 @@ DEMO_QUESTIONS = (
     "def main(argv=None):\n    parser = argparse.ArgumentParser(",
     'def _split_key(line):\n    """Split',
 )
+
+
+# every parser's help shows each flag's default
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 
 class UsageError(Exception):
@@ -95,7 +106,7 @@ def add_engine_arguments(group) -> None:
     """One flag per `serving.config.EngineConfig` field (``--kebab-case``, older spellings kept
     as aliases and negations), with the field's default and help."""
     for f in engine_fields():
-        help_ = f"{f.help} (default: {f.default})".replace("%", "%%")
+        help_ = f.help.replace("%", "%%") + " (default: %(default)s)"
         if isinstance(f.default, bool):
             negative = "--no-" + f.flag[2:]
             flags = (f.flag, negative, *f.aliases)
@@ -143,31 +154,37 @@ def engine_config(args: argparse.Namespace):
     try:
         return EngineConfig.from_kwargs(**kwargs)
     except ConfigError as exc:
-        field = next((f for f in engine_fields() if f.name == exc.name), None)
-        flag = used.get(exc.name, field.flag if field else "--" + exc.name.replace("_", "-"))
-        value = getattr(args, exc.name, exc.value)
-        raise _fail(flag, value if isinstance(value, str) else exc.value, exc.rule) from None
+        raise flag_error(args, exc) from None
     except ValueError as exc:  # the speculative config
         raise UsageError(str(exc)) from None
 
 
+def flag_error(args: argparse.Namespace, exc: ConfigError) -> UsageError:
+    """A `ConfigError` as the CLI reports it: the flag as typed, the value and the rule."""
+    used = getattr(args, "engine_flags", {})
+    field = next((f for f in engine_fields() if f.name == exc.name), None)
+    flag = used.get(exc.name, field.flag if field else "--" + exc.name.replace("_", "-"))
+    value = getattr(args, exc.name, exc.value)
+    return _fail(flag, value if isinstance(value, str) else exc.value, exc.rule)
+
+
 def add_commands(sub) -> None:
     """Register ``demo``, ``generate`` and ``bench`` on the ``dsv4`` subparsers."""
-    engine = argparse.ArgumentParser(add_help=False)
+    engine = argparse.ArgumentParser(add_help=False, formatter_class=HELP_FORMAT)
     add_engine_arguments(engine.add_argument_group("model and engine"))
 
     def sampling(
         max_tokens: int, temperature: float = 0.0, top_p: float = 1.0
     ) -> argparse.ArgumentParser:
         # one parent per command: argparse shares a parent's actions, defaults included
-        parser = argparse.ArgumentParser(add_help=False)
+        parser = argparse.ArgumentParser(add_help=False, formatter_class=HELP_FORMAT)
         s = parser.add_argument_group("sampling")
-        s.add_argument("--max-tokens", type=int, default=max_tokens)
         s.add_argument(
-            "--temperature", type=float, default=temperature, help=f"0 = greedy ({temperature})"
+            "--max-tokens", type=int, default=max_tokens, help="output tokens per prompt at most"
         )
-        s.add_argument("--top-p", type=float, default=top_p)
-        s.add_argument("--top-k", type=int, default=0)
+        s.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+        s.add_argument("--top-p", type=float, default=top_p, help="nucleus mass (1 = off)")
+        s.add_argument("--top-k", type=int, default=0, help="most likely tokens kept (0 = off)")
         return parser
 
     demo = sub.add_parser(
@@ -186,17 +203,21 @@ def add_commands(sub) -> None:
     gen = sub.add_parser(
         "generate", parents=[engine, sampling(32)], help="generate text for prompts"
     )
-    gen.add_argument("--prompt", action="append", metavar="TEXT", required=True)
+    gen.add_argument(
+        "--prompt", action="append", metavar="TEXT", required=True, help="a prompt (repeatable)"
+    )
     gen.add_argument("--n", type=int, default=1, help="samples per prompt")
-    gen.add_argument("--logprobs", type=int, default=None, help="top logprobs per token")
+    gen.add_argument(
+        "--logprobs", type=int, default=None, help="top logprobs per token (at most --max-logprobs)"
+    )
     gen.set_defaults(func=_generate, subparser=gen)
 
     bench = sub.add_parser(
         "bench", parents=[engine, sampling(16)], help="offline throughput (one JSON line)"
     )
-    bench.add_argument("--conversations", type=int, default=8)
-    bench.add_argument("--turns", type=int, default=3)
-    bench.add_argument("--system-tokens", type=int, default=48)
+    bench.add_argument("--conversations", type=int, default=8, help="conversations at once")
+    bench.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    bench.add_argument("--system-tokens", type=int, default=48, help="shared system prompt")
     bench.add_argument("--user-tokens", type=int, default=24, help="per turn (at most)")
     bench.set_defaults(func=_bench, subparser=bench)
 
@@ -221,13 +242,50 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag, 1)
         if value < 1:
             raise _fail("--" + flag.replace("_", "-"), value, "must be >= 1")
-    if getattr(args, "logprobs", None) is not None and args.logprobs < 0:
-        raise _fail("--logprobs", args.logprobs, "must be >= 0")
+    most = args.engine_config.model_config.max_logprobs
+    if getattr(args, "logprobs", None) is not None and not 0 <= args.logprobs <= most:
+        raise _fail("--logprobs", args.logprobs, f"must be in 0..{most} (--max-logprobs {most})")
     for prompt in getattr(args, "prompt", None) or ():
         if prompt == "":
             raise _fail("--prompt", prompt, "must not be empty")
     if getattr(args, "n", 1) > 1 and args.temperature == 0:
         raise _fail("--n", args.n, "needs --temperature > 0 (greedy samples are identical)")
+    _check_lengths(args)
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    """--max-model-len and each --prompt against the model, read from its config and tokenizer
+    (no JAX, no weights)."""
+    from dsv4.config import MODEL_PRESETS, model_source
+    from dsv4.config import ModelConfig as ArchConfig
+    from dsv4.tokenizer import load_tokenizer
+
+    model = args.engine_config.model_config
+    try:
+        kind, path = model_source(model.model)
+        cfg = (
+            MODEL_PRESETS[model.model].config() if kind == "random" else ArchConfig.from_json(path)
+        )
+    except ValueError as exc:
+        raise UsageError(f"--model {model.model!r}: {exc}") from None
+    limit = model.max_model_len or cfg.max_seq_len
+    if limit > cfg.max_seq_len:
+        raise _fail("--max-model-len", limit, f"at most the model's max_seq_len {cfg.max_seq_len}")
+    prompts = getattr(args, "prompt", None) or ()
+    try:
+        tokenizer = load_tokenizer(path, cfg) if prompts else None
+    except ValueError as exc:  # a tokenizer that does not fit the config
+        raise UsageError(f"--model {model.model!r}: {exc}") from None
+    for i, prompt in enumerate(prompts):
+        n = len(tokenizer.encode(prompt, add_bos=tokenizer.bos_id is not None))
+        if n >= limit:
+            shown = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+            raise _fail(
+                f"--prompt #{i + 1}",
+                shown,
+                f"{n} tokens; at most {limit - 1} (--max-model-len {limit} leaves room for one "
+                "output token)",
+            )
 
 
 def _llm(args: argparse.Namespace):
@@ -235,8 +293,10 @@ def _llm(args: argparse.Namespace):
 
     try:
         return LLM(**args.engine_config.to_kwargs())
+    except ConfigError as exc:  # e.g. a pool too small for one request: by its flag
+        raise flag_error(args, exc) from None
     except ValueError as exc:  # a checkpoint or engine argument it cannot use
-        raise UsageError(str(exc)) from exc
+        raise UsageError(str(exc)) from None
 
 
 def _sampling(args: argparse.Namespace, **extra):
@@ -252,6 +312,15 @@ def _sampling(args: argparse.Namespace, **extra):
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def _outputs(llm, prompts: list, sp) -> list:
+    """``llm.generate``; what only the loaded model can check (a prompt too long for
+    --max-model-len after earlier rounds grew it) becomes a usage error."""
+    try:
+        return llm.generate(prompts, sp, use_tqdm=False)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _say(line: str = "") -> None:
@@ -311,7 +380,7 @@ def _demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tokens = 0
     for round_ in (1, 2):
-        outs = llm.generate(histories, sp, use_tqdm=False)
+        outs = _outputs(llm, histories, sp)
         if round_ == 1:
             _say(f"-- round 1: {len(outs)} prompts in one batch, each the header and a snippet")
         else:
@@ -364,7 +433,7 @@ def _generate(args: argparse.Namespace) -> int:
     _header(llm)
     sp = _sampling(args, n=args.n, logprobs=args.logprobs)
     t0 = time.perf_counter()
-    outs = llm.generate(list(args.prompt), sp, use_tqdm=False)
+    outs = _outputs(llm, list(args.prompt), sp)
     wall = time.perf_counter() - t0
     tokens = 0
     for i, out in enumerate(outs):
@@ -423,7 +492,7 @@ def _bench_turns(args: argparse.Namespace, llm) -> list:
                 f"the conversations outgrow --max-model-len {llm.max_model_len}: lower "
                 "--turns, --user-tokens, --system-tokens or --max-tokens"
             )
-        outs = llm.generate(histories, sp, use_tqdm=False)
+        outs = _outputs(llm, histories, sp)
         outputs += outs
         for h, o in zip(histories, outs, strict=True):
             h += o.outputs[0].token_ids

@@ -32,6 +32,7 @@ __all__ = [
     "SCHEDULING_POLICIES",
     "SECTIONS",
     "SHIPPED_MODELS",
+    "VLLM_ONLY",
     "WEIGHTS_ON_DEVICE",
     "CacheConfig",
     "CompilationConfig",
@@ -56,6 +57,27 @@ DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "exact", "bf16", "released", "released_fp8", "sm90")
 WEIGHTS_ON_DEVICE = ("dequantised", "released")
 MESH_AXES = ("data", "expert", "model")
+
+
+# vLLM's engine arguments that this engine does not take, and what to use instead (`LLM`
+# refuses them by this table, naming the replacement, instead of "unknown argument").
+VLLM_ONLY = {
+    "gpu_memory_utilization": "size the KV pool with kv_cache_memory_bytes (bytes; default 90% "
+    "of the device's free memory after the weights, vLLM's 0.9) or num_gpu_blocks_override",
+    "tensor_parallel_size": "pass mesh=dsv4.sharding.make_mesh(...) (heads over its model axis, "
+    "experts over expert)",
+    "pipeline_parallel_size": "no pipeline parallelism; pass mesh=dsv4.sharding.make_mesh(...)",
+    "enforce_eager": "warm_up=False compiles each step on first use instead of at start-up",
+    "quantization": "weights_on_device='released' keeps the checkpoint's fp8 / FP4 bytes",
+    "tokenizer": "the tokenizer is the checkpoint directory's tokenizer.json (model=PATH)",
+    "trust_remote_code": "drop it: the model's code is this package",
+    "swap_space": "drop it: preempted requests are recomputed, never swapped",
+    "download_dir": "give model= a local checkpoint directory",
+    "revision": "give model= a local checkpoint directory",
+    "max_seq_len_to_capture": "drop it: every step bucket is compiled (token_buckets)",
+    "cpu_offload_gb": "drop it: weights stay on the device (weights_on_device='released' halves "
+    "them)",
+}
 
 
 class ConfigError(ValueError):
@@ -447,6 +469,11 @@ class EngineConfig:
         parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
         owner = {f.name: section for section, f in _section_fields()}
         for key, value in kwargs.items():
+            if key in VLLM_ONLY:
+                raise TypeError(
+                    f"{key}={value!r} (a vLLM engine argument) is not supported here: "
+                    f"{VLLM_ONLY[key]}"
+                )
             if key not in owner:
                 close = difflib.get_close_matches(key, [*owner, "speculative_config"], n=3)
                 hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from cache import KVCacheManager
-from cache.layout import for_model
+from cache.layout import blocks_per_request, for_model
+from dsv4.inputs import check_model_params
 from dsv4.paged import pools as P
 from dsv4.paged import records as R
 from serving import sampler as S
-from serving.config import EngineConfig
+from serving.config import ConfigError, EngineConfig
 from serving.data_parallel import DataParallelRunner, DataParallelScheduler
 from serving.metrics import EngineStats, compilation_count, persistent_cache_hits
 from serving.outputs import RequestMetrics, RequestOutput
@@ -111,6 +114,8 @@ class Engine:
         and scheduler per data shard (`serving.data_parallel` steps them in lockstep), the
         model runner and the drafts' proposer."""
         config = (config or EngineConfig()).resolved(cfg)
+        # params built for another config (the drafter's too where DSpark drafts)
+        check_model_params("Engine.build", params, cfg, drafter=config.drafter)
         sched = config.scheduler_config
         max_model_len = config.model_config.max_model_len
         # the proposer first: DSpark's checks k before the cache layout uses it
@@ -197,8 +202,6 @@ class Engine:
                 strings without a tokenizer). Nothing is queued then.
         """
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
         prompt_ids = self.check_request(request_id, prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
@@ -216,40 +219,44 @@ class Engine:
             self._add_sequence(parent, child_id, index, child_params, now, priority)
 
     def check_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        where: str | None = None,
     ) -> list[int]:
-        """The prompt as ints if `add_request` would queue this request, else the ValueError
-        it would raise (`LLM.generate` checks a batch before queueing any of it)."""
+        """The prompt as ints if `add_request` would queue this request, else the ValueError /
+        TypeError it would raise, naming ``where`` (default ``request '<id>'``; `LLM.generate`
+        names the prompt's list index) (`LLM.generate` checks a batch before queueing any)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        where = where or f"request {request_id!r}"
         if request_id in self._parents or request_id in self._requests:
-            raise ValueError(f"duplicate request id {request_id!r}: it is still running")
-        try:
-            prompt_ids = [int(t) for t in prompt_token_ids]
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"request {request_id!r}: the prompt must be a list of token ids, got "
-                f"{type(prompt_token_ids).__name__}"
-            ) from None
-        if not prompt_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty (at least 1 token)")
+            raise ValueError(f"{where}: duplicate request id {request_id!r}: it is still running")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{where}: sampling params must be a SamplingParams, got {params!r}")
+        prompt_ids = _prompt_ids(where, prompt_token_ids)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
-                f"request {request_id!r}: the prompt has {len(prompt_ids)} tokens; allowed "
+                f"{where}: the prompt has {len(prompt_ids)} tokens; allowed "
                 f"1..{self.max_model_len - 1} (max_model_len={self.max_model_len} leaves room for "
                 "one output token)"
             )
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        bad = [(i, t) for i, t in enumerate(prompt_ids) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"request {request_id!r}: token ids {bad[:8]} outside the vocabulary "
-                f"[0, {self.vocab_size})"
+                f"{where}: prompt token {bad[0][0]} is {bad[0][1]}, outside the vocabulary "
+                f"[0, {self.vocab_size}) ({len(bad)} such tokens)"
             )
-        params.verify(self.vocab_size, self.runner.max_logprobs)
+        try:
+            params.verify(self.vocab_size, self.runner.max_logprobs)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         if params.stop and self.tokenizer is None:
             raise ValueError(
-                f"request {request_id!r}: stop strings {params.stop!r} need a tokenizer; "
-                "give stop_token_ids instead"
+                f"{where}: stop strings {params.stop!r} need a tokenizer; give stop_token_ids "
+                "instead"
             )
         return prompt_ids
 
@@ -642,6 +649,29 @@ class Engine:
         return out
 
 
+def _prompt_ids(where: str, prompt_token_ids: Any) -> list[int]:
+    """A prompt of token ids (a sequence or a 1-D integer array) as Python ints; floats, bools
+    and strings are refused, never rounded."""
+    if isinstance(prompt_token_ids, np.ndarray):
+        if prompt_token_ids.ndim != 1 or not np.issubdtype(prompt_token_ids.dtype, np.integer):
+            raise TypeError(
+                f"{where}: the prompt must be a 1-D integer array of token ids, got "
+                f"{prompt_token_ids.dtype}{list(prompt_token_ids.shape)}"
+            )
+        prompt_token_ids = prompt_token_ids.tolist()
+    if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
+        raise TypeError(
+            f"{where}: the prompt must be a list of token ids, got "
+            f"{type(prompt_token_ids).__name__}"
+        )
+    for i, t in enumerate(prompt_token_ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{where}: prompt token {i} is {t!r}; token ids are ints")
+    if not prompt_token_ids:
+        raise ValueError(f"{where}: the prompt is empty (at least 1 token)")
+    return [int(t) for t in prompt_token_ids]
+
+
 def _proposer(config, cfg, max_model_len: int) -> Any:
     """The drafts' proposer the speculative config asks for (None: no speculation)."""
     spec = _check_speculative(config, cfg)
@@ -669,10 +699,45 @@ def _kv_cache_config(cfg, config: EngineConfig):
     if cache.num_gpu_blocks_override is None and memory is None:
         # each device holds shards / (the mesh's data axis) shards' pools
         memory = _default_kv_bytes() // max(1, parallel.num_shards // parallel.mesh_data_size)
-    return for_model(
+    kv_config = for_model(
         desc,
         available_memory_bytes=memory,
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
+    )
+    _check_pool(kv_config, config)
+    return kv_config
+
+
+def _check_pool(kv_config, config: EngineConfig) -> None:
+    """Refuse a pool that cannot hold even the smallest request (one prompt token and one
+    output, with the drafts' lookahead): every request would finish with an error. The CLI
+    reports the same ConfigError by its flag."""
+    groups = kv_config.kv_cache_groups
+    budget = config.scheduler_config.max_num_batched_tokens
+
+    def blocks(num_tokens: int) -> int:  # the null block and one request's blocks
+        return 1 + sum(blocks_per_request(g, num_tokens, budget) for g in groups)
+
+    need = blocks(2 + config.num_speculative_tokens)
+    if kv_config.num_blocks >= need:
+        return
+    longest = config.model_config.max_model_len
+    override = config.cache_config.num_gpu_blocks_override
+    name, value = (
+        ("num_gpu_blocks_override", override)
+        if override is not None
+        else ("kv_cache_memory_bytes", config.cache_config.kv_cache_memory_bytes)
+    )
+    why = (
+        f"the null block plus the smallest request (1 prompt token, 1 output) in the "
+        f"{len(groups)} KV-cache groups; a request of max_model_len={longest} tokens takes "
+        f"{blocks(longest)}"
+    )
+    raise ConfigError(
+        name,
+        value,
+        f"a pool of at least {need} blocks ({why})",
+        f"gives {kv_config.num_blocks} blocks; at least {need} needed ({why})",
     )
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4.checkpoint import SHIPPED, load_pretrained, shipped_checkpoint
-from dsv4.config import MODEL_PRESETS
+from dsv4.config import MODEL_PRESETS, model_source
 from dsv4.config import ModelConfig as ArchConfig
 from dsv4.params import init_params
 from dsv4.qweights import quantise_params
@@ -42,10 +42,6 @@ from serving.outputs import RequestOutput
 from serving.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["KV_CACHE_DTYPES", "LLM", "default_compilation_cache_dir"]
-
-# the random-weight models of the one preset table (`serving.config.RANDOM_PRESETS` names them
-# without importing JAX; a test keeps the two equal)
-_PRESETS = {name: p.config for name, p in MODEL_PRESETS.items() if p.weights == "random"}
 
 
 def default_compilation_cache_dir() -> str:
@@ -90,10 +86,8 @@ class LLM:
         enable_compilation_cache(cache_dir)
         model_config = config.model_config
         self.cfg, params, self.tokenizer = _load_model(model_config)
-        model = model_config.model
-        if model in SHIPPED:  # a shipped checkpoint has its tokenizer_config.json too
-            model = shipped_checkpoint(model)
-        self._template = None if model in _PRESETS else _read_chat_template(model)
+        _, folder = model_source(model_config.model)  # a shipped checkpoint has one too
+        self._template = None if folder is None else _read_chat_template(folder)
         self.llm_engine = Engine.build(params, self.cfg, config, tokenizer=self.tokenizer)
         self.config = self.llm_engine.config  # its automatic values filled in
         self.kv_cache_dtype = self.config.cache_config.kv_cache_dtype
@@ -131,7 +125,6 @@ class LLM:
         """
         items = _as_list(prompts)
         params = self._params_for(items, sampling_params)
-        encoded = [self._encode(p) for p in items]
         priorities = list(priority) if priority is not None else [0] * len(items)
         if len(priorities) != len(items):
             raise _fail("priority", priority, f"one per prompt ({len(items)})")
@@ -141,10 +134,16 @@ class LLM:
             dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params
         ]
         ids = [str(next(self._counter)) for _ in items]
-        for request_id, (_, token_ids), sp in zip(ids, encoded, params, strict=True):
-            engine.check_request(request_id, token_ids, sp)  # all checked before any is queued
-        for request_id, (text, token_ids), sp, prio in zip(
-            ids, encoded, params, priorities, strict=True
+        texts, prompt_ids = [], []
+        for i, (request_id, prompt, sp) in enumerate(zip(ids, items, params, strict=True)):
+            # every prompt checked before any is queued; errors name the list index
+            text, token_ids = self._encode(prompt, f"prompts[{i}]")
+            texts.append(text)
+            prompt_ids.append(
+                engine.check_request(request_id, token_ids, sp, where=f"prompts[{i}]")
+            )
+        for request_id, text, token_ids, sp, prio in zip(
+            ids, texts, prompt_ids, params, priorities, strict=True
         ):
             engine.add_request(request_id, token_ids, sp, prompt=text, priority=prio)
         return self._run(ids, use_tqdm)
@@ -166,20 +165,47 @@ class LLM:
             ValueError: no template (the checkpoint has none and none was given), or bad
                 messages.
         """
-        conversations = messages
-        if conversations and isinstance(conversations[0], Mapping):
-            conversations = [conversations]
-        template = chat_template or self._chat_template
+        if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence):
+            raise TypeError(
+                f"messages={messages!r} is not allowed: a list of {{'role', 'content'}} dicts, "
+                "or a list of such lists"
+            )
+        single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if single else messages
+        names = ["messages"] if single else [f"messages[{i}]" for i in range(len(conversations))]
+        prompts = [
+            self.render_chat(conv, chat_template=chat_template,
+                             add_generation_prompt=add_generation_prompt, where=where)
+            for conv, where in zip(conversations, names, strict=True)
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template (``tokenizer_config.json``); None for a preset."""
+        return self._template
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        where: str = "messages",
+    ) -> str:
+        """One conversation as the prompt text `chat` generates from (``where`` names it in
+        errors).
+
+        Raises:
+            ValueError: no template (the checkpoint has none and none was given), bad messages.
+        """
+        template = chat_template or self._template
         if template is None:
             raise ValueError(
                 f"{self._model_name}: the tokenizer has no chat template; pass chat_template= "
                 "(a Jinja template) or call generate() with the prompt text"
             )
-        prompts = [
-            _render_chat(template, conv, add_generation_prompt, self.tokenizer)
-            for conv in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return _render_chat(template, messages, add_generation_prompt, self.tokenizer, where)
 
     # ---------------------------------------------------------------- internals
 
@@ -211,51 +237,46 @@ class LLM:
             return [SamplingParams()] * len(items)
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * len(items)
+        if isinstance(sampling_params, str | bytes | Mapping) or not isinstance(
+            sampling_params, Sequence
+        ):
+            raise TypeError(
+                f"sampling_params={sampling_params!r} is not allowed: a SamplingParams, or a "
+                "list of one per prompt"
+            )
         params = list(sampling_params)
         if len(params) != len(items):
             raise _fail(
                 "sampling_params", f"{len(params)} items", f"one, or one per prompt ({len(items)})"
             )
-        for sp in params:
+        for i, sp in enumerate(params):
             if not isinstance(sp, SamplingParams):
-                raise _fail("sampling_params", sp, "SamplingParams objects")
+                raise TypeError(f"sampling_params[{i}]={sp!r} is not allowed: a SamplingParams")
         return params
 
-    def _encode(self, prompt: Any) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: Any, where: str) -> tuple[str | None, Any]:
+        """(the prompt's text or None, its token ids: `Engine.check_request` checks them)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise _fail("prompt", prompt, "a non-empty string, token ids or a dict")
+                raise ValueError(
+                    f"{where}: the prompt is empty; allowed: a non-empty string, token ids or a "
+                    "dict"
+                )
             tok = self.tokenizer
             return prompt, tok.encode(prompt, add_bos=tok.bos_id is not None)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), prompt["prompt_token_ids"]
             if "prompt" in prompt:
-                return self._encode(prompt["prompt"])
-            raise _fail("prompt", prompt, 'a dict with "prompt_token_ids" or "prompt"')
-        return None, _token_list(prompt)
+                return self._encode(prompt["prompt"], where)
+            raise ValueError(
+                f'{where}: {prompt!r} is not allowed: a dict needs "prompt_token_ids" or "prompt"'
+            )
+        return None, prompt
 
     @property
     def _model_name(self) -> str:
         return getattr(self.tokenizer, "name", "model")
-
-    @property
-    def _chat_template(self) -> str | None:
-        return self._template
-
-
-def _token_list(ids: Any) -> list[int]:
-    """A prompt of token ids (a list, tuple or 1-D integer array) as Python ints."""
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise _fail("prompt", f"array {ids.dtype}{list(ids.shape)}", "a 1-D integer array")
-        return ids.tolist()
-    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
-        raise _fail("prompt", ids, "a string, a list of token ids or a dict")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int | np.integer)]
-    if bad:
-        raise _fail("prompt token ids", bad[:8], "ints")
-    return [int(t) for t in ids]
 
 
 def _is_token(t: Any) -> bool:
@@ -280,15 +301,14 @@ def _as_list(prompts: Any) -> list[Any]:
 def _load_model(config: ModelConfig):
     """The architecture, params and tokenizer ``config`` names."""
     jdtype = jnp.dtype(config.dtype)
-    model = config.model
-    if model in _PRESETS:
-        cfg = _PRESETS[model](quant_sim=config.quant_sim)
+    kind, path = model_source(config.model)  # the names load_pretrained and the CLI take
+    if kind == "random":
+        cfg = MODEL_PRESETS[config.model].config(quant_sim=config.quant_sim)
         params = init_params(cfg, jax.random.PRNGKey(config.seed), jdtype)
         if config.weights_on_device == "released":
             params = quantise_params(params, cfg)
         return cfg, params, load_tokenizer(None, cfg)
-    if model in SHIPPED:
-        model = shipped_checkpoint(model)
+    model = shipped_checkpoint(config.model) if config.model in SHIPPED else path
     cfg = ArchConfig.from_json(model)
     if config.quant_sim:
         cfg = dataclasses.replace(cfg, quant_sim=True)
@@ -299,14 +319,20 @@ def _load_model(config: ModelConfig):
     return cfg, params, tokenizer
 
 
-def _render_chat(template: str, messages, add_generation_prompt: bool, tokenizer) -> str:
+def _render_chat(
+    template: str, messages, add_generation_prompt: bool, tokenizer, where: str
+) -> str:
     try:
         import jinja2.sandbox
     except ImportError as exc:  # pragma: no cover - jinja2 is in the test extra
         raise ImportError("chat templates need the jinja2 package: pip install jinja2") from exc
-    for m in messages:
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise _fail("messages", m, 'dicts with "role" and "content"')
+    if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError(f"{where}={messages!r} is not allowed: a non-empty list of messages")
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str) or "role" not in m:
+            raise ValueError(
+                f'{where}[{j}]={m!r} is not allowed: a dict with "role" and a string "content"'
+            )
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     # BOS is prepended when the text is tokenized (as for every string prompt), not by the
     # template; EOS closes earlier assistant turns as the tokenizer spells it

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serving import openai_protocol as api
 from serving.engine_driver import EngineDriver
-from serving.llm import LLM, _render_chat
+from serving.llm import LLM
 from serving.outputs import CompletionOutput, RequestOutput
 from serving.sampling_params import SamplingParams
 from serving.server_metrics import ServerMetrics
@@ -113,12 +113,11 @@ class _Serving:
         return None, list(prompt)
 
     def render_chat(self, messages, add_generation_prompt: bool) -> str:
-        template = self.llm._chat_template
-        if template is None or self.tokenizer is None:
+        if self.llm.chat_template is None or self.tokenizer is None:
             raise HTTPError(400, f"{self.options.served_model_name} has no chat template")
         try:
-            return _render_chat(
-                template, api.messages_as_dicts(messages), add_generation_prompt, self.tokenizer
+            return self.llm.render_chat(
+                api.messages_as_dicts(messages), add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # a template error is the request's messages
             raise HTTPError(400, f"the chat template failed on these messages: {exc}") from exc
@@ -130,9 +129,11 @@ class _Serving:
         if self.draining or not self.driver.alive:
             raise HTTPError(503, "the server is shutting down", headers={"Retry-After": "5"})
         ids = [f"{kind}-{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
-        for request_id, (_, token_ids) in zip(ids, prompts, strict=True):
+        field = "messages" if kind == "chatcmpl" else "prompt"
+        for i, (request_id, (_, token_ids)) in enumerate(zip(ids, prompts, strict=True)):
+            where = field if len(prompts) == 1 else f"{field}[{i}]"  # as the client sent it
             try:
-                self.engine.check_request(request_id, token_ids, params)
+                self.engine.check_request(request_id, token_ids, params, where=where)
             except (ValueError, TypeError) as exc:
                 raise _bad_request(exc) from None
         num = params.n * len(prompts)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dsv4.checkpoint.files import CONFIG_FILE, Entry, Files, index_checkpoint
 from dsv4.checkpoint.shipped import SHIPPED, shipped_checkpoint
-from dsv4.config import ModelConfig
+from dsv4.config import MODEL_PRESETS, ModelConfig, model_source
 from dsv4.engram_hash import compressed_token_map
 from dsv4.formats import (
     CheckpointError,
@@ -307,10 +307,20 @@ def _checked_arguments(
     directory, the config (``config`` or the directory's), the resolved mesh, whether the
     weights stay released and the params' numpy dtype."""
     path = os.fspath(path)
-    if path in SHIPPED:
+    if path in MODEL_PRESETS:  # a model name: the one resolver of names (`LLM` uses it too)
+        kind, _ = model_source(path)
+        if kind == "random":
+            raise CheckpointError(
+                f"load_pretrained({path!r}): {path} has random weights, no checkpoint: "
+                f"dsv4.init_params(dsv4.{path}(), key) builds them; load_pretrained takes a "
+                f"checkpoint directory or one of {', '.join(SHIPPED)}"
+            )
         path = shipped_checkpoint(path)
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: not a checkpoint directory")
+        raise CheckpointError(
+            f"{path}: not a checkpoint directory (no such folder; load_pretrained takes a "
+            f"released-format checkpoint directory or one of {', '.join(SHIPPED)})"
+        )
     mesh = None if mesh is None else resolve_mesh(mesh)
     if engram_tables not in ("auto", "device", "host"):
         raise CheckpointError(

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 
-from dsv4.config import MODEL_PRESETS
+from dsv4.config import MODEL_PRESETS, SHIPPED_DIR
 
 __all__ = ["SHIPPED", "SHIPPED_DIR", "shipped_checkpoint"]
 
 # Checkpoints that ship inside the package, in the released format (`shipped_checkpoint`).
-SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights")
 SHIPPED = tuple(name for name, preset in MODEL_PRESETS.items() if preset.weights == "shipped")
 
 

@@ -51,6 +51,7 @@ from dsv4 import engram
 from dsv4 import layers as L
 from dsv4.block import decoder_layers
 from dsv4.config import ModelConfig, Role, rope_inv_freq
+from dsv4.inputs import check_model_params, check_token_ids
 from dsv4.paged import pools as P
 from dsv4.paged.batch import StepBatch
 from pallas_kernels.backend import tpu_num_cores
@@ -494,8 +495,15 @@ def paged_step(
     ``batch`` is a `dsv4.paged.batch.StepBatch` (built by `build_batch`); ``shard_axis``: the
     data-parallel step (`paged_step_data_parallel`); the other keywords (``impl``,
     ``interpret``, ``scaled_index_keys``, ``mesh``) are those of `paged_forward`."""
+    where = "paged_step_data_parallel" if shard_axis else "paged_step"
+    if not isinstance(batch, StepBatch):
+        raise TypeError(f"{where}: batch must be a StepBatch (build_batch), got {type(batch)}")
+    # under jit (the engine's step) only shapes are checked, once per trace
     if shard_axis:
         _check_shards(pools, batch, kw.get("mesh"))
+    ndim = 2 if shard_axis else 1
+    check_token_ids(where, "batch.token_ids", batch.token_ids, cfg.vocab_size, ndim=ndim)
+    check_model_params(where, params, cfg)
     # the pools keep their placement: with shard_axis every layer's attention pins them to data
     h, pools, _ = paged_forward_streams(
         params, cfg, layout, pools, batch, (), shard_axis=shard_axis, **kw

@@ -15,8 +15,8 @@ def _highest_precision():
 
 @pytest.fixture
 def usage_error(capsys):
-    """``usage_error(argv)`` runs ``dsv4 argv``, which must exit with argparse's usage error
-    (status 2), and returns what it printed as (stdout, stderr)."""
+    """``usage_error(argv)`` runs ``dsv4 argv``, which must exit with a usage error: status 2
+    and one line on stderr (no usage dump, no traceback); returns (stdout, stderr)."""
     from serving.cli import main
 
     def run(argv: list[str]) -> tuple[str, str]:
@@ -24,6 +24,7 @@ def usage_error(capsys):
             main(argv)
         assert exc.value.code == 2
         captured = capsys.readouterr()
+        assert len(captured.err.splitlines()) == 1, captured.err
         return captured.out, captured.err
 
     return run

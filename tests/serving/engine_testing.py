@@ -22,20 +22,28 @@ MAX_NUM_SEQS = 4
 NUM_BLOCKS = 24  # tight: two long requests do not fit together, so the scheduler preempts
 
 
+# `LLM`'s keywords for the same engine sizes (the tests of `LLM` share its compiled step)
+LLM_ARGS = dict(
+    dtype="float32",
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=MAX_NUM_SEQS,
+    max_num_batched_tokens=TOKEN_BUCKET,
+    num_gpu_blocks_override=NUM_BLOCKS,
+    token_buckets=(TOKEN_BUCKET,),
+    max_logprobs=5,
+    compilation_cache_dir=None,
+)
+
+
 def make_engine(params, cfg, **kw) -> Engine:
     """The tests' engine: fp32 exact records, NaN-filled pools (a wrong read poisons the
     logits), a 32-token bucket, 4 requests at most, 24 blocks of 16 / 4 tokens; ``kw`` are
     `EngineConfig.from_kwargs`'s."""
     args = dict(
+        LLM_ARGS,
         kv_cache_dtype="exact",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=TOKEN_BUCKET,
-        num_gpu_blocks_override=NUM_BLOCKS,
-        token_buckets=(TOKEN_BUCKET,),
         block_size=16,
         swa_block_size=4,
-        max_logprobs=5,
         fill="nan",
         debug=True,
     )

@@ -217,7 +217,6 @@ def test_generate_from_a_checkpoint_with_its_tokenizer(capsys, tiny_checkpoint):
 def test_model_commands_reject_bad_arguments(usage_error, command, argv, message):
     extra = ["--prompt", "x"] if command == "generate" else []
     _, err = usage_error([command, *extra, *argv])
-    assert f"usage: dsv4 {command}" in err
     assert re.search(f"dsv4 {command}: error: " + message, err), err
 
 
@@ -227,7 +226,11 @@ def test_model_commands_reject_bad_arguments(usage_error, command, argv, message
         ("generate", ["--prompt", ""], "--prompt '': must not be empty"),
         ("generate", ["--prompt", "x", "--n", "0"], "--n 0: must be >= 1"),
         ("generate", ["--prompt", "x", "--n", "2"], "--n 2: needs --temperature > 0"),
-        ("generate", ["--prompt", "x", "--logprobs", "-1"], "--logprobs -1: must be >= 0"),
+        (
+            "generate",
+            ["--prompt", "x", "--logprobs", "-1"],
+            r"--logprobs -1: must be in 0\.\.20 \(--max-logprobs 20\)",
+        ),
         ("generate", [], "the following arguments are required: --prompt"),
         ("bench", ["--conversations", "0"], "--conversations 0: must be >= 1"),
         ("bench", ["--turns", "0"], "--turns 0: must be >= 1"),
@@ -343,7 +346,7 @@ def test_cache_demo_chunked_prefill_keeps_the_hits(capsys):
         (
             ["--num-blocks", "100"],
             r"--num-blocks must be >= 606 \(the null block plus what one request of up to 3300 "
-            r"tokens takes in the flash layout's 10 groups\), got 100",
+            r"tokens takes in the v41_flash layout's 10 groups\), got 100",
         ),
         (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
         (
@@ -360,7 +363,6 @@ def test_cache_demo_chunked_prefill_keeps_the_hits(capsys):
 def test_cache_demo_rejects_bad_arguments(usage_error, argv, message):
     out, err = usage_error(["cache-demo", *argv])
     assert out == ""  # rejected before any conversation ran
-    assert "usage: dsv4 cache-demo" in err
     assert re.search("dsv4 cache-demo: error: " + message, err), err
 
 
@@ -389,7 +391,7 @@ def test_layout_report(capsys):
         (["--memory-gib", "inf"], "--memory-gib must be a finite number > 0, got inf"),
         (
             ["--memory-gib", "0.0001"],
-            r"--memory-gib 0.0001 holds no pool block: one block of the flash layout takes "
+            r"--memory-gib 0.0001 holds no pool block: one block of the v41_flash layout takes "
             r"116928 B",
         ),
         (["--memory-gib", "lots"], "argument --memory-gib: invalid float value: 'lots'"),
@@ -401,5 +403,4 @@ def test_layout_report(capsys):
 def test_layout_rejects_bad_arguments(usage_error, argv, message):
     out, err = usage_error(["layout", *argv])
     assert out == ""
-    assert "usage: dsv4 layout" in err
     assert re.search("dsv4 layout: error: " + message, err), err

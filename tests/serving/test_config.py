@@ -40,7 +40,7 @@ def test_every_field_has_a_flag_with_its_default_and_help():
             action = actions[flag]
             assert action.dest == f.name
             assert action.default == f.default, (f.name, action.default, f.default)
-            assert f"(default: {f.default})" in action.help.replace("%%", "%")
+            assert f"(default: {f.default})" in action.help % vars(action)  # as --help shows
     # the only field without a flag: the mesh, a device object
     flagless = {
         f.name

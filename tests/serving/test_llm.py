@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_testing import (
+    LLM_ARGS,
     MAX_MODEL_LEN,
-    NUM_BLOCKS,
-    TOKEN_BUCKET,
     Arrival,
     assert_pool_is_whole,
     drive,
@@ -28,17 +27,6 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.metrics import compilation_count
 from serving.outputs import Logprob
-
-LLM_ARGS = dict(
-    dtype="float32",
-    max_model_len=MAX_MODEL_LEN,
-    max_num_seqs=4,
-    max_num_batched_tokens=TOKEN_BUCKET,
-    num_gpu_blocks_override=NUM_BLOCKS,
-    token_buckets=(TOKEN_BUCKET,),
-    max_logprobs=5,
-    compilation_cache_dir=None,
-)
 
 
 @pytest.fixture(scope="module")

@@ -292,7 +292,8 @@ def test_bad_requests_get_400_in_openai_shape_naming_the_value(served):
     vocab = served.llm.cfg.vocab_size
     cases = [
         ({"prompt": "x", "max_tokens": -1}, "max_tokens=-1"),
-        ({"prompt": [5, vocab + 3]}, f"[{vocab + 3}]"),
+        ({"prompt": [5, vocab + 3]}, f"prompt: prompt token 1 is {vocab + 3}, outside"),
+        ({"prompt": [[5], [5, vocab + 3]]}, f"prompt[1]: prompt token 1 is {vocab + 3}"),
         ({"prompt": [5] * 200}, "200 tokens"),
         ({"prompt": "x", "logprobs": 9}, "logprobs=9"),
         ({"prompt": "x", "temperature": -1}, "temperature=-1"),
