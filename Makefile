@@ -17,8 +17,10 @@ $(BIN)/python:
 	$(PYTHON312) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# the demo's install has the lab extra too, so that `dsv4 lab` (its plots) works right after it,
+# and the serve extra, so that `dsv4 serve` does
 $(VENV)/.installed-main: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[serve]'
+	$(BIN)/python -m pip install -q -e '.[lab,serve]'
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python

@@ -1,8 +1,9 @@
-"""Start-up of `LLM("tiny_v41")`: a cold start and a second start of the same configuration,
-each in a fresh process sharing one JAX persistent compilation cache directory.
+"""Start-up of `LLM("tiny_v41_trained")` with its defaults: a first run with an empty persistent
+compilation cache, then a second run with the cache the first one filled, each a fresh process.
 
-Prints one JSON line: per start, seconds to a ready engine, warm-up seconds, compilations and
-executables loaded from the cache. Usage: docs/benchmarks.md#benchmarksstartup.
+Prints one JSON line: per run, the seconds to a ready `LLM` and to its first output, and where
+the time went (imports, warm-up; tracing, lowering and XLA compiles with their count and the
+slowest by function). Usage: docs/benchmarks.md#benchmarksstartup.
 """
 
 from __future__ import annotations
@@ -16,72 +17,137 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+_T0 = time.perf_counter()  # the child's clock starts when this module is imported
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+SLOWEST = 8  # compiles listed by name
+
+
+class _Recorder:
+    """JAX's monitoring events of this process: trace, lowering and compile seconds, and each
+    backend compile's function, seconds and whether it was loaded from the persistent cache."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.seconds = {_TRACE: 0.0, _LOWER: 0.0}
+        self.compiles: list[tuple[str, float, bool]] = []
+        self._hit = False
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+
+    def _event(self, event: str, **_: object) -> None:
+        if event == _CACHE_HIT:
+            self._hit = True
+
+    def _duration(self, event: str, duration: float, **kw: object) -> None:
+        if event == _COMPILE:
+            self.compiles.append((str(kw.get("fun_name", "?")), duration, self._hit))
+            self._hit = False
+        elif event in self.seconds:
+            self.seconds[event] += duration
+
+    def summary(self) -> dict:
+        built = [c for c in self.compiles if not c[2]]
+        loaded = [c for c in self.compiles if c[2]]
+        slowest = sorted(self.compiles, key=lambda c: -c[1])[:SLOWEST]
+        return {
+            "trace_s": round(self.seconds[_TRACE], 2),
+            "lower_s": round(self.seconds[_LOWER], 2),
+            "compiled": len(built),
+            "compile_s": round(sum(c[1] for c in built), 2),
+            "loaded_from_cache": len(loaded),
+            "load_s": round(sum(c[1] for c in loaded), 2),
+            "by_function": _by_function(self.compiles),
+            "slowest": [
+                [name, round(s, 2), "loaded" if hit else "compiled"] for name, s, hit in slowest
+            ],
+        }
+
+
+def _by_function(compiles: list[tuple[str, float, bool]]) -> dict[str, list]:
+    """Per function: [compiles or loads, their seconds], the costliest first."""
+    out: dict[str, list] = {}
+    for name, seconds, _ in compiles:
+        count, total = out.get(name, (0, 0.0))
+        out[name] = [count + 1, total + seconds]
+    ranked = sorted(out.items(), key=lambda kv: -kv[1][1])
+    return {name: [n, round(s, 2)] for name, (n, s) in ranked}
+
 
 def _child(args: argparse.Namespace) -> int:
-    """One start, in this process: build the engine and report its warm-up."""
-    t0 = time.perf_counter()
-    from serving.llm import LLM
+    """One start, in this process: `LLM(model, **llm_args)`, then one short request."""
+    rec = _Recorder()
+    from serving import LLM, SamplingParams
 
-    buckets = tuple(int(b) for b in args.token_buckets.split(","))
-    llm = LLM(
-        "tiny_v41",
-        dtype="float32",
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        token_buckets=buckets,
-        num_gpu_blocks_override=256,
-        compilation_cache_dir=args.cache_dir,
-    )
+    imported = time.perf_counter()
+    llm = LLM(args.model, **json.loads(args.llm_args))
+    ready = time.perf_counter()
+    out = llm.generate(["def main():\n"], SamplingParams(max_tokens=8), use_tqdm=False)
+    first = time.perf_counter()
     st = llm.engine.stats
-    print(
-        json.dumps(
-            {
-                "ready_s": round(time.perf_counter() - t0, 2),
-                "warm_up_s": round(st.warm_up_s, 2),
-                "warm_up_compilations": st.warm_up_compilations,
-                "warm_up_cache_hits": st.warm_up_cache_hits,
-            }
-        )
-    )
+    result = {
+        "ready_s": round(ready - _T0, 2),
+        "first_output_s": round(first - _T0, 2),
+        "import_s": round(imported - _T0, 2),
+        "warm_up_s": round(st.warm_up_s, 2),
+        "warm_up_programs": st.warm_up_programs,
+        "warm_up_compilations": st.warm_up_compilations,
+        "warm_up_cache_hits": st.warm_up_cache_hits,
+        "compilations_after_warm_up": st.compilations_after_warm_up,
+        "output_tokens": len(out[0].outputs[0].token_ids),
+        **rec.summary(),
+    }
+    print(json.dumps(result))
     return 0
+
+
+def _start(args: argparse.Namespace, cache_home: str) -> dict:
+    """One fresh process; its report with ``wall_s``, the seconds it ran from exec to exit."""
+    cmd = [sys.executable, "-m", "benchmarks.startup", "--child", "--model", args.model,
+           "--llm-args", args.llm_args]  # fmt: skip
+    env = {**os.environ, "XDG_CACHE_HOME": cache_home}  # LLM's default cache lives under it
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise RuntimeError(f"the start-up process failed:\n{done.stderr}")
+    return {"wall_s": round(wall, 2), **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--token-buckets", default="16,64")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--cache-dir", default=None, help="default: a fresh temporary directory")
+    parser.add_argument("--model", default="tiny_v41_trained")
+    parser.add_argument(
+        "--llm-args", default="{}", help="LLM's keyword arguments as a JSON object (default: {})"
+    )
+    parser.add_argument(
+        "--cache-home",
+        default=None,
+        help="XDG_CACHE_HOME of both runs (default: a fresh temporary directory)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not isinstance(json.loads(args.llm_args), dict):
+        parser.error(f"--llm-args {args.llm_args!r}: must be a JSON object")
     if args.child:
         return _child(args)
     with tempfile.TemporaryDirectory() as tmp:
-        cache_dir = args.cache_dir or tmp
-        cmd = [sys.executable, "-m", "benchmarks.startup", "--child", "--cache-dir", cache_dir,
-               "--token-buckets", args.token_buckets, "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
-        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-        starts = []
-        for _ in range(2):
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            if done.returncode:
-                sys.stderr.write(done.stderr)
-                return done.returncode
-            starts.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(
-        json.dumps(
-            {
-                "benchmark": "startup",
-                "model": "tiny_v41",
-                "token_buckets": args.token_buckets,
-                "cold": starts[0],
-                "second": starts[1],
-                "second_start_compiles_nothing": starts[1]["warm_up_compilations"] == 0,
-            },
-            sort_keys=True,
-        )
-    )
+        home = args.cache_home or tmp
+        first, second = _start(args, home), _start(args, home)
+    report = {
+        "benchmark": "startup",
+        "model": args.model,
+        "llm_args": json.loads(args.llm_args),
+        "cpu_count": os.cpu_count(),
+        "first": first,
+        "second": second,
+        "second_run_compiles_nothing": second["compiled"] == 0,
+    }
+    print(json.dumps(report, sort_keys=True))
     return 0
 
 

@@ -350,9 +350,9 @@ def _header(llm) -> None:
     _say(
         f"engine: {'async' if llm.engine.async_scheduling else 'sync'} scheduling, KV cache "
         f"{llm.kv_cache_dtype} records in {config.num_blocks} blocks, token buckets "
-        f"{llm.engine.runner.token_buckets}; warm-up {st.warm_up_s:.1f} s "
-        f"({st.warm_up_compilations} compilations, {st.warm_up_cache_hits} loaded from the "
-        "persistent cache)"
+        f"{llm.engine.runner.token_buckets}; warm-up {st.warm_up_s:.1f} s: "
+        f"{st.warm_up_programs} programs ({st.warm_up_compilations} compiled, "
+        f"{st.warm_up_cache_hits} loaded from the persistent compilation cache)"
     )
 
 
@@ -373,33 +373,58 @@ def _demo(args: argparse.Namespace) -> int:
         )
     _header(llm)
     sp = _sampling(args)
+    _say("Every prompt starts with this module header (the prefix cache serves it after the "
+         "first):")  # fmt: skip
+    _say(_lines(DEMO_SYSTEM.rstrip("\n"), "    > "))
     histories = [DEMO_SYSTEM + q for q in DEMO_QUESTIONS]
     t0 = time.perf_counter()
     tokens = 0
     for round_ in (1, 2):
         outs = _outputs(llm, histories, sp)
-        _say(f"-- round {round_}: {len(outs)} prompts in one batch")
+        if round_ == 1:
+            _say(f"-- round 1: {len(outs)} prompts in one batch, each the header and a snippet")
+        else:
+            _say("-- round 2: each round-1 prompt with its completion, sent again as one batch "
+                 "(a chat's next turn)")  # fmt: skip
         for i, out in enumerate(outs):
-            c = out.outputs[0]
-            tokens += len(c.token_ids)
-            _say(
-                f"[{i}] prompt {len(out.prompt_token_ids)} tokens, prefix-cache hit "
-                f"{out.num_cached_tokens}; TTFT {_ms(out.metrics.ttft)}, TPOT "
-                f"{_ms(out.metrics.tpot)}; {len(c.token_ids)} tokens ({c.finish_reason})"
-            )
-            if args.model in _RANDOM:  # gibberish: escaped
-                _say(f"    {c.text!r}")
-            else:
-                _say(textwrap.indent(c.text, "    | ", lambda line: True).rstrip("\n"))
+            tokens += len(out.outputs[0].token_ids)
+            _demo_output(args, i, round_, out)
         histories = [h + o.outputs[0].text for h, o in zip(histories, outs)]
     wall = time.perf_counter() - t0
     st = llm.engine.stats
     _say(
         f"total: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s; "
-        f"prefix-cache hit rate {st.prefix_cache_hit_rate:.1%}; {st.num_preemptions} "
-        f"preemptions; {st.compilations_after_warm_up} compilations after warm-up"
+        f"prefix-cache hit rate {100 * st.prefix_cache_hit_rate:.1f} % "
+        f"({st.prefix_cache_hits} of {st.prefix_cache_queries} prompt tokens); "
+        f"{st.num_preemptions} preemptions; {st.compilations_after_warm_up} compilations after "
+        "warm-up"
     )
     return 0
+
+
+def _lines(text: str, prefix: str, first: str | None = None) -> str:
+    """``text`` with ``prefix`` before each line (``first`` before the first one)."""
+    out = textwrap.indent(text, prefix, lambda line: True).rstrip("\n")
+    return out if first is None else first + out[len(prefix) :]
+
+
+def _demo_output(args: argparse.Namespace, i: int, round_: int, out) -> None:
+    """One request of the demo: its figures, then its prompt beside its completion."""
+    c = out.outputs[0]
+    _say(
+        f"[{i}] {len(out.prompt_token_ids)} prompt tokens ({out.num_cached_tokens} from the "
+        f"prefix cache); time to first token {_ms(out.metrics.ttft)}, time per output token "
+        f"{_ms(out.metrics.tpot)}; {len(c.token_ids)} output tokens ({c.finish_reason})"
+    )
+    if round_ == 1:
+        prompt = _lines(DEMO_QUESTIONS[i], "               > ", "    prompt     > ")
+    else:
+        prompt = f"    prompt     > round 1's [{i}]: its prompt and completion"
+    _say(prompt)
+    if args.model in _RANDOM:  # gibberish: escaped
+        _say(f"    completion | {c.text!r}")
+    else:
+        _say(_lines(c.text, "               | ", "    completion | "))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -417,14 +417,14 @@ class DataParallelRunner:
 
     # ---------------------------------------------------------------- warm-up
 
-    def warm_up(self, progress: bool = True) -> None:
+    def warm_up(self, progress: bool = True) -> int:
         """Compile every (token bucket, table widths) pair of the lockstep step and the
-        sampler's slot writer, with padding that reads and writes nothing."""
-        from tqdm.auto import tqdm
+        sampler's slot writer, with padding that reads and writes nothing; returns the
+        programs run (the progress bar's count)."""
+        from tqdm import tqdm
 
         v = self.cfg.vocab_size
         rows = (np.zeros(v, np.int32), np.zeros(v, bool), np.zeros(v, bool))
-        self._write_sampler_rows(0, self.padding_slot, rows)
         widths = table_width_buckets(
             self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
         )
@@ -433,7 +433,12 @@ class DataParallelRunner:
         # built (XLA replicates an empty leaf, such as the slots' drafts without speculation),
         # and every later step sees the state as steps leave it
         pairs = [pairs[0], *pairs]
-        bar = tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress)
-        for t, w in bar:
+        bar = tqdm(total=1 + len(pairs), desc="warm-up: step programs", disable=not progress)
+        self._write_sampler_rows(0, self.padding_slot, rows)
+        bar.update(1)
+        for t, w in pairs:
             stacked = stack_shards([s.padding_inputs(t, w) for s in self.shards])
             jax.block_until_ready(self.dispatch(*stacked))
+            bar.update(1)
+        bar.close()
+        return bar.total

@@ -173,7 +173,7 @@ class Engine:
         """Compile every bucket of the runner now; returns the seconds it took."""
         t0 = time.perf_counter()
         before, hits = compilation_count(), persistent_cache_hits()
-        self.runner.warm_up(progress=progress)
+        self.stats.warm_up_programs = self.runner.warm_up(progress=progress)
         self.stats.warm_up_s = time.perf_counter() - t0
         self.stats.warm_up_compilations = compilation_count() - before
         self.stats.warm_up_cache_hits = persistent_cache_hits() - hits

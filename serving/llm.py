@@ -210,7 +210,7 @@ class LLM:
     # ---------------------------------------------------------------- internals
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}

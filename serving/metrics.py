@@ -84,6 +84,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of blocks in use after the last step
     # (per KV-cache group: `Engine.kv_cache_usage_per_group()`, computed on demand)
     warm_up_s: float = 0.0
+    warm_up_programs: int = 0  # programs the warm-up ran (its progress bar's count)
     warm_up_compilations: int = 0
     warm_up_cache_hits: int = 0  # executables the warm-up loaded from the persistent cache
     compilations_after_warm_up: int = 0

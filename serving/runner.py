@@ -617,15 +617,15 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- warm-up
 
-    def warm_up(self, progress: bool = True) -> None:
+    def warm_up(self, progress: bool = True) -> int:
         """Compile every token bucket (and the sampler's slot writer) now, with batches of
-        padding that read and write nothing."""
-        from tqdm.auto import tqdm
+        padding that read and write nothing; returns the programs run (the progress bar's
+        count: one compilation each in a fresh process)."""
+        from tqdm import tqdm
 
         v = self.cfg.vocab_size
         slot = np.int32(self.padding_slot)
         rows = (np.zeros(v, np.int32), np.zeros(v, bool), np.zeros(v, bool))
-        self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
         widths = table_width_buckets(
             self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
         )
@@ -634,14 +634,19 @@ class ModelRunner:
         if k > 1:  # the buckets a pure decode step can have, as bursts of k
             decode = {bucket(n, self.token_buckets) for n in range(1, self.max_num_seqs + 1)}
             pairs += [(t, w, k) for t in sorted(decode) for w in widths]
-        bar = tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress)
-        for t, w, steps in bar:
+        bar = tqdm(total=1 + len(pairs), desc="warm-up: step programs", disable=not progress)
+        self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
+        bar.update(1)
+        for t, w, steps in pairs:
             inputs = self.padding_inputs(t, w)
             if steps == 1:
                 jax.block_until_ready(self.dispatch(*inputs))
             else:
                 stacked = jax.tree.map(lambda x, n=steps: np.stack([x] * n), inputs)
                 jax.block_until_ready(self.dispatch_burst(*stacked, np.int32(steps)))
+            bar.update(1)
+        bar.close()
+        return bar.total
 
     def padding_inputs(self, num_tokens: int, table_widths):
         """`dispatch`'s inputs for a step of padding only (T = ``num_tokens``, R = `rows_for`

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from dsv4 import dspark, reference
 from dsv4.config import ModelConfig

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from dsv4 import layers as L
 from dsv4.block import decoder_layers

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from tokenizers import Tokenizer
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from dsv4.checkpoint.files import CONFIG_FILE, Entry, Files, index_checkpoint
 from dsv4.checkpoint.shipped import SHIPPED, shipped_checkpoint

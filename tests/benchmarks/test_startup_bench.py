@@ -1,5 +1,6 @@
-"""benchmarks/startup.py: two fresh processes share a persistent compilation cache; the second
-start of the same engine configuration compiles nothing (it loads every executable)."""
+"""benchmarks/startup.py: two fresh processes share the persistent compilation cache `LLM` uses by
+default (under ``XDG_CACHE_HOME``); the second start of the same engine configuration compiles
+nothing (it loads every executable), and both give the same first output."""
 
 from __future__ import annotations
 
@@ -7,14 +8,26 @@ import json
 
 from benchmarks import startup
 
+SMALL = {"token_buckets": [8], "max_num_batched_tokens": 8, "max_num_seqs": 2}
+
 
 def test_second_start_compiles_nothing(capsys, tmp_path):
-    argv = ["--token-buckets", "8", "--max-num-batched-tokens", "8", "--max-num-seqs", "2",
-            "--cache-dir", str(tmp_path)]  # fmt: skip
+    argv = ["--llm-args", json.dumps(SMALL), "--cache-home", str(tmp_path)]
     assert startup.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    cold, second = out["cold"], out["second"]
-    assert cold["warm_up_compilations"] >= 1
-    assert second["warm_up_compilations"] == 0 and second["warm_up_cache_hits"] >= 1
-    assert out["second_start_compiles_nothing"] is True
-    assert any(tmp_path.iterdir()), "the cache directory holds the executables"
+    first, second = out["first"], out["second"]
+    assert out["model"] == "tiny_v41_trained" and out["llm_args"] == SMALL
+    assert first["warm_up_compilations"] >= 1 and first["compiled"] >= first["loaded_from_cache"]
+    assert first["compiled"] >= first["warm_up_compilations"]
+    # the progress bar's count: one compilation each, then one cache load each
+    assert first["warm_up_compilations"] == first["warm_up_programs"] == second["warm_up_programs"]
+    assert second["warm_up_cache_hits"] == second["warm_up_programs"]
+    assert second["warm_up_compilations"] == 0 and second["compiled"] == 0
+    assert sum(n for n, _ in first["by_function"].values()) == first["compiled"]
+    assert second["warm_up_cache_hits"] >= 1 and second["loaded_from_cache"] >= 1
+    assert out["second_run_compiles_nothing"] is True
+    for run in (first, second):
+        assert run["compilations_after_warm_up"] == 0 and run["output_tokens"] >= 1
+        assert run["import_s"] <= run["ready_s"] <= run["first_output_s"] < run["wall_s"]
+        assert len(run["slowest"]) <= startup.SLOWEST
+    assert any((tmp_path / "dsv4-jax" / "jax").iterdir()), "LLM's default cache directory"

@@ -12,11 +12,13 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import tomllib
+from pathlib import Path
 
 import pytest
 
 from serving.cli import main
-from serving.cli_llm import DEMO_QUESTIONS
+from serving.cli_llm import DEMO_QUESTIONS, DEMO_SYSTEM
 
 ENGINE = [
     "--model", "tiny_v41", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
@@ -25,20 +27,54 @@ ENGINE = [
 ]  # fmt: skip
 
 
+def _demo_requests(out: str) -> list[dict]:
+    """The demo's per-request lines: figures, then the prompt beside the completion."""
+    pattern = (
+        r"\[(\d)\] (\d+) prompt tokens \((\d+) from the prefix cache\); time to first token "
+        r"([\d.]+) ms, time per output token ([\d.]+) ms; (\d+) output tokens \((\w+)\)\n"
+        r"    prompt     > (.*)\n((?:               > .*\n)*)"
+        r"    completion \| (.*)\n?((?:               \| .*\n?)*)"
+    )
+    keys = ("index", "prompt_tokens", "hit", "ttft_ms", "tpot_ms", "tokens", "finish",
+            "prompt", "prompt_more", "completion", "completion_more")  # fmt: skip
+    return [dict(zip(keys, m.groups(), strict=True)) for m in re.finditer(pattern, out)]
+
+
+def _demo_completion(request: dict) -> str:
+    more = [line[17:] for line in request["completion_more"].splitlines()]
+    return "\n".join([request["completion"], *more])
+
+
 def test_demo_runs_chats_through_llm_generate(capsys):
     assert main(["demo", *ENGINE, "--max-tokens", "6"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "tiny_v41 with random weights (seed 0)" in out and "gibberish" in out
     assert "tokenizer byte-level (built-in)" in out and "async scheduling" in out
-    rounds = re.findall(r"-- round (\d): (\d) prompts", out)
-    assert rounds == [("1", str(len(DEMO_QUESTIONS))), ("2", str(len(DEMO_QUESTIONS)))]
-    lines = re.findall(r"prompt (\d+) tokens, prefix-cache hit (\d+); TTFT ([\d.]+) ms", out)
-    assert len(lines) == 2 * len(DEMO_QUESTIONS)
-    second = lines[len(DEMO_QUESTIONS) :]
-    assert all(int(hit) > 0 for _, hit, _ in second), "round 2 resends round 1: it must hit"
+    warm = re.search(r"warm-up [\d.]+ s: (\d+) programs \((\d+) compiled, (\d+) loaded", out)
+    assert warm and int(warm.group(1)) >= 2 and warm.group(3) == "0"  # --no-compilation-cache
+    # (a program this process compiled before, for another test, is neither compiled nor loaded)
+    assert int(warm.group(2)) <= int(warm.group(1))
+    bar = re.findall(r"warm-up: step programs: 100%\|.*?\| (\d+)/(\d+)", err)
+    assert bar and bar[-1] == (warm.group(1), warm.group(1)), "the bar counts those programs"
+    assert "    > " + DEMO_SYSTEM.splitlines()[0] in out  # the shared header, once
+    rounds = re.findall(r"-- round (\d): ", out)
+    assert rounds == ["1", "2"]
+    requests = _demo_requests(out)
+    assert len(requests) == 2 * len(DEMO_QUESTIONS)
+    first, second = requests[: len(DEMO_QUESTIONS)], requests[len(DEMO_QUESTIONS) :]
+    for i, (request, question) in enumerate(zip(first, DEMO_QUESTIONS, strict=True)):
+        assert request["index"] == str(i) and int(request["tokens"]) == 6
+        shown = [request["prompt"]] + [ln[17:] for ln in request["prompt_more"].splitlines()]
+        assert "\n".join(shown) == question, "each prompt beside its completion"
+        assert request["completion"].startswith("'") and float(request["ttft_ms"]) > 0
+    assert all(int(r["hit"]) > 0 for r in second), "round 2 resends round 1: it must hit"
     total = re.search(r"total: (\d+) output tokens .* = ([\d.]+) tokens/s; prefix-cache hit "
-                      r"rate ([\d.]+)%", out)  # fmt: skip
-    assert total and float(total.group(2)) > 0 and float(total.group(3)) > 0
+                      r"rate ([\d.]+) % \((\d+) of (\d+) prompt tokens\)", out)  # fmt: skip
+    assert total and int(total.group(1)) == 6 * len(requests) and float(total.group(2)) > 0
+    hits, queries = int(total.group(4)), int(total.group(5))
+    assert hits == sum(int(r["hit"]) for r in requests)
+    assert queries == sum(int(r["prompt_tokens"]) for r in requests)
+    assert float(total.group(3)) == pytest.approx(100 * hits / queries, abs=0.05)
     assert "0 compilations after warm-up" in out
 
 
@@ -50,12 +86,29 @@ def test_demo_defaults_to_the_shipped_trained_model(capsys):
     out = capsys.readouterr().out
     assert "tiny_v41_trained, the shipped small V4.1" in out and "gibberish" not in out
     assert "tokenizer tokenizer.json" in out
-    text = "\n".join(line[6:] for line in out.splitlines() if line.startswith("    | "))
+    requests = _demo_requests(out)
+    assert len(requests) == 2 * len(DEMO_QUESTIONS)
+    text = "\n".join(_demo_completion(r) for r in requests)
     assert len(text) > 100
     # readable: printable ASCII, whitespace and words, as the standard library is written
     assert sum(ch.isprintable() or ch in "\n\t" for ch in text) / len(text) > 0.99
     assert re.search(r"[A-Za-z_]{3,}", text)
     assert "0 compilations after warm-up" in out
+
+
+def test_make_demo_installs_what_dsv4_lab_needs():
+    """`make demo` installs the lab extra, so that `dsv4 lab`, whose plots need matplotlib
+    (tests/lab runs it), works right after it."""
+    root = Path(__file__).resolve().parents[2]
+    make = (root / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^demo: \$\(VENV\)/\.installed-main$", make, re.M)
+    recipe = re.search(r"^\$\(VENV\)/\.installed-main:.*\n\t(.*)$", make, re.M)
+    extras = re.search(r"pip install .*-e '\.\[([\w,]+)\]'", recipe.group(1))
+    assert extras, f"the demo installs no extra: {recipe.group(1)}"
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    optional = pyproject["project"]["optional-dependencies"]
+    installed = [dep for extra in extras.group(1).split(",") for dep in optional[extra]]
+    assert "matplotlib" in installed
 
 
 def test_generate_prints_outputs_with_logprobs_and_n(capsys):
