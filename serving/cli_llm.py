@@ -29,6 +29,9 @@ import textwrap
 import time
 from collections.abc import Sequence
 
+from dsv4.config import MODEL_PRESETS, model_source
+from dsv4.config import ModelConfig as ArchConfig
+from dsv4.tokenizer import load_tokenizer
 from serving.config import (
     RANDOM_PRESETS,
     SHIPPED_MODELS,
@@ -256,10 +259,6 @@ def _check(args: argparse.Namespace) -> None:
 def _check_lengths(args: argparse.Namespace) -> None:
     """--max-model-len and each --prompt against the model, read from its config and tokenizer
     (no JAX, no weights)."""
-    from dsv4.config import MODEL_PRESETS, model_source
-    from dsv4.config import ModelConfig as ArchConfig
-    from dsv4.tokenizer import load_tokenizer
-
     model = args.engine_config.model_config
     try:
         kind, path = model_source(model.model)
