@@ -263,7 +263,7 @@ def table(result: dict[str, Any]) -> str:
         "| host ms/step | device ms/step |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in result["results"].values():
+    for r in sorted(result["results"].values(), key=lambda r: r["batch"]):
         ratios, bursts = r["engine_over_generate_runs"], r["burst_over_generate_runs"]
         lines.append(
             f"| {r['batch']} | {r['generate_tokens_per_s']:.0f} | "

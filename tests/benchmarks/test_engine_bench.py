@@ -80,3 +80,13 @@ def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
     assert exc.value.code == 2
+
+
+def test_readme_shows_the_committed_engine_table():
+    """README.md's engine table is `table` of the committed run (benchmarks/results/engine/)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    (committed,) = sorted((root / "benchmarks" / "results" / "engine").glob("*.json"))
+    result = json.loads(committed.read_text())
+    assert bench.table(result) in (root / "README.md").read_text()
