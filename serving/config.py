@@ -291,13 +291,14 @@ class SchedulerConfig:
     )
     token_buckets: tuple[int, ...] | None = _field(
         None,
-        "step sizes to compile, comma-separated (None: powers of two from 1 to the budget)",
+        "step sizes to compile, comma-separated (None: powers of two from 1 to max_num_seqs, "
+        "then of four to the budget)",
         parse=_ints,
     )
     table_buckets: tuple[int, ...] | str | None = _field(
         "auto",
         "block-table widths to compile, comma-separated (auto: full width up to 64 blocks, "
-        "else powers of two from 16 blocks; none: always full width)",
+        "else powers of eight from 64 blocks; none: always full width)",
         parse=_table_buckets,
     )
     scheduling_policy: str = _field(

@@ -46,6 +46,7 @@ from dsv4.paged.batch import bucket, table_width_buckets
 from dsv4.paged.step import stack_shards
 from serving import sampler as S
 from serving.config import EngineConfig
+from serving.programs import StepPrograms
 from serving.runner import (
     ModelRunner,
     SlotState,
@@ -332,6 +333,7 @@ class DataParallelRunner:
         ):
             setattr(self, name, getattr(first, name))
         self.static = first.static
+        self.programs = StepPrograms(self.static)  # none built: each step runs through the jit
         k, slots, vocab = first.num_spec, first.max_num_seqs + 1, cfg.vocab_size
         fill = config.cache_config.fill
         self.pools = self._stacked(lambda: P.init_pools(first.layout, fill=fill))

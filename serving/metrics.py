@@ -12,12 +12,12 @@ import threading
 
 import jax
 
-__all__ = ["EngineStats", "compilation_count", "persistent_cache_hits"]
+__all__ = ["EngineStats", "compilation_count", "count_program_load", "persistent_cache_hits"]
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
-_counts = {"compilations": 0, "cache_hits": 0}
+_counts = {"compilations": 0, "cache_hits": 0, "program_loads": 0}
 _installed = False
 
 
@@ -52,9 +52,17 @@ def compilation_count() -> int:
 
 
 def persistent_cache_hits() -> int:
-    """Executables loaded from JAX's persistent compilation cache instead of compiled."""
+    """Executables loaded instead of compiled: from JAX's persistent compilation cache, and the
+    step programs loaded from theirs (`serving.programs`, `count_program_load`)."""
     _install()
-    return _counts["cache_hits"]
+    with _lock:
+        return _counts["cache_hits"] + _counts["program_loads"]
+
+
+def count_program_load() -> None:
+    """Count one step program loaded from `serving.programs`' folder (no JAX event says so)."""
+    with _lock:
+        _counts["program_loads"] += 1
 
 
 @dataclasses.dataclass(slots=True)

@@ -43,12 +43,15 @@ whenever the mesh's ``data`` axis is).
 
 Buckets: one compilation per token bucket T and block-table width bucket W. The request rows R
 follow from T (``min(T, max_num_seqs) + 1`` rounded up to a power of two: one row is always free
-for padding). The tables are as wide as ``max_model_len`` needs, or, with ``table_buckets`` (the
-default once that is more than 64 blocks), only as wide as the step's longest request needs,
-rounded up to a bucket: a long ``max_model_len`` then does not make every step decode and
-address the pages of the longest possible request. `warm_up` compiles every (T, W) pair (and
-the few small helpers the loop uses); afterwards the loop compiles nothing (the engine's tests
-count compilations).
+for padding). The default T are powers of two up to ``max_num_seqs`` (a decode step of n
+requests runs at most 2n rows), then powers of four up to the token budget
+(`default_token_buckets`). The tables are as wide as ``max_model_len`` needs, or, with
+``table_buckets`` (the default once that is more than 64 blocks: powers of eight from 64), only
+as wide as the step's longest request needs, rounded up to a bucket: a long ``max_model_len``
+then does not make every step decode and address the pages of the longest possible request.
+`warm_up` builds every (T, W) pair's program (`serving.programs.StepPrograms`: compiled a core's
+worth at a time, or loaded from the folder a previous start wrote) and the few small helpers
+the loop uses; afterwards the loop compiles nothing (the engine's tests count compilations).
 
 Bursts (``num_scheduler_steps`` k > 1): `execute_burst` takes up to k pure decode steps that the
 scheduler planned in a row, builds each step's inputs as `execute` would (in order, so that each
@@ -92,6 +95,7 @@ from dsv4.paged.step import data_shards, paged_forward_streams
 from serving import sampler as S
 from serving.config import EngineConfig
 from serving.input_batch import InputBatch, RequestState, ScheduledRow
+from serving.programs import StepPrograms
 from serving.request import Request
 from serving.scheduler import SchedulerOutput
 
@@ -111,28 +115,34 @@ __all__ = [
 ]
 
 
-def default_token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to (and always including) the token budget: a step
-    of n tokens runs at most 2n (a single stream's decode step runs one row, not eight)."""
-    out, t = [], smallest
+def default_token_buckets(
+    max_num_batched_tokens: int, max_num_seqs: int | None = None
+) -> tuple[int, ...]:
+    """Powers of two from 1 up to ``max_num_seqs`` (a decode step of n requests runs at most
+    2n rows: a single stream decodes one row, not eight), then powers of four up to (and
+    always including) the token budget: a prefill chunk runs at most 4x its tokens, and few
+    programs have to be compiled."""
+    seqs = max_num_batched_tokens if max_num_seqs is None else max_num_seqs
+    out, t = [], 1
     while t < max_num_batched_tokens:
         out.append(t)
-        t *= 2
+        t *= 2 if t < seqs else 4
     out.append(max_num_batched_tokens)
     return tuple(out)
 
 
 def default_table_buckets(kv_cache_config, max_model_len: int) -> tuple[int, ...] | None:
     """None (full-width tables) when ``max_model_len`` needs at most 64 blocks in every group;
-    else powers of two from 16 blocks."""
+    else powers of eight from 64 blocks: a step's tables are at most 8x as wide as its longest
+    request needs, and each width is one more program per token bucket."""
     groups = [g for g in group_infos(kv_cache_config) if g.kind != "ring"]
     widest = max(-(-max_model_len // g.block_size) for g in groups)
     if widest <= 64:
         return None
-    out, w = [], 16
+    out, w = [], 64
     while w < widest:
         out.append(w)
-        w *= 2
+        w *= 8
     return tuple(out)
 
 
@@ -244,7 +254,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len = config.model_config.max_model_len
         self.token_buckets = sched.token_buckets or default_token_buckets(
-            sched.max_num_batched_tokens
+            sched.max_num_batched_tokens, max_num_seqs
         )
         self.mesh = mesh = config.parallel_config.mesh
         device_state = write_sampler_rows is None
@@ -271,6 +281,7 @@ class ModelRunner:
         )
         self._groups = group_infos(kv_cache_config)
         self.static = self._static_arguments()
+        self.programs = StepPrograms(self.static)
         self.padding_slot = max_num_seqs
         self._write_rows = write_sampler_rows
         if device_state:
@@ -637,16 +648,26 @@ class ModelRunner:
         bar = tqdm(total=1 + len(pairs), desc="warm-up: step programs", disable=not progress)
         self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
         bar.update(1)
-        for t, w, steps in pairs:
-            inputs = self.padding_inputs(t, w)
-            if steps == 1:
+        state = (self.params, self.pools, self.sampler_state, self.slots)
+        steps = [self.padding_inputs(t, w) for t, w, n in pairs if n == 1]
+        bursts = [self._burst_inputs(self.padding_inputs(t, w), n) for t, w, n in pairs if n > 1]
+        if self.mesh is None:  # compiled several at once, or loaded (`serving.programs`)
+            self.programs.build(_engine_step, state, steps, functools.partial(bar.update, 1))
+            self.programs.build(_engine_burst, state, bursts, functools.partial(bar.update, 1))
+        else:  # on a mesh the jit places the state as each step leaves it: run each once
+            for inputs in steps:
                 jax.block_until_ready(self.dispatch(*inputs))
-            else:
-                stacked = jax.tree.map(lambda x, n=steps: np.stack([x] * n), inputs)
-                jax.block_until_ready(self.dispatch_burst(*stacked, np.int32(steps)))
-            bar.update(1)
+                bar.update(1)
+            for inputs in bursts:
+                jax.block_until_ready(self.dispatch_burst(*inputs))
+                bar.update(1)
         bar.close()
         return bar.total
+
+    @staticmethod
+    def _burst_inputs(inputs, num_steps: int):
+        """A burst's inputs: ``inputs`` stacked ``num_steps`` times, and the steps to run."""
+        return (*jax.tree.map(lambda x: np.stack([x] * num_steps), inputs), np.int32(num_steps))
 
     def padding_inputs(self, num_tokens: int, table_widths):
         """`dispatch`'s inputs for a step of padding only (T = ``num_tokens``, R = `rows_for`
@@ -711,11 +732,11 @@ def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
 
 def run_step(step, runner, *inputs):
     """``step`` (a jitted engine step) on ``runner``'s params and device state (``pools``,
-    ``sampler_state``, ``slots``, updated in place) and a step's ``inputs``, with the runner's
+    ``sampler_state``, ``slots``, updated in place) and a step's ``inputs``: the program its
+    warm-up built for their buckets (``runner.programs``), else the jit with the runner's
     ``static`` arguments; returns the step's device results without waiting."""
-    out, runner.pools, runner.sampler_state, runner.slots = step(
-        runner.params, runner.pools, runner.sampler_state, runner.slots, *inputs, **runner.static
-    )
+    state = (runner.params, runner.pools, runner.sampler_state, runner.slots)
+    out, runner.pools, runner.sampler_state, runner.slots = runner.programs(step, state, inputs)
     return out
 
 

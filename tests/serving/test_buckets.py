@@ -15,16 +15,29 @@ from serving import LLM, SamplingParams
 from serving.runner import default_token_buckets, rows_for
 
 
-@pytest.mark.parametrize("budget,max_num_seqs", [(64, 16), (256, 256), (48, 5), (1, 1)])
-def test_default_buckets_pad_at_most_twice(budget, max_num_seqs):
-    buckets = default_token_buckets(budget)
+@pytest.mark.parametrize(
+    "budget,max_num_seqs", [(64, 16), (256, 256), (48, 5), (1, 1), (8192, 256)]
+)
+def test_default_buckets_pad_decode_at_most_twice(budget, max_num_seqs):
+    """A decode step of n <= max_num_seqs requests runs at most 2n tokens and rows; a larger
+    step (a prefill chunk) at most 4n tokens; one program per power of two up to
+    max_num_seqs, then one per power of four."""
+    buckets = default_token_buckets(budget, max_num_seqs)
     assert buckets[0] == 1 and buckets[-1] == budget
-    assert len(buckets) <= budget.bit_length() + 1  # one program per power of two
+    small = min(budget, max_num_seqs).bit_length()
+    assert len(buckets) <= small + (budget // max(1, max_num_seqs)).bit_length() // 2 + 1
     for n in range(1, budget + 1):
         t = bucket(n, buckets)
-        assert n <= t <= 2 * n
         if n <= max_num_seqs:  # a decode step of n requests: n rows of one token
+            assert n <= t <= 2 * n
             assert n <= rows_for(t, max_num_seqs) <= 2 * n
+        else:
+            assert n <= t <= 4 * n
+
+
+def test_default_buckets_of_the_shipped_defaults():
+    assert default_token_buckets(64, 16) == (1, 2, 4, 8, 16, 64)
+    assert default_token_buckets(8192, 256)[-4:] == (256, 1024, 4096, 8192)
 
 
 def test_one_stream_decodes_one_row_and_equals_generate():

@@ -1,0 +1,174 @@
+"""The engine's step programs, compiled ahead of time (docs/architecture.md#serving).
+
+`StepPrograms` holds one compiled executable per step function and input shapes (a token bucket
+and table widths). Its warm-up lowers and compiles them several at once (XLA compiles outside
+the GIL, one program per core), and keeps each one, serialized, in a folder beside JAX's
+persistent compilation cache (``<jax_compilation_cache_dir>/dsv4-steps``, written under the
+same rule: only when that cache is on and the compile took at least
+``jax_persistent_cache_min_compile_time_secs``). A later process with the same configuration
+loads them from there without tracing or lowering anything: JAX's own cache still has to trace
+and lower a program to find its entry, which is most of a second start.
+
+An entry's name is a digest of everything the program depends on: the step function, its
+static arguments, every input's tree, shape, dtype and placement, the JAX, jaxlib and Python
+versions, the device, JAX's configuration, ``XLA_FLAGS`` and the source of the packages that
+trace it. Loading one runs pickled code, as JAX's own cache does: keep the folder private.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import hashlib
+import importlib.util
+import os
+import pickle
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+import numpy as np
+from jax.experimental import serialize_executable
+
+from serving.metrics import count_program_load
+
+__all__ = ["StepPrograms", "program_key", "source_digest"]
+
+SUBDIR = "dsv4-steps"
+# the packages whose code a step program is traced from
+_PACKAGES = ("dsv4", "pallas_kernels", "serving", "cache")
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 of the Python source of the packages a step is traced from (any edit to them
+    gives every program a new name)."""
+    h = hashlib.sha256()
+    for name in _PACKAGES:
+        spec = importlib.util.find_spec(name)
+        for root in spec.submodule_search_locations or ():
+            for path in sorted(Path(root).rglob("*.py")):
+                h.update(str(path.relative_to(root)).encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _leaf(x: Any) -> str:
+    placement = getattr(x, "sharding", None)
+    weak = getattr(x, "weak_type", False)
+    dtype = getattr(x, "dtype", type(x).__name__)
+    return f"{np.shape(x)}{dtype}{weak}{placement!r}"
+
+
+def program_key(step: Callable, args: Sequence[Any], static: dict[str, Any]) -> str | None:
+    """The digest naming ``step``'s program for ``args`` and ``static`` (see the module
+    docstring), or None when some part has no stable text (an object printed by address)."""
+    device = jax.devices()[0]
+    parts = [
+        f"{step.__module__}.{step.__qualname__}",
+        repr(sorted(static.items())),
+        str(jax.tree.structure(args)),
+        ";".join(_leaf(x) for x in jax.tree.leaves(args)),
+        f"{jax.__version__} {jaxlib.__version__} {sys.version_info[:2]}",
+        f"{device.platform} {device.device_kind} {device.client.platform_version}",
+        repr(sorted(jax.config.values.items())),
+        os.environ.get("XLA_FLAGS", ""),
+        source_digest(),
+    ]
+    text = "\n".join(parts)
+    if " at 0x" in text:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class StepPrograms:
+    """Compiled step programs by (step function, input shapes), for one runner's state and
+    static arguments. Calling it runs the program of ``step`` for the inputs' shapes; one that
+    was not built (no warm-up) runs through ``step``'s jit, which compiles it on first use."""
+
+    def __init__(self, static: dict[str, Any]) -> None:
+        self._static = static
+        self._table: dict[tuple, Callable] = {}
+
+    @staticmethod
+    def shapes(step: Callable, inputs: Sequence[Any]) -> tuple:
+        """What tells a step's programs apart: its function and its inputs' buckets (the token
+        ids' shape and each group's table; the rest follows from them)."""
+        batch, feed = inputs[0], inputs[1]
+        return step, np.shape(feed), tuple(np.shape(t) for t in batch.block_tables)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __call__(self, step: Callable, state: tuple, inputs: tuple):
+        program = self._table.get(self.shapes(step, inputs))
+        if program is None:
+            return step(*state, *inputs, **self._static)
+        return program(*state, *inputs)
+
+    def build(
+        self, step: Callable, state: tuple, jobs: Sequence[tuple], on_done: Callable[[], None]
+    ) -> None:
+        """Compile or load ``step``'s program for each inputs in ``jobs`` (with the runner's
+        ``state`` first), a core's worth at a time; ``on_done`` after each."""
+        workers = max(1, min(len(jobs), os.cpu_count() or 1, 8))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {
+                pool.submit(self._program, step, (*state, *inputs)): inputs for inputs in jobs
+            }
+            for future in concurrent.futures.as_completed(futures):
+                self._table[self.shapes(step, futures[future])] = future.result()
+                on_done()
+
+    def _program(self, step: Callable, args: tuple) -> Callable:
+        folder = _folder()
+        key = program_key(step, args, self._static) if folder else None
+        path = None if key is None else folder / f"{key}.pkl"
+        if path is not None and path.exists():
+            try:
+                with open(path, "rb") as f:
+                    payload, in_tree, out_tree = pickle.load(f)
+                program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                count_program_load()
+                return program
+            except Exception:  # a stale or broken entry is compiled again and replaced
+                pass
+        t0 = time.perf_counter()
+        program = step.lower(*args, **self._static).compile()
+        if path is not None and time.perf_counter() - t0 >= _min_compile_s():
+            _store(path, program)
+        return program
+
+
+def _folder() -> Path | None:
+    """The programs' folder under JAX's persistent cache, or None when that cache is off."""
+    base = jax.config.jax_compilation_cache_dir
+    if not base or "://" in base:
+        return None
+    return Path(base) / SUBDIR
+
+
+def _min_compile_s() -> float:
+    return jax.config.jax_persistent_cache_min_compile_time_secs
+
+
+def _store(path: Path, program) -> None:
+    """Write ``program`` to ``path`` atomically; a program that cannot be serialized (or a
+    folder that cannot be written) is simply not kept."""
+    try:
+        entry = serialize_executable.serialize(program)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    except (OSError, ValueError, NotImplementedError):
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(entry, f)
+        os.replace(tmp, path)
+    except (OSError, pickle.PicklingError, TypeError):
+        os.unlink(tmp)
