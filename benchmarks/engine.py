@@ -57,6 +57,24 @@ def _generate_rate(params, cfg, prompts, new_tokens: int, repeats: int) -> float
     return len(prompts) * new_tokens / t
 
 
+def _generate_prefill_ms(params, cfg, prompts, repeats: int) -> float:
+    """`dsv4.generate`'s time to its first token for ``prompts``: the whole call with
+    ``max_new_tokens=1`` (the prefill and one sampled token), best of ``repeats``."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4.generation import generate
+
+    rows = jnp.asarray(prompts, jnp.int32)
+
+    def call():
+        return jax.block_until_ready(generate(params, cfg, rows, 1))
+
+    call()  # compile
+    t, _ = _best(call, repeats)
+    return 1000 * t
+
+
 def _engine_run(llm, prompts, sp, repeats: int) -> dict[str, Any]:
     """Best of ``repeats`` runs of llm.generate: tokens/s, per-step host/wait, metrics."""
     from serving.metrics import compilation_count
@@ -234,11 +252,12 @@ def measure(
 def _one_run(llms, params, cfg, b: int, prompts, sp, prompt_len: int, repeats: int) -> dict:
     """One run of batch ``b``: `dsv4.generate` and each engine mode side by side."""
     gen = _generate_rate(params, cfg, prompts, sp.max_tokens, repeats)
+    prefill = _generate_prefill_ms(params, cfg, prompts, repeats)
     sync = _engine_run(llms["sync"], prompts, sp, repeats)
     asyn = _engine_run(llms["async"], prompts, sp, repeats)
     burst = _engine_run(llms["burst"], prompts, sp, repeats)
     device, loop = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
-    return _batch_row(b, gen, sync, asyn, burst, device, loop)
+    return _batch_row(b, gen, prefill, sync, asyn, burst, device, loop)
 
 
 def _median_run(rows: list[dict]) -> dict:
@@ -260,8 +279,8 @@ def table(result: dict[str, Any]) -> str:
         "over `dsv4.generate`'s, median run [lowest, highest]):",
         "",
         "| batch | generate tokens/s | engine tokens/s | engine / generate | bursts / generate "
-        "| host ms/step | device ms/step |",
-        "|---|---|---|---|---|---|---|",
+        "| TTFT / prefill | host ms/step | device ms/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(result["results"].values(), key=lambda r: r["batch"]):
         ratios, bursts = r["engine_over_generate_runs"], r["burst_over_generate_runs"]
@@ -269,13 +288,21 @@ def table(result: dict[str, Any]) -> str:
             f"| {r['batch']} | {r['generate_tokens_per_s']:.0f} | "
             f"{r['engine_async_tokens_per_s']:.0f} | {r['engine_over_generate']:.2f} "
             f"[{min(ratios):.2f}, {max(ratios):.2f}] | {r['burst_over_generate']:.2f} "
-            f"[{min(bursts):.2f}, {max(bursts):.2f}] | {r['host_ms_per_step']:.2f} | "
+            f"[{min(bursts):.2f}, {max(bursts):.2f}] | {_ttft(r)} | {r['host_ms_per_step']:.2f} | "
             f"{r['device_ms_per_step']:.2f} |"
         )
     return "\n".join(lines)
 
 
-def _batch_row(b: int, gen: float, sync: dict, asyn: dict, burst: dict, device, loop) -> dict:
+def _ttft(row: dict) -> str:
+    """The row's TTFT (p50) over `dsv4.generate`'s prefill, "-" in a result from before it."""
+    ratio = row.get("ttft_over_generate_prefill")
+    return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def _batch_row(
+    b: int, gen: float, prefill: float, sync: dict, asyn: dict, burst: dict, device, loop
+) -> dict:
     """One batch size's row: generate's and each engine mode's rates, per-step times, latencies."""
     return {
         "batch": b,
@@ -294,6 +321,8 @@ def _batch_row(b: int, gen: float, sync: dict, asyn: dict, burst: dict, device, 
         "sync_ms_per_step": round(sync["ms_per_step"], 3),
         "async_ms_per_step": round(asyn["ms_per_step"], 3),
         "ttft_ms": _percentiles(asyn["ttft"]),
+        "generate_prefill_ms": round(prefill, 3),
+        "ttft_over_generate_prefill": round(_percentiles(asyn["ttft"])["p50"] / prefill, 3),
         "tpot_ms": _percentiles(asyn["tpot"]),
         "engine_compilations": sum(r["compilations"] for r in (sync, asyn, burst)),
     }

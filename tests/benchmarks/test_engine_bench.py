@@ -54,6 +54,10 @@ def test_json_line(monkeypatch, capsys):
             r["generate_tokens_per_s"] / r["engine_burst_tokens_per_s"], rel=1e-2
         )
         assert set(r["ttft_ms"]) == {"p50", "p90", "p99"}
+        assert r["generate_prefill_ms"] > 0
+        assert r["ttft_over_generate_prefill"] == pytest.approx(
+            r["ttft_ms"]["p50"] / r["generate_prefill_ms"], rel=0.01
+        )
         assert r["engine_compilations"] == 0
         assert len(r["engine_over_generate_runs"]) == 2
         assert r["engine_over_generate"] in r["engine_over_generate_runs"]
