@@ -556,10 +556,13 @@ async def _sse_events(state, sub, request, meta, chunks, include_usage) -> Async
     n_prompt = n_out = 0
     try:
         async for p, out in state.outputs(sub, request):
+            pieces = []  # one write for all of an output's chunks (its n choices)
             for choice, num_tokens in chunks(p, out):
                 chunk = {**meta, "choices": [choice]}
-                yield _sse({**chunk, "usage": None} if include_usage else chunk)
+                pieces.append(_sse({**chunk, "usage": None} if include_usage else chunk))
                 n_out += num_tokens
+            if pieces:
+                yield "".join(pieces)
             if out.finished:
                 n_prompt += len(out.prompt_token_ids)
         if len(sub.finished) < len(sub.ids):

@@ -429,6 +429,25 @@ class FaultyDriver:
         return getattr(self.driver, name)
 
 
+class LateDriver(FaultyDriver):
+    """The served driver, except that a request's outputs reach the server all at once when it
+    finishes (as a busy event loop finds a step's outputs waiting)."""
+
+    def __init__(self, driver: EngineDriver) -> None:
+        super().__init__(driver, None)
+
+    def add(self, request_id, token_ids, params, sink, *, prompt=None) -> None:
+        held: list = []
+
+        def late(item) -> None:
+            held.append(item)
+            if not hasattr(item, "finished") or item.finished:
+                for x in held:
+                    sink(x)
+
+        self.driver.add(request_id, token_ids, params, late, prompt=prompt)
+
+
 def sse_lines(url: str, body: dict) -> list[str]:
     """The ``data:`` payloads of a streamed completion, read to the end of the response."""
     host, port = url.removeprefix("http://").split(":")
@@ -468,6 +487,22 @@ def test_an_error_once_a_stream_began_ends_it_with_an_error_chunk_then_done(serv
             wait_idle(served.url)
         finally:
             server.stop()
+
+
+def test_outputs_found_waiting_together_are_sent_as_one_chunk(served):
+    """Outputs are cumulative: when several of a request's wait at once, the server sends what
+    the last one adds (one chunk per choice), and the stream still equals `LLM.generate`."""
+    (ref,) = served.offline(PROMPTS[0], n=2, temperature=0.8, seed=3, max_tokens=12)
+    app = build_app(served.llm, LateDriver(served.driver), ServerOptions(NAME))
+    server = ServerThread(app).start()
+    try:
+        body = dict(model=NAME, prompt=PROMPTS[0], n=2, temperature=0.8, seed=3, max_tokens=12)
+        *chunks, done = sse_lines(server.url, body)
+        assert done == "[DONE]" and len(chunks) == 2
+        got = sorted((c["index"], c["text"]) for x in chunks for c in json.loads(x)["choices"])
+        assert got == [(c.index, c.text) for c in ref.outputs]
+    finally:
+        server.stop()
 
 
 def test_malformed_json_and_a_wrong_typed_field_are_400_naming_what(served):
