@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import http.client
 import json
+import os
 import re
 import threading
 import time
@@ -22,6 +23,7 @@ import urllib.request
 import openai
 import pytest
 
+from dsv4.checkpoint import shipped_checkpoint
 from serving import LLM, SamplingParams
 from serving.engine_driver import EngineDriver
 from serving.metrics import compilation_count
@@ -524,11 +526,15 @@ def test_malformed_json_and_a_wrong_typed_field_are_400_naming_what(served):
 
 
 @pytest.fixture(scope="module")
-def ids_only(served, shipped_llm_args):
-    """A second server over `LLM("tiny_v41_trained", skip_tokenizer_init=True)` with n-gram
-    drafts (same sizes as the session's LLM: its compilations are mostly shared)."""
+def ids_only(served, shipped_llm_args, tmp_path_factory):
+    """A second server over the shipped model's weights in a folder without a tokenizer (its
+    config and weights only), `LLM(..., skip_tokenizer_init=True)` with n-gram drafts; same
+    sizes as the session's LLM."""
+    folder = tmp_path_factory.mktemp("no_tokenizer")
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(shipped_checkpoint("tiny_v41_trained"), name), folder / name)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
-    llm = LLM("tiny_v41_trained", **shipped_llm_args, skip_tokenizer_init=True,
+    llm = LLM(str(folder), **shipped_llm_args, skip_tokenizer_init=True,
               speculative_config=spec)  # fmt: skip
     s = Served(llm)
     yield s
@@ -541,9 +547,10 @@ def code_ids(served, text: str) -> list[int]:
 
 
 def test_skip_tokenizer_init_llm_takes_and_gives_token_ids_only(served, ids_only):
-    """`LLM(skip_tokenizer_init=True)` loads no tokenizer: a text prompt and chat are refused
-    naming why; token-id prompts give the tokens (and logprobs) the LLM with a tokenizer gives,
-    with empty text. The EOS is still the model's: generation stops at it."""
+    """`LLM(FOLDER, skip_tokenizer_init=True)` on a model folder without a tokenizer loads none:
+    a text prompt and chat are refused naming why; token-id prompts give the tokens (and
+    logprobs) the shipped LLM with its tokenizer gives, with empty text. The EOS is still the
+    model's: generation stops at it."""
     llm = ids_only.llm
     assert llm.get_tokenizer() is None and llm.engine.eos_token_id == llm.cfg.eos_token_id
     with pytest.raises(ValueError, match=r"prompts\[0\]: a text prompt needs a tokenizer.*ids"):
