@@ -68,10 +68,15 @@ def shipped_llm_args() -> dict:
 @pytest.fixture(scope="session")
 def shipped_llm():
     """One `LLM("tiny_v41_trained", **SHIPPED_LLM_ARGS)` for the session: built and warmed up
-    once. A test that drives it from another thread (the server's) gives it back idle."""
+    once, with full-precision matmuls as tests/dsv4 and tests/serving run every test (another
+    precision is another compilation). A test that drives it from another thread (the server's)
+    gives it back idle."""
+    import jax
+
     from serving import LLM
 
-    return LLM("tiny_v41_trained", **SHIPPED_LLM_ARGS)
+    with jax.default_matmul_precision("highest"):
+        return LLM("tiny_v41_trained", **SHIPPED_LLM_ARGS)
 
 
 def _num_mappings() -> int | None:

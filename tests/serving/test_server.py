@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 
+import jax
 import openai
 import pytest
 
@@ -38,10 +39,23 @@ PROMPTS = [
 ]
 
 
+class HighestDriver(EngineDriver):
+    """The engine's thread with full-precision matmuls, those the session LLM was compiled
+    with (tests/conftest.py; a thread starts with JAX's defaults)."""
+
+    def _run(self) -> None:
+        with jax.default_matmul_precision("highest"):
+            super()._run()
+
+
 class Served:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.driver = EngineDriver(self.llm.llm_engine).start()
+        # warmed up again (padding only, nothing read or written): after an earlier module
+        # tests/conftest.py may have dropped JAX's executables, the session LLM's among them
+        with jax.default_matmul_precision("highest"):
+            llm.llm_engine.warm_up(progress=False)
+        self.driver = HighestDriver(self.llm.llm_engine).start()
         self.app = build_app(self.llm, self.driver, ServerOptions(NAME, api_key=KEY))
         self.server = ServerThread(self.app).start()
         self.url = self.server.url
@@ -534,8 +548,9 @@ def ids_only(served, shipped_llm_args, tmp_path_factory):
     for name in ("config.json", "model.safetensors"):
         os.symlink(os.path.join(shipped_checkpoint("tiny_v41_trained"), name), folder / name)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
-    llm = LLM(str(folder), **shipped_llm_args, skip_tokenizer_init=True,
-              speculative_config=spec)  # fmt: skip
+    with jax.default_matmul_precision("highest"):  # as the driver runs it
+        llm = LLM(str(folder), **shipped_llm_args, skip_tokenizer_init=True,
+                  speculative_config=spec)  # fmt: skip
     s = Served(llm)
     yield s
     s.server.stop()
