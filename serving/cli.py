@@ -471,11 +471,6 @@ def _add_serve_command(sub) -> None:
     )
     s.add_argument("--served-model-name", default=None, help="the model's name in the API")
     s.add_argument(
-        "--skip-tokenizer-init",
-        action="store_true",
-        help="no tokenizer: prompts are token ids, responses carry token ids",
-    )
-    s.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
@@ -521,7 +516,6 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model,
         api_key=args.api_key or None,
         max_waiting_requests=args.max_waiting_requests,
-        skip_tokenizer_init=args.skip_tokenizer_init,
     )
     return server.run_server(
         llm, options, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout

@@ -233,6 +233,11 @@ def _check(args: argparse.Namespace) -> None:
     """Reject bad values before anything expensive (JAX, params) happens; the engine's flags
     become ``args.engine_config``."""
     args.engine_config = engine_config(args)
+    if args.engine_config.model_config.skip_tokenizer_init:
+        raise UsageError(
+            "--skip-tokenizer-init: this command works on text, which needs the tokenizer "
+            "(dsv4 serve takes token-id prompts without one)"
+        )
     if args.max_tokens < 1:
         raise _fail("--max-tokens", args.max_tokens, "must be >= 1")
     if not args.temperature >= 0:

@@ -163,6 +163,9 @@ class ModelConfig:
         "released: fp8 / FP4 weights stay in the checkpoint's bytes, dequantised per matmul",
         choices=WEIGHTS_ON_DEVICE,
     )
+    skip_tokenizer_init: bool = _field(
+        False, "no tokenizer: prompts are token ids, outputs carry token ids and no text"
+    )
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -171,6 +174,8 @@ class ModelConfig:
         _int("max_logprobs", self.max_logprobs, 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError("seed", self.seed, "an int")
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ConfigError("skip_tokenizer_init", self.skip_tokenizer_init, "True or False")
         names = ", ".join((*RANDOM_PRESETS, *SHIPPED_MODELS))
         model = self.model
         if not isinstance(model, str) or not (self.is_preset or os.path.isdir(model)):

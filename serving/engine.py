@@ -67,6 +67,7 @@ class Engine:
         scheduler: the host side; its ``async_scheduling`` decides the loop.
         config: what it was built from; the engine reads ``seed`` and ``prompt_logprobs_on_hits``.
         tokenizer: decodes outputs and gives the EOS; None: token ids only.
+        eos_token_id: the EOS without a tokenizer (skip_tokenizer_init: the model config's).
         proposer: the next step's drafts (`serving.spec_decode`); None: no speculation.
     """
 
@@ -78,6 +79,7 @@ class Engine:
         tokenizer: Any | None = None,
         *,
         proposer: Any = None,
+        eos_token_id: int | None = None,
     ) -> None:
         self.runner = runner
         self.config = config
@@ -88,7 +90,7 @@ class Engine:
         self.scheduler = scheduler
         self.proposer = proposer
         self.tokenizer = tokenizer
-        self.eos_token_id = None if tokenizer is None else tokenizer.eos_id
+        self.eos_token_id = eos_token_id if tokenizer is None else tokenizer.eos_id
         self.seed = config.model_config.seed
         self.vocab_size = runner.cfg.vocab_size
         self.max_model_len = scheduler.max_model_len
@@ -107,12 +109,19 @@ class Engine:
 
     @classmethod
     def build(
-        cls, params, cfg, config: EngineConfig | None = None, *, tokenizer: Any | None = None
+        cls,
+        params,
+        cfg,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Any | None = None,
+        eos_token_id: int | None = None,
     ) -> Engine:
         """An engine over ``params`` of the architecture ``cfg``, as ``config`` says (default
         `EngineConfig()`; `LLM` builds it from its keywords): the cache layout, one allocator
         and scheduler per data shard (`serving.data_parallel` steps them in lockstep), the
-        model runner and the drafts' proposer."""
+        model runner and the drafts' proposer. The EOS is the tokenizer's, else
+        ``eos_token_id``."""
         config = (config or EngineConfig()).resolved(cfg)
         # params built for another config (the drafter's too where DSpark drafts)
         check_model_params("Engine.build", params, cfg, drafter=config.drafter)
@@ -121,7 +130,7 @@ class Engine:
         # the proposer first: DSpark's checks k before the cache layout uses it
         proposer = _proposer(config.speculative_config, cfg, max_model_len)
         kv_config = _kv_cache_config(cfg, config)
-        eos = None if tokenizer is None else tokenizer.eos_id
+        eos = eos_token_id if tokenizer is None else tokenizer.eos_id
 
         def one_scheduler() -> Scheduler:
             manager = KVCacheManager(
@@ -146,7 +155,7 @@ class Engine:
         else:
             runner = DataParallelRunner(params, cfg, kv_config, config, eos_token_id=eos)
             scheduler = DataParallelScheduler([one_scheduler() for _ in range(shards)])
-        return cls(runner, scheduler, config, tokenizer, proposer=proposer)
+        return cls(runner, scheduler, config, tokenizer, proposer=proposer, eos_token_id=eos)
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:

@@ -133,11 +133,8 @@ class EngineDriver:
         return True
 
     def _take_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        while not self._commands.empty():  # this thread is the only reader
+            command = self._commands.get_nowait()
             kind, args = command[0], command[1:]
             if kind == "add":
                 self._add(*args)

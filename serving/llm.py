@@ -88,7 +88,10 @@ class LLM:
         self.cfg, params, self.tokenizer = _load_model(model_config)
         _, folder = model_source(model_config.model)  # a shipped checkpoint has one too
         self._template = None if folder is None else _read_chat_template(folder)
-        self.llm_engine = Engine.build(params, self.cfg, config, tokenizer=self.tokenizer)
+        # without a tokenizer the EOS is the model config's (vLLM: the generation config's)
+        self.llm_engine = Engine.build(
+            params, self.cfg, config, tokenizer=self.tokenizer, eos_token_id=self.cfg.eos_token_id
+        )
         self.config = self.llm_engine.config  # its automatic values filled in
         self.kv_cache_dtype = self.config.cache_config.kv_cache_dtype
         self.max_model_len = self.config.model_config.max_model_len
@@ -199,6 +202,11 @@ class LLM:
         Raises:
             ValueError: no template (the checkpoint has none and none was given), bad messages.
         """
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{where}: chat needs a tokenizer and skip_tokenizer_init=True loads none; "
+                "call generate() with token ids"
+            )
         template = chat_template or self._template
         if template is None:
             raise ValueError(
@@ -257,6 +265,11 @@ class LLM:
     def _encode(self, prompt: Any, where: str) -> tuple[str | None, Any]:
         """(the prompt's text or None, its token ids: `Engine.check_request` checks them)."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{where}: a text prompt needs a tokenizer and skip_tokenizer_init=True loads "
+                    "none; give token ids (a list of ints or {'prompt_token_ids': [...]})"
+                )
             if not prompt:
                 raise ValueError(
                     f"{where}: the prompt is empty; allowed: a non-empty string, token ids or a "
@@ -299,7 +312,8 @@ def _as_list(prompts: Any) -> list[Any]:
 
 
 def _load_model(config: ModelConfig):
-    """The architecture, params and tokenizer ``config`` names."""
+    """The architecture, params and tokenizer ``config`` names (no tokenizer with
+    ``skip_tokenizer_init``)."""
     jdtype = jnp.dtype(config.dtype)
     kind, path = model_source(config.model)  # the names load_pretrained and the CLI take
     if kind == "random":
@@ -307,12 +321,14 @@ def _load_model(config: ModelConfig):
         params = init_params(cfg, jax.random.PRNGKey(config.seed), jdtype)
         if config.weights_on_device == "released":
             params = quantise_params(params, cfg)
-        return cfg, params, load_tokenizer(None, cfg)
+        tokenizer = None if config.skip_tokenizer_init else load_tokenizer(None, cfg)
+        return cfg, params, tokenizer
     model = shipped_checkpoint(config.model) if config.model in SHIPPED else path
     cfg = ArchConfig.from_json(model)
     if config.quant_sim:
         cfg = dataclasses.replace(cfg, quant_sim=True)
-    tokenizer = load_tokenizer(model, cfg)  # before the weights: its errors are cheap
+    # before the weights: its errors are cheap
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model, cfg)
     cfg, params = load_pretrained(
         model, jdtype, config=cfg, progress=True, weights_on_device=config.weights_on_device
     )

@@ -43,7 +43,6 @@ class ServerOptions:
     served_model_name: str
     api_key: str | None = None  # None: no key asked
     max_waiting_requests: int | None = None  # sequences beyond max_num_seqs; None: no limit
-    skip_tokenizer_init: bool = False  # token ids in, token ids out
 
 
 class HTTPError(Exception):
@@ -52,6 +51,13 @@ class HTTPError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, headers=None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+_NO_TOKENIZER = "{what} needs a tokenizer and the server runs with --skip-tokenizer-init"
+
+
+def _short(text: str, most: int = 40) -> str:
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _param_of(message: str) -> str | None:
@@ -81,13 +87,15 @@ class _Serving:
     def __init__(self, llm: LLM, driver: EngineDriver, options: ServerOptions) -> None:
         self.llm, self.driver, self.options = llm, driver, options
         self.engine = driver.engine
-        self.tokenizer = None if options.skip_tokenizer_init else llm.get_tokenizer()
+        # None: the LLM was built with skip_tokenizer_init (token ids in, token ids out)
+        self.tokenizer = llm.get_tokenizer()
         self.metrics = ServerMetrics(options.served_model_name)
         driver.observers.append(self.metrics.observe_step)
         sched = self.engine.config.scheduler_config
         self.capacity = sched.max_num_seqs * self.engine.data_parallel_size
         self.active = 0  # sequences admitted and not finished (the event loop's count)
         self.draining = False
+        self.inbox: _Inbox | None = None  # the event loop's, made on the first request
 
     # ---------------------------------------------------------------- checks
 
@@ -104,7 +112,10 @@ class _Serving:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise HTTPError(
-                    400, "text prompts need a tokenizer (--skip-tokenizer-init): give token ids"
+                    400,
+                    f"prompt={_short(prompt)!r}: a text prompt needs a tokenizer and the server "
+                    "runs with --skip-tokenizer-init; give token ids",
+                    "prompt",
                 )
             if not prompt:
                 raise HTTPError(400, "prompt='' is not allowed: a non-empty text", "prompt")
@@ -113,7 +124,9 @@ class _Serving:
         return None, list(prompt)
 
     def render_chat(self, messages, add_generation_prompt: bool) -> str:
-        if self.llm.chat_template is None or self.tokenizer is None:
+        if self.tokenizer is None:
+            raise HTTPError(400, _NO_TOKENIZER.format(what="chat"), "messages")
+        if self.llm.chat_template is None:
             raise HTTPError(400, f"{self.options.served_model_name} has no chat template")
         try:
             return self.llm.render_chat(
@@ -147,10 +160,13 @@ class _Serving:
                 headers={"Retry-After": "1"},
             )
         loop = asyncio.get_running_loop()
+        if self.inbox is None or self.inbox.loop is not loop:
+            self.inbox = _Inbox(loop)
         queue: asyncio.Queue = asyncio.Queue()
         for index, request_id in enumerate(ids):
             text, token_ids = prompts[index]
-            self.driver.add(request_id, token_ids, params, _sink(loop, queue, index), prompt=text)
+            sink = self.inbox.sink(queue, index)
+            self.driver.add(request_id, token_ids, params, sink, prompt=text)
         self.active += num
         return _Submitted(ids, prompts, queue, num)
 
@@ -166,26 +182,27 @@ class _Serving:
         self, sub: _Submitted, request: Request
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as the engine produces them, until every prompt's request
-        finished; a client that disconnects is noticed within half a second."""
+        finished; a client that disconnects is noticed within half a second. Outputs are
+        cumulative: of those waiting at once, each request's last one is enough."""
         checked = time.monotonic()
         while len(sub.finished) < len(sub.ids):
-            try:
-                index, item = await asyncio.wait_for(sub.queue.get(), 0.5)
-            except TimeoutError:
-                index, item = None, None
-            if time.monotonic() - checked > 0.5 or item is None:
+            batch = _drain(sub.queue)
+            if not batch:
+                with contextlib.suppress(TimeoutError):
+                    batch = [await asyncio.wait_for(sub.queue.get(), 0.5)]
+                batch += _drain(sub.queue)
+            if not batch or time.monotonic() - checked > 0.5:
                 checked = time.monotonic()
                 if await request.is_disconnected():
                     return
-            if item is None:
-                continue
-            if isinstance(item, (ValueError, TypeError)):
-                raise _bad_request(item)
-            if isinstance(item, BaseException):
-                raise HTTPError(500, f"the engine failed: {item!r}")
-            if item.finished:
-                sub.finished.add(item.request_id)
-            yield index, item
+            for index, item in _latest(batch):
+                if isinstance(item, (ValueError, TypeError)):
+                    raise _bad_request(item)
+                if isinstance(item, BaseException):
+                    raise HTTPError(500, f"the engine failed: {item!r}")
+                if item.finished:
+                    sub.finished.add(item.request_id)
+                yield index, item
 
     async def final_outputs(self, sub: _Submitted, request: Request) -> list[RequestOutput]:
         """Every prompt's finished output, in order (then the request is released)."""
@@ -201,12 +218,51 @@ class _Serving:
         return [finals[i] for i in range(len(sub.ids))]
 
 
-def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
-    def sink(item) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens any more
-            loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+class _Inbox:
+    """The driver thread's outputs for one event loop. The sinks append to one list and wake
+    the loop once for all of a step's outputs, not once per request and token."""
 
-    return sink
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, int, Any]] = []
+        self._lock = threading.Lock()
+
+    def sink(self, queue: asyncio.Queue, index: int):
+        """A request's sink (`EngineDriver.add`): its items go to ``queue`` as (index, item)."""
+
+        def put(item) -> None:
+            with self._lock:
+                self._items.append((queue, index, item))
+                first = len(self._items) == 1
+            if first:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                    self.loop.call_soon_threadsafe(self._hand_out)
+
+        return put
+
+    def _hand_out(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, index, item in items:
+            queue.put_nowait((index, item))
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def _latest(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """``batch`` without the outputs a later output of the same request supersedes (outputs
+    are cumulative); errors stay where they are."""
+    last = {id_: pos for pos, (_, item) in enumerate(batch) if (id_ := _output_id(item))}
+    return [x for pos, x in enumerate(batch) if last.get(_output_id(x[1]), pos) == pos]
+
+
+def _output_id(item: Any) -> str | None:
+    return item.request_id if isinstance(item, RequestOutput) else None
 
 
 # -- sampling parameters -----------------------------------------------------------------------
@@ -301,12 +357,14 @@ def _add_errors(app: FastAPI) -> None:
         # malformed JSON or a field of the wrong type: 400 as OpenAI answers, not FastAPI's 422
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            where, why = first.get("loc", ("body", "?"))[-1], first.get("ctx", {}).get("error")
+            return _error(400, f"malformed JSON in the request body at character {where}: {why}")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         message = f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "")
-        got = first.get("input")
-        if where and not isinstance(got, dict | list):
-            message += f" (got {got!r})"
+        if where and "input" in first:
+            message += f" (got {_short(repr(first['input']), 60)})"
         return _error(400, message or "malformed request body", loc[-1] if loc else None)
 
 
@@ -334,10 +392,10 @@ def _add_info_routes(app: FastAPI, state: _Serving) -> None:
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize", dependencies=_key_check(state))
-    async def tokenize(body: api.TokenizeRequest):
+    async def tokenize(body: api.TokenizeRequest, request: Request):
         state.check_model(body.model)
         if state.tokenizer is None:
-            raise HTTPError(400, "no tokenizer (--skip-tokenizer-init)")
+            raise HTTPError(400, _NO_TOKENIZER.format(what=request.url.path))
         if (body.prompt is None) == (body.messages is None):
             raise HTTPError(400, "give one of prompt or messages", "prompt")
         text = body.prompt
@@ -348,10 +406,10 @@ def _add_info_routes(app: FastAPI, state: _Serving) -> None:
         return {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", dependencies=_key_check(state))
-    async def detokenize(body: api.DetokenizeRequest):
+    async def detokenize(body: api.DetokenizeRequest, request: Request):
         state.check_model(body.model)
         if state.tokenizer is None:
-            raise HTTPError(400, "no tokenizer (--skip-tokenizer-init)")
+            raise HTTPError(400, _NO_TOKENIZER.format(what=request.url.path))
         vocab = state.engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -493,25 +551,31 @@ def _completion_chunks(state: _Serving, body, params):
 
 async def _sse_events(state, sub, request, meta, chunks, include_usage) -> AsyncIterator[str]:
     """Server-Sent Events of one request: a chunk per new choice piece (`chunks`), the usage
-    last when asked, then ``[DONE]``; whatever ends it (a client gone) releases the request."""
+    last when asked, then ``[DONE]``. An error once the stream has begun ends it as vLLM's do:
+    an error chunk in OpenAI's shape, then ``[DONE]``. Whatever ends it releases the request."""
     n_prompt = n_out = 0
     try:
         async for p, out in state.outputs(sub, request):
+            pieces = []  # one write for all of an output's chunks (its n choices)
             for choice, num_tokens in chunks(p, out):
                 chunk = {**meta, "choices": [choice]}
-                yield _sse({**chunk, "usage": None} if include_usage else chunk)
+                pieces.append(_sse({**chunk, "usage": None} if include_usage else chunk))
                 n_out += num_tokens
+            if pieces:
+                yield "".join(pieces)
             if out.finished:
                 n_prompt += len(out.prompt_token_ids)
         if len(sub.finished) < len(sub.ids):
             return  # the client left
         if include_usage:
             yield _sse({**meta, "choices": [], "usage": api.usage(n_prompt, n_out)})
-        yield "data: [DONE]\n\n"
     except HTTPError as exc:
         yield _sse(api.error_body(exc.status, exc.message, exc.param))
+    except Exception as exc:  # a fault of the server's own: the client still hears of it
+        yield _sse(api.error_body(500, f"the server failed: {exc!r}"))
     finally:
         state.release(sub)
+    yield "data: [DONE]\n\n"
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------

@@ -52,11 +52,16 @@ class ServerMetrics:
             registry=self.registry,
         )
         hist = dict(labelnames=labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.ttft = Histogram("dsv4:time_to_first_token_seconds", "arrival to first token", **hist)
+        # the histograms' one labelled series each, looked up once rather than per observation
+        self.ttft = Histogram(
+            "dsv4:time_to_first_token_seconds", "arrival to first token", **hist
+        ).labels(model_name)
         self.itl = Histogram(
             "dsv4:inter_token_latency_seconds", "time between a request's outputs", **hist
-        )
-        self.e2e = Histogram("dsv4:e2e_request_latency_seconds", "arrival to finish", **hist)
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "dsv4:e2e_request_latency_seconds", "arrival to finish", **hist
+        ).labels(model_name)
         self._last_token_time: dict[str, float] = {}
 
     def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
@@ -78,14 +83,14 @@ class ServerMetrics:
         if m.last_token_time is not None:
             last = self._last_token_time.get(rid)
             if last is None and m.ttft is not None:
-                self.ttft.labels(name).observe(m.ttft)
+                self.ttft.observe(m.ttft)
             elif last is not None and m.last_token_time > last:
-                self.itl.labels(name).observe(m.last_token_time - last)
+                self.itl.observe(m.last_token_time - last)
             self._last_token_time[rid] = m.last_token_time
         if out.finished:
             self._last_token_time.pop(rid, None)
             if m.e2e_latency is not None:
-                self.e2e.labels(name).observe(m.e2e_latency)
+                self.e2e.observe(m.e2e_latency)
             for c in out.outputs:
                 self.success.labels(name, c.finish_reason or "abort").inc()
 

@@ -45,6 +45,40 @@ tiny_cfg, tiny_params = _preset_fixtures("tiny_v41", "tiny")
 engram_cfg, engram_params = _preset_fixtures("tiny_v41_full", "engram")
 
 
+# `LLM("tiny_v41_trained", **SHIPPED_LLM_ARGS)`: the shipped model on a small exact engine (8
+# sequences, one 64-token step bucket), shared by the server's tests and tests/dsv4/test_shipped.py
+SHIPPED_LLM_ARGS = dict(
+    dtype="float32",
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    token_buckets=(64,),
+    num_gpu_blocks_override=400,
+    max_logprobs=5,
+    compilation_cache_dir=None,
+)
+
+
+@pytest.fixture(scope="session")
+def shipped_llm_args() -> dict:
+    """`SHIPPED_LLM_ARGS` (a copy): for another `LLM` of the same sizes, e.g. with more keywords."""
+    return dict(SHIPPED_LLM_ARGS)
+
+
+@pytest.fixture(scope="session")
+def shipped_llm():
+    """One `LLM("tiny_v41_trained", **SHIPPED_LLM_ARGS)` for the session: built and warmed up
+    once, with full-precision matmuls as tests/dsv4 and tests/serving run every test (another
+    precision is another compilation). A test that drives it from another thread (the server's)
+    gives it back idle."""
+    import jax
+
+    from serving import LLM
+
+    with jax.default_matmul_precision("highest"):
+        return LLM("tiny_v41_trained", **SHIPPED_LLM_ARGS)
+
+
 def _num_mappings() -> int | None:
     try:
         with open("/proc/self/maps", "rb") as f:

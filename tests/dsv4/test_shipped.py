@@ -60,22 +60,11 @@ def test_unknown_shipped_name():
         C.shipped_checkpoint("tiny_v41_trainedd")
 
 
-def test_llm_generate_equals_dsv4_generate(loaded):
-    from serving import LLM, SamplingParams
+def test_llm_generate_equals_dsv4_generate(loaded, shipped_llm):
+    from serving import SamplingParams
 
     cfg, params = loaded
-    # the engine of tests/serving/test_cli.py's demo test (its compilations are shared)
-    llm = LLM(
-        "tiny_v41_trained",
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        token_buckets=(32,),
-        num_gpu_blocks_override=64,
-        max_logprobs=5,
-        compilation_cache_dir=None,
-    )
+    llm = shipped_llm  # tests/conftest.py: the engine the server's tests serve
     prompts = ["import os\n\n\ndef ", "class Stack:\n    def push(self, item):\n"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     tok = llm.get_tokenizer()

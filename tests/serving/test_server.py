@@ -1,41 +1,37 @@
 """`dsv4 serve`'s app (`serving.server`) through the real `openai` client over HTTP on
-127.0.0.1: one server over `LLM("tiny_v41_trained")` for the module. Every answer is checked
-against `LLM.generate` / `LLM.chat` on the same engine (run on the driver thread while no HTTP
-request runs): text and token prompts, streamed and not, chat, n > 1, stop strings, echo with
-prompt logprobs, 32 concurrent streams, disconnects (then nothing runs and the pool is empty),
-errors in OpenAI's shape, the API key, the waiting-queue limit, /metrics and an in-process drain.
+127.0.0.1: one server over the session's `LLM("tiny_v41_trained")` (tests/conftest.py). Every
+answer is checked against `LLM.generate` / `LLM.chat` on the same engine (run on the driver
+thread while no HTTP request runs): text and token prompts, streamed and not, chat, n > 1, stop
+strings, echo with prompt logprobs, 32 concurrent streams, disconnects, errors in OpenAI's shape
+(mid-stream too), the API key, the waiting-queue limit, /metrics, a drain, and a second server
+over an LLM without a tokenizer and with n-gram drafts (skip_tokenizer_init, spec counters).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import http.client
 import json
+import os
 import re
 import threading
 import time
 import urllib.error
 import urllib.request
 
+import jax
 import openai
 import pytest
 
+from dsv4.checkpoint import shipped_checkpoint
 from serving import LLM, SamplingParams
 from serving.engine_driver import EngineDriver
+from serving.metrics import compilation_count
 from serving.server import ServerOptions, ServerThread, build_app
 
 KEY = "test-key"
 NAME = "tiny"
-LLM_ARGS = dict(
-    dtype="float32",
-    max_model_len=128,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    token_buckets=(64,),
-    num_gpu_blocks_override=400,
-    max_logprobs=5,
-    compilation_cache_dir=None,
-)
 PROMPTS = [
     'def read_lines(path):\n    """Return the lines of the file at *path*',
     "class ConfigError(Exception):\n    ",
@@ -43,14 +39,28 @@ PROMPTS = [
 ]
 
 
+class HighestDriver(EngineDriver):
+    """The engine's thread with full-precision matmuls, those the session LLM was compiled
+    with (tests/conftest.py; a thread starts with JAX's defaults)."""
+
+    def _run(self) -> None:
+        with jax.default_matmul_precision("highest"):
+            super()._run()
+
+
 class Served:
-    def __init__(self) -> None:
-        self.llm = LLM("tiny_v41_trained", **LLM_ARGS)
-        self.driver = EngineDriver(self.llm.llm_engine).start()
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        # warmed up again (padding only, nothing read or written): after an earlier module
+        # tests/conftest.py may have dropped JAX's executables, the session LLM's among them
+        with jax.default_matmul_precision("highest"):
+            llm.llm_engine.warm_up(progress=False)
+        self.driver = HighestDriver(self.llm.llm_engine).start()
         self.app = build_app(self.llm, self.driver, ServerOptions(NAME, api_key=KEY))
         self.server = ServerThread(self.app).start()
         self.url = self.server.url
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+        self.compilations = compilation_count()  # nothing serving asks for compiles after this
 
     def offline(self, prompts, **params):
         """`LLM.generate` on the served engine, on the driver thread once it is idle."""
@@ -65,8 +75,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served():
-    s = Served()
+def served(shipped_llm):
+    s = Served(shipped_llm)
     yield s
     s.server.stop()
     s.driver.stop(timeout=30)
@@ -386,7 +396,7 @@ def test_models_tokenize_detokenize_and_metrics(served):
     assert metric(url, "prompt_tokens_total") == st.num_prompt_tokens
     assert metric(url, "prefix_cache_hits_total") == st.prefix_cache_hits
     assert metric(url, "e2e_request_latency_seconds_count") >= 1
-    assert st.compilations_after_warm_up == 0
+    assert compilation_count() == served.compilations  # every test above included
 
 
 def test_stop_drains_running_requests_then_refuses_new_ones(served):
@@ -414,19 +424,233 @@ def test_stop_drains_running_requests_then_refuses_new_ones(served):
     assert served.client.completions.create(**kw).choices[0].text == ref.outputs[0].text
 
 
-def test_skip_tokenizer_init_takes_and_returns_token_ids(served):
-    """--skip-tokenizer-init (a second app on the same engine): token-id prompts, token ids
-    and no text in the answer, equal to `LLM.generate`'s tokens; a text prompt is a 400."""
-    (ref,) = served.offline([5, 6, 7, 8], temperature=0, max_tokens=6)
-    options = ServerOptions(NAME, skip_tokenizer_init=True)
-    server = ServerThread(build_app(served.llm, served.driver, options)).start()
+class FaultyDriver:
+    """The served driver, except that each request's sink gets ``fault`` in place of its
+    ``after``-th output and nothing after it (as an engine failure reaches a waiting client)."""
+
+    def __init__(self, driver: EngineDriver, fault, after: int = 3) -> None:
+        self.driver, self.fault, self.after = driver, fault, after
+
+    def add(self, request_id, token_ids, params, sink, *, prompt=None) -> None:
+        count = iter(range(1, 1 << 30))
+
+        def faulty(item) -> None:
+            n = next(count)
+            if n <= self.after:
+                sink(item if n < self.after else self.fault)
+
+        self.driver.add(request_id, token_ids, params, faulty, prompt=prompt)
+
+    def __getattr__(self, name):
+        return getattr(self.driver, name)
+
+
+class LateDriver(FaultyDriver):
+    """The served driver, except that a request's outputs reach the server all at once when it
+    finishes (as a busy event loop finds a step's outputs waiting)."""
+
+    def __init__(self, driver: EngineDriver) -> None:
+        super().__init__(driver, None)
+
+    def add(self, request_id, token_ids, params, sink, *, prompt=None) -> None:
+        held: list = []
+
+        def late(item) -> None:
+            held.append(item)
+            if not hasattr(item, "finished") or item.finished:
+                for x in held:
+                    sink(x)
+
+        self.driver.add(request_id, token_ids, params, late, prompt=prompt)
+
+
+def sse_lines(url: str, body: dict) -> list[str]:
+    """The ``data:`` payloads of a streamed completion, read to the end of the response."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), headers)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    lines = [x.decode().removeprefix("data: ").strip() for x in resp.read().splitlines()]
+    conn.close()
+    return [x for x in lines if x]
+
+
+def test_an_error_once_a_stream_began_ends_it_with_an_error_chunk_then_done(served):
+    """An engine failure reaching a running stream (and a fault of the server's own: an output
+    it cannot read) ends the stream as vLLM's do: the chunks so far, an error chunk in OpenAI's
+    shape, ``data: [DONE]``; not a cut connection. The request is aborted and its blocks
+    freed; the `openai` client raises the error's message."""
+    body = dict(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, ignore_eos=True)
+    for fault, message in ((RuntimeError("boom"), "the engine failed: RuntimeError('boom')"),
+                           (object(), "the server failed: AttributeError")):  # fmt: skip
+        app = build_app(served.llm, FaultyDriver(served.driver, fault), ServerOptions(NAME))
+        server = ServerThread(app).start()
+        try:
+            *chunks, error, done = sse_lines(server.url, body)
+            assert done == "[DONE]" and len(chunks) >= 1
+            assert all(json.loads(c)["choices"][0]["finish_reason"] is None for c in chunks)
+            error = json.loads(error)["error"]
+            assert error["code"] == 500 and error["type"] == "internal_server_error"
+            assert error["message"].startswith(message), error
+            wait_idle(served.url)
+            client = served.client.with_options(base_url=server.url + "/v1")
+            kw = {k: v for k, v in body.items() if k != "ignore_eos"}
+            stream = client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+            with pytest.raises(openai.APIError, match=re.escape(message)):
+                list(stream)
+            wait_idle(served.url)
+        finally:
+            server.stop()
+
+
+def test_outputs_found_waiting_together_are_sent_as_one_chunk(served):
+    """Outputs are cumulative: when several of a request's wait at once, the server sends what
+    the last one adds (one chunk per choice), and the stream still equals `LLM.generate`."""
+    (ref,) = served.offline(PROMPTS[0], n=2, temperature=0.8, seed=3, max_tokens=12)
+    app = build_app(served.llm, LateDriver(served.driver), ServerOptions(NAME))
+    server = ServerThread(app).start()
     try:
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
-        status, _, got = request(server.url, "/v1/completions", body)
-        assert status == 200 and got["choices"][0]["text"] == ""
-        assert got["choices"][0]["token_ids"] == ref.outputs[0].token_ids
-        assert got["choices"][0]["prompt_token_ids"] == [5, 6, 7, 8]
-        status, _, got = request(server.url, "/v1/completions", {"prompt": "text"})
-        assert status == 400 and "token ids" in got["error"]["message"]
+        body = dict(model=NAME, prompt=PROMPTS[0], n=2, temperature=0.8, seed=3, max_tokens=12)
+        *chunks, done = sse_lines(server.url, body)
+        assert done == "[DONE]" and len(chunks) == 2
+        got = sorted((c["index"], c["text"]) for x in chunks for c in json.loads(x)["choices"])
+        assert got == [(c.index, c.text) for c in ref.outputs]
     finally:
         server.stop()
+
+
+def test_malformed_json_and_a_wrong_typed_field_are_400_naming_what(served):
+    status, _, got = request(served.url, "/v1/completions", raw=b'{"prompt": "x", ')
+    assert status == 400 and got["error"]["code"] == 400
+    assert got["error"]["message"].startswith("malformed JSON in the request body at character")
+    for path, body, field in (
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "stream": [1]}, "stream"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": "x"},
+         "top_logprobs"),
+    ):  # fmt: skip
+        status, _, got = request(served.url, path, body)
+        assert status == 400 and got["error"]["param"] == field, got
+        assert got["error"]["message"].startswith(field) and "got" in got["error"]["message"]
+
+
+# -- without a tokenizer, with drafts ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ids_only(served, shipped_llm_args, tmp_path_factory):
+    """A second server over the shipped model's weights in a folder without a tokenizer (its
+    config and weights only), `LLM(..., skip_tokenizer_init=True)` with n-gram drafts; same
+    sizes as the session's LLM."""
+    folder = tmp_path_factory.mktemp("no_tokenizer")
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(shipped_checkpoint("tiny_v41_trained"), name), folder / name)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    with jax.default_matmul_precision("highest"):  # as the driver runs it
+        llm = LLM(str(folder), **shipped_llm_args, skip_tokenizer_init=True,
+                  speculative_config=spec)  # fmt: skip
+    s = Served(llm)
+    yield s
+    s.server.stop()
+    s.driver.stop(timeout=30)
+
+
+def code_ids(served, text: str) -> list[int]:
+    return served.llm.get_tokenizer().encode(text, add_bos=True)
+
+
+def test_skip_tokenizer_init_llm_takes_and_gives_token_ids_only(served, ids_only):
+    """`LLM(FOLDER, skip_tokenizer_init=True)` on a model folder without a tokenizer loads none:
+    a text prompt and chat are refused naming why; token-id prompts give the tokens (and
+    logprobs) the shipped LLM with its tokenizer gives, with empty text. The EOS is still the
+    model's: generation stops at it."""
+    llm = ids_only.llm
+    assert llm.get_tokenizer() is None and llm.engine.eos_token_id == llm.cfg.eos_token_id
+    with pytest.raises(ValueError, match=r"prompts\[0\]: a text prompt needs a tokenizer.*ids"):
+        llm.generate("def f():", use_tqdm=False)
+    with pytest.raises(ValueError, match="messages: chat needs a tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="skip_tokenizer_init='yes' is not allowed: True or"):
+        LLM("tiny_v41_trained", skip_tokenizer_init="yes")  # refused before anything loads
+    # the second prompt's first token is the EOS (the shipped model ends a script there)
+    prompts = [
+        code_ids(served, t) for t in (PROMPTS[1], 'if __name__ == "__main__":\n    main()\n')
+    ]
+    ref = served.offline(prompts, temperature=0, max_tokens=12, logprobs=1)
+    assert ref[1].outputs[0].finish_reason == "stop"  # the ids-only LLM must know the EOS too
+    got = ids_only.offline(prompts, temperature=0, max_tokens=12, logprobs=1)
+    for g, r in zip(got, ref, strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids and g.outputs[0].text == ""
+        assert g.prompt is None and g.outputs[0].finish_reason == r.outputs[0].finish_reason
+        for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+            assert {t: x.logprob for t, x in a.items()} == pytest.approx(
+                {t: x.logprob for t, x in b.items()}, abs=1e-5
+            )
+            assert all(x.decoded_token is None for x in a.values())
+
+
+def test_skip_tokenizer_init_server_takes_and_returns_token_ids(served, ids_only):
+    """The server reads the LLM's setting: token-id prompts, token ids in every choice (no
+    text), logprob tokens as vLLM writes them without a tokenizer (``token_id:N``), streamed
+    and not; text prompts, chat, /tokenize and /detokenize are 400s naming why."""
+    prompt = code_ids(served, PROMPTS[2])
+    (ref,) = served.offline([prompt], temperature=0, max_tokens=8, logprobs=1)
+    want = ref.outputs[0]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    status, _, got = request(ids_only.url, "/v1/completions", body)
+    choice = got["choices"][0]
+    assert status == 200 and choice["text"] == "" and choice["token_ids"] == want.token_ids
+    assert choice["prompt_token_ids"] == prompt
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in want.token_ids]
+    assert lp["token_logprobs"] == pytest.approx(
+        [e[t].logprob for t, e in zip(want.token_ids, want.logprobs)], abs=1e-5
+    )
+    assert [set(top) for top in lp["top_logprobs"]] == [
+        {f"token_id:{t}" for t in e} for e in want.logprobs
+    ]
+    streamed = [json.loads(x) for x in sse_lines(ids_only.url, body)[:-1]]
+    assert [t for c in streamed for t in c["choices"][0]["token_ids"]] == want.token_ids
+    assert "".join(c["choices"][0]["text"] for c in streamed) == ""
+    for path, bad, named in (
+        ("/v1/completions", {"prompt": "def f():"}, "prompt='def f():': a text prompt needs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "chat"),
+        ("/tokenize", {"prompt": "def f():"}, "/tokenize"),
+        ("/detokenize", {"tokens": [5, 6]}, "/detokenize"),
+    ):
+        status, _, got = request(ids_only.url, path, bad)
+        assert status == 400 and got["error"]["message"].startswith(named), got
+        assert "--skip-tokenizer-init" in got["error"]["message"]
+
+
+def test_spec_decode_counters_equal_the_requests_own_draft_counts(served, ids_only):
+    """With n-gram drafts, /metrics' drafted and accepted token counters grow by exactly what
+    the requests of the run report drafted and accepted (`RequestOutput.metrics`, counted per
+    request as its steps verify): both positive; the tokens equal decoding without drafts."""
+    url = ids_only.url
+    prompts = [code_ids(served, PROMPTS[i % 3] * (1 + i % 2)) for i in range(6)]
+    want = served.offline(prompts, temperature=0, max_tokens=24, ignore_eos=True)
+    finished: list = []
+    ids_only.driver.call_when_idle(
+        lambda: ids_only.driver.observers.append(
+            lambda _, outs: finished.extend(o for o in outs if o.finished)
+        )
+    ).result(timeout=60)
+    before = {k: metric(url, f"spec_decode_num_{k}_tokens_total") for k in ("draft", "accepted")}
+
+    def one(prompt):
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        return request(url, "/v1/completions", body)[2]["choices"][0]["token_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == [o.outputs[0].token_ids for o in want]
+    assert len(finished) == len(prompts)
+    drafted = sum(o.metrics.spec_num_draft_tokens for o in finished)
+    accepted = sum(o.metrics.spec_num_accepted_tokens for o in finished)
+    assert drafted > 0 and accepted > 0
+    assert metric(url, "spec_decode_num_draft_tokens_total") - before["draft"] == drafted
+    assert metric(url, "spec_decode_num_accepted_tokens_total") - before["accepted"] == accepted

@@ -43,6 +43,24 @@ def test_serve_takes_every_engine_flag_of_generate_with_its_default():
     assert (serve["--host"], serve["--port"]) == ("127.0.0.1", 8000)
 
 
+def test_skip_tokenizer_init_is_one_engine_flag_for_generate_and_serve(usage_error):
+    """--skip-tokenizer-init is `ModelConfig.skip_tokenizer_init`'s flag (defined once, with the
+    engine's): `dsv4 serve` hands it to the LLM; the text commands refuse it, naming why."""
+    from serving.cli_llm import engine_config
+
+    flags = [a.option_strings for a in _subparser("serve")._actions]
+    assert sum("--skip-tokenizer-init" in f for f in flags) == 1
+    args = build_parser().parse_args(["serve", "--skip-tokenizer-init"])
+    assert engine_config(args).model_config.skip_tokenizer_init is True
+    assert (
+        engine_config(build_parser().parse_args(["serve"])).to_kwargs()["skip_tokenizer_init"]
+        is False
+    )
+    for argv in (["generate", "--prompt", "def f():"], ["demo"]):
+        _, err = usage_error([*argv, "--skip-tokenizer-init"])
+        assert "--skip-tokenizer-init: this command works on text" in err, err
+
+
 def test_api_key_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv("DSV4_API_KEY", "from-env")
     assert build_parser().parse_args(["serve"]).api_key == "from-env"
