@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 from collections.abc import Sequence
 
@@ -43,7 +44,8 @@ from serving.cli_llm import (
     add_engine_arguments,
     engine_config,
 )
-from serving.config import SchedulerConfig
+from serving.config import VLLM_ONLY, SchedulerConfig, engine_fields
+from serving.sampling_params import BEST_OF_ADVICE, VLLM_ONLY_SAMPLING
 from serving.scheduler import Scheduler
 
 # `dsv4 layout` / `cache-demo --model`: the model names of the one preset table, and the short
@@ -327,7 +329,25 @@ class _Parser(argparse.ArgumentParser):
     ``dsv4 generate: error: --max-tokens 0: must be >= 1 (dsv4 generate --help)``."""
 
     def error(self, message: str):
+        message += _vllm_hint(message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _vllm_hint(message: str) -> str:
+    """For an unrecognized vLLM flag (``--gpu-memory-utilization``, ``--best-of``): what to
+    use instead, from the tables `LLM` and `SamplingParams` refuse its keyword by."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    advice = {**VLLM_ONLY, **VLLM_ONLY_SAMPLING, "best_of": BEST_OF_ADVICE}
+    for word in message.split()[2:]:
+        name = word.partition("=")[0].removeprefix("--").replace("-", "_")
+        if word.startswith("--") and name in advice:
+            text = advice[name]
+            for field in engine_fields():  # the keywords it names, as flags
+                text = text.replace(f"{field.name}=False", "--no-" + field.flag[2:])
+                text = re.sub(rf"\b{field.name}\b(?!=)", field.flag, text)
+            return f"; {word.partition('=')[0]} is vLLM's, not supported here: {text}"
+    return ""
 
 
 def _version() -> str:

@@ -77,6 +77,19 @@ VLLM_ONLY = {
     "max_seq_len_to_capture": "drop it: every step bucket is compiled (token_buckets)",
     "cpu_offload_gb": "drop it: weights stay on the device (weights_on_device='released' halves "
     "them)",
+    "enable_expert_parallel": "pass mesh=dsv4.sharding.make_mesh(expert=...) (experts over its "
+    "expert axis)",
+    "distributed_executor_backend": "drop it: this process drives every device of mesh=",
+    "tokenizer_mode": "drop it: the tokenizer is the checkpoint directory's tokenizer.json",
+    "load_format": "give model= a released-format checkpoint directory (safetensors) or a preset",
+    "hf_overrides": "edit the checkpoint directory's config.json",
+    "compilation_config": "warm_up, token_buckets and compilation_cache_dir say what is compiled "
+    "when and where it is kept",
+    "disable_log_stats": "drop it: the engine's counters (llm.engine.stats) are kept and never "
+    "logged",
+    "generation_config": "give the sampling values in SamplingParams (the checkpoint's "
+    "generation_config.json is not read)",
+    "enable_lora": "drop it: no LoRA adapters are served",
 }
 
 
