@@ -192,9 +192,16 @@ def test_a_vllm_flag_on_the_cli_says_what_to_use_instead(usage_error, argv, flag
     assert named <= set(command._option_string_actions) | {"--help"}, named
 
 
-def test_a_pool_too_small_for_one_request_is_refused_in_python_and_on_the_cli(capsys):
+def test_a_pool_too_small_for_one_request_is_refused_in_python_and_on_the_cli(capsys, monkeypatch):
+    """One check (`Engine.check_config`), before any weights load, by its name in Python and
+    by its flag on the CLI."""
+    import serving.llm
     from serving.cli import main
 
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(serving.llm, "_load_model", no_weights)
     with pytest.raises(ConfigError, match=r"num_gpu_blocks_override=3 is not allowed: a pool of "
                                           r"at least (\d+) blocks") as exc:  # fmt: skip
         LLM("tiny_v41", **{**LLM_ARGS, "num_gpu_blocks_override": 3, "warm_up": False})
