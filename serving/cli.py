@@ -40,6 +40,7 @@ from lab.cli import add_lab_command
 from serving.cli_llm import (
     HELP_FORMAT,
     UsageError,
+    add_command,
     add_commands,
     add_engine_arguments,
     engine_config,
@@ -382,8 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="DSpark draft tokens per step (ring sizes, lookahead slots)",
     )
 
-    cache_demo = sub.add_parser(
-        "cache-demo", parents=[common], help="multi-turn chats through the KV-cache allocator"
+    cache_demo = add_command(
+        sub,
+        "cache-demo",
+        _cache_demo,
+        parents=[common],
+        help="multi-turn chats through the KV-cache allocator",
     )
     cache_demo.add_argument(
         "--conversations", type=int, default=3, help="chats, run one after another"
@@ -401,18 +406,16 @@ def build_parser() -> argparse.ArgumentParser:
     cache_demo.add_argument("--num-blocks", type=int, default=4096, help="KV-cache pool blocks")
     cache_demo.add_argument("--bounded-replay", action="store_true", help="V4.1 SWA bounded replay")
     cache_demo.add_argument("--seed", type=int, default=0, help="the made-up tokens")
-    cache_demo.set_defaults(func=_cache_demo, subparser=cache_demo)
 
-    layout = sub.add_parser(
-        "layout", parents=[common], help="print the cache layout and its memory"
+    layout = add_command(
+        sub, "layout", _layout, parents=[common], help="print the cache layout and its memory"
     )
     layout.add_argument("--memory-gib", type=float, default=16.0, help="memory for the pool")
-    layout.set_defaults(func=_layout, subparser=layout)
 
     _add_plan_command(sub)
     _add_serve_command(sub)
     add_lab_command(sub, UsageError)
-    for command in sub.choices.values():  # every flag's help shows its default
+    for command in sub.choices.values():  # lab's too: every flag's help shows its default
         command.formatter_class = HELP_FORMAT
     return parser
 
@@ -428,8 +431,10 @@ def _add_sizes(parser: argparse.ArgumentParser, max_model_len: int) -> None:
 
 
 def _add_plan_command(sub) -> None:
-    plan = sub.add_parser(
+    plan = add_command(
+        sub,
         "plan",
+        _plan,
         help="per-chip bytes of weights, KV pages and activations on a slice (no devices)",
         description="The memory planner (planner.plan): per chip, the weights at the released "
         "formats (and dequantised to bf16), the KV pages per group and the step's activations, "
@@ -464,15 +469,16 @@ def _add_plan_command(sub) -> None:
     out = plan.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON line per slice")
     out.add_argument("--markdown", action="store_true", help="the table of docs/planner.md")
-    plan.set_defaults(func=_plan, subparser=plan)
 
 
 # -- dsv4 serve --------------------------------------------------------------------------------
 
 
 def _add_serve_command(sub) -> None:
-    serve = sub.add_parser(
+    serve = add_command(
+        sub,
         "serve",
+        _serve,
         help="an OpenAI-compatible HTTP server (docs/server.md)",
         description="Serve the model over HTTP with OpenAI's API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics); one "
@@ -508,7 +514,6 @@ def _add_serve_command(sub) -> None:
         help="seconds SIGTERM waits for running requests to finish (30)",
     )
     add_engine_arguments(serve.add_argument_group("model and engine"))
-    serve.set_defaults(func=_serve, subparser=serve)
 
 
 def _serve(args: argparse.Namespace) -> int:

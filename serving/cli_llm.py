@@ -45,6 +45,7 @@ from serving.sampling_params import SamplingParams
 __all__ = [
     "HELP_FORMAT",
     "UsageError",
+    "add_command",
     "add_commands",
     "add_engine_arguments",
     "engine_config",
@@ -80,6 +81,14 @@ HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 class UsageError(Exception):
     """A bad command-line value; `serving.cli.main` reports it as argparse does (exit 2)."""
+
+
+def add_command(sub, name: str, func, **kwargs) -> argparse.ArgumentParser:
+    """The subcommand ``name`` of ``dsv4`` (``kwargs``: `add_parser`'s), run by ``func(args)``;
+    its help shows each flag's default, and `serving.cli.main` reports its errors."""
+    parser = sub.add_parser(name, formatter_class=HELP_FORMAT, **kwargs)
+    parser.set_defaults(func=func, subparser=parser)
+    return parser
 
 
 class _EngineFlag(argparse.Action):
@@ -190,8 +199,10 @@ def add_commands(sub) -> None:
         s.add_argument("--top-k", type=int, default=0, help="most likely tokens kept (0 = off)")
         return parser
 
-    demo = sub.add_parser(
+    add_command(
+        sub,
         "demo",
+        _demo,
         # sampled (seeded by --seed, so the same every run): greedy decoding of a small model
         # repeats itself
         parents=[engine, sampling(48, temperature=0.7, top_p=0.95)],
@@ -201,10 +212,9 @@ def add_commands(sub) -> None:
         "on; with --model tiny_v41 (random weights) the text is gibberish, but every part of "
         "the model, the paged caches, the scheduler and the allocator run.",
     )
-    demo.set_defaults(func=_demo, subparser=demo)
 
-    gen = sub.add_parser(
-        "generate", parents=[engine, sampling(32)], help="generate text for prompts"
+    gen = add_command(
+        sub, "generate", _generate, parents=[engine, sampling(32)], help="generate text for prompts"
     )
     gen.add_argument(
         "--prompt", action="append", metavar="TEXT", required=True, help="a prompt (repeatable)"
@@ -213,16 +223,18 @@ def add_commands(sub) -> None:
     gen.add_argument(
         "--logprobs", type=int, default=None, help="top logprobs per token (at most --max-logprobs)"
     )
-    gen.set_defaults(func=_generate, subparser=gen)
 
-    bench = sub.add_parser(
-        "bench", parents=[engine, sampling(16)], help="offline throughput (one JSON line)"
+    bench = add_command(
+        sub,
+        "bench",
+        _bench,
+        parents=[engine, sampling(16)],
+        help="offline throughput (one JSON line)",
     )
     bench.add_argument("--conversations", type=int, default=8, help="conversations at once")
     bench.add_argument("--turns", type=int, default=3, help="turns per conversation")
     bench.add_argument("--system-tokens", type=int, default=48, help="shared system prompt")
     bench.add_argument("--user-tokens", type=int, default=24, help="per turn (at most)")
-    bench.set_defaults(func=_bench, subparser=bench)
 
 
 def _fail(flag: str, value, allowed: str) -> Exception:
