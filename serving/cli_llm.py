@@ -348,15 +348,20 @@ def _ms(seconds: float | None) -> str:
 
 
 def _header(llm) -> None:
-    import jax
+    import jax  # reason: the model commands import JAX only once their flags are checked
+
+    from dsv4.params import count_params  # reason: as jax
 
     cfg = llm.cfg
-    n_params = sum(int(x.size) for x in llm.engine.runner.params.values())
+    backbone = count_params(cfg, drafter=False)
+    drafter = count_params(cfg) - backbone
     config = llm.engine.kv_cache_manager.kv_cache_config
     st = llm.engine.stats
     _say(
-        f"model: {n_params:,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}; "
-        f"tokenizer {llm.get_tokenizer().name}; JAX {jax.default_backend()}"
+        f"model: {backbone:,} parameters"
+        + (f" (and {drafter:,} in its DSpark drafter)" if drafter else "")
+        + f", {cfg.n_layers} layers, vocab {cfg.vocab_size}; tokenizer "
+        f"{llm.get_tokenizer().name}; JAX {jax.default_backend()}"
     )
     _say(
         f"engine: {'async' if llm.engine.async_scheduling else 'sync'} scheduling, KV cache "

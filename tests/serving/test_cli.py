@@ -86,6 +86,13 @@ def test_demo_defaults_to_the_shipped_trained_model(capsys):
     out = capsys.readouterr().out
     assert "tiny_v41_trained, the shipped small V4.1" in out and "gibberish" not in out
     assert "tokenizer tokenizer.json" in out
+    # its size as the docs give it: the backbone, and the DSpark drafter (mtp.*) apart
+    from dsv4.checkpoint import load_pretrained
+
+    _, params = load_pretrained("tiny_v41_trained", progress=False)
+    drafter = sum(x.size for name, x in params.items() if name.startswith("mtp."))
+    backbone = sum(x.size for x in params.values()) - drafter
+    assert f"model: {backbone:,} parameters (and {drafter:,} in its DSpark drafter), " in out
     requests = _demo_requests(out)
     assert len(requests) == 2 * len(DEMO_QUESTIONS)
     text = "\n".join(_demo_completion(r) for r in requests)
