@@ -361,7 +361,13 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dsv4", description=__doc__.splitlines()[0], formatter_class=HELP_FORMAT)
+    parser = _Parser(
+        prog="dsv4",
+        description="DeepSeek-V4.1 in JAX: run the model (demo, generate, bench, serve), explore "
+        "its KV-cache layout (cache-demo, layout, lab) and plan a slice's memory (plan).",
+        epilog="dsv4 COMMAND --help lists a command's flags with their defaults.",
+        formatter_class=HELP_FORMAT,
+    )
     parser.add_argument("--version", action="version", version=f"dsv4 {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -440,27 +446,26 @@ def _add_plan_command(sub) -> None:
         "formats (and dequantised to bf16), the KV pages per group and the step's activations, "
         "and the most requests that fit, per context length.",
     )
-    plan.add_argument("--model", choices=list(MODEL_PRESETS), default="v41_flash")
+    plan.add_argument(
+        "--model", choices=list(MODEL_PRESETS), default="v41_flash", help="the model to plan"
+    )
     plan.add_argument(
         "--chips",
         nargs="+",
         default=["h200x8"],
-        help="slices: v5e-N, v6e-N (N chips), v5p-N (N TensorCores = N/2 chips), h100xN, "
-        "h200xN (default h200x8)",
+        help="slices: v5e-N, v6e-N (N chips), v5p-N (N TensorCores = N/2 chips), h100xN, h200xN",
     )
     plan.add_argument(
-        "--mesh", default=None, help="data=D,expert=E,model=M (default: the best that fits)"
+        "--mesh", default=None, help="data=D,expert=E,model=M (None: the best that fits)"
     )
     plan.add_argument("--max-num-seqs", type=int, default=64, help="requests served at once")
     _add_sizes(plan, max_model_len=131_072)
     plan.add_argument(
         "--records",
         default=None,
-        help="KV record preset (EXACT, BF16, RELEASED, RELEASED_FP8, SM90; default: the chip's)",
+        help="KV record preset: EXACT, BF16, RELEASED, RELEASED_FP8, SM90 (None: the chip's)",
     )
-    plan.add_argument(
-        "--headroom", type=float, default=0.1, help="fraction of HBM left unplanned (0.1)"
-    )
+    plan.add_argument("--headroom", type=float, default=0.1, help="fraction of HBM left unplanned")
     plan.add_argument(
         "--compiled",
         action="store_true",
@@ -485,11 +490,14 @@ def _add_serve_command(sub) -> None:
         "engine batches every client's requests. Needs the serve extra (fastapi, uvicorn).",
     )
     serve.add_argument(
-        "model_tag", nargs="?", metavar="MODEL", help="as --model (a preset or a checkpoint dir)"
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="as --model (a preset or a checkpoint dir; None: --model's)",
     )
     s = serve.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (8000; 0: a free one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     s.add_argument(
         "--api-key",
         default=os.environ.get("DSV4_API_KEY"),
@@ -505,13 +513,13 @@ def _add_serve_command(sub) -> None:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="sequences that may wait beyond --max-num-seqs; more get 503 (default: no limit)",
+        help="sequences that may wait beyond --max-num-seqs; more get 503 (None: no limit)",
     )
     s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds SIGTERM waits for running requests to finish (30)",
+        help="seconds SIGTERM waits for running requests to finish",
     )
     add_engine_arguments(serve.add_argument_group("model and engine"))
 

@@ -86,6 +86,7 @@ class UsageError(Exception):
 def add_command(sub, name: str, func, **kwargs) -> argparse.ArgumentParser:
     """The subcommand ``name`` of ``dsv4`` (``kwargs``: `add_parser`'s), run by ``func(args)``;
     its help shows each flag's default, and `serving.cli.main` reports its errors."""
+    kwargs.setdefault("description", kwargs.get("help"))
     parser = sub.add_parser(name, formatter_class=HELP_FORMAT, **kwargs)
     parser.set_defaults(func=func, subparser=parser)
     return parser

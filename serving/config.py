@@ -423,7 +423,7 @@ class CompilationConfig:
 
     compilation_cache_dir: str | None = _field(
         "default",
-        "JAX's persistent compilation cache (default: ~/.cache/dsv4-jax/jax; none: off)",
+        'JAX\'s persistent compilation cache ("default": ~/.cache/dsv4-jax/jax; none: off)',
         parse=_optional,
         negations={"--no-compilation-cache": None},
     )

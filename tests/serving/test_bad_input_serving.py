@@ -262,7 +262,15 @@ def test_version_and_every_flag_shows_its_default(capsys):
         for action in command._actions:
             if action.option_strings and action.default is not argparse.SUPPRESS:
                 assert "%(default)" in formatter._get_help_string(action), (name, action.dest)
+                # argparse prints neither help nor default for an empty help; one default only
+                assert action.help and action.help.strip(), (name, action.dest)
+                own = action.help.replace("(default: %(default)s)", "")
+                assert not re.search(r"\(default|\([\d.]+\)", own) or action.dest == "api_key", (
+                    name,
+                    action.help,
+                )
         assert "(default: " in command.format_help()
+    assert "``" not in parser.format_help() and "dsv4 COMMAND --help" in parser.format_help()
 
 
 # -- the fuzz --------------------------------------------------------------------------------------
