@@ -283,6 +283,16 @@ def _check_lengths(args: argparse.Namespace) -> None:
     limit = model.max_model_len or cfg.max_seq_len
     if limit > cfg.max_seq_len:
         raise _fail("--max-model-len", limit, f"at most the model's max_seq_len {cfg.max_seq_len}")
+    if hasattr(args, "user_tokens"):  # dsv4 bench: its longest conversation, before it runs
+        s, t, u, m = args.system_tokens, args.turns, args.user_tokens, args.max_tokens
+        if s + t * (u + m) > limit:
+            raise _fail(
+                "--turns",
+                t,
+                f"the conversations can reach {s + t * (u + m)} tokens (--system-tokens {s} + "
+                f"--turns {t} x (--user-tokens {u} + --max-tokens {m})), more than "
+                f"--max-model-len {limit}: lower one of them",
+            )
     prompts = getattr(args, "prompt", None) or ()
     try:
         tokenizer = load_tokenizer(path, cfg) if prompts else None
@@ -503,12 +513,6 @@ def _bench_turns(args: argparse.Namespace, llm) -> list:
     for _ in range(args.turns):
         for h in histories:
             h += tokens(rng.randint(1, args.user_tokens))
-        room = llm.max_model_len - args.max_tokens
-        if max(len(h) for h in histories) > room:
-            raise UsageError(
-                f"the conversations outgrow --max-model-len {llm.max_model_len}: lower "
-                "--turns, --user-tokens, --system-tokens or --max-tokens"
-            )
         outs = _outputs(llm, histories, sp)
         outputs += outs
         for h, o in zip(histories, outs, strict=True):
