@@ -373,6 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_commands(sub)
 
+    _add_layout_commands(sub)
+    _add_plan_command(sub)
+    _add_serve_command(sub)
+    add_lab_command(sub, UsageError)
+    for command in sub.choices.values():  # lab's too: every flag's help shows its default
+        command.formatter_class = HELP_FORMAT
+    return parser
+
+
+def _add_layout_commands(sub) -> None:
+    """``cache-demo`` and ``layout``: the allocator and the cache layout, no model."""
     common = argparse.ArgumentParser(add_help=False, formatter_class=HELP_FORMAT)
     common.add_argument(
         "--model",
@@ -417,13 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "layout", _layout, parents=[common], help="print the cache layout and its memory"
     )
     layout.add_argument("--memory-gib", type=float, default=16.0, help="memory for the pool")
-
-    _add_plan_command(sub)
-    _add_serve_command(sub)
-    add_lab_command(sub, UsageError)
-    for command in sub.choices.values():  # lab's too: every flag's help shows its default
-        command.formatter_class = HELP_FORMAT
-    return parser
 
 
 def _add_sizes(parser: argparse.ArgumentParser, max_model_len: int) -> None:
