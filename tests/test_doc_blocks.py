@@ -120,7 +120,11 @@ def test_block_runs_as_written(block: Block, tmp_path: Path):
         done = run_block(block, tmp_path)
     where = ", ".join(block.places)
     assert done.returncode == 0, f"{where} failed:\n{done.stdout}\n{done.stderr}"
-    warnings = [line for line in done.stderr.splitlines() if "warning" in line.lower()]
+    # Python's warnings, and XLA's C++ log lines ("W1206 10:43:20.926381 5801 file.cc:666] ...")
+    xla = re.compile(r"^[WE]\d{4} [\d:.]+ +\d+ \S+:\d+\]")
+    warnings = [
+        line for line in done.stderr.splitlines() if "warning" in line.lower() or xla.match(line)
+    ]
     assert not warnings, f"{where} warns:\n" + "\n".join(warnings)
 
 
