@@ -10,7 +10,6 @@ checks its flags before JAX starts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import json
 import os
@@ -21,6 +20,7 @@ from typing import Any
 from cache import KVCacheManager
 from dsv4.config import MODEL_PRESETS
 from serving.request_queue import SchedulingPolicy
+from serving.sampling_params import check_keyword
 from serving.spec_decode import SpeculativeConfig
 
 __all__ = [
@@ -482,15 +482,7 @@ class EngineConfig:
         parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
         owner = {f.name: section for section, f in _section_fields()}
         for key, value in kwargs.items():
-            if key in VLLM_ONLY:
-                raise TypeError(
-                    f"{key}={value!r} (a vLLM engine argument) is not supported here: "
-                    f"{VLLM_ONLY[key]}"
-                )
-            if key not in owner:
-                close = difflib.get_close_matches(key, [*owner, "speculative_config"], n=3)
-                hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-                raise TypeError(f"unknown engine argument {key!r}{hint}")
+            check_keyword(key, value, [*owner, "speculative_config"], VLLM_ONLY, "engine argument")
             parts[owner[key]][key] = value
         spec = None if spec is None else SpeculativeConfig.from_dict(spec)
         return cls(

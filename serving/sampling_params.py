@@ -14,7 +14,14 @@ import math
 import numbers
 from dataclasses import InitVar, dataclass
 
-__all__ = ["BEST_OF_ADVICE", "SAMPLING_EPS", "VLLM_ONLY_SAMPLING", "SamplingParams", "SamplingType"]
+__all__ = [
+    "BEST_OF_ADVICE",
+    "SAMPLING_EPS",
+    "VLLM_ONLY_SAMPLING",
+    "SamplingParams",
+    "SamplingType",
+    "check_keyword",
+]
 
 # Below this temperature a request is greedy (vLLM's `_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
@@ -285,19 +292,27 @@ class SamplingParams:
 
 
 def _check_keywords(kwargs: dict[str, object]) -> None:
-    """Refuse vLLM's keywords that this sampler does not take, naming what to use instead, and
-    unknown ones, naming the closest fields."""
     names = [f.name for f in dataclasses.fields(SamplingParams)] + ["best_of"]
     for key, value in kwargs.items():
-        if key in VLLM_ONLY_SAMPLING:
-            raise TypeError(
-                f"{key}={value!r} (a vLLM sampling parameter) is not supported here: "
-                f"{VLLM_ONLY_SAMPLING[key]}"
-            )
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=3)
-            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise TypeError(f"unknown sampling parameter {key!r}{hint}")
+        check_keyword(key, value, names, VLLM_ONLY_SAMPLING, "sampling parameter")
+
+
+def check_keyword(
+    key: str, value: object, names: list[str], vllm_only: dict[str, str], kind: str
+) -> None:
+    """Refuse a keyword of vLLM's that is not taken here (``vllm_only``: its name -> what to
+    use instead) or one not in ``names`` (naming the closest); ``kind``: "sampling parameter",
+    "engine argument".
+
+    Raises:
+        TypeError: naming the keyword and what to use instead, or the closest names.
+    """
+    if key in vllm_only:
+        raise TypeError(f"{key}={value!r} (a vLLM {kind}) is not supported here: {vllm_only[key]}")
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise TypeError(f"unknown {kind} {key!r}{hint}")
 
 
 def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False) -> None:
