@@ -122,7 +122,7 @@ class SamplingParams:
     def __post_init__(self, best_of: int | None) -> None:
         self._normalise()
         self._verify_args()
-        if best_of is not None and best_of != self.n:
+        if best_of is not None and (not _is_int(best_of) or best_of != self.n):
             raise ValueError(
                 f"best_of={best_of!r} is not supported: None or n={self.n} only (n samples, all "
                 f"returned); for the best of k samples, {BEST_OF_ADVICE}"

@@ -141,7 +141,7 @@ def test_best_of_and_vllm_sampling_keywords_say_what_to_use_instead():
     assert SamplingParams(n=2, temperature=1.0, best_of=2) == base
     assert SamplingParams(best_of=None) == SamplingParams()
     assert dataclasses.replace(base, n=3).n == 3
-    for bad in (3, 1, 2.5):
+    for bad in (3, 1, 2.5, 2.0, True):
         with pytest.raises(ValueError, match=rf"^best_of={bad} is not supported: None or n=2 .*"
                                              r"n=k samples with logprobs=0 .*cumulative_logprob"):  # fmt: skip
             SamplingParams(n=2, temperature=1.0, best_of=bad)
