@@ -136,14 +136,15 @@ def add_engine_arguments(group) -> None:
                 help=help_,
             )
         for flag, value in f.negations.items():
+            same = "--no-" + f.flag[2:] if value is False else f"{f.flag} {str(value).lower()}"
             group.add_argument(
                 flag,
                 action=_EngineFlag,
                 dest=f.name,
                 nargs=0,
                 const=value,
-                default=f.default,
-                help=f"{f.name}={value}",
+                default=argparse.SUPPRESS,  # the field's flag above sets and shows the default
+                help=f"the same as {same}",
             )
 
 
