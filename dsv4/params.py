@@ -403,7 +403,11 @@ def check_token_map(cfg: ModelConfig, token_map: np.ndarray, count: int, what: s
         )
 
 
-def count_params(cfg: ModelConfig) -> int:
+def count_params(cfg: ModelConfig, *, drafter: bool = True) -> int:
+    """The model's parameters (dequantised: one per weight), its DSpark drafter's ``mtp.*``
+    stages included unless ``drafter=False`` (the backbone alone)."""
     return sum(
-        int(np.prod(s.shape)) for s in param_specs(cfg).values() if s.storage is not Storage.DERIVED
+        int(np.prod(s.shape))
+        for name, s in param_specs(cfg).items()
+        if s.storage is not Storage.DERIVED and (drafter or not name.startswith("mtp."))
     )

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 from collections.abc import Sequence
 
@@ -39,11 +40,13 @@ from lab.cli import add_lab_command
 from serving.cli_llm import (
     HELP_FORMAT,
     UsageError,
+    add_command,
     add_commands,
     add_engine_arguments,
     engine_config,
 )
-from serving.config import SchedulerConfig
+from serving.config import VLLM_ONLY, SchedulerConfig, engine_fields
+from serving.sampling_params import BEST_OF_ADVICE, VLLM_ONLY_SAMPLING
 from serving.scheduler import Scheduler
 
 # `dsv4 layout` / `cache-demo --model`: the model names of the one preset table, and the short
@@ -327,7 +330,25 @@ class _Parser(argparse.ArgumentParser):
     ``dsv4 generate: error: --max-tokens 0: must be >= 1 (dsv4 generate --help)``."""
 
     def error(self, message: str):
+        message += _vllm_hint(message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _vllm_hint(message: str) -> str:
+    """For an unrecognized vLLM flag (``--gpu-memory-utilization``, ``--best-of``): what to
+    use instead, from the tables `LLM` and `SamplingParams` refuse its keyword by."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    advice = {**VLLM_ONLY, **VLLM_ONLY_SAMPLING, "best_of": BEST_OF_ADVICE}
+    for word in message.split()[2:]:
+        name = word.partition("=")[0].removeprefix("--").replace("-", "_")
+        if word.startswith("--") and name in advice:
+            text = advice[name]
+            for field in engine_fields():  # the keywords it names, as flags
+                text = text.replace(f"{field.name}=False", "--no-" + field.flag[2:])
+                text = re.sub(rf"\b{field.name}\b(?!=)", field.flag, text)
+            return f"; {word.partition('=')[0]} is vLLM's, not supported here: {text}"
+    return ""
 
 
 def _version() -> str:
@@ -340,12 +361,29 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dsv4", description=__doc__.splitlines()[0], formatter_class=HELP_FORMAT)
+    parser = _Parser(
+        prog="dsv4",
+        description="DeepSeek-V4.1 in JAX: run the model (demo, generate, bench, serve), explore "
+        "its KV-cache layout (cache-demo, layout, lab) and plan a slice's memory (plan).",
+        epilog="dsv4 COMMAND --help lists a command's flags with their defaults.",
+        formatter_class=HELP_FORMAT,
+    )
     parser.add_argument("--version", action="version", version=f"dsv4 {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_commands(sub)
 
+    _add_layout_commands(sub)
+    _add_plan_command(sub)
+    _add_serve_command(sub)
+    add_lab_command(sub, UsageError)
+    for command in sub.choices.values():  # lab's too: every flag's help shows its default
+        command.formatter_class = HELP_FORMAT
+    return parser
+
+
+def _add_layout_commands(sub) -> None:
+    """``cache-demo`` and ``layout``: the allocator and the cache layout, no model."""
     common = argparse.ArgumentParser(add_help=False, formatter_class=HELP_FORMAT)
     common.add_argument(
         "--model",
@@ -362,8 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="DSpark draft tokens per step (ring sizes, lookahead slots)",
     )
 
-    cache_demo = sub.add_parser(
-        "cache-demo", parents=[common], help="multi-turn chats through the KV-cache allocator"
+    cache_demo = add_command(
+        sub,
+        "cache-demo",
+        _cache_demo,
+        parents=[common],
+        help="multi-turn chats through the KV-cache allocator",
     )
     cache_demo.add_argument(
         "--conversations", type=int, default=3, help="chats, run one after another"
@@ -381,20 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     cache_demo.add_argument("--num-blocks", type=int, default=4096, help="KV-cache pool blocks")
     cache_demo.add_argument("--bounded-replay", action="store_true", help="V4.1 SWA bounded replay")
     cache_demo.add_argument("--seed", type=int, default=0, help="the made-up tokens")
-    cache_demo.set_defaults(func=_cache_demo, subparser=cache_demo)
 
-    layout = sub.add_parser(
-        "layout", parents=[common], help="print the cache layout and its memory"
+    layout = add_command(
+        sub, "layout", _layout, parents=[common], help="print the cache layout and its memory"
     )
     layout.add_argument("--memory-gib", type=float, default=16.0, help="memory for the pool")
-    layout.set_defaults(func=_layout, subparser=layout)
-
-    _add_plan_command(sub)
-    _add_serve_command(sub)
-    add_lab_command(sub, UsageError)
-    for command in sub.choices.values():  # every flag's help shows its default
-        command.formatter_class = HELP_FORMAT
-    return parser
 
 
 def _add_sizes(parser: argparse.ArgumentParser, max_model_len: int) -> None:
@@ -408,34 +441,35 @@ def _add_sizes(parser: argparse.ArgumentParser, max_model_len: int) -> None:
 
 
 def _add_plan_command(sub) -> None:
-    plan = sub.add_parser(
+    plan = add_command(
+        sub,
         "plan",
+        _plan,
         help="per-chip bytes of weights, KV pages and activations on a slice (no devices)",
         description="The memory planner (planner.plan): per chip, the weights at the released "
         "formats (and dequantised to bf16), the KV pages per group and the step's activations, "
         "and the most requests that fit, per context length.",
     )
-    plan.add_argument("--model", choices=list(MODEL_PRESETS), default="v41_flash")
+    plan.add_argument(
+        "--model", choices=list(MODEL_PRESETS), default="v41_flash", help="the model to plan"
+    )
     plan.add_argument(
         "--chips",
         nargs="+",
         default=["h200x8"],
-        help="slices: v5e-N, v6e-N (N chips), v5p-N (N TensorCores = N/2 chips), h100xN, "
-        "h200xN (default h200x8)",
+        help="slices: v5e-N, v6e-N (N chips), v5p-N (N TensorCores = N/2 chips), h100xN, h200xN",
     )
     plan.add_argument(
-        "--mesh", default=None, help="data=D,expert=E,model=M (default: the best that fits)"
+        "--mesh", default=None, help="data=D,expert=E,model=M (None: the best that fits)"
     )
     plan.add_argument("--max-num-seqs", type=int, default=64, help="requests served at once")
     _add_sizes(plan, max_model_len=131_072)
     plan.add_argument(
         "--records",
         default=None,
-        help="KV record preset (EXACT, BF16, RELEASED, RELEASED_FP8, SM90; default: the chip's)",
+        help="KV record preset: EXACT, BF16, RELEASED, RELEASED_FP8, SM90 (None: the chip's)",
     )
-    plan.add_argument(
-        "--headroom", type=float, default=0.1, help="fraction of HBM left unplanned (0.1)"
-    )
+    plan.add_argument("--headroom", type=float, default=0.1, help="fraction of HBM left unplanned")
     plan.add_argument(
         "--compiled",
         action="store_true",
@@ -444,26 +478,30 @@ def _add_plan_command(sub) -> None:
     out = plan.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON line per slice")
     out.add_argument("--markdown", action="store_true", help="the table of docs/planner.md")
-    plan.set_defaults(func=_plan, subparser=plan)
 
 
 # -- dsv4 serve --------------------------------------------------------------------------------
 
 
 def _add_serve_command(sub) -> None:
-    serve = sub.add_parser(
+    serve = add_command(
+        sub,
         "serve",
+        _serve,
         help="an OpenAI-compatible HTTP server (docs/server.md)",
         description="Serve the model over HTTP with OpenAI's API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics); one "
         "engine batches every client's requests. Needs the serve extra (fastapi, uvicorn).",
     )
     serve.add_argument(
-        "model_tag", nargs="?", metavar="MODEL", help="as --model (a preset or a checkpoint dir)"
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="as --model (a preset or a checkpoint dir; None: --model's)",
     )
     s = serve.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (8000; 0: a free one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     s.add_argument(
         "--api-key",
         default=os.environ.get("DSV4_API_KEY"),
@@ -474,16 +512,15 @@ def _add_serve_command(sub) -> None:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="sequences that may wait beyond --max-num-seqs; more get 503 (default: no limit)",
+        help="sequences that may wait beyond --max-num-seqs; more get 503 (None: no limit)",
     )
     s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds SIGTERM waits for running requests to finish (30)",
+        help="seconds SIGTERM waits for running requests to finish",
     )
     add_engine_arguments(serve.add_argument_group("model and engine"))
-    serve.set_defaults(func=_serve, subparser=serve)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ from serving.sampling_params import SamplingParams
 __all__ = [
     "HELP_FORMAT",
     "UsageError",
+    "add_command",
     "add_commands",
     "add_engine_arguments",
     "engine_config",
@@ -80,6 +81,15 @@ HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 class UsageError(Exception):
     """A bad command-line value; `serving.cli.main` reports it as argparse does (exit 2)."""
+
+
+def add_command(sub, name: str, func, **kwargs) -> argparse.ArgumentParser:
+    """The subcommand ``name`` of ``dsv4`` (``kwargs``: `add_parser`'s), run by ``func(args)``;
+    its help shows each flag's default, and `serving.cli.main` reports its errors."""
+    kwargs.setdefault("description", kwargs.get("help"))
+    parser = sub.add_parser(name, formatter_class=HELP_FORMAT, **kwargs)
+    parser.set_defaults(func=func, subparser=parser)
+    return parser
 
 
 class _EngineFlag(argparse.Action):
@@ -126,14 +136,15 @@ def add_engine_arguments(group) -> None:
                 help=help_,
             )
         for flag, value in f.negations.items():
+            same = "--no-" + f.flag[2:] if value is False else f"{f.flag} {str(value).lower()}"
             group.add_argument(
                 flag,
                 action=_EngineFlag,
                 dest=f.name,
                 nargs=0,
                 const=value,
-                default=f.default,
-                help=f"{f.name}={value}",
+                default=argparse.SUPPRESS,  # the field's flag above sets and shows the default
+                help=f"the same as {same}",
             )
 
 
@@ -190,8 +201,10 @@ def add_commands(sub) -> None:
         s.add_argument("--top-k", type=int, default=0, help="most likely tokens kept (0 = off)")
         return parser
 
-    demo = sub.add_parser(
+    add_command(
+        sub,
         "demo",
+        _demo,
         # sampled (seeded by --seed, so the same every run): greedy decoding of a small model
         # repeats itself
         parents=[engine, sampling(48, temperature=0.7, top_p=0.95)],
@@ -201,10 +214,9 @@ def add_commands(sub) -> None:
         "on; with --model tiny_v41 (random weights) the text is gibberish, but every part of "
         "the model, the paged caches, the scheduler and the allocator run.",
     )
-    demo.set_defaults(func=_demo, subparser=demo)
 
-    gen = sub.add_parser(
-        "generate", parents=[engine, sampling(32)], help="generate text for prompts"
+    gen = add_command(
+        sub, "generate", _generate, parents=[engine, sampling(32)], help="generate text for prompts"
     )
     gen.add_argument(
         "--prompt", action="append", metavar="TEXT", required=True, help="a prompt (repeatable)"
@@ -213,16 +225,18 @@ def add_commands(sub) -> None:
     gen.add_argument(
         "--logprobs", type=int, default=None, help="top logprobs per token (at most --max-logprobs)"
     )
-    gen.set_defaults(func=_generate, subparser=gen)
 
-    bench = sub.add_parser(
-        "bench", parents=[engine, sampling(16)], help="offline throughput (one JSON line)"
+    bench = add_command(
+        sub,
+        "bench",
+        _bench,
+        parents=[engine, sampling(16)],
+        help="offline throughput (one JSON line)",
     )
     bench.add_argument("--conversations", type=int, default=8, help="conversations at once")
     bench.add_argument("--turns", type=int, default=3, help="turns per conversation")
     bench.add_argument("--system-tokens", type=int, default=48, help="shared system prompt")
     bench.add_argument("--user-tokens", type=int, default=24, help="per turn (at most)")
-    bench.set_defaults(func=_bench, subparser=bench)
 
 
 def _fail(flag: str, value, allowed: str) -> Exception:
@@ -275,6 +289,16 @@ def _check_lengths(args: argparse.Namespace) -> None:
     limit = model.max_model_len or cfg.max_seq_len
     if limit > cfg.max_seq_len:
         raise _fail("--max-model-len", limit, f"at most the model's max_seq_len {cfg.max_seq_len}")
+    if hasattr(args, "user_tokens"):  # dsv4 bench: its longest conversation, before it runs
+        s, t, u, m = args.system_tokens, args.turns, args.user_tokens, args.max_tokens
+        if s + t * (u + m) > limit:
+            raise _fail(
+                "--turns",
+                t,
+                f"the conversations can reach {s + t * (u + m)} tokens (--system-tokens {s} + "
+                f"--turns {t} x (--user-tokens {u} + --max-tokens {m})), more than "
+                f"--max-model-len {limit}: lower one of them",
+            )
     prompts = getattr(args, "prompt", None) or ()
     try:
         tokenizer = load_tokenizer(path, cfg) if prompts else None
@@ -341,15 +365,20 @@ def _ms(seconds: float | None) -> str:
 
 
 def _header(llm) -> None:
-    import jax
+    import jax  # reason: the model commands import JAX only once their flags are checked
+
+    from dsv4.params import count_params  # reason: as jax
 
     cfg = llm.cfg
-    n_params = sum(int(x.size) for x in llm.engine.runner.params.values())
+    backbone = count_params(cfg, drafter=False)
+    drafter = count_params(cfg) - backbone
     config = llm.engine.kv_cache_manager.kv_cache_config
     st = llm.engine.stats
     _say(
-        f"model: {n_params:,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}; "
-        f"tokenizer {llm.get_tokenizer().name}; JAX {jax.default_backend()}"
+        f"model: {backbone:,} parameters"
+        + (f" (and {drafter:,} in its DSpark drafter)" if drafter else "")
+        + f", {cfg.n_layers} layers, vocab {cfg.vocab_size}; tokenizer "
+        f"{llm.get_tokenizer().name}; JAX {jax.default_backend()}"
     )
     _say(
         f"engine: {'async' if llm.engine.async_scheduling else 'sync'} scheduling, KV cache "
@@ -490,12 +519,6 @@ def _bench_turns(args: argparse.Namespace, llm) -> list:
     for _ in range(args.turns):
         for h in histories:
             h += tokens(rng.randint(1, args.user_tokens))
-        room = llm.max_model_len - args.max_tokens
-        if max(len(h) for h in histories) > room:
-            raise UsageError(
-                f"the conversations outgrow --max-model-len {llm.max_model_len}: lower "
-                "--turns, --user-tokens, --system-tokens or --max-tokens"
-            )
         outs = _outputs(llm, histories, sp)
         outputs += outs
         for h, o in zip(histories, outs, strict=True):

@@ -10,7 +10,6 @@ checks its flags before JAX starts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import json
 import os
@@ -21,6 +20,7 @@ from typing import Any
 from cache import KVCacheManager
 from dsv4.config import MODEL_PRESETS
 from serving.request_queue import SchedulingPolicy
+from serving.sampling_params import check_keyword
 from serving.spec_decode import SpeculativeConfig
 
 __all__ = [
@@ -77,6 +77,19 @@ VLLM_ONLY = {
     "max_seq_len_to_capture": "drop it: every step bucket is compiled (token_buckets)",
     "cpu_offload_gb": "drop it: weights stay on the device (weights_on_device='released' halves "
     "them)",
+    "enable_expert_parallel": "pass mesh=dsv4.sharding.make_mesh(expert=...) (experts over its "
+    "expert axis)",
+    "distributed_executor_backend": "drop it: this process drives every device of mesh=",
+    "tokenizer_mode": "drop it: the tokenizer is the checkpoint directory's tokenizer.json",
+    "load_format": "give model= a released-format checkpoint directory (safetensors) or a preset",
+    "hf_overrides": "edit the checkpoint directory's config.json",
+    "compilation_config": "warm_up, token_buckets and compilation_cache_dir say what is compiled "
+    "when and where it is kept",
+    "disable_log_stats": "drop it: the engine's counters (llm.engine.stats) are kept and never "
+    "logged",
+    "generation_config": "give the sampling values in SamplingParams (the checkpoint's "
+    "generation_config.json is not read)",
+    "enable_lora": "drop it: no LoRA adapters are served",
 }
 
 
@@ -416,7 +429,7 @@ class CompilationConfig:
 
     compilation_cache_dir: str | None = _field(
         "default",
-        "JAX's persistent compilation cache (default: ~/.cache/dsv4-jax/jax; none: off)",
+        'JAX\'s persistent compilation cache ("default": ~/.cache/dsv4-jax/jax; none: off)',
         parse=_optional,
         negations={"--no-compilation-cache": None},
     )
@@ -475,15 +488,7 @@ class EngineConfig:
         parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
         owner = {f.name: section for section, f in _section_fields()}
         for key, value in kwargs.items():
-            if key in VLLM_ONLY:
-                raise TypeError(
-                    f"{key}={value!r} (a vLLM engine argument) is not supported here: "
-                    f"{VLLM_ONLY[key]}"
-                )
-            if key not in owner:
-                close = difflib.get_close_matches(key, [*owner, "speculative_config"], n=3)
-                hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-                raise TypeError(f"unknown engine argument {key!r}{hint}")
+            check_keyword(key, value, [*owner, "speculative_config"], VLLM_ONLY, "engine argument")
             parts[owner[key]][key] = value
         spec = None if spec is None else SpeculativeConfig.from_dict(spec)
         return cls(

@@ -157,6 +157,21 @@ class Engine:
             scheduler = DataParallelScheduler([one_scheduler() for _ in range(shards)])
         return cls(runner, scheduler, config, tokenizer, proposer=proposer, eos_token_id=eos)
 
+    @staticmethod
+    def check_config(cfg, config: EngineConfig) -> None:
+        """`build`'s checks that need the architecture ``cfg`` but no weights: the speculative
+        config, and a pool too small for one request where its size is given (`LLM` runs them
+        before it loads weights; the default size is what the device has left after them).
+
+        Raises:
+            ValueError: as `build` raises it (`ConfigError` naming the field).
+        """
+        config = config.resolved(cfg)
+        _check_speculative(config.speculative_config, cfg)
+        cache = config.cache_config
+        if cache.num_gpu_blocks_override is not None or cache.kv_cache_memory_bytes is not None:
+            _kv_cache_config(cfg, config)
+
     @property
     def kv_cache_manager(self) -> KVCacheManager:
         """The allocator (shard 0's with data parallelism: every shard has its own, all with

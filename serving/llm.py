@@ -85,7 +85,9 @@ class LLM:
             cache_dir = default_compilation_cache_dir()
         enable_compilation_cache(cache_dir)
         model_config = config.model_config
-        self.cfg, params, self.tokenizer = _load_model(model_config)
+        arch = _architecture(model_config)
+        Engine.check_config(arch, config)  # a pool too small for one request: before weights
+        self.cfg, params, self.tokenizer = _load_model(model_config, arch)
         _, folder = model_source(model_config.model)  # a shipped checkpoint has one too
         self._template = None if folder is None else _read_chat_template(folder)
         # without a tokenizer the EOS is the model config's (vLLM: the generation config's)
@@ -311,22 +313,30 @@ def _as_list(prompts: Any) -> list[Any]:
     raise _fail("prompts", prompts, "a prompt or a list of prompts")
 
 
-def _load_model(config: ModelConfig):
-    """The architecture, params and tokenizer ``config`` names (no tokenizer with
-    ``skip_tokenizer_init``)."""
-    jdtype = jnp.dtype(config.dtype)
+def _architecture(config: ModelConfig):
+    """The architecture ``config`` names (`dsv4.config.ModelConfig`), read from its preset or
+    its checkpoint's config.json: no weights."""
     kind, path = model_source(config.model)  # the names load_pretrained and the CLI take
     if kind == "random":
-        cfg = MODEL_PRESETS[config.model].config(quant_sim=config.quant_sim)
+        return MODEL_PRESETS[config.model].config(quant_sim=config.quant_sim)
+    cfg = ArchConfig.from_json(
+        shipped_checkpoint(config.model) if config.model in SHIPPED else path
+    )
+    return dataclasses.replace(cfg, quant_sim=True) if config.quant_sim else cfg
+
+
+def _load_model(config: ModelConfig, cfg):
+    """The architecture, params and tokenizer ``config`` names (``cfg``: its architecture; no
+    tokenizer with ``skip_tokenizer_init``)."""
+    jdtype = jnp.dtype(config.dtype)
+    kind, path = model_source(config.model)
+    if kind == "random":
         params = init_params(cfg, jax.random.PRNGKey(config.seed), jdtype)
         if config.weights_on_device == "released":
             params = quantise_params(params, cfg)
         tokenizer = None if config.skip_tokenizer_init else load_tokenizer(None, cfg)
         return cfg, params, tokenizer
     model = shipped_checkpoint(config.model) if config.model in SHIPPED else path
-    cfg = ArchConfig.from_json(model)
-    if config.quant_sim:
-        cfg = dataclasses.replace(cfg, quant_sim=True)
     # before the weights: its errors are cheap
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model, cfg)
     cfg, params = load_pretrained(

@@ -63,6 +63,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    best_of: int | None = None  # vLLM's; refused (400) unless None or n
 
 
 class CompletionRequest(_Sampling):

@@ -7,12 +7,21 @@ what is allowed. Normalisation and what is left out: docs/serving.md#servingsamp
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import enum
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
-__all__ = ["SAMPLING_EPS", "SamplingParams", "SamplingType"]
+__all__ = [
+    "BEST_OF_ADVICE",
+    "SAMPLING_EPS",
+    "VLLM_ONLY_SAMPLING",
+    "SamplingParams",
+    "SamplingType",
+    "check_keyword",
+]
 
 # Below this temperature a request is greedy (vLLM's `_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
@@ -52,6 +61,27 @@ def _fail(name: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{name}={value!r} is not allowed: {allowed}")
 
 
+# What vLLM V1 advises since it dropped best_of (vLLM issue 13361), in this API's names.
+BEST_OF_ADVICE = (
+    "ask for n=k samples with logprobs=0 and rank the outputs by cumulative_logprob (vLLM V1 "
+    "dropped best_of and advises the same)"
+)
+# vLLM's SamplingParams keywords this sampler does not take, and what to use instead
+# (`SamplingParams` refuses them by this table instead of "unexpected keyword argument").
+VLLM_ONLY_SAMPLING = {
+    "use_beam_search": "no beam search here; " + BEST_OF_ADVICE,
+    "logit_bias": "no per-token bias here; stop_token_ids ends an output at the tokens given",
+    "allowed_token_ids": "no vocabulary mask here; stop_token_ids ends an output at the tokens "
+    "given",
+    "bad_words": "no banned words here; stop (strings) or stop_token_ids end an output there",
+    "logits_processors": "the sampler runs inside the compiled step: repetition_penalty, "
+    "presence_penalty, frequency_penalty, top_k, top_p, min_p and min_tokens are built in",
+    "truncate_prompt_tokens": "cut the prompt yourself: pass prompt_token_ids[-k:]",
+    "guided_decoding": "no structured outputs here; stop or stop_token_ids end an output",
+    "structured_outputs": "no structured outputs here; stop or stop_token_ids end an output",
+}
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters of one request (vLLM `SamplingParams`, the subset served here, with
@@ -82,10 +112,21 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step reports
+    # vLLM V0's candidates per output, not kept: None or n (vLLM's default) only
+    best_of: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
+        _check_keywords(kwargs)  # before the dataclass's "unexpected keyword argument"
+        return super().__new__(cls)
+
+    def __post_init__(self, best_of: int | None) -> None:
         self._normalise()
         self._verify_args()
+        if best_of is not None and (not _is_int(best_of) or best_of != self.n):
+            raise ValueError(
+                f"best_of={best_of!r} is not supported: None or n={self.n} only (n samples, all "
+                f"returned); for the best of k samples, {BEST_OF_ADVICE}"
+            )
         self._to_python_numbers()
         if self.temperature < SAMPLING_EPS:
             # Truncation cannot change an argmax; vLLM resets it so greedy rows look alike.
@@ -248,6 +289,30 @@ class SamplingParams:
         filled by `update_from_generation_config`, which the min-tokens processor reads)."""
         eos = [] if eos_token_id is None else [eos_token_id]
         return list(dict.fromkeys(eos + self.stop_token_ids))
+
+
+def _check_keywords(kwargs: dict[str, object]) -> None:
+    names = [f.name for f in dataclasses.fields(SamplingParams)] + ["best_of"]
+    for key, value in kwargs.items():
+        check_keyword(key, value, names, VLLM_ONLY_SAMPLING, "sampling parameter")
+
+
+def check_keyword(
+    key: str, value: object, names: list[str], vllm_only: dict[str, str], kind: str
+) -> None:
+    """Refuse a keyword of vLLM's that is not taken here (``vllm_only``: its name -> what to
+    use instead) or one not in ``names`` (naming the closest); ``kind``: "sampling parameter",
+    "engine argument".
+
+    Raises:
+        TypeError: naming the keyword and what to use instead, or the closest names.
+    """
+    if key in vllm_only:
+        raise TypeError(f"{key}={value!r} (a vLLM {kind}) is not supported here: {vllm_only[key]}")
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise TypeError(f"unknown {kind} {key!r}{hint}")
 
 
 def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False) -> None:

@@ -275,7 +275,8 @@ def _sampling_params(
     defaults); its ValueError or TypeError becomes a 400 naming the field."""
     # the body's fields of the same name, those left unset (None) at SamplingParams' defaults
     same = ("n", "presence_penalty", "frequency_penalty", "stop", "seed", "min_tokens",
-            "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")  # fmt: skip
+            "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+            "best_of")  # fmt: skip
     optional = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     kw: dict[str, Any] = {name: getattr(body, name) for name in same}
     kw.update({n: getattr(body, n) for n in optional if getattr(body, n) is not None})

@@ -6,6 +6,7 @@ or a result equal to `dsv4.generate`'s, never NaN, and the engine never breaks."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 from serving import LLM, SamplingParams
 from serving.config import VLLM_ONLY, ConfigError
+from serving.sampling_params import BEST_OF_ADVICE, VLLM_ONLY_SAMPLING
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 GOOD_PROMPT = [3, 17, 200, 41, 5, 9]
@@ -106,14 +108,100 @@ def test_vllm_arguments_are_refused_with_what_to_use_instead():
         LLM("tiny_v41", gpu_memory_utilization=0.5)
     with pytest.raises(TypeError, match=r"tensor_parallel_size=2 .*make_mesh"):
         LLM("tiny_v41", tensor_parallel_size=2)
-    assert all(VLLM_ONLY.values())
+    for key, advice in VLLM_ONLY.items():  # refused before anything loads
+        with pytest.raises(TypeError, match=rf"^{key}=1 \(a vLLM engine argument\) is not "):
+            LLM("tiny_v41", **{key: 1})
+        _assert_names_exist(key, advice)
     with pytest.raises(TypeError, match="unknown engine argument 'max_num_seq'; did you mean"):
         LLM("tiny_v41", max_num_seq=2)
 
 
-def test_a_pool_too_small_for_one_request_is_refused_in_python_and_on_the_cli(capsys):
+def _assert_names_exist(key: str, advice: str) -> None:
+    """Every keyword the advice names (snake_case) is one this package takes or has."""
+    import dsv4.sharding
+    from serving.config import engine_fields
+    from serving.outputs import CompletionOutput, RequestOutput
+
+    known = (
+        {f.name for f in engine_fields()}
+        | {key, "best_of", "prompt_token_ids"}
+        | set(dir(dsv4.sharding))
+    )
+    for cls in (SamplingParams, CompletionOutput, RequestOutput):
+        known |= {f.name for f in dataclasses.fields(cls)}
+    names = set(re.findall(r"\b[a-z]+(?:_[a-z]+)+\b", advice.replace(".json", "")))
+    assert names <= known, (key, names - known)
+
+
+def test_best_of_and_vllm_sampling_keywords_say_what_to_use_instead():
+    """best_of (vLLM V0's): None or n is its meaning here (n samples, all returned); the best of
+    k is refused, naming what vLLM V1 advises; each other vLLM-only keyword names its
+    replacement; a misspelt one names the closest field."""
+    base = SamplingParams(n=2, temperature=1.0)
+    assert SamplingParams(n=2, temperature=1.0, best_of=2) == base
+    assert SamplingParams(best_of=None) == SamplingParams()
+    assert dataclasses.replace(base, n=3).n == 3
+    for bad in (3, 1, 2.5, 2.0, True):
+        with pytest.raises(ValueError, match=rf"^best_of={bad} is not supported: None or n=2 .*"
+                                             r"n=k samples with logprobs=0 .*cumulative_logprob"):  # fmt: skip
+            SamplingParams(n=2, temperature=1.0, best_of=bad)
+    _assert_names_exist("best_of", BEST_OF_ADVICE)
+    for key, advice in VLLM_ONLY_SAMPLING.items():
+        with pytest.raises(TypeError, match=rf"^{key}=1 \(a vLLM sampling parameter\) is not "):
+            SamplingParams(**{key: 1})
+        _assert_names_exist(key, advice)
+    with pytest.raises(TypeError, match="unknown sampling parameter 'tempreature'; did you mean "
+                                        "'temperature'"):  # fmt: skip
+        SamplingParams(tempreature=0.5)
+
+
+def test_best_of_through_the_server_is_a_400_naming_it():
+    pytest.importorskip("fastapi")
+    from serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from serving.server import HTTPError, _sampling_params
+
+    body = CompletionRequest(prompt="x", n=2, temperature=1.0, best_of=2)
+    assert _sampling_params(body, max_tokens=4, logprobs=None) == SamplingParams(
+        n=2, temperature=1.0, max_tokens=4
+    )
+    for body in (
+        CompletionRequest(prompt="x", best_of=3),
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], best_of=3),
+    ):
+        with pytest.raises(HTTPError) as exc:
+            _sampling_params(body, max_tokens=4, logprobs=None)
+        assert exc.value.status == 400 and exc.value.param == "best_of"
+        assert "cumulative_logprob" in exc.value.message
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["serve", "tiny_v41", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization"),
+        (["generate", "--prompt", "x", "--enforce-eager"], "--enforce-eager"),
+        (["generate", "--prompt", "x", "--best-of=3"], "--best-of"),
+    ],
+)
+def test_a_vllm_flag_on_the_cli_says_what_to_use_instead(usage_error, argv, flag):
+    from serving.cli import build_parser
+
+    _, err = usage_error(argv)
+    assert f"unrecognized arguments: {flag}" in err and f"; {flag} is vLLM's, not supported" in err
+    command = build_parser()._subparsers._group_actions[0].choices[argv[0]]
+    named = set(re.findall(r"(--[a-z][a-z-]+)", err.split("not supported here: ")[1]))
+    assert named <= set(command._option_string_actions) | {"--help"}, named
+
+
+def test_a_pool_too_small_for_one_request_is_refused_in_python_and_on_the_cli(capsys, monkeypatch):
+    """One check (`Engine.check_config`), before any weights load, by its name in Python and
+    by its flag on the CLI."""
+    import serving.llm
     from serving.cli import main
 
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(serving.llm, "_load_model", no_weights)
     with pytest.raises(ConfigError, match=r"num_gpu_blocks_override=3 is not allowed: a pool of "
                                           r"at least (\d+) blocks") as exc:  # fmt: skip
         LLM("tiny_v41", **{**LLM_ARGS, "num_gpu_blocks_override": 3, "warm_up": False})
@@ -174,7 +262,15 @@ def test_version_and_every_flag_shows_its_default(capsys):
         for action in command._actions:
             if action.option_strings and action.default is not argparse.SUPPRESS:
                 assert "%(default)" in formatter._get_help_string(action), (name, action.dest)
+                # argparse prints neither help nor default for an empty help; one default only
+                assert action.help and action.help.strip(), (name, action.dest)
+                own = action.help.replace("(default: %(default)s)", "")
+                assert not re.search(r"\(default|\([\d.]+\)", own) or action.dest == "api_key", (
+                    name,
+                    action.help,
+                )
         assert "(default: " in command.format_help()
+    assert "``" not in parser.format_help() and "dsv4 COMMAND --help" in parser.format_help()
 
 
 # -- the fuzz --------------------------------------------------------------------------------------

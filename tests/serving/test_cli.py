@@ -86,6 +86,13 @@ def test_demo_defaults_to_the_shipped_trained_model(capsys):
     out = capsys.readouterr().out
     assert "tiny_v41_trained, the shipped small V4.1" in out and "gibberish" not in out
     assert "tokenizer tokenizer.json" in out
+    # its size as the docs give it: the backbone, and the DSpark drafter (mtp.*) apart
+    from dsv4.checkpoint import load_pretrained
+
+    _, params = load_pretrained("tiny_v41_trained", progress=False)
+    drafter = sum(x.size for name, x in params.items() if name.startswith("mtp."))
+    backbone = sum(x.size for x in params.values()) - drafter
+    assert f"model: {backbone:,} parameters (and {drafter:,} in its DSpark drafter), " in out
     requests = _demo_requests(out)
     assert len(requests) == 2 * len(DEMO_QUESTIONS)
     text = "\n".join(_demo_completion(r) for r in requests)
@@ -236,11 +243,34 @@ def test_model_commands_reject_bad_arguments(usage_error, command, argv, message
         ("bench", ["--turns", "0"], "--turns 0: must be >= 1"),
         ("bench", ["--system-tokens", "0"], "--system-tokens 0: must be >= 1"),
         ("bench", ["--user-tokens", "-2"], "--user-tokens -2: must be >= 1"),
+        (
+            "bench",
+            ["--model", "tiny_v41", "--max-model-len", "177", "--turns", "5", "--max-tokens", "2"],
+            r"--turns 5: the conversations can reach 178 tokens \(--system-tokens 48 \+ --turns 5 "
+            r"x \(--user-tokens 24 \+ --max-tokens 2\)\), more than --max-model-len 177",
+        ),
     ],
 )
-def test_command_specific_arguments_are_checked(usage_error, command, argv, message):
+def test_command_specific_arguments_are_checked(usage_error, monkeypatch, command, argv, message):
+    import serving.llm
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(serving.llm, "LLM", no_model)  # every refusal comes before a model
     _, err = usage_error([command, *argv])
     assert re.search(f"dsv4 {command}: error: " + message, err)
+
+
+def test_bench_takes_conversations_that_just_fit():
+    """The longest conversation `dsv4 bench` can make (every user message at --user-tokens,
+    every output at --max-tokens) fits --max-model-len: its last turn's prompt leaves room for
+    its output (the limit the refusal above checks, at the boundary)."""
+    from serving.cli import build_parser
+    from serving.cli_llm import _check
+
+    argv = ["bench", "--model", "tiny_v41", "--turns", "5", "--max-tokens", "2"]
+    _check(build_parser().parse_args([*argv, "--max-model-len", "178"]))  # 48 + 5 x (24 + 2)
 
 
 def test_model_commands_reject_checkpoints_they_cannot_use(capsys, tmp_path):
