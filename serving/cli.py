@@ -360,6 +360,11 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """``dsv4 serve``'s key: ``--api-key``, else ``$DSV4_API_KEY``, else None (no key asked)."""
+    return getattr(args, "api_key", None) or os.environ.get("DSV4_API_KEY") or None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dsv4",
@@ -504,8 +509,8 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     s.add_argument(
         "--api-key",
-        default=os.environ.get("DSV4_API_KEY"),
-        help="clients must send Authorization: Bearer KEY (default: $DSV4_API_KEY; none)",
+        default=argparse.SUPPRESS,  # read from the environment when serving: --help never shows it
+        help="clients must send Authorization: Bearer KEY (default: $DSV4_API_KEY, else none)",
     )
     s.add_argument("--served-model-name", default=None, help="the model's name in the API")
     s.add_argument(
@@ -551,7 +556,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     options = server.ServerOptions(
         served_model_name=args.served_model_name or args.model,
-        api_key=args.api_key or None,
+        api_key=api_key(args),
         max_waiting_requests=args.max_waiting_requests,
     )
     return server.run_server(

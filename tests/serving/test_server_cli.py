@@ -61,9 +61,17 @@ def test_skip_tokenizer_init_is_one_engine_flag_for_generate_and_serve(usage_err
         assert "--skip-tokenizer-init: this command works on text" in err, err
 
 
-def test_api_key_defaults_to_the_environment(monkeypatch):
+def test_api_key_defaults_to_the_environment(monkeypatch, capsys):
+    from serving.cli import api_key
+
     monkeypatch.setenv("DSV4_API_KEY", "from-env")
-    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert api_key(build_parser().parse_args(["serve"])) == "from-env"
+    assert api_key(build_parser().parse_args(["serve", "--api-key", "flag"])) == "flag"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "from-env" not in capsys.readouterr().out  # the key never shows in --help
+    monkeypatch.delenv("DSV4_API_KEY")
+    assert api_key(build_parser().parse_args(["serve"])) is None
 
 
 @pytest.mark.parametrize(
