@@ -53,6 +53,7 @@ from serving.runner import (
     StepOutput,
     engine_step_data_parallel,
     run_step,
+    warm_up_on_mesh,
     widen_tables,
 )
 from serving.scheduler import (
@@ -431,16 +432,12 @@ class DataParallelRunner:
             self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
         )
         pairs = [(t, w) for t in self.token_buckets for w in widths]
-        # the first pair twice: a step may hand back its state placed otherwise than it was
-        # built (XLA replicates an empty leaf, such as the slots' drafts without speculation),
-        # and every later step sees the state as steps leave it
-        pairs = [pairs[0], *pairs]
         bar = tqdm(total=1 + len(pairs), desc="warm-up: step programs", disable=not progress)
         self._write_sampler_rows(0, self.padding_slot, rows)
         bar.update(1)
-        for t, w in pairs:
-            stacked = stack_shards([s.padding_inputs(t, w) for s in self.shards])
-            jax.block_until_ready(self.dispatch(*stacked))
-            bar.update(1)
+        step = engine_step_data_parallel
+        calls = [(step, stack_shards([s.padding_inputs(t, w) for s in self.shards]))
+                 for t, w in pairs]  # fmt: skip
+        warm_up_on_mesh(self, calls, functools.partial(bar.update, 1))
         bar.close()
         return bar.total

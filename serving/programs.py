@@ -125,6 +125,26 @@ class StepPrograms:
                 self._table[self.shapes(step, futures[future])] = future.result()
                 on_done()
 
+    def compile_for_jit(
+        self, calls: Sequence[tuple[Callable, tuple]], on_done: Callable[[], None]
+    ) -> None:
+        """Lower and compile each (jitted ``step``, its full ``args``) a core's worth at a time,
+        into the jit's own caches: calling ``step`` on the same arguments next runs at once.
+        For steps whose state a mesh places as the steps leave it (the table's programs would
+        refuse a placement they were not built for)."""
+
+        def compile_one(call):
+            step, args = call
+            step.lower(*args, **self._static).compile()
+
+        workers = max(1, min(len(calls), os.cpu_count() or 1, 8))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for future in concurrent.futures.as_completed(
+                [pool.submit(compile_one, call) for call in calls]
+            ):
+                future.result()
+                on_done()
+
     def _program(self, step: Callable, args: tuple) -> Callable:
         folder = _folder()
         key = program_key(step, args, self._static) if folder else None

@@ -111,6 +111,7 @@ __all__ = [
     "engine_step_data_parallel",
     "rows_for",
     "run_step",
+    "warm_up_on_mesh",
     "widen_tables",
 ]
 
@@ -654,13 +655,9 @@ class ModelRunner:
         if self.mesh is None:  # compiled several at once, or loaded (`serving.programs`)
             self.programs.build(_engine_step, state, steps, functools.partial(bar.update, 1))
             self.programs.build(_engine_burst, state, bursts, functools.partial(bar.update, 1))
-        else:  # on a mesh the jit places the state as each step leaves it: run each once
-            for inputs in steps:
-                jax.block_until_ready(self.dispatch(*inputs))
-                bar.update(1)
-            for inputs in bursts:
-                jax.block_until_ready(self.dispatch_burst(*inputs))
-                bar.update(1)
+        else:  # on a mesh the state is placed as the steps leave it (`warm_up_on_mesh`)
+            calls = [(_engine_step, x) for x in steps] + [(_engine_burst, x) for x in bursts]
+            warm_up_on_mesh(self, calls, functools.partial(bar.update, 1))
         bar.close()
         return bar.total
 
@@ -716,6 +713,22 @@ def check_num_scheduler_steps(num_scheduler_steps: int, engram_lookback: int) ->
             "look-back is read on the host); allowed there: 1"
         )
     return num_scheduler_steps
+
+
+def warm_up_on_mesh(runner, calls, on_done: Callable[[], None]) -> None:
+    """Compile ``runner``'s (step, inputs) ``calls`` through the jit: the first one run twice
+    (a step may hand back its state placed otherwise than it was built: XLA replicates an
+    empty leaf, such as the slots' drafts without speculation; every later step sees the state
+    as steps leave it), the others compiled a core's worth at a time against that state, then
+    each run once (nothing left to compile)."""
+    (step, inputs), *rest = calls
+    for _ in range(2):
+        jax.block_until_ready(run_step(step, runner, *inputs))
+    on_done()
+    state = (runner.params, runner.pools, runner.sampler_state, runner.slots)
+    runner.programs.compile_for_jit([(s, (*state, *x)) for s, x in rest], on_done)
+    for step, inputs in rest:
+        jax.block_until_ready(run_step(step, runner, *inputs))
 
 
 def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
