@@ -421,14 +421,15 @@ def _fill_table(table: np.ndarray, requests, g: int, counts: list[int]) -> None:
                 ids = ids[:width]
             table[i, : len(ids)] = ids
         return
-    counts_arr = np.minimum(np.array(counts, np.int64), width)
-    total = int(counts_arr.sum())
-    flat = np.fromiter(
-        itertools.chain.from_iterable(r.block_ids[g][:width] for r in requests), np.int64, total
-    )
-    row = np.repeat(np.arange(len(requests)), counts_arr)
-    col = np.arange(total) - np.repeat(np.cumsum(counts_arr) - counts_arr, counts_arr)
-    table[row, col] = flat
+    n = len(requests)
+    if max(counts) > width:  # a trimmed table: only the columns the step reads
+        counts = [min(c, width) for c in counts]
+        rows = (r.block_ids[g][:width] for r in requests)
+    else:
+        rows = (r.block_ids[g] for r in requests)
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, sum(counts))
+    # row-major order of the mask is the order of the rows' ids
+    table[:n][np.arange(width) < np.array(counts)[:, None]] = flat
 
 
 def _ring_slots(requests, g: GroupInfo, counts, table, slots, req, pos, lens, ends) -> None:

@@ -67,7 +67,7 @@ def _both(monkeypatch, *args, **kwargs):
 @pytest.mark.parametrize("table_buckets", [None, (2, 4)])
 def test_few_tokens_fill_as_the_vectorised_path(config, monkeypatch, seed, table_buckets):
     rng = np.random.default_rng(seed)
-    for num_requests, max_tokens in ((1, 1), (3, 1), (5, 3), (2, 8), (7, 2)):
+    for num_requests, max_tokens in ((1, 1), (3, 1), (5, 3), (2, 8), (7, 2), (16, 1)):
         requests = _requests(config, rng, num_requests, max_tokens)
         n = sum(len(r.token_ids) for r in requests)
         assert n <= B._FEW_TOKENS  # the token-by-token path runs
@@ -83,9 +83,14 @@ def test_few_tokens_fill_as_the_vectorised_path(config, monkeypatch, seed, table
         )
         for name in ("token_ids", "positions", "token_req", "seq_lens", "replay_start"):
             np.testing.assert_array_equal(getattr(few, name), getattr(vectorised, name))
-        for a, b in zip(few.block_tables, vectorised.block_tables, strict=True):
+        for g, (a, b) in enumerate(zip(few.block_tables, vectorised.block_tables, strict=True)):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
+            want = np.zeros_like(a)  # each row: its ids, as many as the (trimmed) table holds
+            for i, r in enumerate(requests):
+                ids = r.block_ids[g][: a.shape[1]]
+                want[i, : len(ids)] = ids
+            np.testing.assert_array_equal(a, want, err_msg=f"block table {g}")
         for field in ("window_slots", "state_slots", "ring_slots"):
             got, want = getattr(few, field), getattr(vectorised, field)
             assert got.keys() == want.keys()
