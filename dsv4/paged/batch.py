@@ -173,11 +173,11 @@ def build_batch(
     groups: Sequence[GroupInfo] | None = None,
     engram_lookback: int = 0,
 ) -> StepBatch:
-    """The step's arrays for ``requests`` (see the module docstring), vectorised over the
-    step's tokens and block ids (no per-token Python). ``table_buckets``: None gives every block
-    table its full width, sizes trim it to this step's need (docs/architecture.md#the-step-contract);
-    ``engram_lookback`` (``engram_max_ngram_size - 1``, else 0) fills ``engram_prev``;
-    ``groups``: `group_infos(config)`, for callers that build many batches."""
+    """The step's arrays for ``requests`` (see the module docstring), vectorised over the step's
+    tokens and block ids, or token by token for a step of few tokens (`_fill_few`: the same
+    values, cheaper there). ``table_buckets``: None gives every block table its full width, sizes
+    trim it to this step's need (docs/architecture.md#the-step-contract); ``engram_lookback``
+    (``engram_max_ngram_size - 1``, else 0) fills ``engram_prev``; ``groups``: `group_infos`'s."""
     groups = group_infos(config) if groups is None else groups
     n_req = len(requests)
     lens_list = [len(r.token_ids) for r in requests]
