@@ -248,7 +248,7 @@ class KVCacheManager:
         """
         hit_blocks = None
         if (
-            type(request) is not Request
+            (type(request) is not Request and not isinstance(request, Request))  # subclasses too
             or new_computed_blocks is not None
             or type(num_new_tokens) is not int
             or type(num_new_computed_tokens) is not int

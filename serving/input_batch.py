@@ -175,12 +175,11 @@ class InputBatch:
             row, step_request = self._row(output, request_id, starts[request_id], n)
             rows.append(row)
             step_requests.append(step_request)
-        for row, step_request in zip(rows, step_requests, strict=True):
-            if row.samples:
+        for row in rows:
+            if row.samples:  # once every row is built: a bad plan changes nothing
                 state = self.requests[row.request_id]
                 state.pending.append(row.num_drafts)
-                drafts = step_request.token_ids[row.num_tokens - row.num_drafts :]
-                state.pending_drafts.append(None if row.device_drafts else tuple(drafts))
+                state.pending_drafts.append(None if row.device_drafts else row.drafts)
                 state.pending_guesses.append(None)  # the runner sets it (`note_guess`)
         return rows, step_requests
 
@@ -196,7 +195,8 @@ class InputBatch:
         tokens, device = self._inputs(state, start, n - len(drafts))
         shifted = state.num_shifted
         m = self.engram_lookback
-        lo, tail = self._look_back(state, start)
+        # no look-back, nothing in flight to check against: no tokens to read
+        lo, tail = self._look_back(state, start) if m or shifted else (0, [])
         history = ()
         if shifted and m:
             history = tuple(
@@ -260,16 +260,17 @@ class InputBatch:
         was sampled by a step still in flight (after the drafts that step verifies, which are
         no input: the row starts after them)."""
         end = start + n
-        if end > state.num_tokens:
-            raise RuntimeError(
-                f"{state.request_id!r}: positions {start}..{end - 1} scheduled, but it has "
-                f"{state.num_tokens} tokens"
-            )
         if end <= len(state.tokens):
             return state.tokens[start:end], [-1] * n
+        num_tokens = state.num_tokens
+        if end > num_tokens:
+            raise RuntimeError(
+                f"{state.request_id!r}: positions {start}..{end - 1} scheduled, but it has "
+                f"{num_tokens} tokens"
+            )
         if (
             state.num_pending < 1
-            or end != state.num_tokens
+            or end != num_tokens
             or end - 1 < len(state.tokens) + (state.num_shifted)
         ):
             raise RuntimeError(

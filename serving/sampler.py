@@ -159,33 +159,50 @@ def build_sampling_batch(
     rows: Sequence[RowSampling], num_rows_padded: int, padding_slot: int
 ) -> SamplingBatch:
     """The step's `SamplingBatch` (numpy), rows in order, padded to ``num_rows_padded`` with
-    rows that do not sample (greedy, no penalties, the padding slot)."""
+    rows that do not sample (greedy, no penalties, the padding slot). One pass over the rows:
+    each dtype's columns are the rows of one array."""
     if len(rows) > num_rows_padded:
         raise ValueError(f"{len(rows)} rows do not fit num_rows_padded={num_rows_padded}")
-    r = num_rows_padded
-
-    def column(get, dtype, pad):
-        out = np.full((r,), pad, dtype)
-        out[: len(rows)] = [get(row) for row in rows]
-        return out
-
+    n, r = len(rows), num_rows_padded
+    floats = np.empty((6, r), np.float32)
+    floats[:, n:] = _FLOAT_PADDING
+    ints = np.empty((3, r), np.int32)
+    ints[:, n:] = [[0], [0], [padding_slot]]
+    flags = np.zeros((2, r), bool)
     key_data = np.zeros((r, 2), np.uint32)
-    for i, row in enumerate(rows):
-        key_data[i] = row.key_data
+    if n:
+        params = [row.params for row in rows]
+        floats[:, :n] = np.array(
+            [
+                (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                 p.repetition_penalty)
+                for p in params
+            ],
+            np.float32,
+        ).T  # fmt: skip
+        ints[:, :n] = np.array(
+            [(max(p.top_k, 0), row.counter, row.slot) for p, row in zip(params, rows)], np.int32
+        ).T
+        flags[:, :n] = np.array([(row.suppress_stop, row.samples) for row in rows], bool).T
+        key_data[:n] = [row.key_data for row in rows]
     return SamplingBatch(
-        temperature=column(lambda x: x.params.temperature, np.float32, 0.0),
-        top_k=column(lambda x: max(x.params.top_k, 0), np.int32, 0),
-        top_p=column(lambda x: x.params.top_p, np.float32, 1.0),
-        min_p=column(lambda x: x.params.min_p, np.float32, 0.0),
-        presence_penalty=column(lambda x: x.params.presence_penalty, np.float32, 0.0),
-        frequency_penalty=column(lambda x: x.params.frequency_penalty, np.float32, 0.0),
-        repetition_penalty=column(lambda x: x.params.repetition_penalty, np.float32, 1.0),
+        temperature=floats[0],
+        top_k=ints[0],
+        top_p=floats[1],
+        min_p=floats[2],
+        presence_penalty=floats[3],
+        frequency_penalty=floats[4],
+        repetition_penalty=floats[5],
         key_data=key_data,
-        counter=column(lambda x: x.counter, np.int32, 0),
-        slot=column(lambda x: x.slot, np.int32, padding_slot),
-        suppress_stop=column(lambda x: x.suppress_stop, bool, False),
-        samples=column(lambda x: x.samples, bool, False),
+        counter=ints[1],
+        slot=ints[2],
+        suppress_stop=flags[0],
+        samples=flags[1],
     )
+
+
+# padding rows: greedy, no top-p / min-p, no penalties (repetition 1.0)
+_FLOAT_PADDING = np.array([[0.0], [1.0], [0.0], [0.0], [0.0], [1.0]], np.float32)
 
 
 # -------------------------------------------------------------------------------- device side

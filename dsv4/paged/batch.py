@@ -26,6 +26,7 @@ is ever clamped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -172,32 +173,38 @@ def build_batch(
     groups: Sequence[GroupInfo] | None = None,
     engram_lookback: int = 0,
 ) -> StepBatch:
-    """The step's arrays for ``requests`` (see the module docstring), vectorised over the
-    step's tokens and block ids (no per-token Python). ``table_buckets``: None gives every block
-    table its full width, sizes trim it to this step's need (docs/architecture.md#the-step-contract);
-    ``engram_lookback`` (``engram_max_ngram_size - 1``, else 0) fills ``engram_prev``;
-    ``groups``: `group_infos(config)`, for callers that build many batches."""
+    """The step's arrays for ``requests`` (see the module docstring), vectorised over the step's
+    tokens and block ids, or token by token for a step of few tokens (`_fill_few`: the same
+    values, cheaper there). ``table_buckets``: None gives every block table its full width, sizes
+    trim it to this step's need (docs/architecture.md#the-step-contract); ``engram_lookback``
+    (``engram_max_ngram_size - 1``, else 0) fills ``engram_prev``; ``groups``: `group_infos`'s."""
     groups = group_infos(config) if groups is None else groups
     n_req = len(requests)
-    lens = np.fromiter((len(r.token_ids) for r in requests), np.int64, n_req)
-    n_tok = int(lens.sum())
+    lens_list = [len(r.token_ids) for r in requests]
+    n_tok = sum(lens_list)
     if not requests or n_tok == 0:
         raise ValueError("a step needs at least one request with at least one token")
-    starts = np.fromiter((r.start for r in requests), np.int64, n_req)
-    _check_requests(requests, lens, starts, max_model_len, len(groups))
+    starts_list = [r.start for r in requests]
+    _check_requests(requests, lens_list, starts_list, max_model_len, len(groups))
     t_pad = bucket(n_tok, token_buckets)
     r_pad = bucket(rows_needed(n_req, n_tok, t_pad), request_buckets)
-    longest = int((starts + lens).max())
+    longest = max(s + n for s, n in zip(starts_list, lens_list))
     widths = _table_widths(groups, max_model_len, table_buckets, longest)
     batch = _padding(groups, t_pad, r_pad, widths, engram_lookback)
 
-    ends = np.cumsum(lens)
-    begins = ends - lens
-    req = np.repeat(np.arange(n_req), lens)  # request of every token
-    pos = np.repeat(starts - begins, lens) + np.arange(n_tok)  # its position
-    batch.token_ids[:n_tok] = np.fromiter(
-        itertools.chain.from_iterable(r.token_ids for r in requests), np.int32, n_tok
-    )
+    starts = np.array(starts_list, np.int64)
+    lens = np.array(lens_list, np.int64)
+    if n_tok == n_req:  # one token per request (a decode step): no ragged offsets to expand
+        ends = np.arange(1, n_req + 1)
+        req, pos = ends - 1, starts
+        batch.token_ids[:n_tok] = [r.token_ids[0] for r in requests]
+    else:
+        ends = np.cumsum(lens)
+        req = np.repeat(np.arange(n_req), lens)  # request of every token
+        pos = np.repeat(starts - (ends - lens), lens) + np.arange(n_tok)  # its position
+        batch.token_ids[:n_tok] = np.fromiter(
+            itertools.chain.from_iterable(r.token_ids for r in requests), np.int32, n_tok
+        )
     batch.positions[:n_tok] = pos
     batch.token_req[:n_tok] = req
     batch.query_start_loc[1 : n_req + 1] = ends
@@ -207,11 +214,81 @@ def build_batch(
     batch.replay_start[:n_req] = [r.replay_start for r in requests]
     if engram_lookback:
         _engram_prev(requests, starts, engram_lookback, batch.engram_prev)
-    for g in groups:
-        _fill_group(batch, g, requests, max_model_len, req, pos, lens, ends)
+    if n_tok > _FEW_TOKENS or not _fill_few(batch, groups, requests, max_model_len):
+        for g in groups:  # also raises what `_fill_few` declined
+            _fill_group(batch, g, requests, max_model_len, req, pos, lens, ends)
     if debug:
         check_batch(batch, config)
     return batch
+
+
+# Up to this many tokens a step's slots are computed token by token in Python (`_fill_few`):
+# cheaper than the vectorised path's few dozen numpy calls on arrays this small.
+_FEW_TOKENS = 16
+
+
+def _fill_few(batch: StepBatch, groups, requests, max_model_len: int) -> bool:
+    """Every group's block table and slots (`_fill_group`'s, the same formulas per token) for
+    a step of few tokens; False, with nothing promised written, where some check fails (the
+    vectorised path then raises its error)."""
+    out: dict[tuple[str, int, int], list[int]] = {}
+    for g in groups:
+        counts = [len(r.block_ids[g.index]) for r in requests]
+        table = batch.block_tables[g.index]
+        if g.kind == "ring":
+            if max(counts) > 1:
+                return False
+            table[: len(requests), 0] = [
+                r.block_ids[g.index][0] if c else 0 for r, c in zip(requests, counts)
+            ]
+        elif max(counts) > _cdiv(max_model_len, g.block_size):
+            return False
+        else:
+            _fill_table(table, requests, g.index, counts)
+        keys = (
+            [("ring", g.index, 0)] if g.kind == "ring" else [(g.kind, g.index, r) for r in g.ratios]
+        )
+        for key in keys:
+            slots = out[key] = []
+            for r in requests:
+                if not _few_slots(slots, key[0], g.block_size, key[2], r, g.index):
+                    return False
+    for (kind, g, r), slots in out.items():
+        where = {"window": batch.window_slots, "ring": batch.ring_slots}.get(kind)
+        target = batch.state_slots[(g, r)] if where is None else where[g]
+        target[: len(slots)] = slots
+    return True
+
+
+def _few_slots(slots: list[int], kind: str, size: int, ratio: int, r, g: int) -> bool:
+    """Append request ``r``'s slots in group ``g`` of one mapping (window, compressed of
+    ``ratio``, ring: the formulas of `window_slots_at`, `state_slots_at`, `ring_slots_at`)
+    to ``slots``; False where a token that writes finds no block."""
+    ids, start, n = r.block_ids[g], r.start, len(r.token_ids)
+    count = len(ids)
+    if kind == "ring":
+        ring = ids[0] if count else 0
+        first = start + max(n - size, 0)  # only the chunk's last C tokens write
+        slots += [
+            ring * size + p % size if ring and p >= first else -1 for p in range(start, start + n)
+        ]
+        return True
+    if kind == "window":
+        for p in range(start, start + n):
+            if p // size >= count:
+                return False
+            slots.append(ids[p // size] * size + p % size)
+        return True
+    per_block = size // ratio
+    for p in range(start, start + n):
+        if (p + 1) % ratio or p < r.cache_write_from:
+            slots.append(-1)
+            continue
+        j = p // ratio
+        if j // per_block >= count:
+            return False
+        slots.append(ids[j // per_block] * per_block + j % per_block)
+    return True
 
 
 def _fill_group(
@@ -225,34 +302,37 @@ def _fill_group(
     ends: np.ndarray,
 ) -> None:
     """One KV-cache group's block table and slots (``req`` / ``pos``: every token's request row
-    and position; ``lens`` / ``ends``: each request's token count and end in the step)."""
-    n_req, n_tok = len(requests), len(pos)
-    counts = np.fromiter((len(r.block_ids[g.index]) for r in requests), np.int64, n_req)
+    and position; ``lens`` / ``ends``: each request's token count and end in the step). The
+    slots are read from the (possibly trimmed) table: it holds every block the step's tokens
+    reach (its width covers the longest request)."""
+    n_tok = len(pos)
+    counts_list = [len(r.block_ids[g.index]) for r in requests]
     table = batch.block_tables[g.index]
     if g.kind == "ring":
-        _ring_slots(requests, g, counts, table, batch.ring_slots[g.index], req, pos, lens, ends)
+        _ring_slots(
+            requests, g, counts_list, table, batch.ring_slots[g.index], req, pos, lens, ends
+        )
         return
     full = _cdiv(max_model_len, g.block_size)
-    if counts.max() > full:
-        i = int(np.argmax(counts > full))
+    if max(counts_list) > full:
+        i = next(i for i, c in enumerate(counts_list) if c > full)
         raise ValueError(
-            f"request {i} ({requests[i].req_id!r}): group {g.index} holds {counts[i]} blocks, "
-            f"more than max_model_len {max_model_len} needs ({full})"
+            f"request {i} ({requests[i].req_id!r}): group {g.index} holds {counts_list[i]} "
+            f"blocks, more than max_model_len {max_model_len} needs ({full})"
         )
-    ids = _ragged_table(requests, g.index, counts)  # [n_req, max count]
-    kept = min(ids.shape[1], table.shape[1])  # a trimmed table keeps what the step reads
-    table[:n_req, :kept] = ids[:, :kept]
+    _fill_table(table, requests, g.index, counts_list)
+    counts = np.array(counts_list, np.int64)
     if g.kind == "window":
         blk = pos // g.block_size
-        _need_blocks(requests, g, counts, req, blk, np.ones(n_tok, bool))
-        batch.window_slots[g.index][:n_tok] = window_slots_at(ids, req, pos, g.block_size)
+        _need_blocks(requests, g, counts, req, blk, None)
+        batch.window_slots[g.index][:n_tok] = window_slots_at(table, req, pos, g.block_size)
         return
-    write_from = np.fromiter((r.cache_write_from for r in requests), np.int64, n_req)
+    write_from = np.array([r.cache_write_from for r in requests], np.int64)
+    writes = pos >= write_from[req]
     for r in g.ratios:
-        writes = pos >= write_from[req]
         blk, closes = _state_blocks(pos, g.block_size, r)
         _need_blocks(requests, g, counts, req, blk, closes & writes)
-        slots = state_slots_at(ids, req, pos, g.block_size, r, writes)
+        slots = state_slots_at(table, req, pos, g.block_size, r, writes)
         batch.state_slots[(g.index, r)][:n_tok] = slots
 
 
@@ -299,18 +379,16 @@ def ring_slots_at(table, req, pos, capacity: int, writes):
 
 def _check_requests(requests, lens, starts, max_model_len: int, num_groups: int) -> None:
     """Errors naming the first request without tokens, outside the model length, or with
-    block ids for the wrong number of groups."""
-    bad = np.flatnonzero(lens == 0)
-    if len(bad):
-        i = int(bad[0])
+    block ids for the wrong number of groups (``lens`` / ``starts``: lists, one per request)."""
+    if 0 in lens:
+        i = lens.index(0)
         raise ValueError(f"request {i} ({requests[i].req_id!r}) has no tokens scheduled")
-    bad = np.flatnonzero((starts < 0) | (starts + lens > max_model_len))
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(
-            f"request {i} ({requests[i].req_id!r}): positions {starts[i]}..{starts[i] + lens[i] - 1} "
-            f"outside 0..{max_model_len - 1}"
-        )
+    for i, (r, n, start) in enumerate(zip(requests, lens, starts, strict=True)):
+        if start < 0 or start + n > max_model_len:
+            raise ValueError(
+                f"request {i} ({r.req_id!r}): positions {start}..{start + n - 1} "
+                f"outside 0..{max_model_len - 1}"
+            )
     for i, r in enumerate(requests):
         if len(r.block_ids) != num_groups:
             raise ValueError(
@@ -332,25 +410,33 @@ def _engram_prev(requests, starts, m: int, out: np.ndarray) -> None:
         out[i, :need] = list(reversed(prev))
 
 
-def _ragged_table(requests, g: int, counts: np.ndarray) -> np.ndarray:
-    """Every request's block ids of group g as rows of an [n_req, max(counts)] array (at least
-    one column; missing entries 0)."""
-    total = int(counts.sum())
-    flat = np.fromiter(
-        itertools.chain.from_iterable(r.block_ids[g] for r in requests), np.int64, total
-    )
-    out = np.zeros((len(requests), max(int(counts.max()), 1)), np.int64)
-    row = np.repeat(np.arange(len(requests)), counts)
-    col = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-    out[row, col] = flat
-    return out
+def _fill_table(table: np.ndarray, requests, g: int, counts: list[int]) -> None:
+    """Write every request's block ids of group g into the rows of ``table`` (the columns it
+    has: a trimmed table keeps what the step reads); entries past a request's ids stay 0."""
+    width = table.shape[1]
+    if len(requests) <= 4:  # a few rows: a slice each beats the ragged scatter
+        for i, r in enumerate(requests):
+            ids = r.block_ids[g]
+            if counts[i] > width:
+                ids = ids[:width]
+            table[i, : len(ids)] = ids
+        return
+    n = len(requests)
+    if max(counts) > width:  # a trimmed table: only the columns the step reads
+        counts = [min(c, width) for c in counts]
+        rows = (r.block_ids[g][:width] for r in requests)
+    else:
+        rows = (r.block_ids[g] for r in requests)
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, sum(counts))
+    # row-major order of the mask is the order of the rows' ids
+    table[:n][np.arange(width) < np.array(counts)[:, None]] = flat
 
 
 def _ring_slots(requests, g: GroupInfo, counts, table, slots, req, pos, lens, ends) -> None:
     """The ring block (at most one per request) and the ring rows of each request's last
     ``min(len, C)`` tokens (row ``ring_block * C + p % C``)."""
-    if counts.max() > 1:
-        i = int(np.argmax(counts > 1))
+    if max(counts) > 1:
+        i = next(i for i, c in enumerate(counts) if c > 1)
         raise ValueError(
             f"request {i} ({requests[i].req_id!r}): ring group {g.index} holds "
             f"{counts[i]} blocks, expected at most 1"
@@ -359,14 +445,19 @@ def _ring_slots(requests, g: GroupInfo, counts, table, slots, req, pos, lens, en
     n_req = len(requests)
     table[:n_req, 0] = ring
     c = g.block_size
-    index = np.arange(len(req)) - (ends - lens)[req]  # token's index inside its chunk
-    last = (index >= lens[req] - c) & (ring[req] != 0)
+    last = ring[req] != 0
+    if len(req) > n_req:  # some request runs several tokens: only its last C write
+        index = np.arange(len(req)) - (ends - lens)[req]  # token's index inside its chunk
+        last &= index >= lens[req] - c
     slots[: len(req)] = ring_slots_at(table[:n_req], req, pos, c, last)
 
 
 def _need_blocks(requests, g: GroupInfo, counts, req, blk, used) -> None:
-    """Every token that writes group g must find its block among its request's ids."""
-    short = used & (blk >= counts[req])
+    """Every token that writes group g (where ``used`` holds; None: every token) must find its
+    block among its request's ids."""
+    short = blk >= counts[req]
+    if used is not None:
+        short &= used
     if short.any():
         t = int(np.argmax(short))
         i = int(req[t])
@@ -436,7 +527,22 @@ def _padding(
     widths: Sequence[int],
     engram_lookback: int = 0,
 ) -> StepBatch:
-    """The arrays of a batch of T = t_pad tokens and R = r_pad rows, all padding."""
+    """The arrays of a batch of T = t_pad tokens and R = r_pad rows, all padding (fresh
+    copies of one template per shape: the builder writes into them)."""
+    template = _padding_template(tuple(groups), t_pad, r_pad, tuple(widths), engram_lookback)
+    return StepBatch(
+        *[a.copy() for a in template[:7]],
+        block_tables=tuple(a.copy() for a in template[7]),
+        window_slots={k: a.copy() for k, a in template[8].items()},
+        state_slots={k: a.copy() for k, a in template[9].items()},
+        ring_slots={k: a.copy() for k, a in template[10].items()},
+        engram_prev=template[11].copy(),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _padding_template(groups, t_pad: int, r_pad: int, widths, engram_lookback: int) -> tuple:
+    """`_padding`'s arrays in `StepBatch`'s field order (never written: `_padding` copies)."""
     window_slots: dict[int, np.ndarray] = {}
     state_slots: dict[tuple[int, int], np.ndarray] = {}
     ring_slots: dict[int, np.ndarray] = {}
@@ -448,19 +554,19 @@ def _padding(
                 state_slots[(g.index, r)] = np.full(t_pad, -1, np.int32)
         else:
             ring_slots[g.index] = np.full(t_pad, -1, np.int32)
-    return StepBatch(
-        token_ids=np.zeros(t_pad, np.int32),
-        positions=np.full(t_pad, -1, np.int32),
-        token_req=np.full(t_pad, r_pad - 1, np.int32),
-        query_start_loc=np.zeros(r_pad + 1, np.int32),
-        seq_lens=np.zeros(r_pad, np.int32),
-        logits_indices=np.zeros(r_pad, np.int32),
-        replay_start=np.zeros(r_pad, np.int32),
-        block_tables=tuple(np.zeros((r_pad, w), np.int32) for w in widths),
-        window_slots=window_slots,
-        state_slots=state_slots,
-        ring_slots=ring_slots,
-        engram_prev=np.full((r_pad, engram_lookback), -1, np.int32),
+    return (
+        np.zeros(t_pad, np.int32),  # token_ids
+        np.full(t_pad, -1, np.int32),  # positions
+        np.full(t_pad, r_pad - 1, np.int32),  # token_req
+        np.zeros(r_pad + 1, np.int32),  # query_start_loc
+        np.zeros(r_pad, np.int32),  # seq_lens
+        np.zeros(r_pad, np.int32),  # logits_indices
+        np.zeros(r_pad, np.int32),  # replay_start
+        tuple(np.zeros((r_pad, w), np.int32) for w in widths),
+        window_slots,
+        state_slots,
+        ring_slots,
+        np.full((r_pad, engram_lookback), -1, np.int32),
     )
 
 
