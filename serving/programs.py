@@ -9,10 +9,13 @@ same rule: only when that cache is on and the compile took at least
 loads them from there without tracing or lowering anything: JAX's own cache still has to trace
 and lower a program to find its entry, which is most of a second start.
 
-An entry's name is a digest of everything the program depends on: the step function, its
-static arguments, every input's tree, shape, dtype and placement, the JAX, jaxlib and Python
-versions, the device, JAX's configuration, ``XLA_FLAGS`` and the source of the packages that
-trace it. Loading one runs pickled code, as JAX's own cache does: keep the folder private.
+Only a program XLA compiled just now is written, never one JAX's own caches handed back: XLA:CPU
+serializes an executable it deserialized without all of its functions (running the copy fails
+with "Function ... not found"). An entry's name is a digest of everything the program depends
+on: the step function, its static arguments, every input's tree, shape, dtype and placement, the
+JAX, jaxlib and Python versions, the device, JAX's configuration, ``XLA_FLAGS`` and the source
+of the packages that trace it. Loading one runs pickled code, as JAX's own cache does: keep the
+folder private.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +44,8 @@ from serving.metrics import count_program_load
 __all__ = ["StepPrograms", "program_key", "source_digest"]
 
 SUBDIR = "dsv4-steps"
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_COMPILE = "/jax/core/compile/backend_compile_duration"
 # the packages whose code a step program is traced from
 _PACKAGES = ("dsv4", "pallas_kernels", "serving", "cache")
 
@@ -84,6 +90,44 @@ def program_key(step: Callable, args: Sequence[Any], static: dict[str, Any]) -> 
     if " at 0x" in text:
         return None
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _Compiles(threading.local):
+    """What JAX recorded for this thread's last compile (its events are recorded in the
+    compiling thread): an XLA compile ran, and whether JAX's persistent cache answered it."""
+
+    compiled = False
+    hit = False
+
+
+_seen = _Compiles()
+_listener_lock = threading.Lock()
+_listening = False
+
+
+def _on_event(event: str, **_: object) -> None:
+    if event == _JAX_CACHE_HIT:
+        _seen.hit = True
+
+
+def _on_duration(event: str, duration: float, **_: object) -> None:
+    if event == _COMPILE:
+        _seen.compiled = True
+
+
+def _compile_fresh(step: Callable, args: tuple, static: dict[str, Any]):
+    """``step``'s program for ``args``, and whether XLA compiled it just now: not an executable
+    that JAX's persistent cache loaded, nor one its in-memory cache kept (which may be such a
+    loaded one)."""
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            _listening = True
+    _seen.compiled = _seen.hit = False
+    program = step.lower(*args, **static).compile()
+    return program, _seen.compiled and not _seen.hit
 
 
 class StepPrograms:
@@ -156,11 +200,11 @@ class StepPrograms:
                 program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
                 count_program_load()
                 return program
-            except Exception:  # a stale or broken entry is compiled again and replaced
-                pass
+            except Exception:  # a broken entry: removed, the program compiled instead
+                path.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        program = step.lower(*args, **self._static).compile()
-        if path is not None and time.perf_counter() - t0 >= _min_compile_s():
+        program, fresh = _compile_fresh(step, args, self._static)
+        if path is not None and fresh and time.perf_counter() - t0 >= _min_compile_s():
             _store(path, program)
         return program
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from serving import programs as PG
 from serving.metrics import compilation_count, persistent_cache_hits
@@ -34,14 +35,17 @@ def _inputs(t: int, w: int):
 
 @pytest.fixture
 def cache_dir(tmp_path):
-    """JAX's persistent cache pointed at ``tmp_path``, every compile kept (as `LLM` sets it)."""
+    """JAX's persistent cache pointed at ``tmp_path``, every compile kept (as `LLM` sets it);
+    afterwards the test process's own settings again (JAX opens its cache once: reset)."""
     old = {
         name: getattr(jax.config, name)
         for name in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     }
+    reset_cache()
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     yield tmp_path / PG.SUBDIR
+    reset_cache()
     for name, value in old.items():
         jax.config.update(name, value)
 
@@ -52,6 +56,7 @@ def test_a_second_table_loads_what_the_first_compiled(cache_dir):
     done = []
     first.build(_step, (jnp.zeros(()),), jobs, lambda: done.append(1))
     assert len(first) == len(done) == 3 and len(list(cache_dir.glob("*.pkl"))) == 3
+    assert any(p.name != PG.SUBDIR for p in cache_dir.parent.iterdir())  # JAX's own entries
     compiles, loads = compilation_count(), persistent_cache_hits()
     second = PG.StepPrograms({"scale": 3})
     second.build(_step, (jnp.zeros(()),), jobs, lambda: None)
@@ -69,16 +74,33 @@ def test_a_second_table_loads_what_the_first_compiled(cache_dir):
     np.testing.assert_array_equal(got, np.arange(2) * 5 + 16)
 
 
-def test_a_broken_entry_is_compiled_again_and_replaced(cache_dir):
+def test_a_broken_entry_is_removed_and_the_program_compiled(cache_dir):
     jobs = [_inputs(4, 8)]
     PG.StepPrograms({"scale": 2}).build(_step, (jnp.zeros(()),), jobs, lambda: None)
     (entry,) = cache_dir.glob("*.pkl")
     entry.write_bytes(b"not a program")
     table = PG.StepPrograms({"scale": 2})
-    table.build(_step, (jnp.zeros(()),), jobs, lambda: None)  # lowered and compiled again
-    assert entry.read_bytes() != b"not a program"
+    table.build(_step, (jnp.zeros(()),), jobs, lambda: None)
+    assert not entry.exists()  # not tried again by every later start
     got, _ = table(_step, (jnp.zeros(()),), jobs[0])
     np.testing.assert_array_equal(got, np.arange(4) * 2 + 16)
+
+
+def test_a_program_jax_s_caches_handed_back_is_not_written(cache_dir, monkeypatch):
+    """XLA:CPU writes a deserialized executable without all its functions: a program JAX's
+    persistent cache loaded (or its in-memory cache kept) is used but never written."""
+    jobs = [_inputs(4, 8)]
+    monkeypatch.setattr(PG, "_folder", lambda: None)  # the step folder off: JAX's cache only
+    PG.StepPrograms({"scale": 11}).build(_step, (jnp.zeros(()),), jobs, lambda: None)
+    monkeypatch.undo()
+    # the same function under another jit: its in-memory caches are cold, JAX's file has it
+    again = jax.jit(_step.__wrapped__, static_argnames=("scale",), donate_argnums=(0,))
+    for _ in range(2):  # a persistent-cache hit, then an in-memory one
+        table = PG.StepPrograms({"scale": 11})
+        table.build(again, (jnp.zeros(()),), jobs, lambda: None)
+        assert len(table) == 1 and not any(cache_dir.glob("*.pkl"))
+        got, _ = table(again, (jnp.zeros(()),), jobs[0])
+        np.testing.assert_array_equal(got, np.arange(4) * 11 + 16)
 
 
 def test_nothing_is_written_where_jax_would_not_write(tmp_path):
