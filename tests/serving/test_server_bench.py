@@ -17,3 +17,16 @@ def test_serve_benchmark_runs_small():
     assert result["http_over_offline"] > 0
     assert result["http_ttft_ms"]["p50"] > 0 and result["http_itl_ms"]["p99"] > 0
     assert "streaming clients" in serve.table_row(result)
+
+
+def test_readme_shows_the_committed_serve_line():
+    """README.md's serving figures are `table_row` of the committed run
+    (benchmarks/results/serve/), not typed."""
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    (committed,) = sorted((root / "benchmarks" / "results" / "serve").glob("*.json"))
+    result = json.loads(committed.read_text())
+    assert result["benchmark"] == "serve" and result["same_tokens"] is True
+    assert serve.table_row(result) in (root / "README.md").read_text()
