@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import sys
@@ -149,11 +150,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """The caches of one (batch, context): the pool layout, its `KVCacheConfig`, the requests
+    (their block ids), the decode step's batch and the pools' bytes."""
+
+    layout: Any
+    config: Any
+    requests: list[StepRequest]
+    step: Any
+    pool_bytes: int
+
+
 def plan_pools(cfg: ModelConfig, records: str, batch: int, context: int, *, block_size: int,
-               swa_block_size: int):  # fmt: skip
-    """``(layout, step batch, pool bytes)`` for ``batch`` requests decoding position
-    ``context - 1``, each with its own blocks: the window's last pages (the columns before them
-    the null block, as the allocator leaves them), every compressed page, one ring page."""
+               swa_block_size: int) -> PoolPlan:  # fmt: skip
+    """The `PoolPlan` of ``batch`` requests decoding position ``context - 1``, each with its
+    own blocks: the window's last pages (the columns before them the null block, as the
+    allocator leaves them), every compressed page, one ring page."""
     formats = PRESETS[records]
     desc = P.cache_desc(cfg, formats, block_size=block_size, swa_block_size=swa_block_size)
     groups = group_infos(for_model(desc, num_gpu_blocks_override=1))
@@ -180,7 +193,7 @@ def plan_pools(cfg: ModelConfig, records: str, batch: int, context: int, *, bloc
     step = build_batch(requests, config, max_model_len=context, token_buckets=(batch,),
                        request_buckets=(batch,), groups=groups)  # fmt: skip
     pool_bytes = sum(math.prod(s) for s in layout.buffer_shapes().values())
-    return layout, jax.tree.map(jnp.asarray, step), pool_bytes
+    return PoolPlan(layout, config, requests, jax.tree.map(jnp.asarray, step), pool_bytes)
 
 
 def random_pools(layout, seed: int = 0) -> dict[str, jax.Array]:
@@ -199,9 +212,8 @@ def trace(kind: str, shape: tuple[int, int], *, widths: str = "released", record
     allocated, nothing run): the released-width program's shapes checked on a CPU, and its
     bytes (`step_bytes`) and pool bytes."""
     cfg = layer_config(kind, widths)
-    layout, step, pool_bytes = plan_pools(
-        cfg, records, *shape, block_size=blocks[0], swa_block_size=blocks[1]
-    )
+    plan = plan_pools(cfg, records, *shape, block_size=blocks[0], swa_block_size=blocks[1])
+    layout, step, pool_bytes = plan.layout, plan.step, plan.pool_bytes
     params = jax.eval_shape(lambda: released_params(cfg))
     pools = jax.eval_shape(lambda: random_pools(layout))
     h, _ = jax.eval_shape(
@@ -238,9 +250,8 @@ def measure(cfg: ModelConfig, params, shape: tuple[int, int], *, records: str, r
     batch, context = shape
     row: dict[str, Any] = dict(batch=batch, context=context, time_s=None, roofline_s=None,
                                roofline_pct=None)  # fmt: skip
-    layout, step, pool_bytes = plan_pools(
-        cfg, records, batch, context, block_size=blocks[0], swa_block_size=blocks[1]
-    )
+    plan = plan_pools(cfg, records, batch, context, block_size=blocks[0], swa_block_size=blocks[1])
+    layout, step, pool_bytes = plan.layout, plan.step, plan.pool_bytes
     row["bytes"] = step_bytes(cfg, params, layout, batch, context)
     row["pool_bytes"] = pool_bytes
     if peak:

@@ -144,3 +144,36 @@ def test_bad_input_names_the_value():
         layer.main(["--kinds", "c4"])
     with pytest.raises(SystemExit, match="--batches '0,8'"):
         layer.main(["--batches", "0,8"])
+
+
+def test_decode_step_over_the_planned_pools_equals_the_reference():
+    """The benchmark's pools and batch hold a real request: its prompt prefilled through the
+    same blocks (over the random fill), then the planned decode step's logits equal
+    `reference.forward`'s at the last position (f32 weights and records, one-layer model)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4 import layers as L
+    from dsv4.paged.batch import StepRequest, build_batch
+    from dsv4.paged.step import paged_forward
+    from dsv4.reference import forward
+
+    cfg = layer.layer_config("full_r1", "tiny")
+    params = layer.released_params(cfg, dtype=jnp.float32)
+    b, ctx = 2, 40
+    plan = layer.plan_pools(cfg, "EXACT", b, ctx, block_size=16, swa_block_size=4)
+    tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (b, ctx)).astype(np.int32)
+    prefill = [StepRequest(tokens[i, :-1].tolist(), 0, r.block_ids) for i, r in
+               enumerate(plan.requests)]  # fmt: skip
+    n = b * (ctx - 1)
+    batch = build_batch(prefill, plan.config, max_model_len=ctx, token_buckets=(n,),
+                        request_buckets=(b,))  # fmt: skip
+    step = jax.jit(lambda p, q, s: paged_forward(p, cfg, plan.layout, q, s))
+    _, pools = step(params, layer.random_pools(plan.layout), jax.tree.map(jnp.asarray, batch))
+    decode = dataclasses.replace(plan.step, token_ids=jnp.asarray(tokens[:, -1]))
+    h, _ = step(params, pools, decode)
+    got = np.asarray(L.lm_head(params, h))
+    want = np.asarray(jax.jit(lambda p, t: forward(p, cfg, t))(params, jnp.asarray(tokens)))
+    np.testing.assert_allclose(got, want[:, -1], rtol=1e-4, atol=1e-4)
