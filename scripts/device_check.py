@@ -2,7 +2,8 @@
 
 ``engine``: the shipped trained model end to end (greedy tokens against the CPU's, recorded in
 scripts/cpu_greedy_tokens.json by ``record-tokens``; output tokens/s per batch; compilations
-after warm-up). ``--table`` prints the README table from benchmarks/results/<device>.json.
+after warm-up). ``layer-table`` prints benchmarks/layer.py's JSON as a table (step 5, issue 36
+point 1d). ``--table`` prints the README table from benchmarks/results/<device>.json.
 """
 
 from __future__ import annotations
@@ -121,6 +122,82 @@ def _bench_summary(path: str) -> str:
     )
 
 
+def _layer_rows(out: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(kind, r) for kind, rows in out["results"].items() for r in rows]
+
+
+def _layer_bad(out: dict[str, Any], row: dict[str, Any]) -> bool:
+    """A row that failed: an error, a timed run without a time, or a non-finite output."""
+    if row.get("skipped"):
+        return False
+    missing = out["timed"] and row.get("time_s") is None
+    return bool(row.get("error")) or missing or row.get("output_finite") is False
+
+
+def _layer_summary(path: str) -> str:
+    """record-step's line for benchmarks/layer.py's JSON: counts, then per kind at the
+    tpu-inference shape its time, % of the roofline and ratio to the scaled figure."""
+    with open(path) as f:
+        text = f.read().strip()
+    if not text:
+        return f"{path}: no output"
+    out = json.loads(text)
+    rows = _layer_rows(out)
+    parts = [
+        f"{len(rows)} rows, {sum(bool(r.get('skipped')) for _, r in rows)} skipped, "
+        f"{sum(_layer_bad(out, r) for _, r in rows)} errors, timed: {out['timed']}"
+    ]
+    traced = out.get("traced_released")
+    if traced is not None:
+        failed = [f"{r['kind']} b{r['batch']} ctx{r['context']}" for r in traced if "error" in r]
+        parts.append(f"released widths traced: {len(traced) - len(failed)}/{len(traced)}")
+    for kind, r in rows:
+        if r.get("time_s") is not None and "tpu_inference_scaled_s" in r:
+            pct = r.get("roofline_pct")
+            parts.append(
+                f"{kind} b{r['batch']} ctx{r['context']} {r['time_s'] * 1e6:.0f} us "
+                f"({'-' if pct is None else f'{pct:.0f}'}% roofline, "
+                f"{r['time_over_tpu_inference']:.2f}x tpu-inference scaled)"
+            )
+    return "; ".join(parts)
+
+
+def layer_table(path: str) -> int:
+    """Print benchmarks/layer.py's JSON as a table; 1 when a row failed or there is none."""
+    with open(path) as f:
+        text = f.read().strip()
+    if not text:
+        print(f"{path}: no output")
+        return 1
+    out = json.loads(text)
+    print(f"device {out['device']} | {out['widths']} widths | records {out['records']} | "
+          f"peak HBM {out['peak_hbm_bytes_per_s']} B/s | jax {out['jax']}")  # fmt: skip
+    print(f"{'kind':8} {'batch':>5} {'context':>7} {'MB':>9} {'us':>9} {'roof us':>9} "
+          f"{'%roof':>6} {'tpu-inf us':>10}")  # fmt: skip
+    bad = 0
+    for kind, r in _layer_rows(out):
+        where = f"{kind:8} {r['batch']:>5} {r['context']:>7}"
+        if r.get("skipped") or r.get("error"):
+            print(f"{where} {'SKIPPED' if r.get('skipped') else 'ERROR'} "
+                  f"({r.get('skipped') or r.get('error')})")  # fmt: skip
+            bad += bool(r.get("error"))
+            continue
+        bad += _layer_bad(out, r)
+        t, roof, pct = r.get("time_s"), r.get("roofline_s"), r.get("roofline_pct")
+        tpu = r.get("tpu_inference_scaled_s")
+        print(f"{where} {r['bytes']['total'] / 1e6:>9.1f} "
+              f"{'-' if t is None else f'{t * 1e6:.1f}':>9} "
+              f"{'-' if roof is None else f'{roof * 1e6:.1f}':>9} "
+              f"{'-' if pct is None else f'{pct:.1f}':>6} "
+              f"{'-' if tpu is None else f'{tpu * 1e6:.0f}':>10}"
+              f"{'' if r.get('output_finite', True) else '  NON-FINITE OUTPUT'}")  # fmt: skip
+    for r in out.get("traced_released", ()):
+        print(f"traced at released widths: {r['kind']} b{r['batch']} ctx{r['context']}: "
+              f"{r.get('error') or 'ok, %.1f MB moved' % (r['bytes']['total'] / 1e6)}")  # fmt: skip
+        bad += "error" in r
+    return 1 if bad or not _layer_rows(out) else 0
+
+
 def record_step(steps_file: str, step: str, code: int, seconds: float, note: str) -> dict:
     """Append one step's outcome to ``steps_file`` (the results/<device>.json format)."""
     import jax
@@ -136,6 +213,8 @@ def record_step(steps_file: str, step: str, code: int, seconds: float, note: str
             summary = _engine_summary(json.load(f))
     if step == "kernels_benchmark" and os.path.isfile(note):
         summary = _bench_summary(note)
+    if step == "layer" and os.path.isfile(note):
+        summary = _layer_summary(note)
     if note.startswith("skipped"):
         status = "SKIPPED"
     res["steps"].append({"step": step, "status": status, "seconds": seconds, "summary": summary})
@@ -164,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", action="store_true", help="print the README table")
     parser.add_argument("--results", default=RESULTS_DIR, help="the results/<device>.json dir")
-    parser.add_argument("command", nargs="?", choices=["engine", "record-tokens", "record-step"])
+    parser.add_argument(
+        "command", nargs="?", choices=["engine", "record-tokens", "record-step", "layer-table"]
+    )
+    parser.add_argument("path", nargs="?", help="layer-table: benchmarks/layer.py's JSON")
     parser.add_argument("--step", default=None, help="record-step: the step's name")
     parser.add_argument("--code", type=int, default=0, help="record-step: its exit status")
     parser.add_argument("--seconds", type=float, default=0.0, help="record-step: its time")
@@ -180,13 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "record-tokens":
         print(json.dumps(record_tokens()))
         return 0
+    if args.command == "layer-table":
+        if not args.path:
+            parser.error("layer-table needs the JSON file benchmarks/layer.py --out wrote")
+        return layer_table(args.path)
     if args.command == "record-step":
         if not args.out or not args.step:
             parser.error("record-step needs --out (the steps file) and --step")
         record_step(args.out, args.step, args.code, args.seconds, args.note)
         return 0
     if args.command != "engine":
-        parser.error("give a command (engine, record-tokens) or --table")
+        parser.error("give a command (engine, record-tokens, record-step, layer-table) or --table")
     batches = [int(b) for b in args.batches.split(",") if b]
     if not batches or min(batches) < 1:
         parser.error(f"--batches {args.batches!r}: comma-separated integers >= 1")

@@ -14,16 +14,21 @@
 #   4. engine       the shipped trained model end to end (scripts/device_check.py engine): greedy
 #                   tokens against the CPU's (scripts/cpu_greedy_tokens.json), output tokens/s at
 #                   batch 1, 8, 64, compilations after warm-up.
-#   5. other tests  the rest of tests/pallas_kernels, in whatever time is left.
+#   5. layer        one decoder layer of V4.1-Flash at its released widths (benchmarks/layer.py):
+#                   each attention kind at decode batch 64 / 4k first, then larger batches and
+#                   contexts, time per layer against its bytes-moved HBM roofline and
+#                   tpu-inference's per-layer figure scaled by bandwidth, within its time budget.
+#   6. other tests  the rest of tests/pallas_kernels, in whatever time is left.
 # Each step appends its outcome to $OUT_DIR/steps.json as it ends (a cut-off run keeps what it
 # did); commit that file as benchmarks/results/<device>.json (the README table reads it).
 # PLATFORM=cpu is a dry run (tests/scripts/test_device_check.py): tests are only collected, the
-# benchmark is untimed and quick, the engine step is skipped unless DRY_RUN_ENGINE=1.
+# benchmark is untimed and quick, the engine step is skipped unless DRY_RUN_ENGINE=1, the layer
+# runs one tiny-width kind untimed.
 #
 # Usage: scripts/device_check.sh
 #   OUT_DIR (or $OUT)  where the JSON and logs go (default /tmp/device_check)
 #   PYTHON             use this interpreter as is (skips step 1's install)
-#   PLATFORM           JAX_PLATFORMS for steps 2-5 (default cuda; "cpu" dry-runs the script)
+#   PLATFORM           JAX_PLATFORMS for steps 2-6 (default cuda; "cpu" dry-runs the script)
 # Exit status: 0 when every step passed, 1 when a step failed, 2 when no GPU Python was found.
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -51,7 +56,7 @@ record() {
 }
 on_gpu() { "$1" -c 'import jax, sys; sys.exit(0 if jax.default_backend() == "gpu" else 1)' >/dev/null 2>&1; }
 
-section "1/5 environment"
+section "1/6 environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "(nvidia-smi failed)"
 PY=""
 if [ -n "${PYTHON:-}" ]; then
@@ -102,14 +107,14 @@ COLLECT=()
 [ "$DRY" = 1 ] && COLLECT=(--collect-only)
 STEP_T0=$(date +%s)
 
-section "2/5 window + sparse attention kernels, compiled on the GPU"
+section "2/6 window + sparse attention kernels, compiled on the GPU"
 timeout "$(cap 150)" "$PY" -m pytest -o addopts="" -q -p no:cacheprovider -rs \
     tests/pallas_kernels/test_window_attention.py tests/pallas_kernels/test_sparse_attention.py \
     -k "not compiles and not lowers" "${COLLECT[@]}" 2>&1 | tee "$OUT_DIR/kernel_tests.log"
 RESULT[tests]=$?
 record kernel_tests "${RESULT[tests]}" "$(tail -n 1 "$OUT_DIR/kernel_tests.log")"
 
-section "3/5 kernel benchmark (every kernel), timed on the GPU"
+section "3/6 kernel benchmark (every kernel), timed on the GPU"
 BENCH_CAP=$(cap 150)
 # the benchmark stops timing rows after BENCH_BUDGET s (compiles dominate), so its JSON comes out
 # before the hard timeout; the headroom covers the imports and the row in flight
@@ -166,7 +171,7 @@ EOF
 
 record kernels_benchmark "${RESULT[benchmark]}" "$OUT_DIR/kernels_bench.json"
 
-section "4/5 the engine end to end with the shipped trained model"
+section "4/6 the engine end to end with the shipped trained model"
 ENGINE_ARGS=()
 [ "$DRY" = 1 ] && ENGINE_ARGS=(--dry-run --batches 1,2 --new-tokens 4)
 if [ "$DRY" = 1 ] && [ -z "${DRY_RUN_ENGINE:-}" ]; then
@@ -184,9 +189,29 @@ else
     tail -n 5 "$OUT_DIR/engine.err"
     record engine "${RESULT[engine]}" "$OUT_DIR/engine.json"
 fi
-record layer 0 "skipped: the one-layer V4.1-Flash benchmark (issue 36 point 1d) is not written yet"
 
-section "5/5 the other kernel tests in tests/pallas_kernels"
+section "5/6 one decoder layer at V4.1-Flash widths (benchmarks/layer.py), timed on the GPU"
+LAYER_CAP=$(cap 120)
+# rows stop starting after LAYER_BUDGET s; the headroom covers the imports, the weights and the
+# row in flight (its JSON is rewritten after each row, so a cut-off run keeps the rows done)
+LAYER_BUDGET=$((LAYER_CAP > 90 ? LAYER_CAP - 50 : LAYER_CAP / 2))
+LAYER_ARGS=(--repeats 10 --budget-s "$LAYER_BUDGET")
+[ "$DRY" = 1 ] && LAYER_ARGS=(--dry-run --kinds full_r1)
+if [ "$(remaining)" -lt 30 ]; then
+    echo "(skipped: out of time)"
+    RESULT[layer]=124
+    record layer 124 "skipped: out of time"
+else
+    rm -f "$OUT_DIR/layer_bench.json"
+    timeout "$LAYER_CAP" "$PY" -m benchmarks.layer "${LAYER_ARGS[@]}" \
+        --out "$OUT_DIR/layer_bench.json" >/dev/null 2>"$OUT_DIR/layer_bench.err"
+    RESULT[layer]=$?
+    tail -n 5 "$OUT_DIR/layer_bench.err"
+    "$PY" scripts/device_check.py layer-table "$OUT_DIR/layer_bench.json" || RESULT[layer]=1
+    record layer "${RESULT[layer]}" "$OUT_DIR/layer_bench.json"
+fi
+
+section "6/6 the other kernel tests in tests/pallas_kernels"
 mapfile -t OTHERS < <(ls tests/pallas_kernels/test_*.py | grep -v -e test_window_attention -e test_sparse_attention)
 if [ "${#OTHERS[@]}" -eq 0 ]; then
     echo "(none)"
@@ -203,7 +228,7 @@ record other_tests "${RESULT[other_tests]}" "$(tail -n 1 "$OUT_DIR/other_tests.l
 
 section "summary ($(($(date +%s) - START)) s)"
 status=0
-for step in tests benchmark engine other_tests; do
+for step in tests benchmark engine layer other_tests; do
     code=${RESULT[$step]:-1}
     case $code in
         0) word=PASS ;;
