@@ -156,7 +156,6 @@ def test_best_of_and_vllm_sampling_keywords_say_what_to_use_instead():
 
 
 def test_best_of_through_the_server_is_a_400_naming_it():
-    pytest.importorskip("fastapi")
     from serving.openai_protocol import ChatCompletionRequest, CompletionRequest
     from serving.server import HTTPError, _sampling_params
 
