@@ -160,14 +160,12 @@ class StepPrograms:
     ) -> None:
         """Compile or load ``step``'s program for each inputs in ``jobs`` (with the runner's
         ``state`` first), a core's worth at a time; ``on_done`` after each."""
-        workers = max(1, min(len(jobs), os.cpu_count() or 1, 8))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {
-                pool.submit(self._program, step, (*state, *inputs)): inputs for inputs in jobs
-            }
-            for future in concurrent.futures.as_completed(futures):
-                self._table[self.shapes(step, futures[future])] = future.result()
-                on_done()
+
+        def build(inputs):
+            return self._program(step, (*state, *inputs))
+
+        for inputs, program in _in_threads(build, jobs, on_done):
+            self._table[self.shapes(step, inputs)] = program
 
     def compile_for_jit(
         self, calls: Sequence[tuple[Callable, tuple]], on_done: Callable[[], None]
@@ -179,15 +177,10 @@ class StepPrograms:
 
         def compile_one(call):
             step, args = call
-            step.lower(*args, **self._static).compile()
+            return step.lower(*args, **self._static).compile()
 
-        workers = max(1, min(len(calls), os.cpu_count() or 1, 8))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for future in concurrent.futures.as_completed(
-                [pool.submit(compile_one, call) for call in calls]
-            ):
-                future.result()
-                on_done()
+        for _ in _in_threads(compile_one, calls, on_done):
+            pass
 
     def _program(self, step: Callable, args: tuple) -> Callable:
         folder = _folder()
@@ -207,6 +200,18 @@ class StepPrograms:
         if path is not None and fresh and time.perf_counter() - t0 >= _min_compile_s():
             _store(path, program)
         return program
+
+
+def _in_threads(fn: Callable, items: Sequence[Any], on_done: Callable[[], None]):
+    """(item, ``fn(item)``) for each of ``items``, as they finish, a core's worth at a time
+    (XLA compiles and loads outside the GIL); ``on_done`` after each."""
+    workers = max(1, min(len(items), os.cpu_count() or 1, 8))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(fn, item): item for item in items}
+        for future in concurrent.futures.as_completed(futures):
+            result = future.result()
+            on_done()
+            yield futures[future], result
 
 
 def _folder() -> Path | None:
