@@ -586,9 +586,13 @@ class Engine:
         stops = params.stop
         if not stops or self.tokenizer is None:
             return None
-        text = self.tokenizer.decode(request.output_token_ids)
+        text = request.output_text(self.tokenizer)
+        # every stop string was looked for in the text up to the last check: one found now
+        # ends after it
+        checked = request.num_stop_checked_chars
+        request.num_stop_checked_chars = request.num_settled_chars
         for stop in stops:
-            index = text.find(stop)
+            index = text.find(stop, max(0, checked - len(stop) + 1))
             if index < 0:
                 continue
             end = index + len(stop) if params.include_stop_str_in_output else index

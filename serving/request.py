@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cache import Request as CacheRequest
+from serving.detokenizer import IncrementalText
 from serving.outputs import CompletionOutput, Logprob, RequestMetrics
 from serving.sampling_params import RequestOutputKind, SamplingParams
 
@@ -116,6 +117,8 @@ class Request(CacheRequest):
         # prompt position -> its Logprob dict (position 0 has none)
         self.prompt_logprobs: dict[int, dict[int, Logprob]] = {}
         self.text: str | None = None  # set when a stop string cut it; else decoded on demand
+        self._detokenizer: IncrementalText | None = None  # its output's text, step by step
+        self.num_stop_checked_chars = 0  # text before this had no stop string (last check)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # DELTA outputs: what was reported already
@@ -137,13 +140,25 @@ class Request(CacheRequest):
             self.logprobs.append(logprob_dict(entry, token_id, n, decode))
             self.cumulative_logprob += entry[0]
 
+    def output_text(self, tokenizer) -> str:
+        """``tokenizer.decode`` of its output tokens, decoding only what the last step added
+        (`serving.detokenizer.IncrementalText`)."""
+        if self._detokenizer is None:
+            self._detokenizer = IncrementalText(tokenizer.decode)
+        return self._detokenizer.text(self.output_token_ids)
+
+    @property
+    def num_settled_chars(self) -> int:
+        """Characters at the start of `output_text` that no later token can change."""
+        return 0 if self._detokenizer is None else self._detokenizer.num_kept_chars
+
     def decoded(self, tokenizer) -> str:
         """Its output text (the cut text after a stop string)."""
         if self.text is not None:
             return self.text
         if tokenizer is None or not self.sampling_params.detokenize:
             return ""
-        return tokenizer.decode(self.output_token_ids)
+        return self.output_text(tokenizer)
 
     def completion(self, tokenizer) -> CompletionOutput:
         """Its `CompletionOutput` now (with DELTA outputs: what is new since the last one)."""
