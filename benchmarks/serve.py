@@ -1,6 +1,6 @@
 """``dsv4 serve`` against `LLM.generate`: N concurrent streaming clients over HTTP on 127.0.0.1
-(the `openai` client's raw streams, each event's JSON parsed, as load generators read them), and
-the same prompts through `LLM.generate` on the same engine.
+(a minimal HTTP/1.1 client on asyncio streams, each event's JSON parsed, as load generators
+read them), and the same prompts through `LLM.generate` on the same engine.
 
 Prints one JSON line: output tokens/s of both, their ratio (the goal: HTTP at least 0.85 of
 offline on the shipped model), and over HTTP TTFT and inter-token latency p50 / p99 (ms).
@@ -32,45 +32,62 @@ def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": round(float(np.percentile(arr, q)), 3) for q in (50, 99)}
 
 
-async def _client(client, model: str, prompt: list[int], max_tokens: int):
-    """One streaming request: (tokens, TTFT, the gaps between its chunks per token). The
-    stream is read as a load generator reads it (vLLM's serving benchmark does the same with
-    aiohttp): the `openai` client's raw response, each Server-Sent Event's JSON parsed, no
-    objects built per chunk."""
+async def _post_stream(host: str, port: int, path: str, body: dict):
+    """POST ``body`` as JSON over HTTP/1.1 and yield each Server-Sent Event's data as it
+    arrives: a minimal client on asyncio streams (chunked transfer decoding, events split on
+    blank lines), so that the load generator's own CPU time stays small beside the server's on
+    the cores they share."""
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        status = await reader.readline()
+        headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if b" 200 " not in status or b"transfer-encoding: chunked" not in headers:
+            raise RuntimeError(f"the server answered {status.decode().strip()!r}, not a stream")
+        pending = b""
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: "):
+                    yield event[6:]
+    finally:
+        writer.close()
+
+
+async def _client(url: str, model: str, prompt: list[int], max_tokens: int):
+    """One streaming request: (tokens, TTFT, the gaps between its chunks per token), each
+    event's JSON parsed as vLLM's serving benchmark parses it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
     t0 = time.perf_counter()
     tokens, ttft, gaps, last = 0, None, [], None
-    async with client.completions.with_streaming_response.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    ) as response:
-        async for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the server ended a stream with an error: {chunk['error']}")
-            new = len(chunk["choices"][0].get("token_ids") or [])
-            if not new:
-                continue
-            if ttft is None:
-                ttft = now - t0
-            elif last is not None:
-                gaps += [(now - last) / new] * new
-            tokens, last = tokens + new, now
+    async for data in _post_stream(host, int(port), "/v1/completions", body):
+        if data == b"[DONE]":
+            break
+        now = time.perf_counter()
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"the server ended a stream with an error: {chunk['error']}")
+        new = len(chunk["choices"][0].get("token_ids") or [])
+        if not new:
+            continue
+        if ttft is None:
+            ttft = now - t0
+        elif last is not None:
+            gaps += [(now - last) / new] * new
+        tokens, last = tokens + new, now
     return tokens, ttft, gaps
 
 
 async def _http_round(url: str, model: str, prompts, max_tokens: int):
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    async with client:
-        return await asyncio.gather(*(_client(client, model, p, max_tokens) for p in prompts))
+    return await asyncio.gather(*(_client(url, model, p, max_tokens) for p in prompts))
 
 
 def _clients(url: str, model: str, prompts, max_tokens: int, repeats: int):
