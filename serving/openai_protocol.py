@@ -64,6 +64,9 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     best_of: int | None = None  # vLLM's; refused (400) unless None or n
+    # OpenAI's fields this server cannot honour: refused (400) when set (`unsupported`)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -74,6 +77,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # refused when set (`unsupported`)
 
 
 class ChatMessage(_Body):
@@ -90,6 +94,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # refused when set (`unsupported`)
 
 
 class TokenizeRequest(_Body):
@@ -105,6 +110,27 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+# OpenAI's request fields this server cannot honour, and what to do instead: a request that sets
+# one gets a 400 rather than an answer that silently ignores it.
+UNSUPPORTED = {
+    "logit_bias": "no per-token bias here; stop_token_ids ends an output at the tokens given",
+    "suffix": "no insertion after the completion here (vLLM refuses it too)",
+    "response_format": "no structured outputs here; only {'type': 'text'}",
+    "tools": "no tool calling here; describe the tools in the messages",
+}
+
+
+def unsupported(body: _Body) -> tuple[str, Any] | None:
+    """The first field of `UNSUPPORTED` that ``body`` sets, with its value (an empty bias or
+    tool list and a text response format are the defaults, and allowed)."""
+    for name in UNSUPPORTED:
+        value = getattr(body, name, None)
+        if value in (None, {}, [], {"type": "text"}):
+            continue
+        return name, value
+    return None
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

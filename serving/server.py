@@ -278,6 +278,11 @@ def _sampling_params(
             "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
             "best_of")  # fmt: skip
     optional = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    refused = api.unsupported(body)
+    if refused is not None:
+        name, value = refused
+        message = f"{name}={_short(repr(value))} is not supported: {api.UNSUPPORTED[name]}"
+        raise HTTPError(400, message, name)
     kw: dict[str, Any] = {name: getattr(body, name) for name in same}
     kw.update({n: getattr(body, n) for n in optional if getattr(body, n) is not None})
     kw.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

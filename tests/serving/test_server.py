@@ -330,6 +330,22 @@ def test_bad_requests_get_400_in_openai_shape_naming_the_value(served):
         assert request(url, "/metrics", key=key)[0] == 200
     body = {"model": NAME, "prompt": "x", "max_tokens": 2, "logit_bias": {}, "whatever": 1}
     assert request(url, "/v1/completions", body)[0] == 200
+    # OpenAI's fields the server cannot honour are refused, never silently ignored
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, field, value in [
+        ("/v1/completions", "logit_bias", {"17": 100}),
+        ("/v1/completions", "suffix", "tail"),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ]:
+        base = body if path == "/v1/completions" else chat
+        status, _, got = request(url, path, {**base, field: value})
+        assert status == 400 and got["error"]["param"] == field, got
+        assert f"{field}=" in got["error"]["message"]
+    assert (
+        request(url, "/v1/chat/completions", {**chat, "response_format": {"type": "text"}})[0]
+        == 200
+    )
     beside.join(60)
     assert out == [ref.outputs[0].text]
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
