@@ -42,7 +42,13 @@ declare -A RESULT
 
 section() { printf '\n==================== %s ====================\n' "$*"; }
 remaining() { echo $((BUDGET - ($(date +%s) - START))); }
-cap() { local r; r=$(remaining); if [ "$r" -lt "$1" ]; then echo "$r"; else echo "$1"; fi; }
+# cap SECONDS [RESERVE]: at most SECONDS, and leave RESERVE seconds of the budget to the steps
+# after this one (each step is sure of a share even when those before it run to their caps)
+cap() {
+    local r; r=$(($(remaining) - ${2:-0}))
+    [ "$r" -lt 10 ] && r=10
+    if [ "$r" -lt "$1" ]; then echo "$r"; else echo "$1"; fi
+}
 DRY=0
 [ "${PLATFORM:-cuda}" = cpu ] && DRY=1
 STEPS_JSON="$OUT_DIR/steps.json"
@@ -108,14 +114,14 @@ COLLECT=()
 STEP_T0=$(date +%s)
 
 section "2/6 window + sparse attention kernels, compiled on the GPU"
-timeout "$(cap 150)" "$PY" -m pytest -o addopts="" -q -p no:cacheprovider -rs \
+timeout "$(cap 150 290)" "$PY" -m pytest -o addopts="" -q -p no:cacheprovider -rs \
     tests/pallas_kernels/test_window_attention.py tests/pallas_kernels/test_sparse_attention.py \
     -k "not compiles and not lowers" "${COLLECT[@]}" 2>&1 | tee "$OUT_DIR/kernel_tests.log"
 RESULT[tests]=$?
 record kernel_tests "${RESULT[tests]}" "$(tail -n 1 "$OUT_DIR/kernel_tests.log")"
 
 section "3/6 kernel benchmark (every kernel), timed on the GPU"
-BENCH_CAP=$(cap 150)
+BENCH_CAP=$(cap 130 170)
 # the benchmark stops timing rows after BENCH_BUDGET s (compiles dominate), so its JSON comes out
 # before the hard timeout; the headroom covers the imports and the row in flight
 BENCH_BUDGET=$((BENCH_CAP > 120 ? BENCH_CAP - 60 : BENCH_CAP / 2))
@@ -183,7 +189,7 @@ elif [ "$(remaining)" -lt 30 ]; then
     RESULT[engine]=124
     record engine 124 "skipped: out of time"
 else
-    timeout "$(cap 150)" "$PY" scripts/device_check.py engine --out "$OUT_DIR/engine.json" \
+    timeout "$(cap 150 70)" "$PY" scripts/device_check.py engine --out "$OUT_DIR/engine.json" \
         "${ENGINE_ARGS[@]}" 2>"$OUT_DIR/engine.err"
     RESULT[engine]=$?
     tail -n 5 "$OUT_DIR/engine.err"
