@@ -315,7 +315,7 @@ class SchedulerConfig:
     )
     table_buckets: tuple[int, ...] | str | None = _field(
         "auto",
-        "block-table widths to compile, comma-separated (auto: full width up to 64 blocks, "
+        "block-table widths to compile, comma-separated (auto: full width up to 256 blocks, "
         "else powers of eight from 64 blocks; none: always full width)",
         parse=_table_buckets,
     )

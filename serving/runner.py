@@ -46,7 +46,7 @@ follow from T (``min(T, max_num_seqs) + 1`` rounded up to a power of two: one ro
 for padding). The default T are powers of two up to ``max_num_seqs`` (a decode step of n
 requests runs at most 2n rows), then powers of four up to the token budget
 (`default_token_buckets`). The tables are as wide as ``max_model_len`` needs, or, with
-``table_buckets`` (the default once that is more than 64 blocks: powers of eight from 64), only
+``table_buckets`` (the default once that is more than 256 blocks: powers of eight from 64), only
 as wide as the step's longest request needs, rounded up to a bucket: a long ``max_model_len``
 then does not make every step decode and address the pages of the longest possible request.
 `warm_up` builds every (T, W) pair's program (`serving.programs.StepPrograms`: compiled a core's
@@ -132,13 +132,19 @@ def default_token_buckets(
     return tuple(out)
 
 
+# up to this many blocks a full-width table costs a step no measurable time (tiny_v41_trained:
+# the same step time with 64 and 256 columns, at 1 and 16 tokens), while a second width doubles
+# the programs to compile
+FULL_WIDTH_BLOCKS = 256
+
+
 def default_table_buckets(kv_cache_config, max_model_len: int) -> tuple[int, ...] | None:
-    """None (full-width tables) when ``max_model_len`` needs at most 64 blocks in every group;
-    else powers of eight from 64 blocks: a step's tables are at most 8x as wide as its longest
-    request needs, and each width is one more program per token bucket."""
+    """None (full-width tables) when ``max_model_len`` needs at most `FULL_WIDTH_BLOCKS` blocks
+    in every group; else powers of eight from 64 blocks: a step's tables are at most 8x as wide
+    as its longest request needs, and each width is one more program per token bucket."""
     groups = [g for g in group_infos(kv_cache_config) if g.kind != "ring"]
     widest = max(-(-max_model_len // g.block_size) for g in groups)
-    if widest <= 64:
+    if widest <= FULL_WIDTH_BLOCKS:
         return None
     out, w = [], 64
     while w < widest:

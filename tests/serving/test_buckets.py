@@ -65,3 +65,20 @@ def test_one_stream_decodes_one_row_and_equals_generate():
     assert shapes[:2] == [(4, 4), (2, 2)]  # the rows: one per request, one for padding
     assert shapes[2:] and set(shapes[2:]) == {(1, 1)}
     assert llm.engine.stats.compilations_after_warm_up == 0
+
+
+def test_default_table_widths_one_up_to_256_blocks_then_powers_of_eight(monkeypatch):
+    """Full-width tables (one program per token bucket) while the widest table needs at most
+    `FULL_WIDTH_BLOCKS` blocks (measured: no step-time difference between 64 and 256 columns on
+    tiny_v41_trained, and half the programs to compile); past that, powers of eight from 64."""
+    from dsv4.paged.batch import GroupInfo
+    from serving import runner
+
+    groups = [GroupInfo(0, "window", 16, (1,)), GroupInfo(1, "compressed", 4, (2,)),
+              GroupInfo(2, "ring", 1, ())]  # fmt: skip
+    monkeypatch.setattr(runner, "group_infos", lambda config: groups)
+    assert runner.FULL_WIDTH_BLOCKS == 256
+    assert runner.default_table_buckets(None, 1024) is None  # 256 blocks of 4 tokens
+    assert runner.default_table_buckets(None, 1025) == (64,)  # then the full width, 257
+    assert runner.default_table_buckets(None, 4 * 4096) == (64, 512)
+    assert runner.default_table_buckets(None, 4 * 4096 + 1) == (64, 512, 4096)
