@@ -232,7 +232,7 @@ class SlotSampling:
         0, and False for both)."""
         r, n = len(slots), len(counters)
         index = np.array(slots, np.int32)
-        floats = self._floats[:, index]
+        floats = np.take(self._floats, index, axis=1)
         counter = np.zeros(r, np.int32)
         counter[:n] = counters
         flag_rows = np.zeros((2, r), bool)
@@ -240,13 +240,13 @@ class SlotSampling:
             flag_rows[:, :n] = np.array(flags, bool).T
         return SamplingBatch(
             temperature=floats[0],
-            top_k=self._top_k[index],
+            top_k=np.take(self._top_k, index),
             top_p=floats[1],
             min_p=floats[2],
             presence_penalty=floats[3],
             frequency_penalty=floats[4],
             repetition_penalty=floats[5],
-            key_data=self._key_data[index],
+            key_data=np.take(self._key_data, index, axis=0),
             counter=counter,
             slot=index,
             suppress_stop=flag_rows[0],
