@@ -80,10 +80,11 @@ class RequestState:
         return self.pending[-1] if self.pending else 0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class ScheduledRow:
     """One request's row of a step (a view of the request for that step); each field's comment
-    says what it holds."""
+    says what it holds. Not changed once built (not frozen: a frozen dataclass costs every
+    step's every row a few microseconds more to build); `dataclasses.replace` makes a variant."""
 
     request_id: str
     start: int  # its first position (optimistic when ``shifted``: the device may move it back)
@@ -101,6 +102,8 @@ class ScheduledRow:
     num_prompt_tokens: int = 0
     # some of its positions predict prompt tokens whose logprobs it asked for (the runner sets it)
     prompt_logprobs: bool = False
+    # it asked for its sampled tokens' logprobs (the runner sets it)
+    logprobs: bool = False
 
     @property
     def num_drafts(self) -> int:
@@ -209,7 +212,7 @@ class InputBatch:
             n,
             request_id in output.sampling_req_ids,
             drafts,
-            (*device, *[-1] * len(drafts)),
+            (*device, *[-1] * len(drafts)) if drafts else tuple(device),
             device_drafts,
             shifted,
             history,

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -111,6 +112,7 @@ __all__ = [
     "engine_step_data_parallel",
     "rows_for",
     "run_step",
+    "to_host",
     "warm_up_on_mesh",
     "widen_tables",
 ]
@@ -168,7 +170,8 @@ class _Plan:
 
     rows: list[ScheduledRow]
     step_requests: list[StepRequest]  # the model's view of each row, in row order
-    targets: list[int]  # per scheduled token, the prompt token it predicts (-1 = none)
+    # per scheduled token, the prompt token it predicts (-1 = none); empty when no row asks
+    targets: list[int]
     num_tokens: int
 
 
@@ -178,12 +181,24 @@ class StepOutput:
 
     # sampling requests -> [token] (with drafts: the accepted drafts, then the bonus token)
     sampled_token_ids: dict[str, list[int]]
-    # request id -> per sampled token, (logprob, rank, top ids, top logprobs)
+    # request id -> per sampled token, (logprob, rank, top ids, top logprobs); only rows that
+    # asked for logprobs (`ScheduledRow.logprobs`: the others' would be built for nobody)
     logprobs: dict[str, list[tuple[float, int, list[int], list[float]]]]
     # request id -> {position p: (logprob, rank, top ids, top logprobs) of prompt token p}
     prompt_logprobs: dict[str, dict[int, tuple[float, int, list[int], list[float]]]]
     # DSpark: sampling requests -> the k drafts the device made after their last sampled token
     draft_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
+def to_host(tree):
+    """``tree`` with its arrays copied to the host (numpy), as `jax.device_get` gives it: every
+    copy started before any is read (they overlap on an accelerator), without device_get's own
+    overhead (about 40 us a step for a step's four small arrays on CPU)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()
+    return jax.tree.unflatten(treedef, [np.asarray(leaf) for leaf in leaves])
 
 
 class _Burst:
@@ -196,7 +211,7 @@ class _Burst:
 
     def step(self, i: int):
         if self._host is None:
-            self._host = jax.device_get(self._device)
+            self._host = to_host(self._device)
             self._device = None
         return jax.tree.map(lambda x: x[i], self._host)
 
@@ -226,7 +241,7 @@ class StepHandle:
             else:
                 sampled, plp = self._device_out
                 wants_plp = any(row.prompt_logprobs for row in self._rows)
-                host = jax.device_get((sampled, plp) if wants_plp else (sampled, None))
+                host = to_host((sampled, plp) if wants_plp else (sampled, None))
             self._host = self._runner.collect(self._rows, host)
         return self._host
 
@@ -296,6 +311,7 @@ class ModelRunner:
             self.sampler_state = self._replicated(S.init_state(max_num_seqs + 1, cfg.vocab_size))
             self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, k))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
+        self.slot_sampling = S.SlotSampling(max_num_seqs + 1)  # the last: the padding slot
         # the requests the engine registered, which the scheduler may (re)admit, by id
         self._registered: dict[str, Request] = {}
 
@@ -360,6 +376,7 @@ class ModelRunner:
         state = self.inputs.admit(new, num_prompt)
         state.request = request
         params = request.sampling_params
+        self.slot_sampling.write(state.slot, params, request.key_data)
         if params.uses_penalties or params.min_tokens:
             tokens = state.tokens
             rows = S.slot_rows(
@@ -454,16 +471,22 @@ class ModelRunner:
             return None
         for new in output.scheduled_new_reqs:
             self._admit(new)
-        scheduled, step_requests = self.inputs.schedule(output)
-        rows: list[ScheduledRow] = []
-        targets: list[int] = []
-        for row in scheduled:
-            state = self.requests[row.request_id]
+        rows, step_requests = self.inputs.schedule(output)
+        requests = self.inputs.requests
+        targets: list[int] = []  # none: no row predicts a prompt token it scores
+        for i, row in enumerate(rows):
+            state = requests[row.request_id]
             params = state.request.sampling_params
             plp = params.prompt_logprobs is not None and row.start < state.num_prompt_tokens - 1
-            n = row.num_tokens
-            targets += self._prompt_targets(state, row.start, n) if plp else [-1] * n
-            rows.append(dataclasses.replace(row, prompt_logprobs=True) if plp else row)
+            if plp:
+                if not targets:  # the rows before asked for none
+                    targets = [-1] * sum(r.num_tokens for r in rows[:i])
+                targets += self._prompt_targets(state, row.start, row.num_tokens)
+            elif targets:
+                targets += [-1] * row.num_tokens
+            if plp or params.logprobs is not None:
+                logprobs = params.logprobs is not None
+                rows[i] = dataclasses.replace(row, prompt_logprobs=plp, logprobs=logprobs)
         return _Plan(rows, step_requests, targets, output.total_num_scheduled_tokens)
 
     def step_inputs(self, plan: _Plan, num_tokens: int):
@@ -478,16 +501,25 @@ class ModelRunner:
             sampling = (sampling, self._spec_batch(rows, r, guesses))
         feed = np.full(t, -1, np.int32)
         width = self.num_spec + 1  # a slot's device tokens: its last sampled one, its drafts
+        if width == 1:  # no drafts: a token's device index is its slot's (or -1)
+            devices = list(itertools.chain.from_iterable(row.device_slots for row in rows))
+        else:
+            devices = self._device_indices(rows, width)
+        feed[: len(devices)] = devices
+        plp_targets = np.full(t, -1, np.int32)
+        plp_targets[: len(plan.targets)] = plan.targets
+        return batch, feed, sampling, plp_targets
+
+    def _device_indices(self, rows: Sequence[ScheduledRow], width: int) -> list[int]:
+        """Per token of ``rows``, where its input waits on the device (``slot * width``: the
+        slot's last sampled token, ``+ 1 + j``: its draft j), or -1 (the host has it)."""
         devices = []
         for row in rows:
             d = row.num_drafts
             devices += [-1 if s < 0 else s * width for s in row.device_slots[: row.num_tokens - d]]
             slot = self.requests[row.request_id].slot
             devices += [slot * width + 1 + j for j in range(d)] if row.device_drafts else [-1] * d
-        feed[: len(devices)] = devices
-        plp_targets = np.full(t, -1, np.int32)
-        plp_targets[: len(plan.targets)] = plan.targets
-        return batch, feed, sampling, plp_targets
+        return devices
 
     def step_batch(
         self,
@@ -530,22 +562,23 @@ class ModelRunner:
         return state.num_tokens - state.num_prompt_tokens - row.samples * (1 + len(row.drafts))
 
     def _sampling_batch(self, rows: Sequence[ScheduledRow], num_rows: int) -> S.SamplingBatch:
-        sampling_rows = []
+        """The rows' `SamplingBatch` from their slots' parameters (`SlotSampling`): per row
+        only the counter (the position of its (first) sampled token: after the verified
+        tokens), whether min_tokens still masks its stop tokens, and whether it samples."""
+        if len(rows) > num_rows:
+            raise ValueError(f"{len(rows)} rows do not fit num_rows={num_rows}")
+        requests = self.inputs.requests
+        slots, counters, flags = [], [], []
         for row in rows:
-            state = self.requests[row.request_id]
-            params = state.request.sampling_params
-            sampling_rows.append(
-                S.RowSampling(
-                    params=params,
-                    key_data=state.request.key_data,
-                    # the position of the (first) sampled token: after the verified tokens
-                    counter=row.start + row.num_tokens - len(row.drafts),
-                    slot=state.slot,
-                    suppress_stop=self._num_outputs(row) < params.min_tokens,
-                    samples=row.samples,
-                )
-            )
-        return S.build_sampling_batch(sampling_rows, num_rows, self.padding_slot)
+            state = requests[row.request_id]
+            slots.append(state.slot)
+            counters.append(row.start + row.num_tokens - len(row.drafts))
+            min_tokens = state.request.sampling_params.min_tokens
+            # outputs are never negative: without min_tokens nothing is suppressed
+            suppress = bool(min_tokens) and self._num_outputs(row) < min_tokens
+            flags.append((suppress, row.samples))
+        slots += [self.padding_slot] * (num_rows - len(rows))
+        return self.slot_sampling.batch(slots, counters, flags)
 
     def _take_guesses(self, rows: Sequence[ScheduledRow]) -> dict[str, tuple[int, int]]:
         """The guess each row's host drafts were proposed under (`set_draft_guesses`), by
@@ -599,7 +632,7 @@ class ModelRunner:
         """Host copies of a fetched step -> per-request results; the runner learns the sampled
         tokens of requests it still runs."""
         (ints, floats, accepted, drafts), plp = host
-        ints, floats = ints.tolist(), floats.tolist()  # [R, 1 + k, ...] ([R, 1, ...] without k)
+        token_ids = ints[..., 0].tolist()  # [R, 1 + k] ([R, 1] without k)
         accepted = accepted.tolist()
         drafts = drafts.tolist()  # [R, k] with the drafter, else [R, 0]
         sampled: dict[str, list[int]] = {}
@@ -609,14 +642,10 @@ class ModelRunner:
         t = 0
         for i, row in enumerate(rows):
             if row.samples:
-                tokens, entries = [], []
-                for j in range(accepted[i] + 1):
-                    token, rank, *top_ids = ints[i][j]
-                    logprob, *top_logprobs = floats[i][j]
-                    tokens.append(token)
-                    entries.append((logprob, rank, top_ids, top_logprobs))
+                tokens = token_ids[i][: accepted[i] + 1]
                 sampled[row.request_id] = tokens
-                logprobs[row.request_id] = entries
+                if row.logprobs:
+                    logprobs[row.request_id] = _logprob_entries(ints[i], floats[i], len(tokens))
                 self.inputs.learn(row.request_id, tokens, drafts[i])
                 if self.drafter:
                     draft_token_ids[row.request_id] = drafts[i]
@@ -757,6 +786,18 @@ def run_step(step, runner, *inputs):
     state = (runner.params, runner.pools, runner.sampler_state, runner.slots)
     out, runner.pools, runner.sampler_state, runner.slots = runner.programs(step, state, inputs)
     return out
+
+
+def _logprob_entries(ints: np.ndarray, floats: np.ndarray, n: int) -> list[tuple]:
+    """A row's first ``n`` sampled tokens' ``(logprob, rank, top ids, top logprobs)`` from
+    its rows of the step's packed results (``ints`` [1 + k, 2 + L]: token, rank, top ids;
+    ``floats`` [1 + k, 1 + L]: logprob, top logprobs)."""
+    entries = []
+    for (_, rank, *top_ids), (logprob, *top_logprobs) in zip(
+        ints[:n].tolist(), floats[:n].tolist(), strict=True
+    ):
+        entries.append((logprob, rank, top_ids, top_logprobs))
+    return entries
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

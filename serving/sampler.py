@@ -23,6 +23,7 @@ __all__ = [
     "SamplerOutput",
     "SamplerState",
     "SamplingBatch",
+    "SlotSampling",
     "build_sampling_batch",
     "init_state",
     "key_data_for_seed",
@@ -203,6 +204,54 @@ def build_sampling_batch(
 
 # padding rows: greedy, no top-p / min-p, no penalties (repetition 1.0)
 _FLOAT_PADDING = np.array([[0.0], [1.0], [0.0], [0.0], [0.0], [1.0]], np.float32)
+
+
+class SlotSampling:
+    """Each slot's sampling parameters on the host, written when a request enters its slot
+    (vLLM's persistent batch): a step's `SamplingBatch` gathers its rows' slots in one index
+    per array instead of reading every row's parameters (`build_sampling_batch`'s values).
+    Slots never written hold a padding row's (greedy, no penalties, zero key)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._floats = np.repeat(_FLOAT_PADDING, num_slots, axis=1)  # [6, S] build's order
+        self._top_k = np.zeros(num_slots, np.int32)
+        self._key_data = np.zeros((num_slots, 2), np.uint32)
+
+    def write(self, slot: int, params: SamplingParams, key_data: np.ndarray) -> None:
+        """``slot``'s parameters from now on: ``params`` and its key (u32[2])."""
+        p = params
+        self._floats[:, slot] = (p.temperature, p.top_p, p.min_p, p.presence_penalty,
+                                 p.frequency_penalty, p.repetition_penalty)  # fmt: skip
+        self._top_k[slot] = max(p.top_k, 0)
+        self._key_data[slot] = key_data
+
+    def batch(self, slots: Sequence[int], counters: Sequence[int], flags) -> SamplingBatch:
+        """The `SamplingBatch` of rows reading ``slots`` (one per row; the caller gives each
+        padding row, after the real ones, the padding slot, never written), with the real
+        rows' ``counters`` and ``flags`` (per row ``(suppress_stop, samples)``; padding rows:
+        0, and False for both)."""
+        r, n = len(slots), len(counters)
+        index = np.array(slots, np.int32)
+        floats = np.take(self._floats, index, axis=1)
+        counter = np.zeros(r, np.int32)
+        counter[:n] = counters
+        flag_rows = np.zeros((2, r), bool)
+        if n:
+            flag_rows[:, :n] = np.array(flags, bool).T
+        return SamplingBatch(
+            temperature=floats[0],
+            top_k=np.take(self._top_k, index),
+            top_p=floats[1],
+            min_p=floats[2],
+            presence_penalty=floats[3],
+            frequency_penalty=floats[4],
+            repetition_penalty=floats[5],
+            key_data=np.take(self._key_data, index, axis=0),
+            counter=counter,
+            slot=index,
+            suppress_stop=flag_rows[0],
+            samples=flag_rows[1],
+        )
 
 
 # -------------------------------------------------------------------------------- device side

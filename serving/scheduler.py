@@ -172,23 +172,32 @@ class SchedulerStats:
         self.scheduled_tokens += output.total_num_scheduled_tokens
         self.max_scheduled_requests = max(self.max_scheduled_requests, len(scheduled))
         self.preemptions += len(output.preempted_req_ids)
-        starts = {}
+        recomputed = 0  # scheduled tokens below a request's high-water mark, replay excluded
         for new in output.scheduled_new_reqs:
+            request_id, start, replay = (
+                new.request_id,
+                new.num_computed_tokens,
+                new.num_replay_tokens,
+            )
             self.admissions += 1
-            self.replay_tokens += new.num_replay_tokens
-            if new.request_id not in high:  # first admission
+            self.replay_tokens += replay
+            if request_id not in high:  # first admission
                 self.prefix_queries += len(new.token_ids)
-                self.prefix_hits += new.num_computed_tokens + new.num_replay_tokens
-            starts[new.request_id] = (new.num_computed_tokens, new.num_replay_tokens)
-        for cached in output.scheduled_cached_reqs:
-            starts[cached.request_id] = (cached.num_computed_tokens, 0)
-        for request_id, num_tokens in scheduled.items():
-            start, replay = starts[request_id]
-            end = start + num_tokens
+                self.prefix_hits += start + replay
+            end = start + scheduled[request_id]
             mark = high.get(request_id, 0)
-            self.preemption_recomputed_tokens += max(0, min(mark, end) - (start + replay))
+            recomputed += max(0, min(mark, end) - (start + replay))
             if end > mark:
                 high[request_id] = end
+        for cached in output.scheduled_cached_reqs:  # the hot loop: one per running request
+            request_id, start = cached.request_id, cached.num_computed_tokens
+            end = start + scheduled[request_id]
+            mark = high.get(request_id, 0)
+            if start < mark:  # back over positions computed before a preemption
+                recomputed += min(mark, end) - start
+            if end > mark:
+                high[request_id] = end
+        self.preemption_recomputed_tokens += recomputed
 
     def as_dict(self) -> dict[str, int]:
         """Every count by name, `recomputed_tokens` after the two it sums."""
@@ -690,13 +699,21 @@ class Scheduler:
                 f"sampled tokens for request ids not scheduled in this step: {stray!r}"
             )
         work = []
+        requests, spec = self.requests, output.scheduled_spec_decode_tokens
         for request_id in scheduled:
-            request = self.requests.get(request_id)
+            request = requests.get(request_id)
             if request is None:
                 continue  # finished (stopped or aborted) since it was scheduled
             sampled = list(sampled_token_ids.get(request_id, ()))
-            drafts = output.scheduled_spec_decode_tokens.get(request_id, [])
-            self._check_sampled(output, request, sampled, drafts)
+            drafts = spec.get(request_id, []) if spec else []
+            if (
+                len(sampled) != 1
+                or drafts
+                or type(sampled[0]) is not int
+                or sampled[0] < 0
+                or request_id not in output.sampling_req_ids
+            ):  # anything but one valid token of a sampling request: every check
+                self._check_sampled(output, request, sampled, drafts)
             work.append((request, sampled, drafts))
         return work
 

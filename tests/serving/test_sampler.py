@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from serving.sampler import (
     RowSampling,
     SamplerState,
+    SlotSampling,
     build_sampling_batch,
     init_state,
     key_data_for_seed,
@@ -592,6 +593,44 @@ def test_build_sampling_batch_pads_with_neutral_rows():
     assert b.key_data.dtype == np.uint32 and b.slot.dtype == np.int32
     with pytest.raises(ValueError, match="2 rows do not fit num_rows_padded=1"):
         build_sampling_batch(rows * 2, 1, PAD)
+
+
+def test_slot_sampling_batch_equals_build_sampling_batch():
+    """The per-slot table (written once per admission, gathered per step) gives the very
+    arrays `build_sampling_batch` builds from the same rows, padding included; a slot
+    rewritten by a new request reads the new request's parameters."""
+    rng = np.random.default_rng(0)
+    table = SlotSampling(NUM_SLOTS)
+
+    def params():
+        return SamplingParams(
+            temperature=float(rng.choice([0.0, 0.7, 1.3])),
+            top_k=int(rng.choice([-1, 0, 5])),
+            top_p=float(rng.choice([1.0, 0.8])),
+            min_p=float(rng.choice([0.0, 0.1])),
+            presence_penalty=float(rng.choice([0.0, 0.5])),
+            frequency_penalty=float(rng.choice([0.0, -0.25])),
+            repetition_penalty=float(rng.choice([1.0, 1.2])),
+        )
+
+    for trial in range(6):
+        rows = []
+        for slot in rng.permutation(PAD)[: rng.integers(0, PAD + 1)].tolist():
+            r = row(params(), seed=int(rng.integers(2**40)), counter=int(rng.integers(99)),
+                    slot=slot, suppress_stop=bool(rng.integers(2)), samples=bool(rng.integers(2)))  # fmt: skip
+            table.write(slot, r.params, r.key_data)
+            rows.append(r)
+        r_pad = len(rows) + trial % 3
+        want = build_sampling_batch(rows, r_pad, PAD)
+        got = table.batch(
+            [r.slot for r in rows] + [PAD] * (r_pad - len(rows)),
+            [r.counter for r in rows],
+            [(r.suppress_stop, r.samples) for r in rows],
+        )
+        for field in dataclasses.fields(want):
+            a, b = getattr(got, field.name), getattr(want, field.name)
+            assert a.dtype == b.dtype and a.shape == b.shape, field.name
+            np.testing.assert_array_equal(a, b, err_msg=field.name)
 
 
 # ----------------------------------------------------------------- seeds and invariance
