@@ -528,6 +528,16 @@ def _add_serve_command(sub) -> None:
     add_engine_arguments(serve.add_argument_group("model and engine"))
 
 
+def serve_kwargs(config) -> dict:
+    """The `LLM` keywords `dsv4 serve` builds its engine with: ``config``'s, one step a program
+    unless ``--num-scheduler-steps`` says otherwise (a stream wants each token as it comes, an
+    arrival no wait for a burst; `LLM` alone runs bursts)."""
+    kwargs = config.to_kwargs()
+    if kwargs["num_scheduler_steps"] is None:
+        kwargs["num_scheduler_steps"] = 1
+    return kwargs
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Check the flags, build and warm up the engine, serve until SIGTERM."""
     if args.model_tag is not None:
@@ -551,7 +561,7 @@ def _serve(args: argparse.Namespace) -> int:
     from serving.llm import LLM  # reason: imports JAX; the flags are checked first
 
     try:
-        llm = LLM(**config.to_kwargs())
+        llm = LLM(**serve_kwargs(config))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     options = server.ServerOptions(

@@ -537,7 +537,7 @@ def _bench_result(args: argparse.Namespace, llm, outputs: list, wall: float) -> 
         "dtype": args.dtype,
         "kv_cache_dtype": llm.kv_cache_dtype,
         "async_scheduling": args.async_scheduling,
-        "num_scheduler_steps": args.num_scheduler_steps,
+        "num_scheduler_steps": llm.config.scheduler_config.num_scheduler_steps,
         "requests": len(outputs),
         "prompt_tokens": prompt,
         "output_tokens": gen,

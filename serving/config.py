@@ -292,6 +292,8 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)
+# LLM's bursts (``num_scheduler_steps=None`` offline, `EngineConfig.offline`)
+OFFLINE_SCHEDULER_STEPS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,8 +306,11 @@ class SchedulerConfig:
     async_scheduling: bool = _field(
         True, "plan step N+1 while step N runs", negations={"--sync": False}
     )
-    num_scheduler_steps: int = _field(
-        1, "decode steps run as one program (bursts; vLLM v0's multi-step scheduling)"
+    num_scheduler_steps: int | None = _field(
+        None,
+        "decode steps run as one program (bursts; vLLM v0's multi-step scheduling; None: "
+        f"{OFFLINE_SCHEDULER_STEPS} for LLM.generate and dsv4 generate where bursts can run, "
+        "else 1, and 1 in dsv4 serve)",
     )
     token_buckets: tuple[int, ...] | None = _field(
         None,
@@ -335,10 +340,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
         _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _int("num_scheduler_steps", self.num_scheduler_steps, 1)
+        _int("num_scheduler_steps", self.num_scheduler_steps, 1, none_ok=True)
         _int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES, quoted=True)
-        if self.num_scheduler_steps > 1 and not self.async_scheduling:
+        if (self.num_scheduler_steps or 1) > 1 and not self.async_scheduling:
             raise ConfigError(
                 "num_scheduler_steps", self.num_scheduler_steps, "1 with async_scheduling=False"
             )
@@ -462,7 +467,7 @@ class EngineConfig:
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
-        steps = self.scheduler_config.num_scheduler_steps
+        steps = self.scheduler_config.num_scheduler_steps or 1
         if steps > 1 and self.speculative_config is not None:
             raise ConfigError("num_scheduler_steps", steps, "1 with a speculative_config")
         shards = self.parallel_config.num_shards
@@ -505,8 +510,9 @@ class EngineConfig:
     def resolved(self, arch) -> EngineConfig:
         """The config with what follows from the model's architecture ``arch``
         (`dsv4.config.ModelConfig`) filled in: ``max_model_len`` (its ``max_seq_len``), the
-        block sizes (by its window: the tiny family's is under 128 tokens) and
-        ``kv_cache_dtype`` (exact for float32, else bf16). Idempotent.
+        block sizes (by its window: the tiny family's is under 128 tokens),
+        ``kv_cache_dtype`` (exact for float32, else bf16) and ``num_scheduler_steps`` (None: 1,
+        one step a program; `offline` chose before for `LLM`). Idempotent.
 
         Raises:
             ConfigError: ``max_model_len`` above the model's ``max_seq_len``.
@@ -519,6 +525,8 @@ class EngineConfig:
             )
         tiny = arch.window_size < 128
         kv = cache.kv_cache_dtype
+        sched = self.scheduler_config
+        steps = sched.num_scheduler_steps or 1  # an engine or server steps one at a time
         if kv == "auto":
             kv = "exact" if model.dtype == "float32" else "bf16"
         return dataclasses.replace(
@@ -530,6 +538,26 @@ class EngineConfig:
                 block_size=cache.block_size or (16 if tiny else 64),
                 swa_block_size=cache.swa_block_size or (4 if tiny else 32),
             ),
+            scheduler_config=dataclasses.replace(sched, num_scheduler_steps=steps),
+        )
+
+    def offline(self, arch) -> EngineConfig:
+        """`LLM`'s config: ``num_scheduler_steps`` None becomes `OFFLINE_SCHEDULER_STEPS`
+        where bursts can run (asynchronous scheduling, no speculative decoding, one data shard,
+        no Engram look-back in ``arch``), else 1. Offline outputs come whole, so bursts cost
+        them nothing; a server's streams and arrivals would wait for a burst to end."""
+        sched = self.scheduler_config
+        if sched.num_scheduler_steps is not None:
+            return self
+        bursts = (
+            sched.async_scheduling
+            and self.speculative_config is None
+            and self.parallel_config.num_shards == 1
+            and not arch.engram_lookback
+        )
+        steps = OFFLINE_SCHEDULER_STEPS if bursts else 1
+        return dataclasses.replace(
+            self, scheduler_config=dataclasses.replace(sched, num_scheduler_steps=steps)
         )
 
     @property

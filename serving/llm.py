@@ -86,6 +86,7 @@ class LLM:
         enable_compilation_cache(cache_dir)
         model_config = config.model_config
         arch = _architecture(model_config)
+        config = config.offline(arch)  # bursts by default: outputs come whole
         Engine.check_config(arch, config)  # a pool too small for one request: before weights
         self.cfg, params, self.tokenizer = _load_model(model_config, arch)
         _, folder = model_source(model_config.model)  # a shipped checkpoint has one too

@@ -203,10 +203,12 @@ def to_host(tree):
 
 class _Burst:
     """The stacked device results of the k steps of a burst (`ModelRunner.execute_burst`),
-    copied to the host once, when the first of its steps is fetched."""
+    copied to the host once, when the first of its steps is fetched; prompt logprobs only when
+    a step asked for them (``wants_plp``: a step of one, `ModelRunner.execute`)."""
 
-    def __init__(self, device_sampled) -> None:
-        self._device = device_sampled
+    def __init__(self, device_out, wants_plp: bool) -> None:
+        sampled, plp = device_out
+        self._device = (sampled, plp if wants_plp else None)
         self._host = None
 
     def step(self, i: int):
@@ -233,11 +235,11 @@ class StepHandle:
     def fetch(self) -> StepOutput:
         """Wait for the step, copy its small results to the host and let the runner learn its
         tokens (idempotent; the steps of a burst are fetched in order). Prompt logprobs travel
-        only when a row asked for them (never in a burst)."""
+        only when a row asked for them."""
         if self._host is None:
             if self._part is not None:
                 burst, i = self._part
-                host = (burst.step(i), None)
+                host = burst.step(i)
             else:
                 sampled, plp = self._device_out
                 wants_plp = any(row.prompt_logprobs for row in self._rows)
@@ -301,6 +303,9 @@ class ModelRunner:
         self.num_scheduler_steps = check_num_scheduler_steps(
             sched.num_scheduler_steps, cfg.engram_lookback
         )
+        decode = range(1, min(max_num_seqs, max(self.token_buckets)) + 1)
+        bursts = self.num_scheduler_steps > 1
+        self._burst_buckets = frozenset(bucket(n, self.token_buckets) for n in decode if bursts)
         self._groups = group_infos(kv_cache_config)
         self.static = self._static_arguments()
         self.programs = StepPrograms(self.static)
@@ -399,13 +404,23 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> StepHandle | None:
         """Dispatch one scheduled step; returns before the device has finished it (None when
-        nothing was scheduled: then only finished and preempted requests are let go)."""
+        nothing was scheduled: then only finished and preempted requests are let go). A step
+        of a bucket compiled only as a burst (`burst_buckets`) runs as a burst of one."""
         plan = self.plan(output)
         if plan is None:
             return None
         t = bucket(output.total_num_scheduled_tokens, self.token_buckets)
+        if t in self.burst_buckets:
+            return self._run_burst([output], [plan], t)[0]
         batch, *inputs = self.step_inputs(plan, t)
         return StepHandle(self, output, plan.rows, self.dispatch(batch, *inputs))
+
+    @property
+    def burst_buckets(self) -> frozenset[int]:
+        """The token buckets a pure decode step can have, when bursts are on (k =
+        ``num_scheduler_steps`` > 1; else none): those are compiled as the burst program only,
+        and every step of them, pure decode or not, runs through it (`execute`)."""
+        return self._burst_buckets
 
     def burst_bucket(self, output: SchedulerOutput) -> int | None:
         """The token bucket of ``output`` if it can run in a burst (`execute_burst`), else
@@ -441,17 +456,18 @@ class ModelRunner:
                 f"a burst of {len(outputs)} steps; allowed: at most "
                 f"num_scheduler_steps={self.num_scheduler_steps}"
             )
-        plans = [self.plan(o) for o in outputs]
+        return self._run_burst(outputs, [self.plan(o) for o in outputs], t)
+
+    def _run_burst(self, outputs, plans: list[_Plan], t: int) -> list[StepHandle]:
+        """Dispatch planned steps of token bucket ``t`` as one burst program (in order)."""
         steps = [self.step_inputs(plan, t) for plan in plans]
         # one table width per group for the whole burst: the widest (zero columns are null)
         widths = [max(w) for w in zip(*(s[0].table_widths() for s in steps), strict=True)]
         steps = [(widen_tables(batch, widths), *rest) for batch, *rest in steps]
         # always k steps' inputs (one compilation per bucket); the device runs the first n
-        n = len(steps)
-        steps += [steps[-1]] * (self.num_scheduler_steps - n)
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *steps)
-        sampled = self.dispatch_burst(*stacked, np.int32(n))
-        burst = _Burst(sampled)
+        stacked = _stack_steps(steps, self.num_scheduler_steps)
+        burst = _Burst(self.dispatch_burst(*stacked, np.int32(len(steps))),
+                       any(row.prompt_logprobs for plan in plans for row in plan.rows))  # fmt: skip
         return [
             StepHandle(self, output, plan.rows, None, (burst, i))
             for i, (output, plan) in enumerate(zip(outputs, plans, strict=True))
@@ -459,7 +475,8 @@ class ModelRunner:
 
     def dispatch_burst(self, batches: StepBatch, feeds, samplings, plp_targets, num_steps):
         """Run `_engine_burst` on k stacked steps' inputs (every leaf [k, ...]), the first
-        ``num_steps`` of them; returns the stacked sampled results without waiting."""
+        ``num_steps`` of them; returns the stacked results (sampled, prompt logprobs) without
+        waiting."""
         return run_step(_engine_burst, self, batches, feeds, samplings, plp_targets, num_steps)
 
     def plan(self, output: SchedulerOutput) -> _Plan | None:
@@ -665,8 +682,9 @@ class ModelRunner:
     # ---------------------------------------------------------------- warm-up
 
     def warm_up(self, progress: bool = True) -> int:
-        """Compile every token bucket (and the sampler's slot writer) now, with batches of
-        padding that read and write nothing; returns the programs run (the progress bar's
+        """Compile every token bucket (as the burst program where `burst_buckets` has it; the
+        sampler's slot writer too) now, with batches of padding that read and write nothing;
+        returns the programs run (the progress bar's
         count: one compilation each in a fresh process)."""
         from tqdm import tqdm
 
@@ -676,11 +694,10 @@ class ModelRunner:
         widths = table_width_buckets(
             self.kv_cache_config, max_model_len=self.max_model_len, table_buckets=self.table_buckets
         )
-        pairs = [(t, w, 1) for t in self.token_buckets for w in widths]
+        # a bucket a pure decode step can have, with bursts on, as the burst program only
         k = self.num_scheduler_steps
-        if k > 1:  # the buckets a pure decode step can have, as bursts of k
-            decode = {bucket(n, self.token_buckets) for n in range(1, self.max_num_seqs + 1)}
-            pairs += [(t, w, k) for t in sorted(decode) for w in widths]
+        steps = [(t, k if t in self.burst_buckets else 1) for t in self.token_buckets]
+        pairs = [(t, w, n) for t, n in steps for w in widths]
         bar = tqdm(total=1 + len(pairs), desc="warm-up: step programs", disable=not progress)
         self.sampler_state = _write_slot(self.sampler_state, slot, *rows)
         bar.update(1)
@@ -776,6 +793,20 @@ def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
         for t, w in zip(batch.block_tables, widths, strict=True)
     )
     return dataclasses.replace(batch, block_tables=tables)
+
+
+def _stack_steps(steps: Sequence[tuple], k: int):
+    """The steps' inputs stacked into a burst's (every leaf [k, ...]); the rows past the
+    steps are zeros, which the burst never runs (`_engine_burst` runs ``len(steps)``)."""
+
+    def stack(*xs):
+        x = np.asarray(xs[0])
+        out = np.zeros((k, *x.shape), x.dtype)
+        for i, xi in enumerate(xs):
+            out[i] = xi
+        return out
+
+    return jax.tree.map(stack, *steps)
 
 
 def run_step(step, runner, *inputs):
@@ -1071,14 +1102,14 @@ def _engine_burst(
     """Up to k engine steps in one program (`ModelRunner.execute_burst`): `_engine_step` on
     the first ``num_steps`` steps' inputs in turn, the state carried from one to the next (a
     step's device-fed tokens are those the step before it sampled); one compilation for every
-    burst length. Returns the packed results stacked ([k, ...], zeros past ``num_steps``; no
-    prompt logprobs: a burst decodes) and the state after the last step."""
+    burst length. Returns the packed results (sampled, prompt logprobs) stacked ([k, ...],
+    zeros past ``num_steps``) and the state after the last step."""
     inputs = (batches, feeds, samplings, plp_targets)
 
     def one(i, state):
         step_inputs = jax.tree.map(lambda x: x[i], inputs)
         out, *state = _engine_step.__wrapped__(params, *state, *step_inputs, **static)
-        return out[0], tuple(state)
+        return out, tuple(state)
 
     def body(i, carry):
         state, stacked = carry

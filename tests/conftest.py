@@ -46,8 +46,10 @@ engram_cfg, engram_params = _preset_fixtures("tiny_v41_full", "engram")
 
 
 # `LLM("tiny_v41_trained", **SHIPPED_LLM_ARGS)`: the shipped model on a small exact engine (8
-# sequences, one 64-token step bucket), shared by the server's tests and tests/dsv4/test_shipped.py
+# sequences, one 64-token step bucket), shared by the server's tests and tests/dsv4/test_shipped.py;
+# one step a program, as `dsv4 serve` runs it
 SHIPPED_LLM_ARGS = dict(
+    num_scheduler_steps=1,
     dtype="float32",
     max_model_len=128,
     max_num_seqs=8,

@@ -169,6 +169,29 @@ def test_resolved_fills_in_what_follows_from_the_model():
         C.EngineConfig.from_kwargs(max_model_len=100_000).resolved(arch)
 
 
+def test_offline_runs_bursts_where_they_can_and_an_engine_one_step_a_program():
+    """`LLM`'s default (`EngineConfig.offline`): bursts of `OFFLINE_SCHEDULER_STEPS` where
+    they run; 1 when scheduling is synchronous, with drafts, data shards or an Engram model;
+    a value given is kept. An engine built from the config alone steps one at a time."""
+    from dsv4.config import tiny_v41, tiny_v41_full
+
+    arch = tiny_v41()
+
+    def steps(config, model=arch):
+        return config.offline(model).resolved(model).scheduler_config.num_scheduler_steps
+
+    assert steps(C.EngineConfig.from_kwargs()) == C.OFFLINE_SCHEDULER_STEPS == 16
+    assert C.EngineConfig.from_kwargs().resolved(arch).scheduler_config.num_scheduler_steps == 1
+    assert steps(C.EngineConfig.from_kwargs(num_scheduler_steps=3)) == 3
+    assert steps(C.EngineConfig.from_kwargs(num_scheduler_steps=1)) == 1
+    assert steps(C.EngineConfig.from_kwargs(async_scheduling=False)) == 1
+    assert steps(C.EngineConfig.from_kwargs(data_parallel_size=2)) == 1
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert steps(C.EngineConfig.from_kwargs(speculative_config=ngram)) == 1
+    engram = tiny_v41_full()
+    assert engram.engram_lookback and steps(C.EngineConfig.from_kwargs(), engram) == 1
+
+
 def test_name_tables_mirror_their_sources():
     from dsv4 import sharding
     from dsv4.checkpoint import SHIPPED

@@ -113,10 +113,14 @@ def test_greedy_equals_reference_decoding_and_logprobs(llm, tiny_params, tiny_cf
     assert out.num_cached_tokens == 0  # prompt logprobs never read the prefix cache
 
 
-def test_prompt_logprobs_survive_chunking_and_preemption(tiny_params, tiny_cfg):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_prompt_logprobs_survive_chunking_and_preemption(tiny_params, tiny_cfg, steps):
     """Prompt logprobs of a long prompt computed over several 4-token chunks, next to
-    requests that keep the pool full."""
-    engine = make_engine(tiny_params, tiny_cfg, max_num_batched_tokens=4)
+    requests that keep the pool full; with bursts (``steps`` 4) every chunk runs as a burst of
+    one (its bucket is a decode step's, compiled as the burst program only)."""
+    engine = make_engine(tiny_params, tiny_cfg, max_num_batched_tokens=4, num_scheduler_steps=steps)
+    runner = engine.runner  # its one bucket holds a decode step: with bursts, the burst program's
+    assert runner.burst_buckets == (set(runner.token_buckets) if steps > 1 else set())
     prompt = tuple(np.random.default_rng(4).integers(3, tiny_cfg.vocab_size, 30).tolist())
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=0)
     finals, _ = drive(engine, [Arrival(0, "p", prompt, sp)])

@@ -61,6 +61,22 @@ def test_skip_tokenizer_init_is_one_engine_flag_for_generate_and_serve(usage_err
         assert "--skip-tokenizer-init: this command works on text" in err, err
 
 
+def test_serve_steps_one_at_a_time_unless_asked():
+    """`dsv4 serve` runs one step a program (`LLM` alone would run bursts of decode steps,
+    which a stream would get in chunks); ``--num-scheduler-steps`` still sets bursts."""
+    from serving.cli import serve_kwargs
+    from serving.cli_llm import engine_config
+
+    def steps(*argv):
+        return serve_kwargs(engine_config(build_parser().parse_args(["serve", *argv])))[
+            "num_scheduler_steps"
+        ]
+
+    assert steps() == 1 and steps("--num-scheduler-steps", "4") == 4
+    generate = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert engine_config(generate).scheduler_config.num_scheduler_steps is None  # LLM decides
+
+
 def test_api_key_defaults_to_the_environment(monkeypatch, capsys):
     from serving.cli import api_key
 
