@@ -11,7 +11,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from dsv4.paged.batch import StepRequest
+from dsv4.paged.batch import BlockTables, GroupInfo, StepRequest
 from serving.request import Request
 from serving.scheduler import NewRequestData, SchedulerOutput
 
@@ -127,6 +127,17 @@ class InputBatch:
         self.engram_lookback = engram_lookback
         self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
+        # every slot's block ids kept between steps, once the owner asks for them (`keep_tables`)
+        self.tables: BlockTables | None = None
+
+    def keep_tables(self, groups: Sequence[GroupInfo], max_model_len: int) -> BlockTables:
+        """The slots' block tables (`dsv4.paged.batch.BlockTables`), kept from now on as
+        requests enter, grow and leave: `build_batch` gathers a step's rows from them."""
+        if self.tables is None:
+            self.tables = BlockTables(groups, self.max_num_seqs, max_model_len)
+            for state in self.requests.values():
+                self.tables.set(state.slot, state.block_ids)
+        return self.tables
 
     @property
     def num_free_slots(self) -> int:
@@ -155,6 +166,8 @@ class InputBatch:
             state.replay_start = new.num_computed_tokens
         state.write_from = new.num_computed_tokens + new.num_replay_tokens
         self.requests[new.request_id] = state
+        if self.tables is not None:
+            self.tables.set(state.slot, state.block_ids)
         return state
 
     def update(self, output: SchedulerOutput) -> None:
@@ -163,10 +176,13 @@ class InputBatch:
         prompts."""
         self.release(output.finished_req_ids)
         self.release(output.preempted_req_ids)
+        tables = self.tables
         for cached in output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
             for ids, more in zip(state.block_ids, cached.new_block_ids, strict=True):
                 ids.extend(more)
+            if tables is not None:
+                tables.append(state.slot, cached.new_block_ids)
 
     def schedule(self, output: SchedulerOutput) -> tuple[list[ScheduledRow], list[StepRequest]]:
         """The step's rows and `StepRequest`s, in the plan's order. A sampling row's request
@@ -229,6 +245,7 @@ class InputBatch:
             # in flight, and it is at start or later), or is a draft in flight that the host
             # learned (see ScheduledRow)
             prev_tokens=tail[max(0, start - m) - lo :] if m else (),
+            slot=state.slot,
         )
         return row, step_request
 
