@@ -179,9 +179,12 @@ class InputBatch:
         tables = self.tables
         for cached in output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
+            grew = False
             for ids, more in zip(state.block_ids, cached.new_block_ids, strict=True):
-                ids.extend(more)
-            if tables is not None:
+                if more:
+                    ids.extend(more)
+                    grew = True
+            if grew and tables is not None:
                 tables.append(state.slot, cached.new_block_ids)
 
     def schedule(self, output: SchedulerOutput) -> tuple[list[ScheduledRow], list[StepRequest]]:
@@ -208,11 +211,12 @@ class InputBatch:
         """One request's row of the step: ``n`` tokens from position ``start`` (the tokens in
         its cache before this step)."""
         state = self.requests[request_id]
-        drafts = tuple(output.scheduled_spec_decode_tokens.get(request_id, ()))
+        spec = output.scheduled_spec_decode_tokens
+        drafts = tuple(spec[request_id]) if spec and request_id in spec else ()
         # -1 drafts are placeholders: the device drafted them (async scheduling)
         device_drafts = bool(drafts) and drafts[0] < 0
         tokens, device = self._inputs(state, start, n - len(drafts))
-        shifted = state.num_shifted
+        shifted = state.pending[-1] if state.pending else 0  # `num_shifted`
         m = self.engram_lookback
         # no look-back, nothing in flight to check against: no tokens to read
         lo, tail = self._look_back(state, start) if m or shifted else (0, [])
