@@ -53,6 +53,7 @@ from serving.runner import (
     StepOutput,
     engine_step_data_parallel,
     run_step,
+    to_host,
     warm_up_on_mesh,
     widen_tables,
 )
@@ -257,7 +258,7 @@ class DataParallelHandle:
         if self._host is None:
             sampled, plp = self._device_out
             wants_plp = any(row.prompt_logprobs for rows in self._rows for row in rows)
-            sampled, plp = jax.device_get((sampled, plp) if wants_plp else (sampled, None))
+            sampled, plp = to_host((sampled, plp) if wants_plp else (sampled, None))
             merged = StepOutput({}, {}, {}, {})
             for i, (shard, rows) in enumerate(zip(self._runner.shards, self._rows, strict=True)):
                 if not rows:

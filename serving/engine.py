@@ -519,10 +519,12 @@ class Engine:
                 for m in (request.metrics, request.parent.metrics):
                     m.spec_num_draft_tokens += len(drafts)
                     m.spec_num_accepted_tokens += len(sampled) - 1
+        requests, logprobs = self._requests, step_output.logprobs
         for request_id, tokens in result.new_token_ids.items():
-            request = self._requests[request_id]
-            self._note_tokens(request, tokens, step_output.logprobs.get(request_id), now)
-            touched[id(request.parent)] = request.parent
+            request = requests[request_id]
+            self._note_tokens(request, tokens, logprobs.get(request_id) if logprobs else None, now)
+            parent = request.parent
+            touched[id(parent)] = parent
         for request_id, entries in step_output.prompt_logprobs.items():
             request = self._requests.get(request_id)
             if request is None:
@@ -534,8 +536,9 @@ class Engine:
                     request.prompt_logprobs[position] = logprob_dict(
                         entry, prompt[position], n, self._decode_token
                     )
-        for request_id in result.new_token_ids:
-            request = self._requests[request_id]
+        # stop strings need the text (`_check_stop_strings`: none without a tokenizer)
+        for request_id in result.new_token_ids if self.tokenizer is not None else ():
+            request = requests[request_id]
             stop = self._check_stop_strings(request)
             if stop is None:
                 continue

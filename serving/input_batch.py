@@ -11,7 +11,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from dsv4.paged.batch import StepRequest
+from dsv4.paged.batch import BlockTables, GroupInfo, StepRequest
 from serving.request import Request
 from serving.scheduler import NewRequestData, SchedulerOutput
 
@@ -127,6 +127,17 @@ class InputBatch:
         self.engram_lookback = engram_lookback
         self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
+        # every slot's block ids kept between steps, once the owner asks for them (`keep_tables`)
+        self.tables: BlockTables | None = None
+
+    def keep_tables(self, groups: Sequence[GroupInfo], max_model_len: int) -> BlockTables:
+        """The slots' block tables (`dsv4.paged.batch.BlockTables`), kept from now on as
+        requests enter, grow and leave: `build_batch` gathers a step's rows from them."""
+        if self.tables is None:
+            self.tables = BlockTables(groups, self.max_num_seqs, max_model_len)
+            for state in self.requests.values():
+                self.tables.set(state.slot, state.block_ids)
+        return self.tables
 
     @property
     def num_free_slots(self) -> int:
@@ -155,6 +166,8 @@ class InputBatch:
             state.replay_start = new.num_computed_tokens
         state.write_from = new.num_computed_tokens + new.num_replay_tokens
         self.requests[new.request_id] = state
+        if self.tables is not None:
+            self.tables.set(state.slot, state.block_ids)
         return state
 
     def update(self, output: SchedulerOutput) -> None:
@@ -163,10 +176,16 @@ class InputBatch:
         prompts."""
         self.release(output.finished_req_ids)
         self.release(output.preempted_req_ids)
+        tables = self.tables
         for cached in output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
+            grew = False
             for ids, more in zip(state.block_ids, cached.new_block_ids, strict=True):
-                ids.extend(more)
+                if more:
+                    ids.extend(more)
+                    grew = True
+            if grew and tables is not None:
+                tables.append(state.slot, cached.new_block_ids)
 
     def schedule(self, output: SchedulerOutput) -> tuple[list[ScheduledRow], list[StepRequest]]:
         """The step's rows and `StepRequest`s, in the plan's order. A sampling row's request
@@ -192,11 +211,12 @@ class InputBatch:
         """One request's row of the step: ``n`` tokens from position ``start`` (the tokens in
         its cache before this step)."""
         state = self.requests[request_id]
-        drafts = tuple(output.scheduled_spec_decode_tokens.get(request_id, ()))
+        spec = output.scheduled_spec_decode_tokens
+        drafts = tuple(spec[request_id]) if spec and request_id in spec else ()
         # -1 drafts are placeholders: the device drafted them (async scheduling)
         device_drafts = bool(drafts) and drafts[0] < 0
         tokens, device = self._inputs(state, start, n - len(drafts))
-        shifted = state.num_shifted
+        shifted = state.pending[-1] if state.pending else 0  # `num_shifted`
         m = self.engram_lookback
         # no look-back, nothing in flight to check against: no tokens to read
         lo, tail = self._look_back(state, start) if m or shifted else (0, [])
@@ -229,6 +249,7 @@ class InputBatch:
             # in flight, and it is at start or later), or is a draft in flight that the host
             # learned (see ScheduledRow)
             prev_tokens=tail[max(0, start - m) - lo :] if m else (),
+            slot=state.slot,
         )
         return row, step_request
 

@@ -80,6 +80,7 @@ from dsv4.config import ModelConfig
 from dsv4.paged import pools as P
 from dsv4.paged import records as R
 from dsv4.paged.batch import (
+    BlockTables,
     StepBatch,
     StepRequest,
     bucket,
@@ -509,7 +510,8 @@ class ModelRunner:
     def step_inputs(self, plan: _Plan, num_tokens: int):
         """``(batch, feed, sampling, plp_targets)`` of a planned step padded to the token
         bucket ``num_tokens`` (R = `rows_for` it): what `dispatch` runs."""
-        batch = self.step_batch(plan.step_requests, plan.num_tokens, num_tokens)
+        tables = self.inputs.keep_tables(self._groups, self.max_model_len)
+        batch = self.step_batch(plan.step_requests, plan.num_tokens, num_tokens, tables)
         t, r = batch.token_ids.shape[0], batch.seq_lens.shape[0]
         rows = plan.rows
         sampling = self._sampling_batch(rows, r)
@@ -543,10 +545,11 @@ class ModelRunner:
         step_requests: Sequence[StepRequest],
         num_tokens: int,
         bucket_tokens: int | None = None,
+        tables: BlockTables | None = None,
     ) -> StepBatch:
         """The step batch of ``step_requests`` (``num_tokens`` tokens in all), padded to this
         runner's buckets: T the smallest token bucket that holds them (or ``bucket_tokens``),
-        R = `rows_for(T)`."""
+        R = `rows_for(T)`; ``tables``: their slots' block tables (`InputBatch.keep_tables`)."""
         t = bucket(num_tokens, self.token_buckets) if bucket_tokens is None else bucket_tokens
         return build_batch(
             step_requests,
@@ -558,6 +561,7 @@ class ModelRunner:
             debug=self.debug,
             groups=self._groups,
             engram_lookback=self.cfg.engram_lookback,
+            tables=tables,
         )
 
     def dispatch(self, batch: StepBatch, feed, sampling: S.SamplingBatch, plp_targets):

@@ -45,6 +45,7 @@ from cache.spec import (
 )
 
 __all__ = [
+    "BlockTables",
     "GroupInfo",
     "StepBatch",
     "StepRequest",
@@ -140,6 +141,36 @@ class StepRequest:
     # Engram: the tokens of the positions just before ``start`` (the last ones of the request's
     # history; at least engram_lookback of them unless start is smaller)
     prev_tokens: Sequence[int] = ()
+    slot: int = -1  # its row of a `BlockTables` (-1: none; `build_batch`'s ``tables``)
+
+
+class BlockTables:
+    """Every slot's block ids per KV-cache group, kept between steps (vLLM's persistent block
+    table): a slot's rows are written when a request takes it (`set`) and appended to as it
+    grows (`append`), so a step gathers its requests' rows (`build_batch`'s ``tables``)
+    instead of rebuilding them from their ids. A row holds up to the group's full table width
+    (ring: 1); ``counts`` the ids the request holds (more than fit: `build_batch` raises)."""
+
+    def __init__(self, groups: Sequence[GroupInfo], num_slots: int, max_model_len: int) -> None:
+        widths = [1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size) for g in groups]
+        self.rows = tuple(np.zeros((num_slots, w), np.int32) for w in widths)
+        self.counts = tuple(np.zeros(num_slots, np.int64) for _ in groups)
+
+    def set(self, slot: int, block_ids: Sequence[Sequence[int]]) -> None:
+        """The ids of a request that takes ``slot`` (per group), replacing the slot's rows."""
+        for rows, counts in zip(self.rows, self.counts, strict=True):
+            rows[slot] = 0
+            counts[slot] = 0
+        self.append(slot, block_ids)
+
+    def append(self, slot: int, block_ids: Sequence[Sequence[int]]) -> None:
+        """Ids appended to the request in ``slot`` (per group, in the allocator's order)."""
+        for rows, counts, ids in zip(self.rows, self.counts, block_ids, strict=True):
+            if ids:
+                row, count = rows[slot], int(counts[slot])
+                fit = ids[: max(0, len(row) - count)]
+                row[count : count + len(fit)] = fit
+                counts[slot] = count + len(ids)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int:
@@ -172,12 +203,13 @@ def build_batch(
     debug: bool = False,
     groups: Sequence[GroupInfo] | None = None,
     engram_lookback: int = 0,
+    tables: BlockTables | None = None,
 ) -> StepBatch:
-    """The step's arrays for ``requests`` (see the module docstring), vectorised over the step's
-    tokens and block ids, or token by token for a step of few tokens (`_fill_few`: the same
-    values, cheaper there). ``table_buckets``: None gives every block table its full width, sizes
-    trim it to this step's need (docs/architecture.md#the-step-contract); ``engram_lookback``
-    (``engram_max_ngram_size - 1``, else 0) fills ``engram_prev``; ``groups``: `group_infos`'s."""
+    """The step's arrays for ``requests`` (module docstring), vectorised over the step's tokens
+    and block ids, or token by token for a step of few tokens (`_fill_few`: the same values).
+    ``table_buckets``: None gives full-width block tables, sizes trim them to the step's need
+    (docs/architecture.md#the-step-contract); ``engram_lookback`` fills ``engram_prev``;
+    ``tables``: the block ids kept by ``StepRequest.slot`` (`BlockTables`), gathered instead."""
     groups = group_infos(config) if groups is None else groups
     n_req = len(requests)
     lens_list = [len(r.token_ids) for r in requests]
@@ -191,7 +223,6 @@ def build_batch(
     longest = max(s + n for s, n in zip(starts_list, lens_list))
     widths = _table_widths(groups, max_model_len, table_buckets, longest)
     batch = _padding(groups, t_pad, r_pad, widths, engram_lookback)
-
     starts = np.array(starts_list, np.int64)
     lens = np.array(lens_list, np.int64)
     if n_tok == n_req:  # one token per request (a decode step): no ragged offsets to expand
@@ -214,9 +245,10 @@ def build_batch(
     batch.replay_start[:n_req] = [r.replay_start for r in requests]
     if engram_lookback:
         _engram_prev(requests, starts, engram_lookback, batch.engram_prev)
-    if n_tok > _FEW_TOKENS or not _fill_few(batch, groups, requests, max_model_len):
+    kept = None if tables is None else _kept(requests, tables, debug)
+    if n_tok > _FEW_TOKENS or not _fill_few(batch, groups, requests, max_model_len, kept):
         for g in groups:  # also raises what `_fill_few` declined
-            _fill_group(batch, g, requests, max_model_len, req, pos, lens, ends)
+            _fill_group(batch, g, requests, max_model_len, req, pos, lens, ends, kept)
     if debug:
         check_batch(batch, config)
     return batch
@@ -227,7 +259,38 @@ def build_batch(
 _FEW_TOKENS = 16
 
 
-def _fill_few(batch: StepBatch, groups, requests, max_model_len: int) -> bool:
+def _kept(requests, tables: BlockTables, debug: bool) -> tuple[BlockTables, np.ndarray]:
+    """``(tables, the requests' slots)``; an error names the first request without a slot (or,
+    in ``debug``, whose slot does not hold its block ids: `_check_kept`)."""
+    slots = [r.slot for r in requests]
+    num_slots = len(tables.counts[0]) if tables.counts else 0
+    for i, slot in enumerate(slots):
+        if not 0 <= slot < num_slots:
+            raise ValueError(
+                f"request {i} ({requests[i].req_id!r}) has slot {slot}; the block tables kept "
+                f"have slots 0..{num_slots - 1}"
+            )
+    kept = tables, np.array(slots)
+    if debug:
+        _check_kept(requests, *kept)
+    return kept
+
+
+def _check_kept(requests, tables: BlockTables, slots: np.ndarray) -> None:
+    """Debug check: every request's slot in ``tables`` holds its block ids."""
+    for i, r in enumerate(requests):
+        for g, ids in enumerate(r.block_ids):
+            row, count = tables.rows[g][slots[i]], int(tables.counts[g][slots[i]])
+            fit = min(count, len(row))
+            if count != len(ids) or row[:fit].tolist() != list(ids[:fit]) or row[fit:].any():
+                raise ValueError(
+                    f"request {i} ({r.req_id!r}) holds {len(ids)} blocks in group {g}, but "
+                    f"slot {int(slots[i])} of the block tables kept holds {count}: "
+                    f"{row[:fit].tolist()}"
+                )
+
+
+def _fill_few(batch: StepBatch, groups, requests, max_model_len: int, kept=None) -> bool:
     """Every group's block table and slots (`_fill_group`'s, the same formulas per token) for
     a step of few tokens; False, with nothing promised written, where some check fails (the
     vectorised path then raises its error)."""
@@ -244,7 +307,7 @@ def _fill_few(batch: StepBatch, groups, requests, max_model_len: int) -> bool:
         elif max(counts) > _cdiv(max_model_len, g.block_size):
             return False
         else:
-            _fill_table(table, requests, g.index, counts)
+            _fill_table(table, requests, g.index, counts, kept)
         keys = (
             [("ring", g.index, 0)] if g.kind == "ring" else [(g.kind, g.index, r) for r in g.ratios]
         )
@@ -300,17 +363,22 @@ def _fill_group(
     pos: np.ndarray,
     lens: np.ndarray,
     ends: np.ndarray,
+    kept=None,
 ) -> None:
     """One KV-cache group's block table and slots (``req`` / ``pos``: every token's request row
-    and position; ``lens`` / ``ends``: each request's token count and end in the step). The
-    slots are read from the (possibly trimmed) table: it holds every block the step's tokens
-    reach (its width covers the longest request)."""
+    and position; ``lens`` / ``ends``: each request's token count and end in the step; ``kept``:
+    `build_batch`'s tables and the requests' slots, or None). The slots are read from the
+    (possibly trimmed) table: it holds every block the step's tokens reach (its width covers
+    the longest request)."""
     n_tok = len(pos)
-    counts_list = [len(r.block_ids[g.index]) for r in requests]
+    if kept is None:
+        counts_list = [len(r.block_ids[g.index]) for r in requests]
+    else:  # the kept tables count the ids (`_check_kept` compares them in debug)
+        counts_list = kept[0].counts[g.index][kept[1]].tolist()
     table = batch.block_tables[g.index]
     if g.kind == "ring":
         _ring_slots(
-            requests, g, counts_list, table, batch.ring_slots[g.index], req, pos, lens, ends
+            requests, g, counts_list, table, batch.ring_slots[g.index], req, pos, lens, ends, kept
         )
         return
     full = _cdiv(max_model_len, g.block_size)
@@ -320,7 +388,7 @@ def _fill_group(
             f"request {i} ({requests[i].req_id!r}): group {g.index} holds {counts_list[i]} "
             f"blocks, more than max_model_len {max_model_len} needs ({full})"
         )
-    _fill_table(table, requests, g.index, counts_list)
+    _fill_table(table, requests, g.index, counts_list, kept)
     counts = np.array(counts_list, np.int64)
     if g.kind == "window":
         blk = pos // g.block_size
@@ -410,10 +478,14 @@ def _engram_prev(requests, starts, m: int, out: np.ndarray) -> None:
         out[i, :need] = list(reversed(prev))
 
 
-def _fill_table(table: np.ndarray, requests, g: int, counts: list[int]) -> None:
+def _fill_table(table: np.ndarray, requests, g: int, counts: list[int], kept=None) -> None:
     """Write every request's block ids of group g into the rows of ``table`` (the columns it
-    has: a trimmed table keeps what the step reads); entries past a request's ids stay 0."""
+    has: a trimmed table keeps what the step reads); entries past a request's ids stay 0.
+    With ``kept`` (tables, slots) and more than a few rows: the slots' rows (the same ids)."""
     width = table.shape[1]
+    if kept is not None and len(requests) > 4:
+        table[: len(requests)] = kept[0].rows[g][kept[1], :width]
+        return
     if len(requests) <= 4:  # a few rows: a slice each beats the ragged scatter
         for i, r in enumerate(requests):
             ids = r.block_ids[g]
@@ -432,16 +504,21 @@ def _fill_table(table: np.ndarray, requests, g: int, counts: list[int]) -> None:
     table[:n][np.arange(width) < np.array(counts)[:, None]] = flat
 
 
-def _ring_slots(requests, g: GroupInfo, counts, table, slots, req, pos, lens, ends) -> None:
-    """The ring block (at most one per request) and the ring rows of each request's last
-    ``min(len, C)`` tokens (row ``ring_block * C + p % C``)."""
+def _ring_slots(
+    requests, g: GroupInfo, counts, table, slots, req, pos, lens, ends, kept=None
+) -> None:
+    """The ring block (at most one per request, from the ``kept`` tables' rows if given) and
+    the ring rows of each request's last ``min(len, C)`` tokens (``ring_block * C + p % C``)."""
     if max(counts) > 1:
         i = next(i for i, c in enumerate(counts) if c > 1)
         raise ValueError(
             f"request {i} ({requests[i].req_id!r}): ring group {g.index} holds "
             f"{counts[i]} blocks, expected at most 1"
         )
-    ring = np.array([r.block_ids[g.index][0] if c else 0 for r, c in zip(requests, counts)])
+    if kept is None:
+        ring = np.array([r.block_ids[g.index][0] if c else 0 for r, c in zip(requests, counts)])
+    else:  # a row past its ids holds 0
+        ring = kept[0].rows[g.index][kept[1], 0]
     n_req = len(requests)
     table[:n_req, 0] = ring
     c = g.block_size
