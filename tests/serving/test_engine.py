@@ -160,7 +160,9 @@ def test_bursts_equal_one_step_at_a_time(tiny_params, tiny_cfg, monkeypatch):
     """num_scheduler_steps=4 against the asynchronous engine that runs one step a program:
     the same workload as above (every sampling kind, stop tokens, logprobs, aborts in flight,
     the batch draining to 0, 1 and 3) gives the same tokens, logprobs (bit for bit), finish
-    and stop reasons; bursts ran; the pool is whole and nothing compiled after warm-up."""
+    and stop reasons; bursts ran, none planned while a prefill was in flight; the pool is
+    whole and nothing compiled after warm-up."""
+    from serving.engine import Engine
     from serving.runner import ModelRunner
 
     k = 4
@@ -171,7 +173,22 @@ def test_bursts_equal_one_step_at_a_time(tiny_params, tiny_cfg, monkeypatch):
         bursts.append(len(outputs))
         return execute_burst(self, outputs)
 
+    def in_flight_all_decode(engine):
+        """No burst is planned while a step in flight is not pure decode (a prefill's first
+        token comes out before k steps are planned)."""
+        return all(engine.runner.burst_bucket(h.scheduler_output) for h in engine._in_flight)
+
     monkeypatch.setattr(ModelRunner, "execute_burst", counted)
+    plan_burst = Engine._plan_burst
+    planned_with_prefill_in_flight = []
+
+    def checked(self, first):
+        burst, rest = plan_burst(self, first)
+        if len(burst) > 1 and not in_flight_all_decode(self):
+            planned_with_prefill_in_flight.append(len(burst))
+        return burst, rest
+
+    monkeypatch.setattr(Engine, "_plan_burst", checked)
     arrivals, aborts = _workload_with_aborts(tiny_cfg, 0, 40)
     # alone in an idle engine: its last burst is cut short by its max_tokens
     lone = SamplingParams(max_tokens=7, ignore_eos=True)
@@ -179,6 +196,7 @@ def test_bursts_equal_one_step_at_a_time(tiny_params, tiny_cfg, monkeypatch):
     one, _ = _run(tiny_params, tiny_cfg, arrivals, aborts, True)
     burst, burst_running = _run(tiny_params, tiny_cfg, arrivals, aborts, True, k)
     assert bursts.count(k) > 5 and all(2 <= n <= k for n in bursts) and min(bursts) < k, bursts
+    assert not planned_with_prefill_in_flight
     # an abort cuts a request where the host has seen it: up to a burst earlier or later
     _assert_same_outputs(one, burst, aborts, slack=k)
     assert 0 in burst_running[10:] and 1 in burst_running and 3 in burst_running
