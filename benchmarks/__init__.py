@@ -25,10 +25,11 @@ def batch_sizes(
 
 
 def at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
-    """End in ``parser.error`` naming the first of the flags ``names`` (their ``dest``) below 1."""
+    """End in ``parser.error`` naming the first of the flags ``names`` (their ``dest``) below 1
+    (one left unset, None, is not checked)."""
     for name in names:
         value = getattr(args, name)
-        if value < 1:
+        if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
 
 

@@ -201,7 +201,7 @@ def measure(
     new_tokens: int,
     repeats: int,
     max_num_batched_tokens: int,
-    num_scheduler_steps: int = 16,
+    num_scheduler_steps: int | None = None,
     token_buckets: tuple[int, ...] | None = None,
     runs: int = 1,
 ) -> dict[str, Any]:
@@ -222,11 +222,12 @@ def measure(
         compilation_cache_dir=None,
     )
     t0 = time.perf_counter()
-    llms = {mode: LLM("tiny_v41", async_scheduling=mode == "async", **common)
-            for mode in ("sync", "async")}  # fmt: skip
-    llms["burst"] = LLM("tiny_v41", num_scheduler_steps=num_scheduler_steps, **common)
+    # the engine as LLM runs it (None: its default bursts), one step a program (async), sync
+    llms = {"engine": LLM("tiny_v41", num_scheduler_steps=num_scheduler_steps, **common),
+            "single": LLM("tiny_v41", num_scheduler_steps=1, **common),
+            "sync": LLM("tiny_v41", async_scheduling=False, **common)}  # fmt: skip
     start_up = round(time.perf_counter() - t0, 2)
-    params, cfg = llms["async"].engine.runner.params, llms["async"].cfg
+    params, cfg = llms["engine"].engine.runner.params, llms["engine"].cfg
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     results = {}
@@ -239,8 +240,8 @@ def measure(
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
         "cpu_count": os.cpu_count(),
-        "token_buckets": list(llms["async"].engine.runner.token_buckets),
-        "num_scheduler_steps": num_scheduler_steps,
+        "token_buckets": list(llms["engine"].engine.runner.token_buckets),
+        "num_scheduler_steps": llms["engine"].engine.runner.num_scheduler_steps,
         # both engines built (the second reuses the first one's compiled buckets)
         "start_up_s": start_up,
         "warm_up_s": round(llms["sync"].engine.stats.warm_up_s, 2),
@@ -254,10 +255,10 @@ def _one_run(llms, params, cfg, b: int, prompts, sp, prompt_len: int, repeats: i
     gen = _generate_rate(params, cfg, prompts, sp.max_tokens, repeats)
     prefill = _generate_prefill_ms(params, cfg, prompts, repeats)
     sync = _engine_run(llms["sync"], prompts, sp, repeats)
-    asyn = _engine_run(llms["async"], prompts, sp, repeats)
-    burst = _engine_run(llms["burst"], prompts, sp, repeats)
+    single = _engine_run(llms["single"], prompts, sp, repeats)
+    engine = _engine_run(llms["engine"], prompts, sp, repeats)
     device, loop = _device_ms_per_step(llms["sync"], b, prompt_len, repeats)
-    return _batch_row(b, gen, prefill, sync, asyn, burst, device, loop)
+    return _batch_row(b, gen, prefill, sync, single, engine, device, loop)
 
 
 def _median_run(rows: list[dict]) -> dict:
@@ -265,30 +266,33 @@ def _median_run(rows: list[dict]) -> dict:
     from run to run, which a noisy machine makes wide)."""
     ordered = sorted(rows, key=lambda r: r["engine_over_generate"])
     out = dict(ordered[(len(ordered) - 1) // 2])
-    for key in ("engine_over_generate", "burst_over_generate", "async_speedup"):
+    for key in ("engine_over_generate", "single_over_generate", "async_speedup"):
         out[f"{key}_runs"] = [r[key] for r in rows]
     return out
 
 
 def table(result: dict[str, Any]) -> str:
-    """README.md's engine table: per batch, the time per token of the engine (asynchronous, and
-    in bursts) over `dsv4.generate`'s, with the spread over the runs."""
+    """README.md's engine table: per batch, the time per token of the engine (as `LLM` runs it,
+    and one step a program) over `dsv4.generate`'s, with the spread over the runs."""
     lines = [
         f"`python -m benchmarks.engine --runs {result['runs']}` ({result['model']}, "
-        f"{result['dtype']}, {result['backend']}, {result['cpu_count']} cores; time per token "
-        "over `dsv4.generate`'s, median run [lowest, highest]):",
+        f"{result['dtype']}, {result['backend']}, {result['cpu_count']} cores; the engine as "
+        f"`LLM` runs it: bursts of up to {result['num_scheduler_steps']} decode steps; time per "
+        "token over `dsv4.generate`'s, median run [lowest, highest]):",
         "",
-        "| batch | generate tokens/s | engine tokens/s | engine / generate | bursts / generate "
-        "| TTFT / prefill | host ms/step | device ms/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | generate tokens/s | engine tokens/s | engine / generate | one step a program "
+        "/ generate | TTFT / prefill | host ms/step | host ms/step, one step a program "
+        "| device ms/step, one step a program |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(result["results"].values(), key=lambda r: r["batch"]):
-        ratios, bursts = r["engine_over_generate_runs"], r["burst_over_generate_runs"]
+        ratios, singles = r["engine_over_generate_runs"], r["single_over_generate_runs"]
         lines.append(
             f"| {r['batch']} | {r['generate_tokens_per_s']:.0f} | "
-            f"{r['engine_async_tokens_per_s']:.0f} | {r['engine_over_generate']:.2f} "
-            f"[{min(ratios):.2f}, {max(ratios):.2f}] | {r['burst_over_generate']:.2f} "
-            f"[{min(bursts):.2f}, {max(bursts):.2f}] | {_ttft(r)} | {r['host_ms_per_step']:.2f} | "
+            f"{r['engine_tokens_per_s']:.0f} | {r['engine_over_generate']:.2f} "
+            f"[{min(ratios):.2f}, {max(ratios):.2f}] | {r['single_over_generate']:.2f} "
+            f"[{min(singles):.2f}, {max(singles):.2f}] | {_ttft(r)} | "
+            f"{r['engine_host_ms_per_step']:.2f} | {r['host_ms_per_step']:.2f} | "
             f"{r['device_ms_per_step']:.2f} |"
         )
     return "\n".join(lines)
@@ -301,30 +305,32 @@ def _ttft(row: dict) -> str:
 
 
 def _batch_row(
-    b: int, gen: float, prefill: float, sync: dict, asyn: dict, burst: dict, device, loop
+    b: int, gen: float, prefill: float, sync: dict, single: dict, engine: dict, device, loop
 ) -> dict:
-    """One batch size's row: generate's and each engine mode's rates, per-step times, latencies."""
+    """One batch size's row: generate's and each engine mode's rates, per-step times, latencies
+    (``engine``: as `LLM` runs it; ``single``: asynchronous, one step a program)."""
     return {
         "batch": b,
         "generate_tokens_per_s": round(gen, 1),
+        "engine_tokens_per_s": round(engine["tokens_per_s"], 1),
+        "engine_over_generate": round(gen / engine["tokens_per_s"], 3),
+        "engine_ms_per_step": round(engine["ms_per_step"], 3),
+        "engine_host_ms_per_step": round(engine["host_ms_per_step"], 3),
         "engine_sync_tokens_per_s": round(sync["tokens_per_s"], 1),
-        "engine_async_tokens_per_s": round(asyn["tokens_per_s"], 1),
-        "engine_over_generate": round(gen / asyn["tokens_per_s"], 3),
-        "async_speedup": round(asyn["tokens_per_s"] / sync["tokens_per_s"], 3),
-        "engine_burst_tokens_per_s": round(burst["tokens_per_s"], 1),
-        "burst_over_generate": round(gen / burst["tokens_per_s"], 3),
-        "burst_ms_per_step": round(burst["ms_per_step"], 3),
-        "steps": asyn["steps"],
+        "engine_single_tokens_per_s": round(single["tokens_per_s"], 1),
+        "single_over_generate": round(gen / single["tokens_per_s"], 3),
+        "async_speedup": round(single["tokens_per_s"] / sync["tokens_per_s"], 3),
+        "steps": engine["steps"],
         "host_ms_per_step": round(sync["host_ms_per_step"], 3),
         "device_ms_per_step": round(device, 3),
         "loop_ms_per_step": round(loop, 3),
         "sync_ms_per_step": round(sync["ms_per_step"], 3),
-        "async_ms_per_step": round(asyn["ms_per_step"], 3),
-        "ttft_ms": _percentiles(asyn["ttft"]),
+        "single_ms_per_step": round(single["ms_per_step"], 3),
+        "ttft_ms": _percentiles(engine["ttft"]),
         "generate_prefill_ms": round(prefill, 3),
-        "ttft_over_generate_prefill": round(_percentiles(asyn["ttft"])["p50"] / prefill, 3),
-        "tpot_ms": _percentiles(asyn["tpot"]),
-        "engine_compilations": sum(r["compilations"] for r in (sync, asyn, burst)),
+        "ttft_over_generate_prefill": round(_percentiles(engine["ttft"])["p50"] / prefill, 3),
+        "tpot_ms": _percentiles(engine["tpot"]),
+        "engine_compilations": sum(r["compilations"] for r in (sync, single, engine)),
     }
 
 
@@ -335,7 +341,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument("--num-scheduler-steps", type=int, default=16)
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        help="the engine's bursts (default: LLM's own)",
+    )
     parser.add_argument("--runs", type=int, default=1, help="runs per batch (the spread)")
     parser.add_argument("--table", action="store_true", help="print the README's markdown table")
     parser.add_argument(

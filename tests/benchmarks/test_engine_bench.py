@@ -42,16 +42,19 @@ def test_json_line(monkeypatch, capsys):
         r = out["results"][f"batch_{b}"]
         gen = b * 4 / (STEP_S * 4)
         assert r["generate_tokens_per_s"] == pytest.approx(gen, rel=0.2)
-        for key in ("engine_sync_tokens_per_s", "engine_async_tokens_per_s",
-                    "engine_burst_tokens_per_s", "burst_ms_per_step",
-                    "host_ms_per_step", "device_ms_per_step", "async_ms_per_step"):  # fmt: skip
+        for key in ("engine_sync_tokens_per_s", "engine_tokens_per_s",
+                    "engine_single_tokens_per_s", "engine_ms_per_step", "engine_host_ms_per_step",
+                    "host_ms_per_step", "device_ms_per_step", "single_ms_per_step"):  # fmt: skip
             assert r[key] > 0, key
         assert r["loop_ms_per_step"] > 0
         assert r["engine_over_generate"] == pytest.approx(
-            r["generate_tokens_per_s"] / r["engine_async_tokens_per_s"], rel=1e-2
+            r["generate_tokens_per_s"] / r["engine_tokens_per_s"], rel=1e-2
         )
-        assert r["burst_over_generate"] == pytest.approx(
-            r["generate_tokens_per_s"] / r["engine_burst_tokens_per_s"], rel=1e-2
+        assert r["single_over_generate"] == pytest.approx(
+            r["generate_tokens_per_s"] / r["engine_single_tokens_per_s"], rel=1e-2
+        )
+        assert r["async_speedup"] == pytest.approx(
+            r["engine_single_tokens_per_s"] / r["engine_sync_tokens_per_s"], rel=1e-2
         )
         assert set(r["ttft_ms"]) == {"p50", "p90", "p99"}
         assert r["generate_prefill_ms"] > 0

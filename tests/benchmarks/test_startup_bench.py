@@ -27,8 +27,9 @@ def test_second_start_compiles_nothing(capsys, tmp_path):
     assert second["warm_up_cache_hits"] >= 1 and second["loaded_from_cache"] >= 1
     assert out["second_run_compiles_nothing"] is True
     # the step programs come from serving.programs' folder: not even traced the second time
-    assert "jit(_engine_step)" in first["by_function"]
-    assert "jit(_engine_step)" not in second["by_function"]
+    programs = ("jit(_engine_step)", "jit(_engine_burst)")  # LLM's bursts: decode buckets'
+    assert any(p in first["by_function"] for p in programs)
+    assert not any(p in second["by_function"] for p in programs)
     assert any((tmp_path / "dsv4-jax" / "jax" / "dsv4-steps").glob("*.pkl"))
     for run in (first, second):
         assert run["compilations_after_warm_up"] == 0 and run["output_tokens"] >= 1
