@@ -341,12 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument(
-        "--num-scheduler-steps",
-        type=int,
-        default=None,
-        help="the engine's bursts (default: LLM's own)",
-    )
+    parser.add_argument("--num-scheduler-steps", type=int, help="bursts (default: LLM's)")
     parser.add_argument("--runs", type=int, default=1, help="runs per batch (the spread)")
     parser.add_argument("--table", action="store_true", help="print the README's markdown table")
     parser.add_argument(

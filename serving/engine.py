@@ -416,10 +416,9 @@ class Engine:
     def _plan_burst(self, first) -> tuple[list, Any]:
         """The steps to dispatch now: ``first`` alone or, when it is a pure decode
         (`ModelRunner.burst_bucket`), k = ``num_scheduler_steps`` > 1, nobody waits and every
-        step in flight decodes too, up to k steps planned in a row and run as one program; the
-        first step that is not pure decode or needs a larger bucket (``rest``, else None) is
-        dispatched alone after the burst. A prefill in flight gives its first token before a
-        burst is planned (planning k steps would delay it: time to first token)."""
+        step in flight decodes too (a prefill's first token is not held up), up to k steps
+        planned in a row and run as one program; the first step that is not pure decode or
+        needs a larger bucket (``rest``, else None) is dispatched alone after the burst."""
         k = self.runner.num_scheduler_steps
         burst, rest = [first], None
         if k < 2 or len(self.scheduler.waiting):
