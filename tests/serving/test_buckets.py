@@ -42,7 +42,8 @@ def test_default_buckets_of_the_shipped_defaults():
 
 def test_one_stream_decodes_one_row_and_equals_generate():
     """With the default buckets (1, 2, 4 under a budget of 4), one request's decode steps run
-    T = R = 1; its greedy tokens equal `dsv4.generate`'s; nothing compiles after warm-up."""
+    T = R = 1 (in `LLM`'s bursts, whose program also runs the 2-token chunk: a burst of one);
+    its greedy tokens equal `dsv4.generate`'s; nothing compiles after warm-up."""
     with jax.default_matmul_precision("highest"):
         llm = LLM("tiny_v41", dtype="float32", max_model_len=64, max_num_seqs=2,
                   max_num_batched_tokens=4, num_gpu_blocks_override=32,
@@ -57,6 +58,14 @@ def test_one_stream_decodes_one_row_and_equals_generate():
             return dispatch(batch, *rest)
 
         runner.dispatch = spy
+        dispatch_burst = runner.dispatch_burst  # LLM's bursts: decode buckets run through it
+
+        def spy_burst(batches, *rest):
+            steps = int(rest[-1])  # each step of the burst: [k, T] tokens, [k, R] rows
+            shapes.extend([(batches.token_ids.shape[1], batches.seq_lens.shape[1])] * steps)
+            return dispatch_burst(batches, *rest)
+
+        runner.dispatch_burst = spy_burst
         prompt = [5, 17, 42, 9, 77, 3]  # two prefill chunks (4 + 2 tokens), then decode
         sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         (out,) = llm.generate([prompt], sp, use_tqdm=False)
