@@ -306,7 +306,8 @@ class ModelRunner:
         )
         decode = range(1, min(max_num_seqs, max(self.token_buckets)) + 1)
         bursts = self.num_scheduler_steps > 1
-        self._burst_buckets = frozenset(bucket(n, self.token_buckets) for n in decode if bursts)
+        # a decode step's buckets with bursts on: burst program only, every step of them (`execute`)
+        self.burst_buckets = frozenset(bucket(n, self.token_buckets) for n in decode if bursts)
         self._groups = group_infos(kv_cache_config)
         self.static = self._static_arguments()
         self.programs = StepPrograms(self.static)
@@ -415,13 +416,6 @@ class ModelRunner:
             return self._run_burst([output], [plan], t)[0]
         batch, *inputs = self.step_inputs(plan, t)
         return StepHandle(self, output, plan.rows, self.dispatch(batch, *inputs))
-
-    @property
-    def burst_buckets(self) -> frozenset[int]:
-        """The token buckets a pure decode step can have, when bursts are on (k =
-        ``num_scheduler_steps`` > 1; else none): those are compiled as the burst program only,
-        and every step of them, pure decode or not, runs through it (`execute`)."""
-        return self._burst_buckets
 
     def burst_bucket(self, output: SchedulerOutput) -> int | None:
         """The token bucket of ``output`` if it can run in a burst (`execute_burst`), else
