@@ -681,9 +681,9 @@ class ModelRunner:
 
     def warm_up(self, progress: bool = True) -> int:
         """Compile every token bucket (as the burst program where `burst_buckets` has it; the
-        sampler's slot writer too) now, with batches of padding that read and write nothing;
-        returns the programs run (the progress bar's
-        count: one compilation each in a fresh process)."""
+        sampler's slot writer too) now and run each once, with batches of padding that read and
+        write nothing; returns the programs built (the progress bar's count: one compilation
+        each in a fresh process)."""
         from tqdm import tqdm
 
         v = self.cfg.vocab_size
@@ -705,6 +705,11 @@ class ModelRunner:
         if self.mesh is None:  # compiled several at once, or loaded (`serving.programs`)
             self.programs.build(_engine_step, state, steps, functools.partial(bar.update, 1))
             self.programs.build(_engine_burst, state, bursts, functools.partial(bar.update, 1))
+            # each run once: XLA's first run of a program costs 40-250 ms more on CPU (lazy
+            # set-up), which would otherwise fall on a user's first requests
+            calls = [(_engine_step, x) for x in steps] + [(_engine_burst, x) for x in bursts]
+            for step, inputs in calls:
+                jax.block_until_ready(run_step(step, self, *inputs))
         else:  # on a mesh the state is placed as the steps leave it (`warm_up_on_mesh`)
             calls = [(_engine_step, x) for x in steps] + [(_engine_burst, x) for x in bursts]
             warm_up_on_mesh(self, calls, functools.partial(bar.update, 1))
