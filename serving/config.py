@@ -439,6 +439,11 @@ class CompilationConfig:
         negations={"--no-compilation-cache": None},
     )
     warm_up: bool = _field(True, "compile every bucket at start-up (else on first use)")
+    freeze_gc_heap: bool = _field(
+        True,
+        "after warm-up, move the heap built so far out of Python's cyclic collector's reach "
+        "(vLLM's freeze_gc_heap): collecting it paused steps by about 0.4 s",
+    )
     impl: str | None = _field(None, "attention kernels (None: by backend)", parse=_optional)
     interpret: bool = _field(False, "run the Pallas kernels in interpret mode")
     debug: bool = _field(False, "check every step's block ids and slots on the host (slow)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import numbers
 import time
 import warnings
@@ -202,6 +203,11 @@ class Engine:
         self.stats.warm_up_compilations = compilation_count() - before
         self.stats.warm_up_cache_hits = persistent_cache_hits() - hits
         self._compilations_at_warm_up = compilation_count()
+        if self.config.compilation_config.freeze_gc_heap:
+            # what start-up built (jax's traces and programs: ~660k objects on tiny_v41) stays
+            # alive; the collector's full passes over it paused serving by ~0.4 s each
+            gc.collect()
+            gc.freeze()
         return self.stats.warm_up_s
 
     # ---------------------------------------------------------------- requests

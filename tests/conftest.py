@@ -104,15 +104,17 @@ def _drop_compiled_executables():
     it loads, and one process running the whole suite kept them all: near 87 % of a full run
     it reached `vm.max_map_count` (65,530) and the next compile died with SIGSEGV. Cleared,
     the count falls back under a thousand; below the threshold later modules reuse what
-    earlier ones compiled."""
+    earlier ones compiled. The heap an engine's warm-up froze (`freeze_gc_heap`) is handed back
+    to the collector first, so what a module leaves is collected as a user's process would."""
     yield
+    import gc
     import sys
+
+    gc.unfreeze()
 
     count = _num_mappings()
     if count is None or count < _max_mappings() // 3 or "jax" not in sys.modules:
         return
-    import gc
-
     sys.modules["jax"].clear_caches()
     gc.collect()
 
