@@ -702,16 +702,15 @@ class ModelRunner:
         state = (self.params, self.pools, self.sampler_state, self.slots)
         steps = [self.padding_inputs(t, w) for t, w, n in pairs if n == 1]
         bursts = [self._burst_inputs(self.padding_inputs(t, w), n) for t, w, n in pairs if n > 1]
+        calls = [(_engine_step, x) for x in steps] + [(_engine_burst, x) for x in bursts]
         if self.mesh is None:  # compiled several at once, or loaded (`serving.programs`)
             self.programs.build(_engine_step, state, steps, functools.partial(bar.update, 1))
             self.programs.build(_engine_burst, state, bursts, functools.partial(bar.update, 1))
             # each run once: XLA's first run of a program costs 40-250 ms more on CPU (lazy
             # set-up), which would otherwise fall on a user's first requests
-            calls = [(_engine_step, x) for x in steps] + [(_engine_burst, x) for x in bursts]
             for step, inputs in calls:
                 jax.block_until_ready(run_step(step, self, *inputs))
         else:  # on a mesh the state is placed as the steps leave it (`warm_up_on_mesh`)
-            calls = [(_engine_step, x) for x in steps] + [(_engine_burst, x) for x in bursts]
             warm_up_on_mesh(self, calls, functools.partial(bar.update, 1))
         bar.close()
         return bar.total
