@@ -4,6 +4,8 @@ warm-up."""
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,7 +98,7 @@ def test_default_table_widths_one_up_to_256_blocks_then_powers_of_eight(monkeypa
 def test_warm_up_runs_every_program_once(monkeypatch):
     """Warm-up runs each program it built once (padding that reads and writes nothing): XLA's
     first run of a program costs tens of milliseconds more on CPU, which would otherwise fall on
-    the first requests that need it."""
+    the first requests that need it. Then it freezes the heap (`freeze_gc_heap`, on by default)."""
     from serving.programs import StepPrograms
 
     ran = []
@@ -107,12 +109,14 @@ def test_warm_up_runs_every_program_once(monkeypatch):
         return call(self, step, state, inputs)
 
     monkeypatch.setattr(StepPrograms, "__call__", spy)
+    frozen = gc.get_freeze_count()
     llm = LLM("tiny_v41", dtype="float32", max_model_len=64, max_num_seqs=2,
               max_num_batched_tokens=4, num_gpu_blocks_override=32,
               compilation_cache_dir=None)  # fmt: skip
     programs = llm.engine.runner.programs
     assert len(programs) == llm.engine.stats.warm_up_programs - 1  # less the slot writer
     assert sorted(ran, key=repr) == sorted(programs._table, key=repr)
+    assert gc.get_freeze_count() > frozen  # and the real heap left the collector's reach
 
 
 def test_warm_up_freezes_the_heap_unless_asked_not_to(monkeypatch):
@@ -120,7 +124,6 @@ def test_warm_up_freezes_the_heap_unless_asked_not_to(monkeypatch):
     freeze_gc_heap: a full collection of it paused a step by about 0.4 s); garbage is collected
     first, and ``freeze_gc_heap=False`` leaves the collector alone."""
     import dataclasses
-    import gc
 
     from serving.config import EngineConfig
     from serving.engine import Engine
