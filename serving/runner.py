@@ -85,6 +85,7 @@ from dsv4.paged.batch import (
     StepRequest,
     bucket,
     build_batch,
+    build_burst,
     empty_batch,
     group_infos,
     ring_slots_at,
@@ -455,18 +456,61 @@ class ModelRunner:
 
     def _run_burst(self, outputs, plans: list[_Plan], t: int) -> list[StepHandle]:
         """Dispatch planned steps of token bucket ``t`` as one burst program (in order)."""
-        steps = [self.step_inputs(plan, t) for plan in plans]
-        # one table width per group for the whole burst: the widest (zero columns are null)
-        widths = [max(w) for w in zip(*(s[0].table_widths() for s in steps), strict=True)]
-        steps = [(widen_tables(batch, widths), *rest) for batch, *rest in steps]
-        # always k steps' inputs (one compilation per bucket); the device runs the first n
-        stacked = _stack_steps(steps, self.num_scheduler_steps)
-        burst = _Burst(self.dispatch_burst(*stacked, np.int32(len(steps))),
+        stacked = self.burst_inputs(plans, t)
+        burst = _Burst(self.dispatch_burst(*stacked, np.int32(len(plans))),
                        any(row.prompt_logprobs for plan in plans for row in plan.rows))  # fmt: skip
         return [
             StepHandle(self, output, plan.rows, None, (burst, i))
             for i, (output, plan) in enumerate(zip(outputs, plans, strict=True))
         ]
+
+    def burst_inputs(self, plans: Sequence[_Plan], num_tokens: int):
+        """A burst's ``(batches, feeds, samplings, plp_targets)``, every leaf [k, ...] (k =
+        ``num_scheduler_steps``): step i is `step_inputs` of ``plans[i]`` in token bucket
+        ``num_tokens``, its tables widened to the burst's widest (one width per group: null
+        columns), and the steps past the plans are zeros (always k steps: one program per
+        bucket; the device runs ``len(plans)``). Built in one pass over every step's rows
+        (`build_burst`, one `SlotSampling.batch`) rather than step by step."""
+        if self.num_spec:
+            raise ValueError("a burst runs without speculative decoding (num_spec=0)")
+        k, r = self.num_scheduler_steps, rows_for(num_tokens, self.max_num_seqs)
+        if len(plans) == 1:  # a step alone, of any kind (`execute`'s burst of one)
+            return jax.tree.map(lambda x: _padded_to(np.asarray(x)[None], k),
+                                self.step_inputs(plans[0], num_tokens))  # fmt: skip
+        batches = build_burst(
+            [plan.step_requests for plan in plans],
+            self.kv_cache_config,
+            num_steps=k,
+            token_bucket=num_tokens,
+            request_rows=r,
+            max_model_len=self.max_model_len,
+            table_buckets=self.table_buckets,
+            debug=self.debug,
+            groups=self._groups,
+            engram_lookback=self.cfg.engram_lookback,
+            tables=self.inputs.keep_tables(self._groups, self.max_model_len),
+        )
+        # one token per row: a step's token j is its row j; every step padded to R rows
+        rows = [[*plan.rows, *[None] * (r - len(plan.rows))] for plan in plans]
+        real = [row for step in rows for row in step if row is not None]
+        sampling = self._sampling_batch(real, len(real))
+        padding = self.slot_sampling.batch([self.padding_slot], [], [])
+        where = np.array([row is not None for step in rows for row in step])
+        feeds = np.full((k, num_tokens), -1, np.int32)
+        plp_targets = np.full((k, num_tokens), -1, np.int32)
+        for i, plan in enumerate(plans):
+            feeds[i, : len(plan.rows)] = [row.device_slots[0] for row in plan.rows]
+            plp_targets[i, : len(plan.targets)] = plan.targets
+        feeds[len(plans) :] = plp_targets[len(plans) :] = 0
+
+        def per_step(x, pad):  # [real rows, ...] -> [k, R, ...], padding rows from ``pad``
+            out = np.zeros((k * r, *x.shape[1:]), x.dtype)
+            out[: len(where)] = pad
+            out[: len(where)][where] = x
+            return out.reshape(k, r, *x.shape[1:])
+
+        samplings = jax.tree.map(per_step, sampling, padding)
+        return batches, feeds, samplings, plp_targets
 
     def dispatch_burst(self, batches: StepBatch, feeds, samplings, plp_targets, num_steps):
         """Run `_engine_burst` on k stacked steps' inputs (every leaf [k, ...]), the first
@@ -797,18 +841,9 @@ def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
     return dataclasses.replace(batch, block_tables=tables)
 
 
-def _stack_steps(steps: Sequence[tuple], k: int):
-    """The steps' inputs stacked into a burst's (every leaf [k, ...]); the rows past the
-    steps are zeros, which the burst never runs (`_engine_burst` runs ``len(steps)``)."""
-
-    def stack(*xs):
-        x = np.asarray(xs[0])
-        out = np.zeros((k, *x.shape), x.dtype)
-        for i, xi in enumerate(xs):
-            out[i] = xi
-        return out
-
-    return jax.tree.map(stack, *steps)
+def _padded_to(x: np.ndarray, k: int) -> np.ndarray:
+    """``x`` [n, ...] with zeros after it to [k, ...]."""
+    return np.concatenate([x, np.zeros((k - len(x), *x.shape[1:]), x.dtype)])
 
 
 def run_step(step, runner, *inputs):

@@ -51,6 +51,7 @@ __all__ = [
     "StepRequest",
     "bucket",
     "build_batch",
+    "build_burst",
     "empty_batch",
     "group_infos",
     "ring_slots_at",
@@ -252,6 +253,95 @@ def build_batch(
     if debug:
         check_batch(batch, config)
     return batch
+
+
+def build_burst(
+    steps: Sequence[Sequence[StepRequest]],
+    config: KVCacheConfig,
+    *,
+    num_steps: int,
+    token_bucket: int,
+    request_rows: int,
+    max_model_len: int,
+    table_buckets: Sequence[int] | None = None,
+    debug: bool = False,
+    groups: Sequence[GroupInfo] | None = None,
+    engram_lookback: int = 0,
+    tables: BlockTables | None = None,
+) -> StepBatch:
+    """Decode steps' batches stacked for a burst: every leaf [``num_steps``, ...]. Step i is
+    what `build_batch` gives ``steps[i]`` (one token per request) in T = ``token_bucket`` tokens
+    and R = ``request_rows`` rows, its block tables widened by null columns to the widest
+    step's; the steps past ``len(steps)`` are zeros (a burst does not run them).
+
+    Built in one pass: `build_batch` over every step's requests at once (a request's values
+    depend on it alone), then split into the steps. That is one call where a burst of k steps
+    would make k, each of a few dozen small numpy operations."""
+    counts = [len(step) for step in steps]
+    if not steps or len(steps) > num_steps:
+        raise ValueError(f"a burst of {len(steps)} steps; allowed: 1..num_steps={num_steps}")
+    # fewer requests than tokens leave padding tokens, which need a row of their own
+    most = token_bucket if request_rows >= token_bucket else request_rows - 1
+    if not all(counts) or max(counts) > most:
+        raise ValueError(
+            f"a burst's steps hold {counts} requests; allowed: 1..{most} each (token bucket "
+            f"{token_bucket}, {request_rows} rows, one of them for padding tokens if any)"
+        )
+    flat = [r for step in steps for r in step]
+    several = next((r for r in flat if len(r.token_ids) != 1), None)
+    if several is not None:
+        raise ValueError(
+            f"request {several.req_id!r} has {len(several.token_ids)} tokens in a burst step; "
+            "a burst runs decode steps (one token per request)"
+        )
+    n = len(flat)
+    groups = group_infos(config) if groups is None else groups
+    whole = build_batch(flat, config, max_model_len=max_model_len, token_buckets=(n,),
+                        request_buckets=(n,), table_buckets=table_buckets, debug=debug,
+                        groups=groups, engram_lookback=engram_lookback, tables=tables)  # fmt: skip
+    m = len(steps)
+    offsets = np.cumsum([0, *counts[:-1]])[:, None]
+    sizes = np.array(counts)[:, None]
+    tok = np.arange(token_bucket)  # step i's token j is request j (one token each)
+    row = np.arange(request_rows)
+    tok_real, row_real = tok < sizes, row < sizes  # [m, T], [m, R]
+
+    def split(x, real, pad):  # x [n, ...] -> [num_steps, T or R, ...], step i from its rows
+        out = np.zeros((num_steps, real.shape[1], *x.shape[1:]), x.dtype)
+        out[:m] = pad
+        out[:m][real] = x[(offsets + np.arange(real.shape[1]))[real]]
+        return out
+
+    # each step's own table widths (`build_batch`'s, by its longest request): the columns
+    # past them null, as a step built alone and widened has them
+    own = np.array([_table_widths(groups, max_model_len, table_buckets,
+                                  max(r.start + 1 for r in step)) for step in steps])  # fmt: skip
+
+    def trim(table, g):  # [num_steps, R, W] -> columns past step i's own width zeroed
+        table[:m] *= (np.arange(table.shape[2]) < own[:, g, None])[:, None, :]
+        return table
+
+    def local(values):  # per step [m, ...] -> [num_steps, ...] (the steps past m zeros)
+        out = np.zeros((num_steps, *values.shape[1:]), np.int32)
+        out[:m] = values
+        return out
+
+    return StepBatch(
+        token_ids=split(whole.token_ids, tok_real, 0),
+        positions=split(whole.positions, tok_real, -1),
+        token_req=local(np.where(tok_real, tok, request_rows - 1)),
+        query_start_loc=local(np.minimum(np.arange(request_rows + 1), sizes)),
+        seq_lens=split(whole.seq_lens, row_real, 0),
+        logits_indices=local(np.where(row_real, row, 0)),
+        replay_start=split(whole.replay_start, row_real, 0),
+        block_tables=tuple(
+            trim(split(t, row_real, 0), g) for g, t in enumerate(whole.block_tables)
+        ),
+        window_slots={g: split(x, tok_real, -1) for g, x in whole.window_slots.items()},
+        state_slots={k: split(x, tok_real, -1) for k, x in whole.state_slots.items()},
+        ring_slots={g: split(x, tok_real, -1) for g, x in whole.ring_slots.items()},
+        engram_prev=split(whole.engram_prev, row_real, -1),
+    )
 
 
 # Up to this many tokens a step's slots are computed token by token in Python (`_fill_few`):

@@ -1,9 +1,13 @@
 """`build_batch`'s two ways of filling a step's block tables and slot mappings: token by token
 for a step of few tokens (`_fill_few`, the engine's decode steps), vectorised over the step
-otherwise (`_fill_group`). Both must give the same arrays and the same errors."""
+otherwise (`_fill_group`). Both must give the same arrays and the same errors. A burst's
+stacked decode steps (`build_burst`, one pass over all steps) equal its steps built one by one."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -117,3 +121,52 @@ def test_few_tokens_raise_the_vectorised_errors(config, monkeypatch, group, ids,
         monkeypatch.setattr(B, "_FEW_TOKENS", few)
         with pytest.raises(ValueError, match=match):
             B.build_batch([request], config, max_model_len=MAX_LEN, token_buckets=(8,))
+
+
+def _widened(batch: B.StepBatch, widths) -> B.StepBatch:
+    tables = tuple(np.pad(t, ((0, 0), (0, w - t.shape[1])))
+                   for t, w in zip(batch.block_tables, widths, strict=True))  # fmt: skip
+    return dataclasses.replace(batch, block_tables=tables)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("table_buckets", [None, (2, 4)])
+def test_burst_stacks_its_steps_built_one_by_one(config, seed, table_buckets):
+    """Every leaf of `build_burst` [k, ...]: step i is `build_batch` of step i's requests in
+    the burst's buckets, its tables widened to the widest step's by null columns; zeros past
+    the steps. Steps of different sizes (padding rows and tokens), trimmed tables that differ
+    in width from step to step, more steps than `_FEW_TOKENS` tokens in all."""
+    rng = np.random.default_rng(seed)
+    k, t = 6, 8
+    r = 8 if seed % 2 else 16  # T requests fill T tokens (R = T) or R > T
+    steps = [_requests(config, rng, int(rng.integers(1, t + 1)), 1)
+             for _ in range(int(rng.integers(1, k + 1)))]  # fmt: skip
+    common = dict(max_model_len=MAX_LEN, table_buckets=table_buckets, debug=True)
+    got = B.build_burst(steps, config, num_steps=k, token_bucket=t, request_rows=r, **common)
+    one_by_one = [B.build_batch(step, config, token_buckets=(t,), request_buckets=(r,),
+                                **common) for step in steps]  # fmt: skip
+    widths = [max(w) for w in zip(*(b.table_widths() for b in one_by_one), strict=True)]
+    one_by_one = [_widened(b, widths) for b in one_by_one]
+    got_leaves, tree = jax.tree.flatten(got)
+    want_tree = jax.tree.structure(one_by_one[0])
+    assert tree == want_tree
+    for i, (leaf, *wants) in enumerate(zip(got_leaves, *map(jax.tree.leaves, one_by_one))):
+        assert leaf.shape == (k, *wants[0].shape) and leaf.dtype == wants[0].dtype
+        np.testing.assert_array_equal(leaf[: len(steps)], np.stack(wants), err_msg=f"leaf {i}")
+        assert not leaf[len(steps) :].any()
+
+
+def test_burst_refuses_what_is_not_a_decode_burst(config):
+    rng = np.random.default_rng(0)
+    one = _requests(config, rng, 3, 1)
+    two_tokens = [dataclasses.replace(one[0], token_ids=[5, 6])]
+    common = dict(config=config, max_model_len=MAX_LEN, num_steps=2, token_bucket=4,
+                  request_rows=4)  # fmt: skip
+    with pytest.raises(ValueError, match="'r0' has 2 tokens in a burst step"):
+        B.build_burst([one, two_tokens], **common)
+    with pytest.raises(ValueError, match=r"a burst of 3 steps; allowed: 1\.\.num_steps=2"):
+        B.build_burst([one, one, one], **common)
+    with pytest.raises(ValueError, match=r"hold \[3, 0\] requests; allowed: 1\.\.4"):
+        B.build_burst([one, []], **common)
+    with pytest.raises(ValueError, match=r"hold \[5\] requests"):
+        B.build_burst([_requests(config, rng, 5, 1)], **common)

@@ -9,6 +9,7 @@ that nothing compiled after warm-up.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from engine_testing import (
@@ -225,18 +226,29 @@ def test_seeded_request_gives_the_same_tokens_whatever_else_runs(tiny_params, ti
 def test_trimmed_block_tables(tiny_params, tiny_cfg, steps, monkeypatch):
     """Table widths bucketed by the step's longest request (what long max_model_len uses by
     default): the warm-up compiles every width pair, the tokens stay dsv4.generate's. In
-    bursts (``steps`` 4) a step whose tables are narrower than another step's of the same
-    burst has them widened by null columns (some burst does)."""
-    from serving import runner as runner_module
+    bursts (``steps`` 4) a burst's inputs, built in one pass (`ModelRunner.burst_inputs`),
+    equal its steps' `step_inputs` stacked, a step whose tables are narrower than another
+    step's of the same burst widened by null columns (some burst has one)."""
+    from serving.runner import ModelRunner, widen_tables
 
     widened = []
-    widen = runner_module.widen_tables
+    burst_inputs = ModelRunner.burst_inputs
 
-    def spy(batch, widths):
-        widened.append(batch.table_widths() != tuple(widths))
-        return widen(batch, widths)
+    def check(runner, plans, t):
+        got = burst_inputs(runner, plans, t)
+        steps = [runner.step_inputs(plan, t) for plan in plans]
+        widths = [max(w) for w in zip(*(s[0].table_widths() for s in steps), strict=True)]
+        widened.append(any(s[0].table_widths() != tuple(widths) for s in steps))
+        steps = [(widen_tables(batch, widths), *rest) for batch, *rest in steps]
+        got_leaves, tree = jax.tree.flatten(got)
+        assert tree == jax.tree.structure(steps[0])
+        for leaf, *want in zip(got_leaves, *map(jax.tree.leaves, steps), strict=True):
+            assert leaf.shape == (runner.num_scheduler_steps, *np.shape(want[0]))
+            np.testing.assert_array_equal(leaf[: len(steps)], np.stack(want))
+            assert not leaf[len(steps) :].any()
+        return got
 
-    monkeypatch.setattr(runner_module, "widen_tables", spy)
+    monkeypatch.setattr(ModelRunner, "burst_inputs", check)
     engine = make_engine(
         tiny_params,
         tiny_cfg,
@@ -254,6 +266,7 @@ def test_trimmed_block_tables(tiny_params, tiny_cfg, steps, monkeypatch):
     assert compilation_count() == before
     assert _tokens(finals) == reference_tokens(tiny_params, tiny_cfg, arrivals)
     assert_pool_is_whole(engine)
+    assert bool(widened) == (steps > 1)
     assert any(widened) == (steps > 1)
 
 
