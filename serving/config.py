@@ -343,10 +343,8 @@ class SchedulerConfig:
         _int("num_scheduler_steps", self.num_scheduler_steps, 1, none_ok=True)
         _int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES, quoted=True)
-        if (self.num_scheduler_steps or 1) > 1 and not self.async_scheduling:
-            raise ConfigError(
-                "num_scheduler_steps", self.num_scheduler_steps, "1 with async_scheduling=False"
-            )
+        if (self.num_scheduler_steps or 1) > 1 and (refused := self.burst_refusal()):
+            raise refused
         budget = self.max_num_batched_tokens
         if self.token_buckets is not None:
             buckets = _int_tuple("token_buckets", self.token_buckets)
@@ -365,6 +363,15 @@ class SchedulerConfig:
                     "table_buckets", widths, "'auto', None or ascending positive ints"
                 )
             object.__setattr__(self, "table_buckets", widths)
+
+    def burst_refusal(self, steps: int | None = None) -> ConfigError | None:
+        """The error bursts of ``steps`` (default: this config's ``num_scheduler_steps``)
+        meet in this section (they need asynchronous scheduling), or None. The rest of where
+        bursts run: `EngineConfig.burst_refusal`."""
+        steps = self.num_scheduler_steps if steps is None else steps
+        if not self.async_scheduling:
+            return ConfigError("num_scheduler_steps", steps, "1 with async_scheduling=False")
+        return None
 
 
 def _int_tuple(name: str, values: Any) -> tuple[int, ...]:
@@ -472,18 +479,43 @@ class EngineConfig:
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
-        steps = self.scheduler_config.num_scheduler_steps or 1
-        if steps > 1 and self.speculative_config is not None:
-            raise ConfigError("num_scheduler_steps", steps, "1 with a speculative_config")
+        if (self.scheduler_config.num_scheduler_steps or 1) > 1 and (
+            refused := self.burst_refusal()
+        ):
+            raise refused
+
+    def burst_refusal(
+        self, engram_lookback: int = 0, steps: int | None = None
+    ) -> ConfigError | None:
+        """The error bursts (``num_scheduler_steps`` = ``steps`` > 1, default this config's)
+        meet with this config and a model of ``engram_lookback``, or None where they run: the
+        one list of it (checked here, by `offline` and by the runner). Bursts need asynchronous
+        scheduling, no speculative decoding, one data shard and no Engram look-back (a step's
+        look-back is read on the host; a burst's tokens are on the device)."""
+        sched = self.scheduler_config
+        steps = sched.num_scheduler_steps if steps is None else steps
+        if (refused := sched.burst_refusal(steps)) is not None:
+            return refused
+        if self.speculative_config is not None:
+            return ConfigError("num_scheduler_steps", steps, "1 with a speculative_config")
         shards = self.parallel_config.num_shards
-        if steps > 1 and shards > 1:
-            raise ConfigError(
+        if shards > 1:
+            return ConfigError(
                 "num_scheduler_steps",
                 steps,
                 "1 (bursts run on one data shard)",
                 message=f"num_scheduler_steps={steps!r} with data_parallel_size={shards}; "
                 "allowed there: 1 (bursts run on one data shard)",
             )
+        if engram_lookback:
+            return ConfigError(
+                "num_scheduler_steps",
+                steps,
+                "1 with an Engram model",
+                message=f"num_scheduler_steps={steps} does not run with an Engram model (its "
+                "look-back is read on the host); allowed there: 1",
+            )
+        return None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -554,12 +586,7 @@ class EngineConfig:
         sched = self.scheduler_config
         if sched.num_scheduler_steps is not None:
             return self
-        bursts = (
-            sched.async_scheduling
-            and self.speculative_config is None
-            and self.parallel_config.num_shards == 1
-            and not arch.engram_lookback
-        )
+        bursts = self.burst_refusal(arch.engram_lookback, OFFLINE_SCHEDULER_STEPS) is None
         steps = OFFLINE_SCHEDULER_STEPS if bursts else 1
         return dataclasses.replace(
             self, scheduler_config=dataclasses.replace(sched, num_scheduler_steps=steps)

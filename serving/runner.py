@@ -108,7 +108,6 @@ __all__ = [
     "SpecBatch",
     "StepHandle",
     "StepOutput",
-    "check_num_scheduler_steps",
     "default_table_buckets",
     "default_token_buckets",
     "engine_step_data_parallel",
@@ -302,9 +301,9 @@ class ModelRunner:
         self.num_spec = k
         self.drafter = config.drafter
         self.plans_ahead = sched.async_scheduling
-        self.num_scheduler_steps = check_num_scheduler_steps(
-            sched.num_scheduler_steps, cfg.engram_lookback
-        )
+        self.num_scheduler_steps = sched.num_scheduler_steps
+        if self.num_scheduler_steps > 1 and (refused := config.burst_refusal(cfg.engram_lookback)):
+            raise refused
         decode = range(1, min(max_num_seqs, max(self.token_buckets)) + 1)
         bursts = self.num_scheduler_steps > 1
         # a decode step's buckets with bursts on: burst program only, every step of them (`execute`)
@@ -798,19 +797,6 @@ def check_num_speculative_tokens(config: EngineConfig, cfg: ModelConfig) -> int:
             f"allowed: 1..dspark_block_size={cfg.dspark_block_size}"
         )
     return k
-
-
-def check_num_scheduler_steps(num_scheduler_steps: int, engram_lookback: int) -> int:
-    """``num_scheduler_steps`` if the model can run bursts of that many steps, else a
-    ValueError naming it. `serving.config.SchedulerConfig` checks the rest once (an int >= 1,
-    asynchronous scheduling, no speculative decoding); an Engram model cannot, as a step's
-    look-back must be host-known and a burst's tokens are on the device."""
-    if num_scheduler_steps > 1 and engram_lookback:
-        raise ValueError(
-            f"num_scheduler_steps={num_scheduler_steps} does not run with an Engram model (its "
-            "look-back is read on the host); allowed there: 1"
-        )
-    return num_scheduler_steps
 
 
 def warm_up_on_mesh(runner, calls, on_done: Callable[[], None]) -> None:

@@ -190,6 +190,11 @@ def test_offline_runs_bursts_where_they_can_and_an_engine_one_step_a_program():
     assert steps(C.EngineConfig.from_kwargs(speculative_config=ngram)) == 1
     engram = tiny_v41_full()
     assert engram.engram_lookback and steps(C.EngineConfig.from_kwargs(), engram) == 1
+    # the one list of where bursts run: asked for on an Engram model, refused naming it
+    refused = C.EngineConfig.from_kwargs(num_scheduler_steps=4).burst_refusal(3)
+    assert isinstance(refused, C.ConfigError) and refused.name == "num_scheduler_steps"
+    assert "num_scheduler_steps=4 does not run with an Engram model" in str(refused)
+    assert C.EngineConfig.from_kwargs(num_scheduler_steps=4).burst_refusal(0) is None
 
 
 def test_name_tables_mirror_their_sources():
