@@ -263,16 +263,14 @@ def build_burst(
     token_bucket: int,
     request_rows: int,
     max_model_len: int,
-    table_buckets: Sequence[int] | None = None,
-    debug: bool = False,
-    groups: Sequence[GroupInfo] | None = None,
-    engram_lookback: int = 0,
-    tables: BlockTables | None = None,
+    **options: Any,
 ) -> StepBatch:
     """Decode steps' batches stacked for a burst: every leaf [``num_steps``, ...]. Step i is
     what `build_batch` gives ``steps[i]`` (one token per request) in T = ``token_bucket`` tokens
     and R = ``request_rows`` rows, its block tables widened by null columns to the widest
-    step's; the steps past ``len(steps)`` are zeros (a burst does not run them).
+    step's; the steps past ``len(steps)`` are zeros (a burst does not run them). ``options``:
+    `build_batch`'s other keywords (``table_buckets``, ``debug``, ``groups``,
+    ``engram_lookback``, ``tables``), for every step.
 
     Built in one pass: `build_batch` over every step's requests at once (a request's values
     depend on it alone), then split into the steps. That is one call where a burst of k steps
@@ -295,10 +293,10 @@ def build_burst(
             "a burst runs decode steps (one token per request)"
         )
     n = len(flat)
-    groups = group_infos(config) if groups is None else groups
+    groups = options.pop("groups", None) or group_infos(config)
+    table_buckets = options.get("table_buckets")
     whole = build_batch(flat, config, max_model_len=max_model_len, token_buckets=(n,),
-                        request_buckets=(n,), table_buckets=table_buckets, debug=debug,
-                        groups=groups, engram_lookback=engram_lookback, tables=tables)  # fmt: skip
+                        request_buckets=(n,), groups=groups, **options)  # fmt: skip
     m = len(steps)
     offsets = np.cumsum([0, *counts[:-1]])[:, None]
     sizes = np.array(counts)[:, None]
