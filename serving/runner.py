@@ -465,11 +465,10 @@ class ModelRunner:
 
     def burst_inputs(self, plans: Sequence[_Plan], num_tokens: int):
         """A burst's ``(batches, feeds, samplings, plp_targets)``, every leaf [k, ...] (k =
-        ``num_scheduler_steps``): step i is `step_inputs` of ``plans[i]`` in token bucket
-        ``num_tokens``, its tables widened to the burst's widest (one width per group: null
-        columns), and the steps past the plans are zeros (always k steps: one program per
-        bucket; the device runs ``len(plans)``). Built in one pass over every step's rows
-        (`build_burst`, one `SlotSampling.batch`) rather than step by step."""
+        ``num_scheduler_steps``; zeros past the plans): step i is `step_inputs` of ``plans[i]``
+        in token bucket ``num_tokens``, its tables widened by null columns to the burst's
+        widest. Built in one pass over every step's rows (`build_burst`, one
+        `SlotSampling.batch`)."""
         if self.num_spec:
             raise ValueError("a burst runs without speculative decoding (num_spec=0)")
         k, r = self.num_scheduler_steps, rows_for(num_tokens, self.max_num_seqs)

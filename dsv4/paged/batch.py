@@ -265,16 +265,28 @@ def build_burst(
     max_model_len: int,
     **options: Any,
 ) -> StepBatch:
-    """Decode steps' batches stacked for a burst: every leaf [``num_steps``, ...]. Step i is
-    what `build_batch` gives ``steps[i]`` (one token per request) in T = ``token_bucket`` tokens
-    and R = ``request_rows`` rows, its block tables widened by null columns to the widest
-    step's; the steps past ``len(steps)`` are zeros (a burst does not run them). ``options``:
-    `build_batch`'s other keywords (``table_buckets``, ``debug``, ``groups``,
-    ``engram_lookback``, ``tables``), for every step.
+    """Decode steps' batches stacked for a burst, every leaf [``num_steps``, ...]: step i is
+    `build_batch` of ``steps[i]`` (one token a request) in T = ``token_bucket``, R =
+    ``request_rows``, its tables widened by null columns to the widest step's; zeros past the
+    steps. ``options``: `build_batch`'s other keywords. One `build_batch` over every step's
+    requests (a request's arrays depend on it alone), then split: one call, not k."""
+    _check_burst(steps, num_steps, token_bucket, request_rows)
+    flat = [r for step in steps for r in step]
+    n = len(flat)
+    groups = options.pop("groups", None) or group_infos(config)
+    whole = build_batch(flat, config, max_model_len=max_model_len, token_buckets=(n,),
+                        request_buckets=(n,), groups=groups, **options)  # fmt: skip
+    # each step's own table widths (`build_batch`'s, by its longest request): the columns
+    # past them null, as a step built alone and widened has them
+    table_buckets = options.get("table_buckets")
+    widths = np.array([_table_widths(groups, max_model_len, table_buckets,
+                                     max(r.start + 1 for r in step)) for step in steps])  # fmt: skip
+    counts = [len(step) for step in steps]
+    return _split_burst(whole, counts, widths, (num_steps, token_bucket, request_rows))
 
-    Built in one pass: `build_batch` over every step's requests at once (a request's values
-    depend on it alone), then split into the steps. That is one call where a burst of k steps
-    would make k, each of a few dozen small numpy operations."""
+
+def _check_burst(steps, num_steps: int, token_bucket: int, request_rows: int) -> None:
+    """An error naming what makes ``steps`` no burst of decode steps in these buckets."""
     counts = [len(step) for step in steps]
     if not steps or len(steps) > num_steps:
         raise ValueError(f"a burst of {len(steps)} steps; allowed: 1..num_steps={num_steps}")
@@ -285,41 +297,39 @@ def build_burst(
             f"a burst's steps hold {counts} requests; allowed: 1..{most} each (token bucket "
             f"{token_bucket}, {request_rows} rows, one of them for padding tokens if any)"
         )
-    flat = [r for step in steps for r in step]
-    several = next((r for r in flat if len(r.token_ids) != 1), None)
+    several = next((r for step in steps for r in step if len(r.token_ids) != 1), None)
     if several is not None:
         raise ValueError(
             f"request {several.req_id!r} has {len(several.token_ids)} tokens in a burst step; "
             "a burst runs decode steps (one token per request)"
         )
-    n = len(flat)
-    groups = options.pop("groups", None) or group_infos(config)
-    table_buckets = options.get("table_buckets")
-    whole = build_batch(flat, config, max_model_len=max_model_len, token_buckets=(n,),
-                        request_buckets=(n,), groups=groups, **options)  # fmt: skip
-    m = len(steps)
+
+
+def _split_burst(
+    whole: StepBatch, counts: list[int], widths: np.ndarray, shape: tuple[int, int, int]
+) -> StepBatch:
+    """`build_burst`'s steps from ``whole``, the batch of all their requests in order: step i
+    holds ``counts[i]`` of them and reads ``widths[i]`` columns per group; ``shape`` = (k, T, R)."""
+    num_steps, token_bucket, request_rows = shape
+    m = len(counts)
     offsets = np.cumsum([0, *counts[:-1]])[:, None]
     sizes = np.array(counts)[:, None]
     tok = np.arange(token_bucket)  # step i's token j is request j (one token each)
     row = np.arange(request_rows)
     tok_real, row_real = tok < sizes, row < sizes  # [m, T], [m, R]
 
-    def split(x, real, pad):  # x [n, ...] -> [num_steps, T or R, ...], step i from its rows
+    def split(x, real, pad):  # x [n, ...] -> [k, T or R, ...], step i from its rows
         out = np.zeros((num_steps, real.shape[1], *x.shape[1:]), x.dtype)
         out[:m] = pad
         out[:m][real] = x[(offsets + np.arange(real.shape[1]))[real]]
         return out
 
-    # each step's own table widths (`build_batch`'s, by its longest request): the columns
-    # past them null, as a step built alone and widened has them
-    own = np.array([_table_widths(groups, max_model_len, table_buckets,
-                                  max(r.start + 1 for r in step)) for step in steps])  # fmt: skip
+    def table(x, g):  # [k, R, W]: the columns past step i's own width null
+        out = split(x, row_real, 0)
+        out[:m] *= (np.arange(out.shape[2]) < widths[:, g, None])[:, None, :]
+        return out
 
-    def trim(table, g):  # [num_steps, R, W] -> columns past step i's own width zeroed
-        table[:m] *= (np.arange(table.shape[2]) < own[:, g, None])[:, None, :]
-        return table
-
-    def local(values):  # per step [m, ...] -> [num_steps, ...] (the steps past m zeros)
+    def local(values):  # per step [m, ...] -> [k, ...] (the steps past m zeros)
         out = np.zeros((num_steps, *values.shape[1:]), np.int32)
         out[:m] = values
         return out
@@ -332,9 +342,7 @@ def build_burst(
         seq_lens=split(whole.seq_lens, row_real, 0),
         logits_indices=local(np.where(row_real, row, 0)),
         replay_start=split(whole.replay_start, row_real, 0),
-        block_tables=tuple(
-            trim(split(t, row_real, 0), g) for g, t in enumerate(whole.block_tables)
-        ),
+        block_tables=tuple(table(x, g) for g, x in enumerate(whole.block_tables)),
         window_slots={g: split(x, tok_real, -1) for g, x in whole.window_slots.items()},
         state_slots={k: split(x, tok_real, -1) for k, x in whole.state_slots.items()},
         ring_slots={g: split(x, tok_real, -1) for g, x in whole.ring_slots.items()},
