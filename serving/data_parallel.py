@@ -42,7 +42,7 @@ import numpy as np
 
 from dsv4 import sharding
 from dsv4.paged import pools as P
-from dsv4.paged.batch import bucket, table_width_buckets
+from dsv4.paged.batch import bucket, table_width_buckets, widen_tables
 from dsv4.paged.step import stack_shards
 from serving import sampler as S
 from serving.config import EngineConfig
@@ -55,7 +55,6 @@ from serving.runner import (
     run_step,
     to_host,
     warm_up_on_mesh,
-    widen_tables,
 )
 from serving.scheduler import (
     RequestStatus,

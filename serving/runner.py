@@ -115,7 +115,6 @@ __all__ = [
     "run_step",
     "to_host",
     "warm_up_on_mesh",
-    "widen_tables",
 ]
 
 
@@ -469,8 +468,6 @@ class ModelRunner:
         in token bucket ``num_tokens``, its tables widened by null columns to the burst's
         widest. Built in one pass over every step's rows (`build_burst`, one
         `SlotSampling.batch`)."""
-        if self.num_spec:
-            raise ValueError("a burst runs without speculative decoding (num_spec=0)")
         k, r = self.num_scheduler_steps, rows_for(num_tokens, self.max_num_seqs)
         if len(plans) == 1:  # a step alone, of any kind (`execute`'s burst of one)
             return jax.tree.map(lambda x: _padded_to(np.asarray(x)[None], k),
@@ -488,26 +485,25 @@ class ModelRunner:
             engram_lookback=self.cfg.engram_lookback,
             tables=self.inputs.keep_tables(self._groups, self.max_model_len),
         )
-        # one token per row: a step's token j is its row j; every step padded to R rows
-        rows = [[*plan.rows, *[None] * (r - len(plan.rows))] for plan in plans]
-        real = [row for step in rows for row in step if row is not None]
-        sampling = self._sampling_batch(real, len(real))
-        padding = self.slot_sampling.batch([self.padding_slot], [], [])
-        where = np.array([row is not None for step in rows for row in step])
-        feeds = np.full((k, num_tokens), -1, np.int32)
-        plp_targets = np.full((k, num_tokens), -1, np.int32)
+        m = len(plans)
+        # one token per row: step i's token and row j are its plan's row j (`build_burst`)
+        where = np.arange(r) < np.array([len(plan.rows) for plan in plans])[:, None]  # [m, R]
+        real = [row for plan in plans for row in plan.rows]
+        feeds = np.zeros((k, num_tokens), np.int32)  # zeros past the plans
+        plp_targets = np.zeros((k, num_tokens), np.int32)
+        feeds[:m] = plp_targets[:m] = -1
         for i, plan in enumerate(plans):
             feeds[i, : len(plan.rows)] = [row.device_slots[0] for row in plan.rows]
             plp_targets[i, : len(plan.targets)] = plan.targets
-        feeds[len(plans) :] = plp_targets[len(plans) :] = 0
 
         def per_step(x, pad):  # [real rows, ...] -> [k, R, ...], padding rows from ``pad``
-            out = np.zeros((k * r, *x.shape[1:]), x.dtype)
-            out[: len(where)] = pad
-            out[: len(where)][where] = x
-            return out.reshape(k, r, *x.shape[1:])
+            out = np.zeros((k, r, *x.shape[1:]), x.dtype)
+            out[:m] = pad
+            out[:m][where] = x
+            return out
 
-        samplings = jax.tree.map(per_step, sampling, padding)
+        padding = self.slot_sampling.batch([self.padding_slot], [], [])
+        samplings = jax.tree.map(per_step, self._sampling_batch(real, len(real)), padding)
         return batches, feeds, samplings, plp_targets
 
     def dispatch_burst(self, batches: StepBatch, feeds, samplings, plp_targets, num_steps):
@@ -812,18 +808,6 @@ def warm_up_on_mesh(runner, calls, on_done: Callable[[], None]) -> None:
     runner.programs.compile_for_jit([(s, (*state, *x)) for s, x in rest], on_done)
     for step, inputs in rest:
         jax.block_until_ready(run_step(step, runner, *inputs))
-
-
-def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
-    """``batch`` with each group's block table widened to ``widths`` by null columns (the
-    step addresses no column past a row's blocks, so the results do not change)."""
-    if batch.table_widths() == tuple(widths):
-        return batch
-    tables = tuple(
-        np.pad(np.asarray(t), ((0, 0), (0, w - t.shape[1])))
-        for t, w in zip(batch.block_tables, widths, strict=True)
-    )
-    return dataclasses.replace(batch, block_tables=tables)
 
 
 def _padded_to(x: np.ndarray, k: int) -> np.ndarray:

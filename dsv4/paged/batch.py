@@ -58,6 +58,7 @@ __all__ = [
     "rows_needed",
     "state_slots_at",
     "table_width_buckets",
+    "widen_tables",
     "window_slots_at",
 ]
 
@@ -283,6 +284,18 @@ def build_burst(
                                      max(r.start + 1 for r in step)) for step in steps])  # fmt: skip
     counts = [len(step) for step in steps]
     return _split_burst(whole, counts, widths, (num_steps, token_bucket, request_rows))
+
+
+def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
+    """``batch`` with each group's block table widened to ``widths`` by null columns (the
+    step addresses no column past a row's blocks, so the results do not change)."""
+    if batch.table_widths() == tuple(widths):
+        return batch
+    tables = tuple(
+        np.pad(np.asarray(t), ((0, 0), (0, w - t.shape[1])))
+        for t, w in zip(batch.block_tables, widths, strict=True)
+    )
+    return dataclasses.replace(batch, block_tables=tables)
 
 
 def _check_burst(steps, num_steps: int, token_bucket: int, request_rows: int) -> None:

@@ -123,12 +123,6 @@ def test_few_tokens_raise_the_vectorised_errors(config, monkeypatch, group, ids,
             B.build_batch([request], config, max_model_len=MAX_LEN, token_buckets=(8,))
 
 
-def _widened(batch: B.StepBatch, widths) -> B.StepBatch:
-    tables = tuple(np.pad(t, ((0, 0), (0, w - t.shape[1])))
-                   for t, w in zip(batch.block_tables, widths, strict=True))  # fmt: skip
-    return dataclasses.replace(batch, block_tables=tables)
-
-
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("table_buckets", [None, (2, 4)])
 def test_burst_stacks_its_steps_built_one_by_one(config, seed, table_buckets):
@@ -146,7 +140,7 @@ def test_burst_stacks_its_steps_built_one_by_one(config, seed, table_buckets):
     one_by_one = [B.build_batch(step, config, token_buckets=(t,), request_buckets=(r,),
                                 **common) for step in steps]  # fmt: skip
     widths = [max(w) for w in zip(*(b.table_widths() for b in one_by_one), strict=True)]
-    one_by_one = [_widened(b, widths) for b in one_by_one]
+    one_by_one = [B.widen_tables(b, widths) for b in one_by_one]
     got_leaves, tree = jax.tree.flatten(got)
     want_tree = jax.tree.structure(one_by_one[0])
     assert tree == want_tree

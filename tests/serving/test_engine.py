@@ -229,7 +229,8 @@ def test_trimmed_block_tables(tiny_params, tiny_cfg, steps, monkeypatch):
     bursts (``steps`` 4) a burst's inputs, built in one pass (`ModelRunner.burst_inputs`),
     equal its steps' `step_inputs` stacked, a step whose tables are narrower than another
     step's of the same burst widened by null columns (some burst has one)."""
-    from serving.runner import ModelRunner, widen_tables
+    from dsv4.paged.batch import widen_tables
+    from serving.runner import ModelRunner
 
     widened = []
     burst_inputs = ModelRunner.burst_inputs
