@@ -509,20 +509,39 @@ def _safe_blocks(ids: jax.Array, num_blocks: int) -> jax.Array:
     return jnp.where((flat >= 0) & (flat < num_blocks), flat, num_blocks)
 
 
-def _gather_bytes(buf: jax.Array, blocks: jax.Array, cols: jax.Array, size: int) -> jax.Array:
+def _gather_bytes(
+    buf: jax.Array, blocks: jax.Array, cols: jax.Array, size: int, span: tuple[int, int]
+) -> jax.Array:
     """``uint8[K, size]``: the ``size`` bytes of row ``blocks[i]`` from column ``cols[i]``, one
     gather that touches only those rows (no slice of the whole buffer first); a row past the
-    buffer (`_safe_blocks`) reads 0xFF bytes, NaN in every record format."""
-    return jax.lax.gather(
-        buf,
-        jnp.stack([blocks, cols], axis=-1),
-        jax.lax.GatherDimensionNumbers(
-            offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
-        ),
-        slice_sizes=(1, size),
-        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-        fill_value=NAN_BYTE,
-    )
+    buffer (`_safe_blocks`) reads 0xFF bytes, NaN in every record format. ``span`` (static
+    ``(start, stop)``, a layer's bytes): where every read stays; bytes outside it read 0xFF."""
+
+    def gather(operand, first):
+        return jax.lax.gather(
+            operand,
+            jnp.stack([blocks, first], axis=-1),
+            jax.lax.GatherDimensionNumbers(
+                offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+            ),
+            slice_sizes=(1, size),
+            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+            fill_value=NAN_BYTE,
+        )
+
+    start, stop = span
+
+    def within_span():
+        # Why: XLA:CPU's cost model charges a gather for its whole operand and splits a
+        # fusion reading a large pool over threads; the layer's columns (a static slice, fused
+        # into the same loop, not copied) keep a decode step's small reads on one thread.
+        return gather(buf[:, start:stop], cols - start)
+
+    def whole_buffer():
+        inside = (cols >= start) & (cols + size <= stop)
+        return gather(buf, jnp.where(inside, cols, buf.shape[1]))
+
+    return jax.lax.platform_dependent(cpu=within_span, default=whole_buffer)
 
 
 DECODE_CHUNK = 256  # pages decoded per step of a long read's loop (`read_layer`'s ``chunk``)
@@ -574,7 +593,8 @@ def _read_blocks_core(
 
     def rows_of(start, size):
         some = flat if size == flat.shape[0] else jax.lax.dynamic_slice_in_dim(flat, start, size)
-        return _gather_bytes(buf, some, jnp.full_like(some, lp.offset), lp.used_bytes)
+        span = (lp.offset, lp.offset + lp.used_bytes)
+        return _gather_bytes(buf, some, jnp.full_like(some, lp.offset), lp.used_bytes, span)
 
     if scaled:
         values, scales = _split_pages(lp, rows_of(0, flat.shape[0]))
@@ -857,9 +877,10 @@ def _read_entries_core(lp: LayerPool, num_blocks: int, dtype, buf, blocks, rows,
     n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
     flat_b = _safe_blocks(blocks, num_blocks)
     flat_r = rows.reshape(-1)
-    records = _gather_bytes(buf, flat_b, lp.offset + flat_r * db, db)
+    span = (lp.offset, lp.offset + lp.used_bytes)
+    records = _gather_bytes(buf, flat_b, lp.offset + flat_r * db, db, span)
     if sb:
-        scales = _gather_bytes(buf, flat_b, lp.offset + n * db + flat_r * sb, sb)
+        scales = _gather_bytes(buf, flat_b, lp.offset + n * db + flat_r * sb, sb, span)
         records = jnp.concatenate([records, scales], -1)
     values = get_record(lp.record).decode(records, lp.dim).reshape(*blocks.shape, lp.dim)
     return jnp.where(valid[..., None], values.astype(dtype), jnp.zeros((), dtype))

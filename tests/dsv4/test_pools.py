@@ -340,6 +340,29 @@ def test_read_blocks_never_clamps(tiny):
     assert np.isnan(got[1]).all()
 
 
+def test_small_reads_of_a_large_pool_stay_on_one_thread(tiny):
+    """XLA:CPU splits a fusion over threads by its operands' bytes, and a gather counts all of
+    its operand: a decode step's few pages read from a pool of 64 blocks (576 KB, one request's
+    engine) were split in two, waiting on a second thread for microseconds of work. Reads now
+    see only their layer's bytes (64 or 128 KB here)."""
+    config, lay = _layouts(tiny, R.EXACT, 64)
+    layout = lay["aliased"]
+    pools = P.init_pools(layout)
+    swa, comp = swa_cache_name(1), compressed_kv_name(1)
+    ids = jnp.asarray([3, 5, 7, 9, 11, 64], jnp.int32)
+    reads = {
+        "read_blocks": (lambda p, i: P.read_blocks(layout, p, swa, i), (pools, ids)),
+        "read_selected": (
+            lambda p, *a: P.read_selected(layout, p, comp, *a),
+            (pools, jnp.asarray([[1, 2]]), jnp.zeros(2, jnp.int32), jnp.asarray([40, 41]),
+             jnp.asarray([[0, 1, 2, -1]] * 2)),
+        ),
+    }  # fmt: skip
+    for what, (read, args) in reads.items():
+        text = jax.jit(read).lower(*args).compile().as_text()
+        assert 'outer_dimension_partitions":["' not in text, what
+
+
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_init_pools_fills(tiny, preset):
     formats = R.PRESETS[preset]
