@@ -510,12 +510,11 @@ def _safe_blocks(ids: jax.Array, num_blocks: int) -> jax.Array:
 
 
 def _gather_bytes(
-    buf: jax.Array, blocks: jax.Array, cols: jax.Array, size: int, span: tuple[int, int]
+    buf: jax.Array, lp: LayerPool, blocks: jax.Array, cols: jax.Array, size: int
 ) -> jax.Array:
     """``uint8[K, size]``: the ``size`` bytes of row ``blocks[i]`` from column ``cols[i]``, one
-    gather that touches only those rows (no slice of the whole buffer first); a row past the
-    buffer (`_safe_blocks`) reads 0xFF bytes, NaN in every record format. ``span`` (static
-    ``(start, stop)``, a layer's bytes): where every read stays; bytes outside it read 0xFF."""
+    gather that touches only those rows; a row past the buffer (`_safe_blocks`), or a run
+    outside layer ``lp``'s bytes, reads 0xFF bytes, NaN in every record format."""
 
     def gather(operand, first):
         return jax.lax.gather(
@@ -529,7 +528,7 @@ def _gather_bytes(
             fill_value=NAN_BYTE,
         )
 
-    start, stop = span
+    start, stop = lp.offset, lp.offset + lp.used_bytes
 
     def within_span():
         # Why: XLA:CPU's cost model charges a gather for its whole operand and splits a
@@ -537,7 +536,7 @@ def _gather_bytes(
         # into the same loop, not copied) keep a decode step's small reads on one thread.
         return gather(buf[:, start:stop], cols - start)
 
-    def whole_buffer():
+    def whole_buffer():  # XLA:TPU would copy a slice of the whole buffer: index it instead
         inside = (cols >= start) & (cols + size <= stop)
         return gather(buf, jnp.where(inside, cols, buf.shape[1]))
 
@@ -593,8 +592,7 @@ def _read_blocks_core(
 
     def rows_of(start, size):
         some = flat if size == flat.shape[0] else jax.lax.dynamic_slice_in_dim(flat, start, size)
-        span = (lp.offset, lp.offset + lp.used_bytes)
-        return _gather_bytes(buf, some, jnp.full_like(some, lp.offset), lp.used_bytes, span)
+        return _gather_bytes(buf, lp, some, jnp.full_like(some, lp.offset), lp.used_bytes)
 
     if scaled:
         values, scales = _split_pages(lp, rows_of(0, flat.shape[0]))
@@ -877,10 +875,9 @@ def _read_entries_core(lp: LayerPool, num_blocks: int, dtype, buf, blocks, rows,
     n, db, sb = lp.states, lp.data_bytes, lp.scale_bytes
     flat_b = _safe_blocks(blocks, num_blocks)
     flat_r = rows.reshape(-1)
-    span = (lp.offset, lp.offset + lp.used_bytes)
-    records = _gather_bytes(buf, flat_b, lp.offset + flat_r * db, db, span)
+    records = _gather_bytes(buf, lp, flat_b, lp.offset + flat_r * db, db)
     if sb:
-        scales = _gather_bytes(buf, flat_b, lp.offset + n * db + flat_r * sb, sb, span)
+        scales = _gather_bytes(buf, lp, flat_b, lp.offset + n * db + flat_r * sb, sb)
         records = jnp.concatenate([records, scales], -1)
     values = get_record(lp.record).decode(records, lp.dim).reshape(*blocks.shape, lp.dim)
     return jnp.where(valid[..., None], values.astype(dtype), jnp.zeros((), dtype))

@@ -361,6 +361,15 @@ def test_small_reads_of_a_large_pool_stay_on_one_thread(tiny):
     for what, (read, args) in reads.items():
         text = jax.jit(read).lower(*args).compile().as_text()
         assert 'outer_dimension_partitions":["' not in text, what
+    # the bytes themselves against numpy: inside the layer as stored, outside it 0xFF
+    lp = layout.layer(swa)
+    buf = np.random.default_rng(3).integers(0, 256, pools["pool"].shape).astype(np.uint8)
+    blocks = jnp.asarray([3, 5, 64, 7], jnp.int32)  # 64: past the pool
+    cols = jnp.asarray([lp.offset, lp.offset + 8, lp.offset, lp.offset + lp.used_bytes - 4])
+    got = np.asarray(P._gather_bytes(jnp.asarray(buf), lp, blocks, cols, 8))
+    np.testing.assert_array_equal(got[0], buf[3, lp.offset : lp.offset + 8])
+    np.testing.assert_array_equal(got[1], buf[5, lp.offset + 8 : lp.offset + 16])
+    assert (got[2:] == 0xFF).all()  # past the pool; past the layer's bytes
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
