@@ -514,33 +514,44 @@ def _gather_bytes(
 ) -> jax.Array:
     """``uint8[K, size]``: the ``size`` bytes of row ``blocks[i]`` from column ``cols[i]``, one
     gather that touches only those rows; a row past the buffer (`_safe_blocks`), or a run
-    outside layer ``lp``'s bytes, reads 0xFF bytes, NaN in every record format."""
+    outside layer ``lp``'s bytes, reads 0xFF bytes, NaN in every record format. XLA:CPU runs
+    `_gather_in_layer`, every other platform `_gather_in_buffer`: the same bytes."""
+    return jax.lax.platform_dependent(
+        cpu=lambda: _gather_in_layer(buf, lp, blocks, cols, size),
+        default=lambda: _gather_in_buffer(buf, lp, blocks, cols, size),
+    )
 
-    def gather(operand, first):
-        return jax.lax.gather(
-            operand,
-            jnp.stack([blocks, first], axis=-1),
-            jax.lax.GatherDimensionNumbers(
-                offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
-            ),
-            slice_sizes=(1, size),
-            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-            fill_value=NAN_BYTE,
-        )
 
+def _gather_in_layer(buf, lp: LayerPool, blocks, cols, size: int) -> jax.Array:
+    """`_gather_bytes` from a static slice of layer ``lp``'s columns (fused into the gather's
+    loop, not copied)."""
+    # Why: XLA:CPU's cost model charges a gather for its whole operand and splits a fusion
+    # reading a large pool over threads; the layer's columns keep a decode step's small reads
+    # on one thread (still split above about 256 KB of the layer's bytes).
     start, stop = lp.offset, lp.offset + lp.used_bytes
+    return _gather_rows(buf[:, start:stop], blocks, cols - start, size)
 
-    def within_span():
-        # Why: XLA:CPU's cost model charges a gather for its whole operand and splits a
-        # fusion reading a large pool over threads; the layer's columns (a static slice, fused
-        # into the same loop, not copied) keep a decode step's small reads on one thread.
-        return gather(buf[:, start:stop], cols - start)
 
-    def whole_buffer():  # XLA:TPU would copy a slice of the whole buffer: index it instead
-        inside = (cols >= start) & (cols + size <= stop)
-        return gather(buf, jnp.where(inside, cols, buf.shape[1]))
+def _gather_in_buffer(buf, lp: LayerPool, blocks, cols, size: int) -> jax.Array:
+    """`_gather_bytes` indexing the whole buffer (XLA:TPU would copy a slice of it); a run
+    outside the layer's bytes is sent past the buffer's columns."""
+    inside = (cols >= lp.offset) & (cols + size <= lp.offset + lp.used_bytes)
+    return _gather_rows(buf, blocks, jnp.where(inside, cols, buf.shape[1]), size)
 
-    return jax.lax.platform_dependent(cpu=within_span, default=whole_buffer)
+
+def _gather_rows(operand, blocks, first, size: int) -> jax.Array:
+    """``uint8[K, size]``: row ``blocks[i]`` of ``operand`` from column ``first[i]``, 0xFF
+    where the run is not wholly inside ``operand``."""
+    return jax.lax.gather(
+        operand,
+        jnp.stack([blocks, first], axis=-1),
+        jax.lax.GatherDimensionNumbers(
+            offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+        ),
+        slice_sizes=(1, size),
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+        fill_value=NAN_BYTE,
+    )
 
 
 DECODE_CHUNK = 256  # pages decoded per step of a long read's loop (`read_layer`'s ``chunk``)

@@ -344,7 +344,7 @@ def test_small_reads_of_a_large_pool_stay_on_one_thread(tiny):
     """XLA:CPU splits a fusion over threads by its operands' bytes, and a gather counts all of
     its operand: a decode step's few pages read from a pool of 64 blocks (576 KB, one request's
     engine) were split in two, waiting on a second thread for microseconds of work. Reads now
-    see only their layer's bytes (64 or 128 KB here)."""
+    see only their layer's bytes (64 or 128 KB here); their bytes: the test below."""
     config, lay = _layouts(tiny, R.EXACT, 64)
     layout = lay["aliased"]
     pools = P.init_pools(layout)
@@ -361,15 +361,27 @@ def test_small_reads_of_a_large_pool_stay_on_one_thread(tiny):
     for what, (read, args) in reads.items():
         text = jax.jit(read).lower(*args).compile().as_text()
         assert 'outer_dimension_partitions":["' not in text, what
-    # the bytes themselves against numpy: inside the layer as stored, outside it 0xFF
-    lp = layout.layer(swa)
-    buf = np.random.default_rng(3).integers(0, 256, pools["pool"].shape).astype(np.uint8)
-    blocks = jnp.asarray([3, 5, 64, 7], jnp.int32)  # 64: past the pool
-    cols = jnp.asarray([lp.offset, lp.offset + 8, lp.offset, lp.offset + lp.used_bytes - 4])
-    got = np.asarray(P._gather_bytes(jnp.asarray(buf), lp, blocks, cols, 8))
+
+
+@pytest.mark.parametrize("gather", ["_gather_bytes", "_gather_in_layer", "_gather_in_buffer"])
+def test_gathered_bytes_match_numpy(tiny, gather):
+    """Each platform's page read (XLA:CPU's from the layer's columns, every other platform's
+    from the whole buffer; only the first runs here unless called by name) gives the stored
+    bytes inside the layer and 0xFF for a run past the pool or outside the layer's bytes, on
+    either side (the columns of the layers around it)."""
+    _, lay = _layouts(tiny, R.EXACT, 64)
+    layout = lay["aliased"]
+    lp = max((layout.layer(name) for name in layout.names()), key=lambda lp: lp.offset)
+    assert lp.offset >= 8  # a layer with another's bytes before it
+    shape = P.init_pools(layout)["pool"].shape
+    buf = np.random.default_rng(3).integers(0, 256, shape).astype(np.uint8)
+    end = lp.offset + lp.used_bytes
+    blocks = jnp.asarray([3, 5, 64, 7, 9], jnp.int32)  # 64: past the pool
+    cols = jnp.asarray([lp.offset, end - 8, lp.offset, end - 4, lp.offset - 4], jnp.int32)
+    got = np.asarray(getattr(P, gather)(jnp.asarray(buf), lp, blocks, cols, 8))
     np.testing.assert_array_equal(got[0], buf[3, lp.offset : lp.offset + 8])
-    np.testing.assert_array_equal(got[1], buf[5, lp.offset + 8 : lp.offset + 16])
-    assert (got[2:] == 0xFF).all()  # past the pool; past the layer's bytes
+    np.testing.assert_array_equal(got[1], buf[5, end - 8 : end])
+    assert (got[2:] == 0xFF).all()  # past the pool; past the layer's end; before its start
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
