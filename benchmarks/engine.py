@@ -204,7 +204,11 @@ def measure(
     num_scheduler_steps: int | None = None,
     token_buckets: tuple[int, ...] | None = None,
     runs: int = 1,
+    num_gpu_blocks: int | None = 0,
 ) -> dict[str, Any]:
+    """Every batch's run (`_one_run`) on engines built once for the largest batch, with a pool
+    of ``num_gpu_blocks`` blocks (0: 64 per request of the largest batch; None: `LLM`'s own
+    memory budget)."""
     import jax
     import numpy as np
 
@@ -218,7 +222,7 @@ def measure(
         max_num_seqs=max_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         token_buckets=token_buckets,  # None: the engine's own (what LLM and the CLI use)
-        num_gpu_blocks_override=64 * max_seqs,
+        num_gpu_blocks_override=64 * max_seqs if num_gpu_blocks == 0 else num_gpu_blocks,
         compilation_cache_dir=None,
     )
     t0 = time.perf_counter()
@@ -241,6 +245,12 @@ def measure(
         "device": str(jax.devices()[0]),
         "cpu_count": os.cpu_count(),
         "token_buckets": list(llms["engine"].engine.runner.token_buckets),
+        # the pool every batch ran on (on XLA:CPU its size changes the device step: see
+        # docs/benchmarks.md#benchmarksengine)
+        "num_gpu_blocks": llms["engine"].engine.kv_cache_manager.block_pool.num_gpu_blocks,
+        "kv_pool_mib": round(
+            sum(x.nbytes for x in jax.tree.leaves(llms["engine"].engine.runner.pools)) / 2**20, 2
+        ),
         "num_scheduler_steps": llms["engine"].engine.runner.num_scheduler_steps,
         # both engines built (the second reuses the first one's compiled buckets)
         "start_up_s": start_up,
@@ -277,8 +287,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"`python -m benchmarks.engine --runs {result['runs']}` ({result['model']}, "
         f"{result['dtype']}, {result['backend']}, {result['cpu_count']} cores; the engine as "
-        f"`LLM` runs it: bursts of up to {result['num_scheduler_steps']} decode steps; time per "
-        "token over `dsv4.generate`'s, median run [lowest, highest]):",
+        f"`LLM` runs it: bursts of up to {result['num_scheduler_steps']} decode steps"
+        f"{_pool(result)}; time per token over `dsv4.generate`'s, median run [lowest, highest]):",
         "",
         "| batch | generate tokens/s | engine tokens/s | engine / generate | one step a program "
         "/ generate | TTFT / prefill | host ms/step | host ms/step, one step a program "
@@ -296,6 +306,12 @@ def table(result: dict[str, Any]) -> str:
             f"{r['device_ms_per_step']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _pool(result: dict) -> str:
+    """The table's words for the pool the run used ("" in a result from before it was kept)."""
+    blocks = result.get("num_gpu_blocks")
+    return "" if blocks is None else f", a pool of {blocks} blocks ({result['kv_pool_mib']} MiB)"
 
 
 def _ttft(row: dict) -> str:
@@ -343,6 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--num-scheduler-steps", type=int, help="bursts (default: LLM's)")
     parser.add_argument("--runs", type=int, default=1, help="runs per batch (the spread)")
+    parser.add_argument(
+        "--num-gpu-blocks",
+        default="0",
+        help="the engines' pool in blocks; 0 (default): 64 per request of the largest batch; "
+        "llm: LLM's own memory budget",
+    )
     parser.add_argument("--table", action="store_true", help="print the README's markdown table")
     parser.add_argument(
         "--token-buckets",
@@ -366,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "num_scheduler_steps",
         "runs",
     )
+    num_gpu_blocks = _num_gpu_blocks(parser, args.num_gpu_blocks)
     if args.prompt_len + args.new_tokens + 8 > 512:
         parser.error("--prompt-len + --new-tokens must stay under tiny_v41's 504 tokens")
     t0 = time.perf_counter()
@@ -389,11 +412,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.num_scheduler_steps,
             buckets,
             args.runs,
+            num_gpu_blocks,
         )
     )
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(table(out) if args.table else json.dumps(out, sort_keys=True))
     return 0
+
+
+def _num_gpu_blocks(parser: argparse.ArgumentParser, value: str) -> int | None:
+    """``--num-gpu-blocks``: an int >= 0 (0: the default pool), or "llm" (None)."""
+    if value == "llm":
+        return None
+    try:
+        blocks = int(value)
+    except ValueError:
+        blocks = -1
+    if blocks < 0:
+        parser.error(f"--num-gpu-blocks={value!r}: allowed are an int >= 0 or 'llm'")
+    return blocks
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def test_json_line(monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["benchmark"] == "engine" and out["token_buckets"] == [8]
     assert out["num_scheduler_steps"] == 2
+    assert out["num_gpu_blocks"] == 64 * 2 and out["kv_pool_mib"] > 0  # 64 a request of batch 2
     for b in (1, 2):
         r = out["results"][f"batch_{b}"]
         gen = b * 4 / (STEP_S * 4)
@@ -67,6 +68,7 @@ def test_json_line(monkeypatch, capsys):
     # the README's table: one row per batch, the median ratio with the runs' range
     lines = bench.table(out).splitlines()
     assert len(lines) == 4 + 2 and lines[3].startswith("|---")
+    assert f"a pool of 128 blocks ({out['kv_pool_mib']} MiB)" in lines[0]
     r = out["results"]["batch_2"]
     low, high = min(r["engine_over_generate_runs"]), max(r["engine_over_generate_runs"])
     assert f"| 2 | {r['generate_tokens_per_s']:.0f} |" in lines[5]
@@ -81,6 +83,8 @@ def test_json_line(monkeypatch, capsys):
         ["--repeats", "0"],
         ["--new-tokens", "600"],
         ["--num-scheduler-steps", "0"],
+        ["--num-gpu-blocks", "-1"],
+        ["--num-gpu-blocks", "default"],
     ],
 )
 def test_bad_arguments(argv, capsys):
