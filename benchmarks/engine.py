@@ -248,9 +248,7 @@ def measure(
         # the pool every batch ran on (on XLA:CPU its size changes the device step: see
         # docs/benchmarks.md#benchmarksengine)
         "num_gpu_blocks": llms["engine"].engine.kv_cache_manager.block_pool.num_gpu_blocks,
-        "kv_pool_mib": round(
-            sum(x.nbytes for x in jax.tree.leaves(llms["engine"].engine.runner.pools)) / 2**20, 2
-        ),
+        "kv_pool_mib": round(llms["engine"].engine.runner.layout.pool_bytes() / 2**20, 2),
         "num_scheduler_steps": llms["engine"].engine.runner.num_scheduler_steps,
         # both engines built (the second reuses the first one's compiled buckets)
         "start_up_s": start_up,
