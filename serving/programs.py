@@ -16,14 +16,22 @@ on: the step function, its static arguments, every input's tree, shape, dtype an
 JAX, jaxlib and Python versions, the device, JAX's configuration, ``XLA_FLAGS`` and the source
 of the packages that trace it. Loading one runs pickled code, as JAX's own cache does: keep the
 folder private.
+
+On XLA:CPU a program of at most ``serial_max_tokens`` tokens is compiled as on a machine of one
+core (`one_core`): XLA then splits none of its operations over threads. XLA's cost model
+charges a gather for its whole operand, so a decode step reading a few pages of a large KV pool
+looks large and its reads are split; waking a second thread for each costs more than the reads
+(docs/benchmarks.md#benchmarksengine).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import importlib.util
+import itertools
 import os
 import pickle
 import sys
@@ -41,7 +49,7 @@ from jax.experimental import serialize_executable
 
 from serving.metrics import count_program_load
 
-__all__ = ["StepPrograms", "program_key", "source_digest"]
+__all__ = ["StepPrograms", "one_core", "program_key", "source_digest"]
 
 SUBDIR = "dsv4-steps"
 _JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
@@ -115,7 +123,42 @@ def _on_duration(event: str, duration: float, **_: object) -> None:
         _seen.compiled = True
 
 
-def _compile_fresh(step: Callable, args: tuple, static: dict[str, Any]):
+_next_core = itertools.count()
+
+
+@contextlib.contextmanager
+def one_core(on: bool = True):
+    """While ``on`` (and the thread may run on several cores), the calling thread runs on one
+    core: XLA:CPU, compiling in this thread, counts the cores it may use from the thread's
+    affinity (`tsl::port::NumSchedulableCPUs`) and so splits no operation over threads.
+    Compiling threads take the cores in turn; the thread's cores come back afterwards."""
+    setter = getattr(os, "sched_setaffinity", None)
+    cores = sorted(os.sched_getaffinity(0)) if on and setter is not None else []
+    if len(cores) < 2:
+        yield
+        return
+    setter(0, {cores[next(_next_core) % len(cores)]})
+    try:
+        yield
+    finally:
+        setter(0, cores)
+
+
+# JAX's persistent cache names a program by its HLO and compile options, not by the compiling
+# thread's cores: a one-core program is compiled with an option XLA:CPU ignores (GPU autotuning),
+# so that cache never hands back a program compiled with splits in its place, nor the reverse
+_ONE_CORE_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def _compile(lowered, serial: bool):
+    """``lowered`` compiled; for one core where ``serial`` (`one_core`)."""
+    if not serial:
+        return lowered.compile()
+    with one_core():
+        return lowered.compile(_ONE_CORE_OPTIONS)
+
+
+def _compile_fresh(step: Callable, args: tuple, static: dict[str, Any], serial: bool = False):
     """``step``'s program for ``args``, and whether XLA compiled it just now: not an executable
     that JAX's persistent cache loaded, nor one its in-memory cache kept (which may be such a
     loaded one)."""
@@ -126,18 +169,21 @@ def _compile_fresh(step: Callable, args: tuple, static: dict[str, Any]):
             jax.monitoring.register_event_duration_secs_listener(_on_duration)
             _listening = True
     _seen.compiled = _seen.hit = False
-    program = step.lower(*args, **static).compile()
+    program = _compile(step.lower(*args, **static), serial)
     return program, _seen.compiled and not _seen.hit
 
 
 class StepPrograms:
     """Compiled step programs by (step function, input shapes), for one runner's state and
     static arguments. Calling it runs the program of ``step`` for the inputs' shapes; one that
-    was not built (no warm-up) runs through ``step``'s jit, which compiles it on first use."""
+    was not built (no warm-up) runs through ``step``'s jit, which compiles it on first use.
+    On XLA:CPU a program of at most ``serial_max_tokens`` tokens is compiled for one core
+    (`one_core`; 0: none)."""
 
-    def __init__(self, static: dict[str, Any]) -> None:
+    def __init__(self, static: dict[str, Any], serial_max_tokens: int = 0) -> None:
         self._static = static
         self._table: dict[tuple, Callable] = {}
+        self.serial_max_tokens = serial_max_tokens
 
     @staticmethod
     def shapes(step: Callable, inputs: Sequence[Any]) -> tuple:
@@ -148,6 +194,12 @@ class StepPrograms:
 
     def __len__(self) -> int:
         return len(self._table)
+
+    def serial(self, inputs: Sequence[Any]) -> bool:
+        """Whether the program for ``inputs`` (a step's or a burst's) is compiled for one core:
+        on XLA:CPU, at most ``serial_max_tokens`` tokens a step (its feed's last axis)."""
+        tokens = np.shape(inputs[1])[-1]
+        return tokens <= self.serial_max_tokens and jax.default_backend() == "cpu"
 
     def __call__(self, step: Callable, state: tuple, inputs: tuple):
         program = self._table.get(self.shapes(step, inputs))
@@ -162,27 +214,27 @@ class StepPrograms:
         ``state`` first), a core's worth at a time; ``on_done`` after each."""
 
         def build(inputs):
-            return self._program(step, (*state, *inputs))
+            return self._program(step, (*state, *inputs), self.serial(inputs))
 
         for inputs, program in _in_threads(build, jobs, on_done):
             self._table[self.shapes(step, inputs)] = program
 
     def compile_for_jit(
-        self, calls: Sequence[tuple[Callable, tuple]], on_done: Callable[[], None]
+        self, state: tuple, calls: Sequence[tuple[Callable, tuple]], on_done: Callable[[], None]
     ) -> None:
-        """Lower and compile each (jitted ``step``, its full ``args``) a core's worth at a time,
-        into the jit's own caches: calling ``step`` on the same arguments next runs at once.
-        For steps whose state a mesh places as the steps leave it (the table's programs would
-        refuse a placement they were not built for)."""
+        """Lower and compile each (jitted ``step``, its inputs), with ``state`` first, a core's
+        worth at a time, into the jit's own caches: calling ``step`` on the same arguments next
+        runs at once. For steps whose state a mesh places as the steps leave it (the table's
+        programs would refuse a placement they were not built for)."""
 
         def compile_one(call):
-            step, args = call
-            return step.lower(*args, **self._static).compile()
+            step, inputs = call
+            return _compile(step.lower(*state, *inputs, **self._static), self.serial(inputs))
 
         for _ in _in_threads(compile_one, calls, on_done):
             pass
 
-    def _program(self, step: Callable, args: tuple) -> Callable:
+    def _program(self, step: Callable, args: tuple, serial: bool) -> Callable:
         folder = _folder()
         key = program_key(step, args, self._static) if folder else None
         path = None if key is None else folder / f"{key}.pkl"
@@ -196,7 +248,7 @@ class StepPrograms:
             except Exception:  # a broken entry: removed, the program compiled instead
                 path.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        program, fresh = _compile_fresh(step, args, self._static)
+        program, fresh = _compile_fresh(step, args, self._static, serial)
         if path is not None and fresh and time.perf_counter() - t0 >= _min_compile_s():
             _store(path, program)
         return program

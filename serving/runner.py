@@ -139,6 +139,13 @@ def default_token_buckets(
 # the programs to compile
 FULL_WIDTH_BLOCKS = 256
 
+# XLA:CPU compiles the programs of a step of at most this many tokens for one core
+# (`serving.programs.one_core`): its page reads are a few rows of a pool whose whole size XLA
+# charges them for, and splitting them over threads costs more than they do (tiny_v41 on 2
+# cores, 2048-block pool: engine over generate 1.3 instead of 1.5 at batch 1; at 8 and 32
+# tokens splits pay off and stay)
+CPU_SERIAL_MAX_TOKENS = 2
+
 
 def default_table_buckets(kv_cache_config, max_model_len: int) -> tuple[int, ...] | None:
     """None (full-width tables) when ``max_model_len`` needs at most `FULL_WIDTH_BLOCKS` blocks
@@ -309,7 +316,7 @@ class ModelRunner:
         self.burst_buckets = frozenset(bucket(n, self.token_buckets) for n in decode if bursts)
         self._groups = group_infos(kv_cache_config)
         self.static = self._static_arguments()
-        self.programs = StepPrograms(self.static)
+        self.programs = StepPrograms(self.static, serial_max_tokens=CPU_SERIAL_MAX_TOKENS)
         self.padding_slot = max_num_seqs
         self._write_rows = write_sampler_rows
         if device_state:
@@ -805,7 +812,7 @@ def warm_up_on_mesh(runner, calls, on_done: Callable[[], None]) -> None:
         jax.block_until_ready(run_step(step, runner, *inputs))
     on_done()
     state = (runner.params, runner.pools, runner.sampler_state, runner.slots)
-    runner.programs.compile_for_jit([(s, (*state, *x)) for s, x in rest], on_done)
+    runner.programs.compile_for_jit(state, rest, on_done)
     for step, inputs in rest:
         jax.block_until_ready(run_step(step, runner, *inputs))
 

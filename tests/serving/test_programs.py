@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -124,3 +125,41 @@ def test_the_key_names_everything_the_program_depends_on():
     wider = (jnp.zeros((), jnp.int32), *_inputs(4, 8))
     assert key != PG.program_key(_step, wider, {"scale": 2})
     assert PG.program_key(_step, args, {"scale": object()}) is None  # printed by address
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _read_pages(pool, batch, feed, *, scale):
+    """A decode step's page read: a few rows of a large pool (XLA:CPU's cost model charges a
+    gather for its whole operand, here 4 MiB, and splits it over threads)."""
+    rows = pool[batch.block_tables[0].reshape(-1)]
+    return rows.astype(jnp.float32) * scale + feed.sum()
+
+
+def _split_ops(program) -> int:
+    """Operations XLA:CPU split over threads in ``program``."""
+    return program.as_text().count("outer_dimension_partitions")
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu" or len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2,
+    reason="XLA:CPU on a machine of several cores",
+)
+def test_small_steps_are_compiled_for_one_core():
+    """A program of at most ``serial_max_tokens`` tokens splits nothing over threads (the
+    bucket of 2 here); a larger one is compiled as before (8); the compiling thread's cores
+    come back."""
+    cores = os.sched_getaffinity(0)
+    pool = jnp.zeros((4096, 1024), jnp.uint8)
+    table = PG.StepPrograms({"scale": 2}, serial_max_tokens=2)
+    jobs = [_inputs(2, 8), _inputs(8, 8)]
+    table.build(_read_pages, (pool,), jobs, lambda: None)
+    small, large = (table._table[table.shapes(_read_pages, job)] for job in jobs)
+    assert _split_ops(small) == 0 and _split_ops(large) > 0
+    assert os.sched_getaffinity(0) == cores
+    got = table(_read_pages, (pool,), jobs[0])
+    np.testing.assert_array_equal(got, np.full((16, 1024), 1.0))  # 0 * 2 + (0 + 1)
+    with PG.one_core():
+        assert len(os.sched_getaffinity(0)) == 1
+    with PG.one_core(False):
+        assert os.sched_getaffinity(0) == cores
+    assert os.sched_getaffinity(0) == cores
