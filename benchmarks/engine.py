@@ -274,7 +274,8 @@ def _median_run(rows: list[dict]) -> dict:
     from run to run, which a noisy machine makes wide)."""
     ordered = sorted(rows, key=lambda r: r["engine_over_generate"])
     out = dict(ordered[(len(ordered) - 1) // 2])
-    for key in ("engine_over_generate", "single_over_generate", "async_speedup"):
+    for key in ("engine_over_generate", "single_over_generate", "async_speedup",
+                "ttft_over_generate_prefill"):  # fmt: skip
         out[f"{key}_runs"] = [r[key] for r in rows]
     return out
 
@@ -313,7 +314,14 @@ def _pool(result: dict) -> str:
 
 
 def _ttft(row: dict) -> str:
-    """The row's TTFT (p50) over `dsv4.generate`'s prefill, "-" in a result from before it."""
+    """The row's TTFT (p50) over `dsv4.generate`'s prefill: the median over the runs with their
+    range (one request's first token varies more from run to run than the whole run's rate),
+    the median run's alone in a result from before the runs were kept, "-" before that."""
+    import statistics
+
+    runs = row.get("ttft_over_generate_prefill_runs")
+    if runs:
+        return f"{statistics.median(runs):.2f} [{min(runs):.2f}, {max(runs):.2f}]"
     ratio = row.get("ttft_over_generate_prefill")
     return "-" if ratio is None else f"{ratio:.2f}"
 

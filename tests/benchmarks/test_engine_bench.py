@@ -67,6 +67,8 @@ def test_json_line(monkeypatch, capsys):
         assert r["engine_compilations"] == 0
         assert len(r["engine_over_generate_runs"]) == 2
         assert r["engine_over_generate"] in r["engine_over_generate_runs"]
+        assert len(r["ttft_over_generate_prefill_runs"]) == 2
+        assert r["ttft_over_generate_prefill"] in r["ttft_over_generate_prefill_runs"]
     # the README's table: one row per batch, the median ratio with the runs' range
     lines = bench.table(out).splitlines()
     assert len(lines) == 4 + 2 and lines[3].startswith("|---")
@@ -75,6 +77,8 @@ def test_json_line(monkeypatch, capsys):
     low, high = min(r["engine_over_generate_runs"]), max(r["engine_over_generate_runs"])
     assert f"| 2 | {r['generate_tokens_per_s']:.0f} |" in lines[5]
     assert f"{r['engine_over_generate']:.2f} [{low:.2f}, {high:.2f}]" in lines[5]
+    ttft = r["ttft_over_generate_prefill_runs"]
+    assert f"| {sum(ttft) / 2:.2f} [{min(ttft):.2f}, {max(ttft):.2f}] |" in lines[5]
 
 
 @pytest.mark.parametrize(
