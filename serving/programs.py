@@ -177,8 +177,8 @@ class StepPrograms:
     """Compiled step programs by (step function, input shapes), for one runner's state and
     static arguments. Calling it runs the program of ``step`` for the inputs' shapes; one that
     was not built (no warm-up) runs through ``step``'s jit, which compiles it on first use.
-    On XLA:CPU a program of at most ``serial_max_tokens`` tokens is compiled for one core
-    (`one_core`; 0: none)."""
+    On XLA:CPU a program it builds of at most ``serial_max_tokens`` tokens is compiled for one
+    core (`one_core`; 0: none)."""
 
     def __init__(self, static: dict[str, Any], serial_max_tokens: int = 0) -> None:
         self._static = static
@@ -220,16 +220,17 @@ class StepPrograms:
             self._table[self.shapes(step, inputs)] = program
 
     def compile_for_jit(
-        self, state: tuple, calls: Sequence[tuple[Callable, tuple]], on_done: Callable[[], None]
+        self, calls: Sequence[tuple[Callable, tuple]], on_done: Callable[[], None]
     ) -> None:
-        """Lower and compile each (jitted ``step``, its inputs), with ``state`` first, a core's
-        worth at a time, into the jit's own caches: calling ``step`` on the same arguments next
-        runs at once. For steps whose state a mesh places as the steps leave it (the table's
-        programs would refuse a placement they were not built for)."""
+        """Lower and compile each (jitted ``step``, its full ``args``) a core's worth at a time,
+        into the jit's own caches: calling ``step`` on the same arguments next runs at once.
+        For steps whose state a mesh places as the steps leave it (the table's programs would
+        refuse a placement they were not built for). Compiled as the jit would (never for one
+        core: the jit's call would not find a program compiled with other options)."""
 
         def compile_one(call):
-            step, inputs = call
-            return _compile(step.lower(*state, *inputs, **self._static), self.serial(inputs))
+            step, args = call
+            return step.lower(*args, **self._static).compile()
 
         for _ in _in_threads(compile_one, calls, on_done):
             pass

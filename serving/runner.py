@@ -142,8 +142,8 @@ FULL_WIDTH_BLOCKS = 256
 # XLA:CPU compiles the programs of a step of at most this many tokens for one core
 # (`serving.programs.one_core`): its page reads are a few rows of a pool whose whole size XLA
 # charges them for, and splitting them over threads costs more than they do (tiny_v41 on 2
-# cores, 2048-block pool: engine over generate 1.3 instead of 1.5 at batch 1; at 8 and 32
-# tokens splits pay off and stay)
+# cores, 2048-block pool: engine over generate 1.38 instead of 1.58 at batch 1, 1.38 instead
+# of 1.44 at batch 2; at 32 tokens it was 1.28 instead of 1.12: larger steps keep their splits)
 CPU_SERIAL_MAX_TOKENS = 2
 
 
@@ -812,7 +812,7 @@ def warm_up_on_mesh(runner, calls, on_done: Callable[[], None]) -> None:
         jax.block_until_ready(run_step(step, runner, *inputs))
     on_done()
     state = (runner.params, runner.pools, runner.sampler_state, runner.slots)
-    runner.programs.compile_for_jit(state, rest, on_done)
+    runner.programs.compile_for_jit([(s, (*state, *x)) for s, x in rest], on_done)
     for step, inputs in rest:
         jax.block_until_ready(run_step(step, runner, *inputs))
 
