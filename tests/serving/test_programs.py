@@ -149,15 +149,19 @@ def test_small_steps_are_compiled_for_one_core():
     bucket of 2 here); a larger one is compiled as before (8); the compiling thread's cores
     come back."""
     cores = os.sched_getaffinity(0)
-    pool = jnp.zeros((4096, 1024), jnp.uint8)
+    values = (np.arange(4096 * 1024) % 251).astype(np.uint8).reshape(4096, 1024)
+    pool = jnp.asarray(values)
     table = PG.StepPrograms({"scale": 2}, serial_max_tokens=2)
-    jobs = [_inputs(2, 8), _inputs(8, 8)]
+    rows = _Batch((np.arange(16, dtype=np.int32).reshape(2, 8) * 257 % 4096,))  # scattered
+    jobs = [(rows, np.arange(t, dtype=np.int32)) for t in (2, 8)]
     table.build(_read_pages, (pool,), jobs, lambda: None)
     small, large = (table._table[table.shapes(_read_pages, job)] for job in jobs)
     assert _split_ops(small) == 0 and _split_ops(large) > 0
     assert os.sched_getaffinity(0) == cores
-    got = table(_read_pages, (pool,), jobs[0])
-    np.testing.assert_array_equal(got, np.full((16, 1024), 1.0))  # 0 * 2 + (0 + 1)
+    for (batch, feed), program in zip(jobs, (small, large), strict=True):
+        want = values[batch.block_tables[0].reshape(-1)] * 2.0 + feed.sum()  # numpy
+        np.testing.assert_array_equal(table(_read_pages, (pool,), (batch, feed)), want)
+        assert program is table._table[table.shapes(_read_pages, (batch, feed))]
     with PG.one_core():
         assert len(os.sched_getaffinity(0)) == 1
     with PG.one_core(False):
