@@ -153,6 +153,14 @@ def _optional(text: str) -> str | None:
     return None if text.lower() == "none" else text
 
 
+def _optional_int(text: str) -> int | None:
+    """``"none"`` (None) or an int."""
+    try:
+        return None if text.lower() == "none" else int(text)
+    except ValueError:
+        raise ValueError("an int or none") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Which model and how it runs (vLLM's ``ModelConfig``). The architecture it loads is
@@ -451,9 +459,19 @@ class CompilationConfig:
         "after warm-up, move the heap built so far out of Python's cyclic collector's reach "
         "(vLLM's freeze_gc_heap): collecting it paused steps by about 0.4 s",
     )
+    gc_threshold: int | None = _field(
+        50_000,
+        "while the engine loop runs (LLM.generate, the server's driver), Python's young "
+        "collections start after this many new objects, not 700 (SGLang's --gc-threshold); "
+        "None: Python's own",
+        parse=_optional_int,
+    )
     impl: str | None = _field(None, "attention kernels (None: by backend)", parse=_optional)
     interpret: bool = _field(False, "run the Pallas kernels in interpret mode")
     debug: bool = _field(False, "check every step's block ids and slots on the host (slow)")
+
+    def __post_init__(self) -> None:
+        _int("gc_threshold", self.gc_threshold, 1, none_ok=True)
 
 
 # EngineConfig's sections by attribute name (every field name is unique across them)

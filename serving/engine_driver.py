@@ -94,8 +94,9 @@ class EngineDriver:
 
     def _run(self) -> None:
         try:
-            while self._turn():
-                pass
+            with self.engine.serving_loop():
+                while self._turn():
+                    pass
         except BaseException as exc:  # the engine failed: every waiting client hears of it
             self.error = exc
             self._stopping = True

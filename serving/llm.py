@@ -229,13 +229,14 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         t0 = time.perf_counter()
         try:
-            while engine.has_unfinished_requests() and not wanted <= done.keys():
-                for out in engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
-                        tokens = engine.stats.num_generation_tokens
-                        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
+            with engine.serving_loop():
+                while engine.has_unfinished_requests() and not wanted <= done.keys():
+                    for out in engine.step():
+                        if out.finished and out.request_id in wanted:
+                            done[out.request_id] = out
+                            bar.update(1)
+                            tokens = engine.stats.num_generation_tokens
+                            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
         finally:
             bar.close()
         missing = wanted - done.keys()

@@ -241,6 +241,7 @@ def test_llm_arguments_are_checked():
         (dict(pool_layout="dense"), "pool_layout='dense'"),
         (dict(num_scheduler_steps=0), "num_scheduler_steps=0"),
         (dict(num_scheduler_steps=2.0), "num_scheduler_steps=2.0"),
+        (dict(gc_threshold=0), "gc_threshold=0"),
         (dict(num_scheduler_steps=4, async_scheduling=False), "num_scheduler_steps=4 .*async"),
         (
             dict(
@@ -252,6 +253,45 @@ def test_llm_arguments_are_checked():
     ]:
         with pytest.raises(ValueError, match=message):
             LLM(**{"model": "tiny_v41", "warm_up": False, **LLM_ARGS, **kwargs})
+
+
+def test_the_loop_collects_garbage_less_often_and_puts_the_threshold_back(llm, monkeypatch):
+    """While LLM's loop runs, Python's young collections start after ``gc_threshold`` new
+    objects (a burst of steps crossed CPython's 700 again and again); afterwards, and after an
+    error in the loop, the caller's thresholds are back; None leaves them alone."""
+    import dataclasses
+    import gc
+
+    engine = llm.llm_engine
+    seen = []
+    step = engine.step
+
+    def spy():
+        seen.append(gc.get_threshold())
+        return step()
+
+    monkeypatch.setattr(engine, "step", spy)
+    before = gc.get_threshold()
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    limit = engine.config.compilation_config.gc_threshold
+    assert limit == 50_000 and seen and {t[0] for t in seen} == {limit}
+    assert gc.get_threshold() == before
+
+    def boom():
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(engine, "step", boom)
+    with pytest.raises(RuntimeError, match="step failed"):
+        llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    assert gc.get_threshold() == before
+    engine.abort_request(list(engine._requests))  # the failed call left its request queued
+
+    compilation = dataclasses.replace(engine.config.compilation_config, gc_threshold=None)
+    config = dataclasses.replace(engine.config, compilation_config=compilation)
+    monkeypatch.setattr(engine, "config", config)
+    with engine.serving_loop():
+        assert gc.get_threshold() == before
 
 
 def test_checkpoint_by_path_equals_the_same_params_in_memory(llm, tmp_path):
