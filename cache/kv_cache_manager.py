@@ -44,8 +44,11 @@ class KVCacheBlocks:
     def __repr__(self) -> str:
         return f"KVCacheBlocks({self.get_block_ids()})"
 
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        """Block ids per group."""
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
+        """Block ids per group; None with ``allow_none`` when every group is empty (vLLM's
+        form for a running request that got no new block)."""
+        if allow_none and not any(self.blocks):
+            return None
         return tuple([[b.block_id for b in group] for group in self.blocks])
 
     def get_unhashed_block_ids(self) -> list[int]:

@@ -178,6 +178,8 @@ class InputBatch:
         self.release(output.preempted_req_ids)
         tables = self.tables
         for cached in output.scheduled_cached_reqs:
+            if cached.new_block_ids is None:  # no new block
+                continue
             state = self.requests[cached.request_id]
             grew = False
             for ids, more in zip(state.block_ids, cached.new_block_ids, strict=True):

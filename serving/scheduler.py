@@ -58,7 +58,8 @@ class CachedRequestData:
     to build, every step)."""
 
     request_id: str
-    new_block_ids: tuple[list[int], ...]  # blocks appended this step, one list per KV group
+    # blocks appended this step, one list per KV group; None: none (vLLM's allow_none form)
+    new_block_ids: tuple[list[int], ...] | None
     num_computed_tokens: int  # tokens in the cache before this step
 
 
@@ -219,7 +220,7 @@ class _StepPlan:
     token_budget: int
     new_reqs: list[Request] = field(default_factory=list)
     running_reqs: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    new_block_ids: dict[str, tuple[list[int], ...] | None] = field(default_factory=dict)
     num_replay_tokens: dict[str, int] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -446,7 +447,8 @@ class Scheduler:
                     break
             if new_blocks is None:
                 return
-            self._record_running(plan, request, num_new_tokens, new_blocks.get_block_ids())
+            ids = new_blocks.get_block_ids(allow_none=True)
+            self._record_running(plan, request, num_new_tokens, ids)
             index += 1
 
     def _num_new_tokens_running(self, request: Request, token_budget: int) -> int:
@@ -519,7 +521,7 @@ class Scheduler:
         plan: _StepPlan,
         request: Request,
         num_new_tokens: int,
-        new_block_ids: tuple[list[int], ...],
+        new_block_ids: tuple[list[int], ...] | None,
     ) -> None:
         request_id = request.request_id
         plan.running_reqs.append(request)

@@ -360,7 +360,7 @@ def test_lookahead_slots_reserved_from_the_first_allocation():
     assert len(scheduler.kv_cache_manager.get_block_ids("r")[0]) == 2
     scheduler.update_from_output(output, {"r": [5]})
     output = scheduler.schedule()  # 17 tokens + 4 lookahead -> still 2 blocks
-    assert output.scheduled_cached_reqs[0].new_block_ids[0] == []
+    assert output.scheduled_cached_reqs[0].new_block_ids is None  # no new block (vLLM's None)
     assert request.num_computed_tokens == 17
 
 
