@@ -534,7 +534,9 @@ class Engine:
     def _apply(self, step_output: StepOutput, result, scheduled=None) -> list[RequestOutput]:
         """Tokens into sequences (text, logprobs, stop strings); finished sequences out."""
         now = time.monotonic()
-        touched: dict[int, ParentRequest] = {}  # by id(): in the order they were touched
+        # in the order they were touched; by identity (eq=False), not id(): Python 3.12 audits
+        # every id() call, and an audit hook (filelock installs one) runs for each
+        touched: dict[ParentRequest, None] = {}
         if result.spec_decoding_stats is not None:
             self.stats.observe_spec(result.spec_decoding_stats)
         if scheduled is not None:
@@ -551,7 +553,7 @@ class Engine:
             request = requests[request_id]
             self._note_tokens(request, tokens, logprobs.get(request_id) if logprobs else None, now)
             parent = request.parent
-            touched[id(parent)] = parent
+            touched[parent] = None
         for request_id, entries in step_output.prompt_logprobs.items():
             request = self._requests.get(request_id)
             if request is None:
@@ -577,8 +579,8 @@ class Engine:
             if request.finish_reason is None:
                 reason = _FINISH_REASONS[status]
                 self._finish(request, reason, result.stop_reasons.get(request_id))
-            touched[id(request.parent)] = request.parent
-        return self._outputs_due(touched.values())
+            touched[request.parent] = None
+        return self._outputs_due(touched)
 
     def _outputs_due(self, parents: Iterable[ParentRequest]) -> list[RequestOutput]:
         """The outputs of these requests that are due now: every request that finished, and
