@@ -535,7 +535,7 @@ class Engine:
         """Tokens into sequences (text, logprobs, stop strings); finished sequences out."""
         now = time.monotonic()
         # in the order they were touched; by identity (eq=False), not id(): Python 3.12 audits
-        # every id() call, and an audit hook (filelock installs one) runs for each
+        # every id() call, and an audit hook (filelock's, imported by JAX) runs for each
         touched: dict[ParentRequest, None] = {}
         if result.spec_decoding_stats is not None:
             self.stats.observe_spec(result.spec_decoding_stats)
