@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -228,6 +229,7 @@ class LLM:
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         t0 = time.perf_counter()
+        ran = False
         try:
             with engine.serving_loop():
                 while engine.has_unfinished_requests() and not wanted <= done.keys():
@@ -237,12 +239,26 @@ class LLM:
                             bar.update(1)
                             tokens = engine.stats.num_generation_tokens
                             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
+            ran = True
         finally:
             bar.close()
+            if not ran:  # a step raised, or KeyboardInterrupt: this call's requests go
+                self._abandon([i for i in ids if i not in done])
         missing = wanted - done.keys()
         if missing:  # pragma: no cover - the engine ran dry with requests unanswered
             raise RuntimeError(f"requests {sorted(missing)} did not finish")
         return [done[i] for i in ids]
+
+    def _abandon(self, ids: list[str]) -> None:
+        """Abort ``ids``, the unfinished requests of a `generate` call that did not finish
+        (a step raised, or the user interrupted it): they would otherwise run during the next
+        call, holding its KV blocks and steps. The call's own error goes on; a failure to abort
+        is a warning, not raised over it."""
+        try:
+            self.llm_engine.abort_request(ids)
+        except Exception as exc:  # the step's error is what the caller must see
+            warnings.warn(f"could not abort requests {ids} of a failed generate call: {exc!r}",
+                          stacklevel=3)  # fmt: skip
 
     def _params_for(self, items, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:

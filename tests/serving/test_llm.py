@@ -285,13 +285,46 @@ def test_the_loop_collects_garbage_less_often_and_puts_the_threshold_back(llm, m
     with pytest.raises(RuntimeError, match="step failed"):
         llm.generate([[5, 6, 7]], sp, use_tqdm=False)
     assert gc.get_threshold() == before
-    engine.abort_request(list(engine._requests))  # the failed call left its request queued
+    monkeypatch.setattr(engine, "step", step)
+    engine.step()  # the aborted request's final output
 
     compilation = dataclasses.replace(engine.config.compilation_config, gc_threshold=None)
     config = dataclasses.replace(engine.config, compilation_config=compilation)
     monkeypatch.setattr(engine, "config", config)
     with engine.serving_loop():
         assert gc.get_threshold() == before
+
+
+@pytest.mark.parametrize("error", [RuntimeError("step failed"), KeyboardInterrupt()])
+def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch, error):
+    """A step that raises (or Ctrl-C in a notebook) part-way through `LLM.generate`: the error
+    reaches the caller, the call's requests are aborted (none runs on in the next call, every
+    block and slot comes back), and the next call's tokens are those of a call on a fresh
+    engine."""
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    step, calls = engine.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 3:  # the requests are running, steps in flight
+            raise error
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing)
+    with pytest.raises(type(error)):
+        llm.generate(prompts, sp, use_tqdm=False)
+    monkeypatch.setattr(engine, "step", step)
+    assert engine.get_num_unfinished_requests() == 0
+    while engine.has_unfinished_requests():  # the steps still in flight are applied
+        engine.step()
+    engine.step()  # the aborted requests' final outputs, nobody's now
+    assert_pool_is_whole(engine)
+    again = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert_pool_is_whole(engine)
 
 
 def test_checkpoint_by_path_equals_the_same_params_in_memory(llm, tmp_path):
