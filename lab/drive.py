@@ -196,9 +196,12 @@ def drive(
     # every live object it covers, and a large workload keeps hundreds of thousands of token
     # lists alive (measured: 40% of a 100k-request run). The loop and the allocator make few
     # reference cycles (thousands over tens of thousands of steps); a young-generation
-    # collection every `_COLLECT_EVERY` steps still frees them. The engine's loop keeps the
-    # interpreter's settings (device buffers may hang on cycles).
-    if not isinstance(backend, ModelFreeBackend) or not gc.isenabled():
+    # collection every `_COLLECT_EVERY` steps still frees them. The engine's loop collects as
+    # `LLM`'s does (`serving.Engine.serving_loop`: device buffers may hang on cycles).
+    if isinstance(backend, EngineBackend):
+        with backend.engine.serving_loop():
+            return _drive(workload, backend, max_steps, on_add, collect=False)
+    if not gc.isenabled():
         return _drive(workload, backend, max_steps, on_add, collect=False)
     gc.disable()
     try:

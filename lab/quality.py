@@ -168,10 +168,11 @@ def _run(engine: Engine, prompts, sp: SamplingParams, tag: str) -> list:
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}{i}", p, sp)
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    with engine.serving_loop():
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
     return [done[f"{tag}{i}"] for i in range(len(prompts))]
 
 
