@@ -229,7 +229,6 @@ class LLM:
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         t0 = time.perf_counter()
-        ran = False
         try:
             with engine.serving_loop():
                 while engine.has_unfinished_requests() and not wanted <= done.keys():
@@ -239,11 +238,11 @@ class LLM:
                             bar.update(1)
                             tokens = engine.stats.num_generation_tokens
                             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
-            ran = True
+        except BaseException:  # a step raised, or KeyboardInterrupt: this call's requests go
+            self._abandon([i for i in ids if i not in done])
+            raise
         finally:
             bar.close()
-            if not ran:  # a step raised, or KeyboardInterrupt: this call's requests go
-                self._abandon([i for i in ids if i not in done])
         missing = wanted - done.keys()
         if missing:  # pragma: no cover - the engine ran dry with requests unanswered
             raise RuntimeError(f"requests {sorted(missing)} did not finish")

@@ -17,6 +17,7 @@ from engine_testing import (
     assert_pool_is_whole,
     drive,
     make_engine,
+    reference_tokens,
 )
 
 from dsv4 import reference
@@ -299,12 +300,12 @@ def test_the_loop_collects_garbage_less_often_and_puts_the_threshold_back(llm, m
 def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch, error):
     """A step that raises (or Ctrl-C in a notebook) part-way through `LLM.generate`: the error
     reaches the caller, the call's requests are aborted (none runs on in the next call, every
-    block and slot comes back), and the next call's tokens are those of a call on a fresh
-    engine."""
+    block and slot comes back), and the next call's tokens are greedy `dsv4.generate`'s."""
     engine = llm.llm_engine
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    arrivals = [Arrival(0, str(i), tuple(p), sp) for i, p in enumerate(prompts)]
+    want = reference_tokens(engine.runner.params, llm.cfg, arrivals)
     step, calls = engine.step, []
 
     def failing():
@@ -323,7 +324,7 @@ def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch, error):
     engine.step()  # the aborted requests' final outputs, nobody's now
     assert_pool_is_whole(engine)
     again = llm.generate(prompts, sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == want
+    assert [list(o.outputs[0].token_ids) for o in again] == [want[a.request_id] for a in arrivals]
     assert_pool_is_whole(engine)
 
 
