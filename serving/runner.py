@@ -1213,13 +1213,7 @@ def _step_out(
         return S.logprobs_of(L.lm_head(params, h), jnp.maximum(plp_targets, 0), num_logprobs)
 
     def nothing():
-        t = plp_targets.shape[0]
-        return (
-            jnp.zeros((t,), jnp.float32),
-            jnp.zeros((t,), jnp.int32),
-            jnp.zeros((t, num_logprobs), jnp.int32),
-            jnp.zeros((t, num_logprobs), jnp.float32),
-        )
+        return S.no_logprobs(plp_targets.shape[0], num_logprobs)
 
     plp = jax.lax.cond(jnp.any(plp_targets >= 0), prompt_logprobs, nothing)
     sampled = _pack(out.token_ids, out.logprob, out.rank, out.top_ids, out.top_logprobs)

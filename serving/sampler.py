@@ -28,6 +28,7 @@ __all__ = [
     "init_state",
     "key_data_for_seed",
     "logprobs_of",
+    "no_logprobs",
     "sample",
     "slot_rows",
     "write_slots",
@@ -56,6 +57,9 @@ class SamplingBatch:
     slot: Any  # i32[R] row -> persistent slot of SamplerState (padding: the last slot)
     suppress_stop: Any  # bool[R] min_tokens not reached: the slot's stop tokens get -inf
     samples: Any  # bool[R] the row produces a token this step
+    # bool[R] the row returns its sampled tokens' logprobs (its params ask for them): when no
+    # sampling row does, `sample` skips the log-softmax, rank and top-k (their outputs are 0)
+    logprobs: Any
 
     @property
     def num_rows(self) -> int:
@@ -77,7 +81,8 @@ class SamplerState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
-    """What `sample` returns for every row (rows that do not sample: token 0, ignored)."""
+    """What `sample` returns for every row (rows that do not sample: token 0, ignored). The
+    logprob fields are 0 in a step where no sampling row asks for logprobs."""
 
     token_ids: Any  # i32[R] sampled tokens
     logprob: Any  # f32[R] raw logprob of the sampled token
@@ -169,7 +174,7 @@ def build_sampling_batch(
     floats[:, n:] = _FLOAT_PADDING
     ints = np.empty((3, r), np.int32)
     ints[:, n:] = [[0], [0], [padding_slot]]
-    flags = np.zeros((2, r), bool)
+    flags = np.zeros((3, r), bool)
     key_data = np.zeros((r, 2), np.uint32)
     if n:
         params = [row.params for row in rows]
@@ -184,7 +189,13 @@ def build_sampling_batch(
         ints[:, :n] = np.array(
             [(max(p.top_k, 0), row.counter, row.slot) for p, row in zip(params, rows)], np.int32
         ).T
-        flags[:, :n] = np.array([(row.suppress_stop, row.samples) for row in rows], bool).T
+        flags[:, :n] = np.array(
+            [
+                (row.suppress_stop, row.samples, p.logprobs is not None)
+                for p, row in zip(params, rows)
+            ],
+            bool,
+        ).T
         key_data[:n] = [row.key_data for row in rows]
     return SamplingBatch(
         temperature=floats[0],
@@ -199,6 +210,7 @@ def build_sampling_batch(
         slot=ints[2],
         suppress_stop=flags[0],
         samples=flags[1],
+        logprobs=flags[2],
     )
 
 
@@ -216,6 +228,7 @@ class SlotSampling:
         self._floats = np.repeat(_FLOAT_PADDING, num_slots, axis=1)  # [6, S] build's order
         self._top_k = np.zeros(num_slots, np.int32)
         self._key_data = np.zeros((num_slots, 2), np.uint32)
+        self._logprobs = np.zeros(num_slots, bool)
 
     def write(self, slot: int, params: SamplingParams, key_data: np.ndarray) -> None:
         """``slot``'s parameters from now on: ``params`` and its key (u32[2])."""
@@ -224,6 +237,7 @@ class SlotSampling:
                                  p.frequency_penalty, p.repetition_penalty)  # fmt: skip
         self._top_k[slot] = max(p.top_k, 0)
         self._key_data[slot] = key_data
+        self._logprobs[slot] = p.logprobs is not None
 
     def batch(self, slots: Sequence[int], counters: Sequence[int], flags) -> SamplingBatch:
         """The `SamplingBatch` of rows reading ``slots`` (one per row; the caller gives each
@@ -251,6 +265,7 @@ class SlotSampling:
             slot=index,
             suppress_stop=flag_rows[0],
             samples=flag_rows[1],
+            logprobs=np.take(self._logprobs, index),
         )
 
 
@@ -305,6 +320,17 @@ def logprobs_of(
     return target[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
 
 
+def no_logprobs(n: int, num_logprobs: int) -> tuple[jax.Array, ...]:
+    """`logprobs_of`'s outputs for ``n`` rows, all 0: what a step returns when nobody reads
+    them."""
+    return (
+        jnp.zeros((n,), jnp.float32),
+        jnp.zeros((n,), jnp.int32),
+        jnp.zeros((n, num_logprobs), jnp.int32),
+        jnp.zeros((n, num_logprobs), jnp.float32),
+    )
+
+
 def sample(
     logits: jax.Array,  # f32[R, V] (any float dtype)
     batch: SamplingBatch,
@@ -335,7 +361,11 @@ def sample(
         lambda: tokens,
     )
     tokens = jnp.where(samples, tokens, 0)
-    logprob, rank, top_ids, top_logprobs = logprobs_of(raw, tokens, num_logprobs)
+    logprob, rank, top_ids, top_logprobs = jax.lax.cond(
+        jnp.any(samples & batch.logprobs.astype(bool)),
+        lambda: logprobs_of(raw, tokens, num_logprobs),
+        lambda: no_logprobs(tokens.shape[0], num_logprobs),
+    )
     counts = state.output_counts.at[batch.slot, tokens].add(samples.astype(jnp.int32))
     out = SamplerOutput(tokens, logprob, rank, top_ids, top_logprobs)
     return out, dataclasses.replace(state, output_counts=counts)

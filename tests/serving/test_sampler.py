@@ -490,8 +490,8 @@ def test_sample_returns_raw_logprobs_not_processed_ones():
     counts[np.argmax(logits[0])] = 3
     state = state_with(v, {0: (counts, np.zeros(v, bool), np.zeros(v, bool))})
     rows = [
-        row(temperature=0.0, frequency_penalty=2.0, repetition_penalty=1.5, slot=0),
-        row(temperature=0.3, top_k=2, seed=9, slot=1),
+        row(temperature=0.0, frequency_penalty=2.0, repetition_penalty=1.5, slot=0, logprobs=3),
+        row(temperature=0.3, top_k=2, seed=9, slot=1, logprobs=3),
     ]
     out, _ = run(logits, rows, state, num_logprobs=3)
     want = ref_logprobs(logits, out.token_ids, 3)
@@ -500,6 +500,31 @@ def test_sample_returns_raw_logprobs_not_processed_ones():
     np.testing.assert_array_equal(out.top_ids, want[2])
     np.testing.assert_allclose(out.top_logprobs, want[3], rtol=1e-5, atol=1e-6)
     assert out.rank[0] > 1  # the penalty moved the choice off the raw argmax
+
+
+def test_logprobs_only_when_a_sampling_row_asks():
+    """A step whose sampling rows ask for no logprobs skips them (every logprob field 0) and
+    samples the same tokens; one row asking gives every row its logprobs; a row asking that
+    does not sample this step does not count."""
+    v = 8
+    logits = np.random.default_rng(6).normal(size=(3, v)).astype(np.float32)
+    plain = [row(temperature=0.0, slot=0), row(temperature=0.7, seed=3, slot=1),
+             row(temperature=0.0, slot=2, presence_penalty=0.5)]  # fmt: skip
+    state = init_state(NUM_SLOTS, v)
+    out, _ = run(logits, plain, state, num_logprobs=2)
+    for name in ("logprob", "rank", "top_ids", "top_logprobs"):
+        assert not np.any(getattr(out, name)), name
+    asked = [plain[0], dataclasses.replace(plain[1], params=SamplingParams(
+        temperature=0.7, logprobs=2)), plain[2]]  # fmt: skip
+    out2, _ = run(logits, asked, state, num_logprobs=2)
+    np.testing.assert_array_equal(out2.token_ids, out.token_ids)
+    want = ref_logprobs(logits, out2.token_ids, 2)
+    np.testing.assert_allclose(out2.logprob, want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out2.rank, want[1])
+    np.testing.assert_array_equal(out2.top_ids, want[2])
+    idle = [plain[0], dataclasses.replace(asked[1], samples=False), plain[2]]
+    out3, _ = run(logits, idle, state, num_logprobs=2)
+    assert not np.any(out3.logprob) and not np.any(out3.top_ids)
 
 
 # ------------------------------------------------------------------- padding and the state
@@ -611,6 +636,7 @@ def test_slot_sampling_batch_equals_build_sampling_batch():
             presence_penalty=float(rng.choice([0.0, 0.5])),
             frequency_penalty=float(rng.choice([0.0, -0.25])),
             repetition_penalty=float(rng.choice([1.0, 1.2])),
+            logprobs=[None, 0, 3][int(rng.integers(3))],
         )
 
     for trial in range(6):
