@@ -524,7 +524,8 @@ def test_logprobs_only_when_a_sampling_row_asks():
     np.testing.assert_array_equal(out2.top_ids, want[2])
     idle = [plain[0], dataclasses.replace(asked[1], samples=False), plain[2]]
     out3, _ = run(logits, idle, state, num_logprobs=2)
-    assert not np.any(out3.logprob) and not np.any(out3.top_ids)
+    for name in ("logprob", "rank", "top_ids", "top_logprobs"):
+        assert not np.any(getattr(out3, name)), name
 
 
 # ------------------------------------------------------------------- padding and the state
