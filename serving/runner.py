@@ -277,12 +277,10 @@ class ModelRunner:
         eos_token_id: int | None = None,
         write_sampler_rows: Callable[[int, tuple], None] | None = None,
     ) -> None:
-        config = config.resolved(cfg)
-        self.config = config
+        self.config = config = config.resolved(cfg)
         sched, cache = config.scheduler_config, config.cache_config
         k = check_num_speculative_tokens(config, cfg)
-        max_num_seqs = sched.max_num_seqs
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = max_num_seqs = sched.max_num_seqs
         self.max_model_len = max_model_len = config.model_config.max_model_len
         self.token_buckets = sched.token_buckets or default_token_buckets(
             sched.max_num_batched_tokens, max_num_seqs
@@ -325,8 +323,10 @@ class ModelRunner:
             self.slots = self._replicated(SlotState.zeros(max_num_seqs + 1, k))
         self.inputs = InputBatch(max_num_seqs, engram_lookback=cfg.engram_lookback)
         self.slot_sampling = S.SlotSampling(max_num_seqs + 1)  # the last: the padding slot
-        # the requests the engine registered, which the scheduler may (re)admit, by id
+        # the requests the engine registered, which the scheduler may (re)admit, by id; the
+        # ids of those that asked for logprobs (or prompt logprobs), and for min_tokens
         self._registered: dict[str, Request] = {}
+        self._logprob_requests, self._min_tokens_requests = set(), set()
 
     def _static_arguments(self) -> dict[str, Any]:
         """The engine step's static arguments (`_STATIC`): one compilation per value."""
@@ -351,6 +351,11 @@ class ModelRunner:
         """Remember a request (its sampling parameters and key), for whenever the scheduler
         admits it."""
         self._registered[request.request_id] = request
+        params = request.sampling_params
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._logprob_requests.add(request.request_id)
+        if params.min_tokens:
+            self._min_tokens_requests.add(request.request_id)
 
     def finish(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests and free their slots at once. A step still in flight may
@@ -358,6 +363,8 @@ class ModelRunner:
         request_ids = list(request_ids)
         for request_id in request_ids:
             self._registered.pop(request_id, None)
+        self._logprob_requests.difference_update(request_ids)
+        self._min_tokens_requests.difference_update(request_ids)
         self.inputs.release(request_ids)
 
     @property
@@ -510,7 +517,8 @@ class ModelRunner:
             return out
 
         padding = self.slot_sampling.batch([self.padding_slot], [], [])
-        samplings = jax.tree.map(per_step, self._sampling_batch(real, len(real)), padding)
+        ahead = _tokens_ahead(plans) if self._min_tokens_requests else None
+        samplings = jax.tree.map(per_step, self._sampling_batch(real, len(real), ahead), padding)
         return batches, feeds, samplings, plp_targets
 
     def dispatch_burst(self, batches: StepBatch, feeds, samplings, plp_targets, num_steps):
@@ -531,7 +539,8 @@ class ModelRunner:
         rows, step_requests = self.inputs.schedule(output)
         requests = self.inputs.requests
         targets: list[int] = []  # none: no row predicts a prompt token it scores
-        for i, row in enumerate(rows):
+        # only requests that asked for logprobs or prompt logprobs change a row below
+        for i, row in enumerate(rows if self._logprob_requests else ()):
             state = requests[row.request_id]
             params = state.request.sampling_params
             plp = params.prompt_logprobs is not None and row.start < state.num_prompt_tokens - 1
@@ -621,21 +630,27 @@ class ModelRunner:
         state = self.requests[row.request_id]
         return state.num_tokens - state.num_prompt_tokens - row.samples * (1 + len(row.drafts))
 
-    def _sampling_batch(self, rows: Sequence[ScheduledRow], num_rows: int) -> S.SamplingBatch:
+    def _sampling_batch(
+        self, rows: Sequence[ScheduledRow], num_rows: int, ahead: Sequence[int] | None = None
+    ) -> S.SamplingBatch:
         """The rows' `SamplingBatch` from their slots' parameters (`SlotSampling`): per row
         only the counter (the position of its (first) sampled token: after the verified
-        tokens), whether min_tokens still masks its stop tokens, and whether it samples."""
+        tokens), whether min_tokens still masks its stop tokens, and whether it samples.
+        ``ahead``: per row, the tokens its request has planned in steps after the row's (a
+        burst's later steps), which its outputs before the row must not count."""
         if len(rows) > num_rows:
             raise ValueError(f"{len(rows)} rows do not fit num_rows={num_rows}")
         requests = self.inputs.requests
         slots, counters, flags = [], [], []
-        for row in rows:
+        for i, row in enumerate(rows):
             state = requests[row.request_id]
             slots.append(state.slot)
             counters.append(row.start + row.num_tokens - len(row.drafts))
             min_tokens = state.request.sampling_params.min_tokens
             # outputs are never negative: without min_tokens nothing is suppressed
-            suppress = bool(min_tokens) and self._num_outputs(row) < min_tokens
+            suppress = bool(min_tokens) and (
+                self._num_outputs(row) - (ahead[i] if ahead else 0) < min_tokens
+            )
             flags.append((suppress, row.samples))
         slots += [self.padding_slot] * (num_rows - len(rows))
         return self.slot_sampling.batch(slots, counters, flags)
@@ -815,6 +830,20 @@ def warm_up_on_mesh(runner, calls, on_done: Callable[[], None]) -> None:
     runner.programs.compile_for_jit([(s, (*state, *x)) for s, x in rest], on_done)
     for step, inputs in rest:
         jax.block_until_ready(run_step(step, runner, *inputs))
+
+
+def _tokens_ahead(plans: Sequence[_Plan]) -> list[int]:
+    """Per row of ``plans`` (a burst's steps, in order), the tokens its request samples in the
+    later steps (one a step: a burst runs no drafts)."""
+    seen: dict[str, int] = {}
+    out = []
+    for plan in reversed(plans):
+        step = []
+        for row in plan.rows:
+            step.append(seen.get(row.request_id, 0))
+            seen[row.request_id] = step[-1] + row.samples
+        out.append(step)
+    return [n for step in reversed(out) for n in step]
 
 
 def _padded_to(x: np.ndarray, k: int) -> np.ndarray:

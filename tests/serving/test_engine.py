@@ -203,6 +203,23 @@ def test_bursts_equal_one_step_at_a_time(tiny_params, tiny_cfg, monkeypatch):
     assert 0 in burst_running[10:] and 1 in burst_running and 3 in burst_running
 
 
+def test_bursts_mask_stop_tokens_below_min_tokens(tiny_params, tiny_cfg):
+    """min_tokens inside bursts: a burst's later steps are planned (in flight) before its
+    first ones run, yet each step's rows count only the outputs before them, so stop tokens
+    stay masked exactly as long as one step a program masks them. Half the vocabulary stops
+    a request: any step that unmasked them early would likely stop it early."""
+    stops = list(range(0, tiny_cfg.vocab_size, 2))
+    masked = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                            stop_token_ids=stops, min_tokens=11)  # fmt: skip
+    arrivals = [Arrival(0, str(i), tuple(range(5 + i, 17 + 2 * i)), masked) for i in range(4)]
+    one, _ = _run(tiny_params, tiny_cfg, arrivals, {}, True)
+    burst, _ = _run(tiny_params, tiny_cfg, arrivals, {}, True, 4)
+    assert burst == one
+    for tokens, reason, *_ in one.values():
+        assert reason == "stop" and len(tokens) >= 11  # the first 10 are all odd
+        assert all(t % 2 for t in tokens[:10]) and tokens[-1] % 2 == 0
+
+
 def test_seeded_request_gives_the_same_tokens_whatever_else_runs(tiny_params, tiny_cfg):
     engine = make_engine(tiny_params, tiny_cfg)
     prompt = list(range(10, 40))
