@@ -130,7 +130,7 @@ def group_infos(config: KVCacheConfig) -> tuple[GroupInfo, ...]:
     return tuple(out)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StepRequest:
     """One request's share of a step."""
 
@@ -272,9 +272,14 @@ def build_burst(
     steps. ``options``: `build_batch`'s other keywords. One `build_batch` over every step's
     requests (a request's arrays depend on it alone), then split: one call, not k."""
     _check_burst(steps, num_steps, token_bucket, request_rows)
+    groups = options.pop("groups", None) or group_infos(config)
+    shape = (num_steps, token_bucket, request_rows)
+    fast = _kept_burst(steps, groups, shape, max_model_len, **options)
+    if fast is not None and not options.get("debug"):
+        return fast
+    _check_decode(steps)
     flat = [r for step in steps for r in step]
     n = len(flat)
-    groups = options.pop("groups", None) or group_infos(config)
     whole = build_batch(flat, config, max_model_len=max_model_len, token_buckets=(n,),
                         request_buckets=(n,), groups=groups, **options)  # fmt: skip
     # each step's own table widths (`build_batch`'s, by its longest request): the columns
@@ -283,7 +288,131 @@ def build_burst(
     widths = np.array([_table_widths(groups, max_model_len, table_buckets,
                                      max(r.start + 1 for r in step)) for step in steps])  # fmt: skip
     counts = [len(step) for step in steps]
-    return _split_burst(whole, counts, widths, (num_steps, token_bucket, request_rows))
+    burst = _split_burst(whole, counts, widths, shape)
+    if fast is not None:  # debug: the fast path must give the same arrays
+        _check_same(fast, burst)
+    return burst
+
+
+def _check_same(got: StepBatch, want: StepBatch) -> None:
+    """Debug check: `_kept_burst`'s arrays are the generic path's."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                            strict=True):  # fmt: skip
+        if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b):
+            raise RuntimeError(f"build_burst: the kept-table path differs at {path}")
+
+
+def _kept_burst(
+    steps, groups, shape: tuple[int, int, int], max_model_len: int, *, tables=None,
+    table_buckets=None, engram_lookback: int = 0, debug: bool = False,
+) -> StepBatch | None:  # fmt: skip
+    """`build_burst` from kept tables (`BlockTables`) in one pass over the requests and a few
+    vectorised ones over the burst, or None where the generic path must run: no kept tables,
+    Engram look-back, or any request the checks would refuse (that path raises the error)."""
+    del debug
+    if tables is None or engram_lookback:
+        return None
+    num_steps, token_bucket, request_rows = shape
+    flat = [r for step in steps for r in step]
+    columns = _burst_columns(flat, len(groups), len(tables.counts[0]), max_model_len)
+    if columns is None:
+        return None
+    token, start, slot, replay, write_from = columns
+    m, counts = len(steps), [len(step) for step in steps]
+    offsets = np.cumsum([0, *counts[:-1]])
+    step = np.repeat(np.arange(m), counts)  # every request's step and row in it
+    row = np.arange(len(flat)) - offsets[step]
+    widths = _step_widths(groups, max_model_len, table_buckets,
+                          np.maximum.reduceat(start + 1, offsets))  # fmt: skip
+    pad = _padding_template(tuple(groups), token_bucket, request_rows,
+                            tuple(widths.max(axis=0)), engram_lookback)  # fmt: skip
+
+    def stacked(template, values=None, fill=None):  # [k, ...]: the steps past m zeros
+        out = np.zeros((num_steps, *template.shape), template.dtype)
+        out[:m] = template if fill is None else fill
+        if values is not None:
+            out[step, row] = values
+        return out
+
+    qsl = np.minimum(np.arange(request_rows + 1), np.array(counts)[:, None])
+    tables_out, slots = [], {"window": {}, "compressed": {}, "ring": {}}
+    for g in groups:
+        width = pad[7][g.index].shape[1]
+        got = _kept_group(g, tables, slot, start, write_from, width, max_model_len)
+        if got is None:
+            return None
+        kept, values = got
+        template = {"window": pad[8], "compressed": pad[9], "ring": pad[10]}[g.kind]
+        for key, value in values.items():
+            slots[g.kind][key] = stacked(template[key], value)
+        columns = np.arange(width) < widths[step, g.index][:, None]  # each step's own width
+        tables_out.append(stacked(pad[7][g.index], kept * columns))
+    return StepBatch(
+        token_ids=stacked(pad[0], token),
+        positions=stacked(pad[1], start),
+        token_req=stacked(pad[2], row),
+        query_start_loc=stacked(pad[3], fill=qsl),
+        seq_lens=stacked(pad[4], start + 1),
+        logits_indices=stacked(pad[5], row),
+        replay_start=stacked(pad[6], replay),
+        block_tables=tuple(tables_out),
+        window_slots=slots["window"],
+        state_slots=slots["compressed"],
+        ring_slots=slots["ring"],
+        engram_prev=stacked(pad[11]),
+    )
+
+
+def _burst_columns(flat, num_groups: int, num_slots: int, max_model_len: int) -> tuple | None:
+    """``(token, start, slot, replay_start, cache_write_from)`` of requests of one token each,
+    one array per field, or None where the generic path's checks would raise."""
+    if {len(r.block_ids) for r in flat} != {num_groups} or {len(r.token_ids) for r in flat} != {1}:
+        return None
+    start = np.array([r.start for r in flat], np.int64)
+    slot = np.array([r.slot for r in flat], np.int64)
+    if ((start < 0) | (start >= max_model_len) | (slot < 0) | (slot >= num_slots)).any():
+        return None
+    return (
+        np.array([r.token_ids[0] for r in flat], np.int64),
+        start,
+        slot,
+        np.array([r.replay_start for r in flat], np.int64),
+        np.array([r.cache_write_from for r in flat], np.int64),
+    )
+
+
+def _kept_group(g: GroupInfo, tables: BlockTables, slot, start, write_from, width: int,
+                max_model_len: int) -> tuple[np.ndarray, dict] | None:  # fmt: skip
+    """One group's part of `_kept_burst` for requests of one token each (``slot``, ``start``,
+    ``write_from``: per request): their table rows [n, ``width``] and slot mappings by key
+    (`_fill_group`'s formulas), or None where the generic path's checks would raise."""
+    held = tables.counts[g.index][slot]
+    kept = tables.rows[g.index][slot]  # [n, the group's full width]
+    every = np.arange(len(slot))
+    if g.kind == "ring":
+        if (held > 1).any():
+            return None
+        block = kept[:, 0]
+        return kept[:, :width], {
+            g.index: np.where(block != 0, block * g.block_size + start % g.block_size, -1)
+        }
+    if (held > _cdiv(max_model_len, g.block_size)).any():
+        return None
+    if g.kind == "window":
+        blk = start // g.block_size
+        if (blk >= held).any():
+            return None
+        return kept[:, :width], {g.index: kept[every, blk] * g.block_size + start % g.block_size}
+    writes, values = start >= write_from, {}
+    for r in g.ratios:
+        blk, closes = _state_blocks(start, g.block_size, r)
+        used = closes & writes
+        if (used & (blk >= held)).any():
+            return None
+        e = g.block_size // r
+        at = kept[every, np.minimum(blk, width - 1)]
+        values[(g.index, r)] = np.where(used, at * e + start // r % e, -1)
+    return kept[:, :width], values
 
 
 def widen_tables(batch: StepBatch, widths: Sequence[int]) -> StepBatch:
@@ -310,6 +439,10 @@ def _check_burst(steps, num_steps: int, token_bucket: int, request_rows: int) ->
             f"a burst's steps hold {counts} requests; allowed: 1..{most} each (token bucket "
             f"{token_bucket}, {request_rows} rows, one of them for padding tokens if any)"
         )
+
+
+def _check_decode(steps) -> None:
+    """An error naming the first request of ``steps`` that runs more than one token."""
     several = next((r for step in steps for r in step if len(r.token_ids) != 1), None)
     if several is not None:
         raise ValueError(
@@ -669,6 +802,19 @@ def _table_widths(
             width = min(width, bucket(need, [*table_buckets, width]))
         widths.append(width)
     return tuple(widths)
+
+
+def _step_widths(groups, max_model_len: int, table_buckets, longest: np.ndarray) -> np.ndarray:
+    """`_table_widths` of several steps at once ([steps, groups]; ``longest``: per step)."""
+    out = np.empty((len(longest), len(groups)), np.int64)
+    for g in groups:
+        full = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
+        out[:, g.index] = full
+        if table_buckets is not None and g.kind != "ring":
+            need = -(-np.minimum(longest, max_model_len) // g.block_size)
+            sizes = np.array(sorted([*table_buckets, full]))
+            out[:, g.index] = np.minimum(full, sizes[np.searchsorted(sizes, need)])
+    return out
 
 
 def table_width_buckets(

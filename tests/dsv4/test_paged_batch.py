@@ -164,3 +164,67 @@ def test_burst_refuses_what_is_not_a_decode_burst(config):
         B.build_burst([one, []], **common)
     with pytest.raises(ValueError, match=r"hold \[5\] requests"):
         B.build_burst([_requests(config, rng, 5, 1)], **common)
+
+
+def _kept_burst_steps(config, rng, k: int, t: int):
+    """Up to ``k`` decode steps over ``t`` requests in slots 0..t-1 of kept block tables (each
+    step a subset of them in slot order, some a position or two earlier), and the tables."""
+    base = _requests(config, rng, t, 1)
+    tables = B.BlockTables(B.group_infos(config), t, MAX_LEN)
+    for slot, request in enumerate(base):
+        request.slot = slot
+        tables.set(slot, request.block_ids)
+    steps = []
+    for _ in range(int(rng.integers(1, k + 1))):
+        rows = sorted(rng.choice(t, int(rng.integers(1, t + 1)), replace=False))
+        back = rng.integers(0, 3, len(rows))
+        steps.append([dataclasses.replace(base[j], start=max(0, base[j].start - int(b)))
+                      for j, b in zip(rows, back, strict=True)])  # fmt: skip
+    return steps, tables
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("table_buckets", [None, (2, 4)])
+def test_burst_from_kept_tables_equals_the_generic_path(config, seed, table_buckets):
+    """`build_burst` with kept tables (the engine's bursts) takes its vectorised path over the
+    whole burst, and its arrays are those of the generic path, which reads each request's
+    block ids (and, in debug, the build compares the two itself)."""
+    rng = np.random.default_rng(seed)
+    k, t = 6, 8
+    steps, tables = _kept_burst_steps(config, rng, k, t)
+    common = dict(config=config, num_steps=k, token_bucket=t, request_rows=8 if seed % 2 else 16,
+                  max_model_len=MAX_LEN, table_buckets=table_buckets)  # fmt: skip
+    groups = B.group_infos(config)
+    shape = (k, t, common["request_rows"])
+    assert B._kept_burst(steps, groups, shape, MAX_LEN, tables=tables,
+                         table_buckets=table_buckets) is not None  # fmt: skip
+    fast = B.build_burst(steps, tables=tables, **common)
+    generic = B.build_burst(steps, **common)
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(fast), jax.tree.leaves(generic), strict=True)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
+    assert (fast.state_slots[(1, 1)] >= 0).any() and (fast.window_slots[0] >= 0).any()
+    B.build_burst(steps, tables=tables, debug=True, **common)
+
+
+def test_burst_from_kept_tables_raises_the_generic_errors(config):
+    """What the kept-table path cannot build (a missing block, a position past the model
+    length, a slot the tables lack, two tokens) raises the generic path's error."""
+    rng = np.random.default_rng(1)
+    steps, tables = _kept_burst_steps(config, rng, 1, 4)
+    first = steps[0][0]
+    common = dict(config=config, num_steps=2, token_bucket=4, request_rows=8,
+                  max_model_len=MAX_LEN, tables=tables)  # fmt: skip
+    cases = [
+        (dataclasses.replace(first, start=MAX_LEN), "outside 0..95"),
+        (dataclasses.replace(first, slot=9), "has slot 9; the block tables kept have slots 0..3"),
+        (dataclasses.replace(first, token_ids=[5, 6]), "has 2 tokens in a burst step"),
+    ]
+    far = (len(tables.rows[0][first.slot]) - 1) * 4  # a window block past the kept ones
+    if tables.counts[0][first.slot] <= far // 4:
+        cases.append((dataclasses.replace(first, start=far), "group 0 needs block"))
+    for bad, match in cases:
+        assert B._kept_burst([[bad]], B.group_infos(config), (2, 4, 8), MAX_LEN,
+                             tables=tables) is None  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            B.build_burst([steps[0], [bad]], **common)
