@@ -194,16 +194,33 @@ class InputBatch:
         counts one more token in flight afterwards (`learn` takes it back)."""
         starts = {r.request_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
         starts.update((r.request_id, r.num_computed_tokens) for r in output.scheduled_cached_reqs)
-        rows, step_requests = [], []
+        rows, step_requests, states = [], [], []
+        requests, sampling = self.requests, output.sampling_req_ids
+        spec = output.scheduled_spec_decode_tokens
+        plain = not self.engram_lookback  # no look-back to read
         for request_id, n in output.num_scheduled_tokens.items():
-            row, step_request = self._row(output, request_id, starts[request_id], n)
+            start = starts[request_id]
+            state = requests[request_id]
+            states.append(state)
+            pending = state.pending
+            if n == 1 and plain and not (pending and pending[-1]) and request_id not in spec:
+                # one token, no drafts, nothing moved, no look-back (a decode step's rows):
+                # `_row`'s fields without the branches that cannot apply
+                tokens, device = self._inputs(state, start, 1)
+                rows.append(ScheduledRow(request_id, start, 1, request_id in sampling, (),
+                                         (device[0],), num_prompt_tokens=state.num_prompt_tokens))  # fmt: skip
+                step_requests.append(StepRequest(tokens, start, state.block_ids,
+                                                 state.replay_start, state.write_from,
+                                                 request_id, (), state.slot))  # fmt: skip
+                continue
+            row, step_request = self._row(output, request_id, start, n)
             rows.append(row)
             step_requests.append(step_request)
-        for row in rows:
+        for row, state in zip(rows, states, strict=True):
             if row.samples:  # once every row is built: a bad plan changes nothing
-                state = self.requests[row.request_id]
-                state.pending.append(row.num_drafts)
-                state.pending_drafts.append(None if row.device_drafts else row.drafts)
+                drafts = row.drafts
+                state.pending.append(len(drafts))
+                state.pending_drafts.append(None if row.device_drafts else drafts)
                 state.pending_guesses.append(None)  # the runner sets it (`note_guess`)
         return rows, step_requests
 

@@ -419,6 +419,8 @@ class Scheduler:
         """vLLM's first loop of `schedule()`: running requests in list order, preempting on a
         failed `allocate_slots` (with `num_lookahead_tokens` reserved for the next drafts)."""
         index = 0
+        manager, lookahead = self.kv_cache_manager, self.num_lookahead_tokens
+        none = getattr(manager, "empty_kv_cache_blocks", None)  # no new block in any group
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
             num_new_tokens = self._num_new_tokens_running(request, plan.token_budget)
@@ -426,13 +428,10 @@ class Scheduler:
                 # vLLM continues rather than breaks here, so later requests may still run.
                 index += 1
                 continue
-            new_blocks = None
+            new_blocks = manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=lookahead
+            )
             while new_blocks is None:
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
-                )
-                if new_blocks is not None:
-                    break
                 if request.num_in_flight_tokens and len(self.running) == 1:
                     # Deviation from vLLM: it would preempt the request itself, the only one
                     # running, but its step in flight holds blocks for it (a window it has
@@ -445,9 +444,12 @@ class Scheduler:
                 victim, index = self._preempt_for(plan, index)
                 if victim is request:
                     break
+                new_blocks = manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=lookahead
+                )
             if new_blocks is None:
                 return
-            ids = new_blocks.get_block_ids(allow_none=True)
+            ids = None if new_blocks is none else new_blocks.get_block_ids(allow_none=True)
             self._record_running(plan, request, num_new_tokens, ids)
             index += 1
 
