@@ -41,6 +41,18 @@ def _best(fn, repeats: int) -> tuple[float, Any]:
     return best, out
 
 
+def _off_main(fn) -> Any:
+    """``fn()`` run on a worker thread (its result, or its exception raised here). For a
+    first call that compiles: XLA's compiler allocates in the calling thread's malloc arena,
+    and a compile on the main thread leaves the engine's host loop there slower for the rest
+    of the process (docs/benchmarks.md#benchmarksengine); the engine's warm-up compiles on
+    worker threads too."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
+
+
 def _generate_rate(params, cfg, prompts, new_tokens: int, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -52,7 +64,7 @@ def _generate_rate(params, cfg, prompts, new_tokens: int, repeats: int) -> float
     def call():
         return jax.block_until_ready(generate(params, cfg, rows, new_tokens))
 
-    call()  # compile
+    _off_main(call)  # compile
     t, _ = _best(call, repeats)
     return len(prompts) * new_tokens / t
 
@@ -70,7 +82,7 @@ def _generate_prefill_ms(params, cfg, prompts, repeats: int) -> float:
     def call():
         return jax.block_until_ready(generate(params, cfg, rows, 1))
 
-    call()  # compile
+    _off_main(call)  # compile
     t, _ = _best(call, repeats)
     return 1000 * t
 
@@ -166,7 +178,7 @@ def _device_ms_per_step(llm, batch: int, prompt_len: int, repeats: int) -> tuple
     def call():
         return jax.block_until_ready(runner.dispatch(args[0], args[1], args[2], args[1]))
 
-    call()
+    _off_main(call)
     best, _ = _best(call, 10 * repeats)
     loop = _loop_ms_per_step(runner, args, repeats)
     scheduler.finish_requests(ids)  # their blocks go back to the engine's pool
@@ -189,7 +201,7 @@ def _loop_ms_per_step(runner, args, repeats: int, steps: int = 16) -> float:
     def call(n):
         jax.block_until_ready(runner.dispatch_burst(*stacked, np.int32(n)))
 
-    call(1)  # compile
+    _off_main(lambda: call(1))  # compile
     one, _ = _best(lambda: call(1), 3 * repeats)
     many, _ = _best(lambda: call(steps), 3 * repeats)
     return 1000 * max(many - one, 0.0) / (steps - 1)
