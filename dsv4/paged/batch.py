@@ -285,8 +285,8 @@ def build_burst(
     # each step's own table widths (`build_batch`'s, by its longest request): the columns
     # past them null, as a step built alone and widened has them
     table_buckets = options.get("table_buckets")
-    widths = np.array([_table_widths(groups, max_model_len, table_buckets,
-                                     max(r.start + 1 for r in step)) for step in steps])  # fmt: skip
+    widths = _steps_widths(groups, max_model_len, table_buckets,
+                           [max(r.start + 1 for r in step) for step in steps])  # fmt: skip
     counts = [len(step) for step in steps]
     burst = _split_burst(whole, counts, widths, shape)
     if fast is not None:  # debug: the fast path must give the same arrays
@@ -322,8 +322,8 @@ def _kept_burst(
     offsets = np.cumsum([0, *counts[:-1]])
     step = np.repeat(np.arange(m), counts)  # every request's step and row in it
     row = np.arange(len(flat)) - offsets[step]
-    widths = _step_widths(groups, max_model_len, table_buckets,
-                          np.maximum.reduceat(start + 1, offsets))  # fmt: skip
+    widths = _steps_widths(groups, max_model_len, table_buckets,
+                           np.maximum.reduceat(start + 1, offsets).tolist())  # fmt: skip
     pad = _padding_template(tuple(groups), token_bucket, request_rows,
                             tuple(widths.max(axis=0)), engram_lookback)  # fmt: skip
 
@@ -804,17 +804,9 @@ def _table_widths(
     return tuple(widths)
 
 
-def _step_widths(groups, max_model_len: int, table_buckets, longest: np.ndarray) -> np.ndarray:
-    """`_table_widths` of several steps at once ([steps, groups]; ``longest``: per step)."""
-    out = np.empty((len(longest), len(groups)), np.int64)
-    for g in groups:
-        full = 1 if g.kind == "ring" else _cdiv(max_model_len, g.block_size)
-        out[:, g.index] = full
-        if table_buckets is not None and g.kind != "ring":
-            need = -(-np.minimum(longest, max_model_len) // g.block_size)
-            sizes = np.array(sorted([*table_buckets, full]))
-            out[:, g.index] = np.minimum(full, sizes[np.searchsorted(sizes, need)])
-    return out
+def _steps_widths(groups, max_model_len: int, table_buckets, longest) -> np.ndarray:
+    """`_table_widths` of each step of a burst ([steps, groups]; ``longest``: per step)."""
+    return np.array([_table_widths(groups, max_model_len, table_buckets, n) for n in longest])
 
 
 def table_width_buckets(

@@ -215,14 +215,14 @@ def test_burst_from_kept_tables_raises_the_generic_errors(config):
     first = steps[0][0]
     common = dict(config=config, num_steps=2, token_bucket=4, request_rows=8,
                   max_model_len=MAX_LEN, tables=tables)  # fmt: skip
+    held = int(tables.counts[0][first.slot])  # window blocks (of 4 tokens) its slot holds
+    assert held * 4 < MAX_LEN
     cases = [
         (dataclasses.replace(first, start=MAX_LEN), "outside 0..95"),
         (dataclasses.replace(first, slot=9), "has slot 9; the block tables kept have slots 0..3"),
         (dataclasses.replace(first, token_ids=[5, 6]), "has 2 tokens in a burst step"),
+        (dataclasses.replace(first, start=held * 4), f"group 0 needs block {held} for its new"),
     ]
-    far = (len(tables.rows[0][first.slot]) - 1) * 4  # a window block past the kept ones
-    if tables.counts[0][first.slot] <= far // 4:
-        cases.append((dataclasses.replace(first, start=far), "group 0 needs block"))
     for bad, match in cases:
         assert B._kept_burst([[bad]], B.group_infos(config), (2, 4, 8), MAX_LEN,
                              tables=tables) is None  # fmt: skip
